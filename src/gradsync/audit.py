@@ -1,0 +1,286 @@
+"""Count the collectives a process issues, and their bytes, per micro-step.
+
+gradsync registers a process-group backend that wraps the real one (gloo, or nccl on
+GPUs) and records every collective before handing it on. Because the wrapper *is* the
+process group, it sees what DDP's C++ reducer, FSDP2 and DeepSpeed issue, which
+monkeypatching ``torch.distributed`` functions cannot.
+
+Turn it on with ``Accelerator(audit=True)`` or ``GRADSYNC_AUDIT=1``; gradsync then
+creates its process group through the wrapper. Read it back from ``accel.audit``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: Ops that reduce data (the gradient synchronisation of every backend is one of these).
+REDUCTIONS = frozenset({"allreduce", "reduce_scatter", "reduce"})
+
+AUDIT_BACKEND = {"cpu": "gradsync_audit_gloo", "cuda": "gradsync_audit_nccl"}
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, list | tuple):
+        return sum(_nbytes(o) for o in obj)
+    return 0
+
+
+@dataclass
+class MicroStepRecord:
+    """What one micro-step issued: ops in order, with their payload bytes."""
+
+    index: int
+    sync: bool
+    ops: list[tuple[str, int]] = field(default_factory=list)
+
+    def count(self, *names: str) -> int:
+        wanted = set(names) or None
+        return sum(1 for op, _ in self.ops if wanted is None or op in wanted)
+
+    def nbytes(self, *names: str) -> int:
+        wanted = set(names) or None
+        return sum(b for op, b in self.ops if wanted is None or op in wanted)
+
+    @property
+    def reductions(self) -> int:
+        return self.count(*REDUCTIONS)
+
+    @property
+    def reduction_bytes(self) -> int:
+        return self.nbytes(*REDUCTIONS)
+
+    def to_dict(self) -> dict[str, Any]:
+        counts = Counter(op for op, _ in self.ops)
+        return {
+            "index": self.index,
+            "sync": self.sync,
+            "ops": dict(counts),
+            "reductions": self.reductions,
+            "reduction_bytes": self.reduction_bytes,
+            "bytes": self.nbytes(),
+        }
+
+
+class Recorder:
+    """Collects op records; micro-steps are opened and closed by the Accelerator."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.records: list[MicroStepRecord] = []
+        self._current: MicroStepRecord | None = None
+        self.outside: list[tuple[str, int]] = []  # ops issued outside any micro-step
+
+    def record(self, op: str, nbytes: int) -> None:
+        with self._lock:
+            target = self._current.ops if self._current is not None else self.outside
+            target.append((op, nbytes))
+
+    def open(self, sync: bool) -> MicroStepRecord:
+        with self._lock:
+            self._current = MicroStepRecord(len(self.records), sync)
+            self.records.append(self._current)
+            return self._current
+
+    def close(self) -> None:
+        with self._lock:
+            self._current = None
+
+    def clear(self) -> None:
+        with self._lock:
+            self.records.clear()
+            self.outside.clear()
+            self._current = None
+
+    def windows(self) -> Iterator[list[MicroStepRecord]]:
+        """The records grouped into accumulation windows (each ends at a sync micro-step)."""
+        window: list[MicroStepRecord] = []
+        for rec in self.records:
+            window.append(rec)
+            if rec.sync:
+                yield window
+                window = []
+        if window:
+            yield window
+
+    def summary(self, window: list[MicroStepRecord]) -> str:
+        """One line for one optimizer step."""
+        per = ",".join(str(r.reductions) for r in window)
+        red_bytes = sum(r.reduction_bytes for r in window)
+        gathers = sum(r.count("allgather") for r in window)
+        return (
+            f"micro-steps {len(window)}: reductions per micro-step [{per}] "
+            f"({_human(red_bytes)}), all-gathers {gathers}"
+        )
+
+
+def _human(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+class _Work(dist.Work):
+    """A finished-when-the-inner-one-is Work, for ops run as a loop of inner calls."""
+
+    def __init__(self, works: list[Any]) -> None:
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._works[-1].get_future()
+
+
+class AuditProcessGroup(dist.ProcessGroup):
+    """A process group that records each collective, then runs it on the wrapped backend."""
+
+    def __init__(self, inner: Any, rank: int, world_size: int, name: str) -> None:
+        super().__init__(rank, world_size)
+        self.inner = inner
+        self.recorder = Recorder()
+        self._backend_name = name
+        self._group_name = name
+
+    # -- identity ---------------------------------------------------------
+    def getBackendName(self) -> str:
+        return self._backend_name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    # -- collectives ------------------------------------------------------
+    def _rec(self, op: str, payload: Any) -> None:
+        self.recorder.record(op, _nbytes(payload))
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        self._rec("allreduce", tensors)
+        return self.inner.allreduce(tensors, opts) if opts is not None else self.inner.allreduce(tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        self._rec("allreduce", tensors)
+        return self.inner.allreduce_coalesced(tensors, opts)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        self._rec("reduce", tensors)
+        return self.inner.reduce(tensors, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        self._rec("broadcast", tensors)
+        return self.inner.broadcast(tensors, opts)
+
+    def barrier(self, opts: Any) -> Any:
+        self._rec("barrier", [])
+        return self.inner.barrier(opts)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:
+        self._rec("allgather", inputs)
+        return self.inner.allgather(outputs, inputs, opts)
+
+    def allgather_coalesced(self, outputs: Any, inputs: list[torch.Tensor], opts: Any) -> Any:
+        self._rec("allgather", inputs)
+        return self.inner.allgather_coalesced(outputs, inputs, opts)
+
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
+        self._rec("allgather", inp)
+        return self.inner._allgather_base(output, inp, opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        return _Work([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)])
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Any:
+        self._rec("reduce_scatter", inputs)
+        return self.inner.reduce_scatter(outputs, inputs, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
+        self._rec("reduce_scatter", inp)
+        return self.inner._reduce_scatter_base(output, inp, opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        return _Work([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def all_to_all_single(self, output: Any, inp: Any, out_splits: Any, in_splits: Any, opts: Any) -> Any:
+        self._rec("alltoall", inp)
+        return self.inner.alltoall_base(output, inp, out_splits, in_splits, opts)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs: Any, inputs: Any, opts: Any) -> Any:
+        self._rec("alltoall", inputs)
+        return self.inner.alltoall(outputs, inputs, opts)
+
+    def gather(self, outputs: Any, inputs: Any, opts: Any) -> Any:
+        self._rec("gather", inputs)
+        return self.inner.gather(outputs, inputs, opts)
+
+    def scatter(self, outputs: Any, inputs: Any, opts: Any) -> Any:
+        self._rec("scatter", outputs)
+        return self.inner.scatter(outputs, inputs, opts)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        self._rec("send", tensors)
+        return self.inner.send(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        self._rec("recv", tensors)
+        return self.inner.recv(tensors, src, tag)
+
+
+def _make_gloo(store: Any, rank: int, world_size: int, timeout: timedelta) -> AuditProcessGroup:
+    inner = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    return AuditProcessGroup(inner, rank, world_size, AUDIT_BACKEND["cpu"])
+
+
+def _make_nccl(store: Any, rank: int, world_size: int, timeout: timedelta) -> AuditProcessGroup:
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    inner = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    return AuditProcessGroup(inner, rank, world_size, AUDIT_BACKEND["cuda"])
+
+
+def register() -> None:
+    """Make the audit backends known to torch.distributed (idempotent, per process)."""
+    if AUDIT_BACKEND["cpu"] not in dist.Backend.backend_list:
+        dist.Backend.register_backend(AUDIT_BACKEND["cpu"], _make_gloo, devices=["cpu"])
+    if dist.is_nccl_available() and AUDIT_BACKEND["cuda"] not in dist.Backend.backend_list:
+        dist.Backend.register_backend(AUDIT_BACKEND["cuda"], _make_nccl, devices=["cuda"])
+
+
+def recorder_of(group: Any = None) -> Recorder | None:
+    """The recorder of ``group`` (default: the world group), or None when it is not audited."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    return pg.recorder if isinstance(pg, AuditProcessGroup) else None

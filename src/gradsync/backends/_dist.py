@@ -1,0 +1,67 @@
+"""Process-group helpers shared by the distributed adapters (no backend logic here)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from gradsync import audit
+
+log = logging.getLogger("gradsync")
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def use_cuda() -> bool:
+    return torch.cuda.is_available() and os.environ.get("GRADSYNC_DEVICE", "") != "cpu"
+
+
+def local_device() -> torch.device:
+    """cuda:LOCAL_RANK where CUDA is present, else the CPU."""
+    if use_cuda():
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def ensure_process_group(backend_name: str, *, want_audit: bool) -> bool:
+    """Join the running process group, or create one from the launcher's environment.
+
+    Returns True when gradsync created the group (and so should destroy it).
+    """
+    if dist.is_initialized():
+        if want_audit and audit.recorder_of() is None:
+            log.warning(
+                "gradsync: audit=True, but the process group was created outside gradsync and "
+                "cannot be counted; let gradsync create it (do not call init_process_group)"
+            )
+        return False
+    missing = [v for v in _LAUNCH_VARS if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"backend={backend_name!r} needs a process group, but there is none and "
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; launch with "
+            "`gradsync launch --nproc-per-node N script.py` (or torchrun), call "
+            "torch.distributed.init_process_group() first, or use backend='single' for one process"
+        )
+    device = "cuda" if use_cuda() else "cpu"
+    if want_audit:
+        audit.register()
+        pg_backend = audit.AUDIT_BACKEND[device]
+    else:
+        pg_backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend=pg_backend)
+    return True
+
+
+def rank_info() -> tuple[int, int, int]:
+    """(rank, world size, local rank) of this process."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return rank, world, int(os.environ.get("LOCAL_RANK", str(rank)))

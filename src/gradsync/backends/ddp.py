@@ -1,0 +1,89 @@
+"""DistributedDataParallel: ``no_sync()`` around forward and backward off the boundary."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradsync.backends import _dist
+from gradsync.config import Config
+from gradsync.errors import ConfigError
+
+
+class DDPBackend:
+    name: ClassVar[str] = "ddp"
+
+    def __init__(self) -> None:
+        self.policy = "defer"
+        self._device = torch.device("cpu")
+        self.owns_group = False
+        self.ddp_kwargs: dict[str, Any] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def setup(self, config: Config) -> None:
+        if config.sync_policy == "native":
+            raise ConfigError(
+                "sync_policy='native' is DeepSpeed's; with backend='ddp' use 'defer', "
+                "'every_step' or 'auto'"
+            )
+        # Deferring costs DDP no memory, so "auto" defers.
+        self.policy = "every_step" if config.sync_policy == "every_step" else "defer"
+        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
+        self._device = _dist.local_device()
+
+    def prepare(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+        if isinstance(model, DDP):
+            return model, optimizer
+        model = model.to(self._device)
+        device_ids = [self._device.index] if self._device.type == "cuda" else None
+        return DDP(model, device_ids=device_ids, **self.ddp_kwargs), optimizer
+
+    @contextlib.contextmanager
+    def accumulate(self, model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
+        if not isinstance(model, DDP):
+            raise RuntimeError(
+                f"accumulate() got a {type(model).__name__}, not the DistributedDataParallel model "
+                "that accel.prepare() returned, so gradients would sync on every micro-step; "
+                "pass the prepared model: `model = accel.prepare(model)`"
+            )
+        if sync or self.policy == "every_step":
+            yield
+            return
+        # no_sync() saves require_backward_grad_sync and puts the saved value back on exit.
+        with model.no_sync():
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        optimizer.step()
+        return True
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        optimizer.zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_norm_(
+        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float
+    ) -> torch.Tensor:
+        # At the boundary DDP has all-reduced the gradients: the local norm is the global one.
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.module if isinstance(model, DDP) else model
+
+    def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
+
+    def barrier(self) -> None:
+        dist.barrier()

@@ -1,0 +1,61 @@
+"""One process: nothing to synchronise, so nothing to defer."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from gradsync.backends import _dist
+from gradsync.config import Config
+
+
+class SingleBackend:
+    name: ClassVar[str] = "single"
+
+    def __init__(self) -> None:
+        self.policy = "defer"
+        self._device = torch.device("cpu")
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def setup(self, config: Config) -> None:
+        self._device = _dist.local_device()
+        self.policy = "native" if config.sync_policy == "native" else "defer"
+
+    def prepare(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+        return model.to(self._device), optimizer
+
+    @contextlib.contextmanager
+    def accumulate(self, model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
+        yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        optimizer.step()
+        return True
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        optimizer.zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_norm_(
+        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float
+    ) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    def barrier(self) -> None:
+        return None

@@ -1,0 +1,194 @@
+"""One Config dataclass, filled from defaults, a YAML file, GRADSYNC_* variables and keywords.
+
+Later sources win: defaults < YAML (``config_file`` / ``GRADSYNC_CONFIG``) < environment < keywords.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from gradsync.batching import check_positive_int
+from gradsync.errors import ConfigError
+
+ENV_PREFIX = "GRADSYNC_"
+SYNC_POLICIES = ("auto", "defer", "every_step", "native")
+MIXED_PRECISION = ("no", "bf16", "fp16")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass
+class Config:
+    """Every gradsync setting. Errors name the key, the value and the fix."""
+
+    backend: str = "auto"
+    gradient_accumulation_steps: int | None = None
+    micro_batch_size: int | None = None
+    global_batch_size: int | None = None
+    sync_policy: str = "auto"
+    seed: int | None = None
+    audit: bool = False
+    mixed_precision: str = "no"
+    # Backend options (each adapter reads its own; unknown to the others).
+    deepspeed_config: Any = None
+    fsdp_memory_budget: int | None = None
+    fsdp_reshard_after_backward: bool | None = None
+    fsdp_wrap: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> Config:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ConfigError(f"backend={self.backend!r} must be a backend name such as 'ddp'")
+        self.backend = self.backend.lower()
+        for name in ("gradient_accumulation_steps", "micro_batch_size", "global_batch_size"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, check_positive_int(name, value))
+        if self.sync_policy not in SYNC_POLICIES:
+            raise ConfigError(
+                f"sync_policy={self.sync_policy!r} is unknown; use one of {', '.join(SYNC_POLICIES)}"
+            )
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ConfigError(
+                f"mixed_precision={self.mixed_precision!r} is unknown; "
+                f"use one of {', '.join(MIXED_PRECISION)}"
+            )
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed={self.seed!r} must be an integer or None")
+        return self
+
+    @property
+    def accumulation_steps(self) -> int:
+        """The accumulation steps to use when none was derived from batch sizes (default 1)."""
+        return self.gradient_accumulation_steps or 1
+
+
+_FIELDS = {f.name: f for f in fields(Config) if f.name != "extra"}
+
+
+def _coerce(name: str, raw: str, source: str) -> Any:
+    """Turn an environment string into the field's type."""
+    default = _FIELDS[name].default
+    if name in ("audit", "fsdp_reshard_after_backward"):
+        low = raw.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ConfigError(f"{source}={raw!r} is not a boolean; set it to 1 or 0")
+    if name in ("gradient_accumulation_steps", "micro_batch_size", "global_batch_size", "seed",
+                "fsdp_memory_budget"):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(
+                f"{source}={raw!r} is not an integer; set it to a whole number"
+                + (" >= 1" if name != "seed" else "")
+            ) from None
+    if name == "fsdp_wrap":
+        return [part.strip() for part in raw.split(",") if part.strip()]
+    del default
+    return raw
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The settings found in GRADSYNC_* variables, as keyword arguments."""
+    env = os.environ if environ is None else environ
+    found: dict[str, Any] = {}
+    for name in _FIELDS:
+        key = ENV_PREFIX + name.upper()
+        if key in env:
+            found[name] = _coerce(name, env[key], key)
+    return found
+
+
+def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The settings in a YAML (or JSON) file, as keyword arguments."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist; pass the path of a YAML file")
+    text = p.read_text()
+    try:
+        import yaml
+    except ImportError:
+        import json
+
+        try:
+            data = json.loads(text)
+        except ValueError:
+            raise ConfigError(
+                f"config file {str(p)!r} needs PyYAML to read; pip install 'gradsync[yaml]'"
+            ) from None
+    else:
+        data = yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping of settings, not {type(data).__name__}")
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"config file {str(p)!r} has unknown key(s) {', '.join(unknown)}; "
+            f"known keys: {', '.join(sorted(_FIELDS))}"
+        )
+    return dict(data)
+
+
+def load_config(
+    *,
+    config_file: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> Config:
+    """Merge defaults < YAML < environment < keywords (keywords that are None are 'not given')."""
+    env = os.environ if environ is None else environ
+    merged: dict[str, Any] = {}
+    path = config_file or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        merged.update(from_yaml(path))
+    merged.update(from_env(env))
+    extra = {}
+    for key, value in kwargs.items():
+        if value is None:
+            continue
+        if key in _FIELDS:
+            merged[key] = value
+        else:
+            extra[key] = value
+    if extra:
+        raise ConfigError(
+            f"unknown setting(s) {', '.join(sorted(extra))}; known: {', '.join(sorted(_FIELDS))}"
+        )
+    return Config(**merged).validate()
+
+
+def to_env(config: Config) -> dict[str, str]:
+    """The GRADSYNC_* variables that carry ``config`` to worker processes (set fields only)."""
+    out: dict[str, str] = {}
+    defaults = Config()
+    for name in _FIELDS:
+        value = getattr(config, name)
+        if value == getattr(defaults, name) or value is None:
+            continue
+        if isinstance(value, bool):
+            text = "1" if value else "0"
+        elif isinstance(value, list | tuple):
+            text = ",".join(str(v) for v in value)
+        elif isinstance(value, dict):
+            import json
+
+            text = json.dumps(value)
+        else:
+            text = str(value)
+        out[ENV_PREFIX + name.upper()] = text
+    return out
+
+
+def replace(config: Config, **changes: Any) -> Config:
+    return dataclasses.replace(config, **changes).validate()
