@@ -90,6 +90,9 @@ class Accelerator:
             micro_batch_size=self.config.micro_batch_size,
             gradient_accumulation_steps=self.config.gradient_accumulation_steps,
         )
+        # The plan is the one source of truth for batch sizes; adapters read it from the config.
+        self.config.gradient_accumulation_steps = self.plan.gradient_accumulation_steps
+        self.config.micro_batch_size = self.plan.micro_batch_size
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
         self._backend = backends.create(name)
@@ -100,7 +103,7 @@ class Accelerator:
         self.audit: audit_mod.Recorder | None = None
         if self.config.audit:
             self.audit = audit_mod.recorder_of() or audit_mod.Recorder()
-        self._audit_window_start = 0
+        self._audit_window_start = len(self.audit.records) if self.audit is not None else 0
 
     # -- where we are -----------------------------------------------------
     @property
@@ -177,6 +180,16 @@ class Accelerator:
                 "prepare() got an optimizer without its model; pass both: "
                 "`model, optimizer = accel.prepare(model, optimizer)`"
             )
+        for obj in objects:
+            batch = getattr(obj, "batch_size", None) if _is_dataloader(obj) else None
+            if batch is not None and self.plan.micro_batch_size is None:
+                # The first prepared dataloader fixes the micro batch size (DeepSpeed needs it).
+                self.plan = BatchPlan.solve(
+                    data_parallel_size=self.plan.data_parallel_size,
+                    micro_batch_size=batch,
+                    gradient_accumulation_steps=self.plan.gradient_accumulation_steps,
+                )
+                self.config.micro_batch_size = batch
         out: dict[int, Any] = {}
         new_optimizer: torch.optim.Optimizer | None = None
         old_optimizer = optimizers[0] if optimizers else None

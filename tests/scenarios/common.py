@@ -1,0 +1,182 @@
+"""Model, data, the user's training loop, and the single-process reference it must match."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+FEATURES = 8
+
+
+class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """Synthetic regression data that also yields each sample's id."""
+
+    def __init__(self, n: int, seed: int = 1) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, FEATURES, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class Net(nn.Module):
+    """Input layer, two blocks, head: small, with child blocks for FSDP to shard."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, width)
+        self.blocks = nn.ModuleList([Block(width), Block(width)])
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_model(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def make_optimizer(params: Any, kind: str, lr: float) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise ValueError(kind)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+
+def to_lists(state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return {k: v.detach().cpu().float().tolist() for k, v in state.items()}
+
+
+def train(
+    accel: Any,
+    *,
+    samples: int,
+    micro_batch: int,
+    epochs: int = 2,
+    optimizer: str = "sgd",
+    lr: float = 0.05,
+    clip: float | None = None,
+    zero_grad_first: bool = False,
+    change_steps_at: tuple[int, int] | None = None,
+    shuffle: bool = True,
+    model: nn.Module | None = None,
+) -> dict[str, Any]:
+    """The user's loop, written once for every backend; returns what the parent checks."""
+    model = model if model is not None else make_model()
+    opt = make_optimizer(model.parameters(), optimizer, lr)
+    sched = make_scheduler(opt)
+    loader = DataLoader(Indexed(samples), batch_size=micro_batch, shuffle=shuffle)
+    model, opt, loader, sched = accel.prepare(model, opt, loader, sched)
+    windows: list[list[list[int]]] = []
+    current: list[list[int]] = []
+    norms: list[float] = []
+    lrs: list[float] = []
+    sizes: list[int] = []
+    sched_calls = 0
+    audit_start = len(accel.audit.records) if accel.audit is not None else 0
+    for _ in range(epochs):
+        for x, y, idx in loader:
+            if change_steps_at is not None and len(windows) == change_steps_at[0]:
+                accel.gradient_accumulation_steps = change_steps_at[1]
+            with accel.accumulate(model):
+                if zero_grad_first:
+                    opt.zero_grad()
+                loss = F.mse_loss(model(x), y)
+                accel.backward(loss)
+                current.append([int(i) for i in idx])
+                if clip is not None:
+                    norm = accel.clip_grad_norm_(model.parameters(), clip)
+                    if accel.sync_gradients:
+                        norms.append(float(norm))
+                    else:
+                        assert norm is None, "clip_grad_norm_ off the boundary must return None"
+                opt.step()
+                sched.step()
+                sched_calls += 1
+                if not zero_grad_first:
+                    opt.zero_grad()
+                if accel.sync_gradients:
+                    sizes.append(accel.micro_step.size)
+                    windows.append(current)
+                    current = []
+                    lrs.append(float(sched.get_last_lr()[0]))
+    records = []
+    if accel.audit is not None:
+        records = [r.to_dict() for r in accel.audit.records[audit_start:]]
+    return {
+        "state": to_lists(accel.get_state_dict(model)),
+        "windows": windows,
+        "sizes": sizes,
+        "norms": norms,
+        "lrs": lrs,
+        "optimizer_steps": accel.optimizer_steps,
+        "scheduler_calls": sched_calls,
+        "scheduler_last_epoch": int(sched.last_epoch),
+        "audit": records,
+        "policy": accel.sync_policy,
+    }
+
+
+def reference(
+    rank_results: list[dict[str, Any]],
+    *,
+    samples: int,
+    optimizer: str = "sgd",
+    lr: float = 0.05,
+    clip: float | None = None,
+    model: nn.Module | None = None,
+) -> dict[str, Any]:
+    """One process training on the same global windows: each window's loss is the mean, over
+    ranks and micro-batches, of the micro-batch mean losses (the global sample mean when all
+    micro-batches have equal size)."""
+    data = Indexed(samples)
+    model = model if model is not None else make_model()
+    opt = make_optimizer(model.parameters(), optimizer, lr)
+    sched = make_scheduler(opt)
+    n_windows = len(rank_results[0]["windows"])
+    for r in rank_results:
+        assert len(r["windows"]) == n_windows, "ranks took different numbers of optimizer steps"
+    norms: list[float] = []
+    for w in range(n_windows):
+        micro = [mb for r in rank_results for mb in r["windows"][w]]
+        opt.zero_grad()
+        loss = sum(F.mse_loss(model(data.x[mb]), data.y[mb]) for mb in micro) / len(micro)
+        loss.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        sched.step()
+    return {"state": to_lists(model.state_dict()), "norms": norms}
+
+
+def max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(
+        float((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max()) for k in a
+    )

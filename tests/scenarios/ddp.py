@@ -1,0 +1,40 @@
+"""DDP scenarios, run by mp_worker.py inside one 2-rank gloo group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gradsync import Accelerator
+from scenarios.common import make_model, train
+
+
+def train_ddp(*, steps: int, policy: str = "auto", **kwargs: Any) -> dict[str, Any]:
+    accel = Accelerator(backend="ddp", gradient_accumulation_steps=steps, sync_policy=policy,
+                        seed=0, audit=True)
+    return train(accel, **kwargs)
+
+
+def misuse() -> dict[str, Any]:
+    """Each misuse raises a clear error; returns the messages."""
+    accel = Accelerator(backend="ddp", gradient_accumulation_steps=4)
+    raw = make_model()
+    model = accel.prepare(raw)
+    messages: dict[str, str] = {}
+    try:
+        with accel.accumulate(raw):  # the unwrapped model: deferral would do nothing
+            pass
+    except RuntimeError as err:
+        messages["unprepared"] = str(err)
+    try:
+        accel.backward(F.mse_loss(model(torch.randn(2, 8)), torch.randn(2, 1)))
+    except RuntimeError as err:
+        messages["outside"] = str(err)
+    other = torch.optim.SGD(make_model(1).parameters(), lr=0.1)
+    try:
+        accel.prepare(make_model(), other)
+    except ValueError as err:
+        messages["foreign_optimizer"] = f"{type(err).__name__}: {err}"
+    return messages
