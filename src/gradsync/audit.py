@@ -1,3 +1,4 @@
+# mypy: disable-error-code="override,assignment,call-arg"
 """Count the collectives a process issues, and their bytes, per micro-step.
 
 gradsync registers a process-group backend that wraps the real one (gloo, or nccl on

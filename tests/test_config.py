@@ -1,0 +1,105 @@
+"""Config, BatchPlan and registry: every invalid setting names the setting, the value and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradsync import BatchPlan, ConfigError
+from gradsync.backends import available, check_name, resolve_auto
+from gradsync.config import from_env, load_config, to_env
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, "four", True, None])
+def test_accumulation_steps_must_be_a_positive_integer(value, clean_env):
+    if value is None:
+        assert load_config(gradient_accumulation_steps=None).accumulation_steps == 1
+        return
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=.*(integer|>= 1)"):
+        load_config(gradient_accumulation_steps=value)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_env_is_read_and_keywords_win(clean_env):
+    clean_env.setenv("GRADSYNC_BACKEND", "ddp")
+    clean_env.setenv("GRADSYNC_GRADIENT_ACCUMULATION_STEPS", "4")
+    clean_env.setenv("GRADSYNC_AUDIT", "1")
+    cfg = load_config()
+    assert (cfg.backend, cfg.gradient_accumulation_steps, cfg.audit) == ("ddp", 4, True)
+    assert load_config(gradient_accumulation_steps=2).gradient_accumulation_steps == 2
+
+
+def test_env_errors_name_the_variable(clean_env):
+    clean_env.setenv("GRADSYNC_GRADIENT_ACCUMULATION_STEPS", "many")
+    with pytest.raises(ConfigError, match="GRADSYNC_GRADIENT_ACCUMULATION_STEPS='many'"):
+        load_config()
+    clean_env.setenv("GRADSYNC_GRADIENT_ACCUMULATION_STEPS", "0")
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=0 must be >= 1"):
+        load_config()
+
+
+def test_yaml_then_env_then_keywords(tmp_path, clean_env):
+    path = tmp_path / "g.yaml"
+    path.write_text("backend: single\ngradient_accumulation_steps: 8\nseed: 3\n")
+    clean_env.setenv("GRADSYNC_GRADIENT_ACCUMULATION_STEPS", "4")
+    cfg = load_config(config_file=path, seed=5)
+    assert (cfg.backend, cfg.gradient_accumulation_steps, cfg.seed) == ("single", 4, 5)
+
+
+def test_yaml_unknown_key_and_missing_file(tmp_path, clean_env):
+    path = tmp_path / "g.yaml"
+    path.write_text("gradient_acumulation_steps: 8\n")
+    with pytest.raises(ConfigError, match="unknown key.*gradient_acumulation_steps"):
+        load_config(config_file=path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(config_file=tmp_path / "missing.yaml")
+
+
+def test_unknown_policy_and_keyword(clean_env):
+    with pytest.raises(ConfigError, match="sync_policy='sometimes' is unknown; use one of auto"):
+        load_config(sync_policy="sometimes")
+    with pytest.raises(ConfigError, match="unknown setting"):
+        load_config(gradient_accumulation=4)
+
+
+def test_env_round_trip(clean_env):
+    cfg = load_config(backend="ddp", gradient_accumulation_steps=4, audit=True, seed=1)
+    assert from_env(to_env(cfg)) == {"backend": "ddp", "gradient_accumulation_steps": 4,
+                                     "audit": True, "seed": 1}
+
+
+def test_unknown_backend_lists_the_available_ones():
+    with pytest.raises(ConfigError) as err:
+        check_name("horovod")
+    assert "backend='horovod' is unknown; available: auto, " + ", ".join(available()) in str(err.value)
+
+
+def test_auto_backend():
+    assert resolve_auto("auto", 1) == "single"
+    assert resolve_auto("auto", 2) == "ddp"
+    assert resolve_auto("FSDP", 2) == "fsdp"
+
+
+def test_batch_plan_derives_the_third_size():
+    assert BatchPlan.solve(data_parallel_size=2, global_batch_size=64, micro_batch_size=4).gradient_accumulation_steps == 8
+    assert BatchPlan.solve(data_parallel_size=2, global_batch_size=64, gradient_accumulation_steps=8).micro_batch_size == 4
+    plan = BatchPlan.solve(data_parallel_size=4, micro_batch_size=2, gradient_accumulation_steps=3)
+    assert plan.global_batch_size == 24
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"global_batch_size": 60, "micro_batch_size": 4}, "global_batch_size=60 is not divisible by micro_batch_size x world size = 4 x 2 = 8"),
+        ({"global_batch_size": 30, "gradient_accumulation_steps": 4}, "not divisible by gradient_accumulation_steps x world size = 4 x 2 = 8"),
+        ({"global_batch_size": 64, "micro_batch_size": 4, "gradient_accumulation_steps": 4}, "gradient_accumulation_steps=4 contradicts"),
+        ({"global_batch_size": 64}, "needs micro_batch_size or gradient_accumulation_steps"),
+        ({"micro_batch_size": 0}, "micro_batch_size=0 must be >= 1"),
+    ],
+)
+def test_batch_plan_errors(kwargs, message):
+    with pytest.raises(ConfigError) as err:
+        BatchPlan.solve(data_parallel_size=2, **kwargs)
+    assert message in str(err.value)
