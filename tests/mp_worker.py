@@ -6,10 +6,10 @@
 from __future__ import annotations
 
 import importlib
-from datetime import timedelta
 import json
 import sys
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist

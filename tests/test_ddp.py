@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from harness import run_scenarios
 from scenarios.common import max_diff, reference
 
