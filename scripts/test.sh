@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up a virtualenv (once) and run gradsync's checks: ruff, mypy, the test suite.
+#   bash scripts/test.sh [extra pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${GRADSYNC_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip
+# Extras: test tools, DeepSpeed (its tests run), the benchmark's plotting and Accelerate.
+"$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[test,deepspeed,bench]"
+export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
+echo "== ruff"; "$VENV/bin/ruff" check src tests benchmarks examples
+echo "== mypy"; "$VENV/bin/mypy"
+echo "== pytest"
+set +e
+"$VENV/bin/python" -m pytest -n 2 --dist loadfile "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests: the suite is broken" >&2
+  exit 1
+fi
+exit "$rc"
