@@ -11,7 +11,7 @@ fi
 # Extras: test tools, DeepSpeed (its tests run), the benchmark's plotting and Accelerate.
 "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[test,deepspeed,bench]"
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
-echo "== ruff"; "$VENV/bin/ruff" check src tests benchmarks examples
+echo "== ruff"; "$VENV/bin/ruff" check .
 echo "== mypy"; "$VENV/bin/mypy"
 echo "== pytest"
 set +e
