@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from gradsync import Accelerator, ConfigError
 from gradsync.wrappers import PreparedScheduler, StepState
+
 from scenarios.common import Indexed, make_model, max_diff, reference, train
 
 

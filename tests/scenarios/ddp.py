@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from gradsync import Accelerator
+
 from scenarios.common import make_model, train
 
 
