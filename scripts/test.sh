@@ -7,9 +7,12 @@ VENV=${GRADSYNC_VENV:-.venv}
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q --upgrade pip
+quiet_pip() {  # pip's notes about absent local index folders are noise here
+  "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither" >&2)
+}
+quiet_pip install -q --upgrade pip
 # Extras: test tools, DeepSpeed (its tests run), the benchmark's plotting and Accelerate.
-"$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[test,deepspeed,bench]"
+quiet_pip install -q -c constraints.txt -e ".[test,deepspeed,bench]"
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 echo "== ruff"; "$VENV/bin/ruff" check .
 echo "== mypy"; "$VENV/bin/mypy"

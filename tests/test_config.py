@@ -103,3 +103,11 @@ def test_batch_plan_errors(kwargs, message):
     with pytest.raises(ConfigError) as err:
         BatchPlan.solve(data_parallel_size=2, **kwargs)
     assert message in str(err.value)
+
+
+def test_keyword_overriding_the_launcher_is_reported(clean_env, caplog):
+    clean_env.setenv("GRADSYNC_GRADIENT_ACCUMULATION_STEPS", "8")
+    with caplog.at_level("WARNING", logger="gradsync"):
+        cfg = load_config(gradient_accumulation_steps=4)
+    assert cfg.gradient_accumulation_steps == 4
+    assert "gradient_accumulation_steps=4 given in code overrides GRADSYNC_GRADIENT_ACCUMULATION_STEPS=8" in caplog.text

@@ -6,6 +6,7 @@ Later sources win: defaults < YAML (``config_file`` / ``GRADSYNC_CONFIG``) < env
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -14,6 +15,8 @@ from typing import Any
 
 from gradsync.batching import check_positive_int
 from gradsync.errors import ConfigError
+
+log = logging.getLogger("gradsync")
 
 ENV_PREFIX = "GRADSYNC_"
 SYNC_POLICIES = ("auto", "defer", "every_step", "native")
@@ -152,12 +155,19 @@ def load_config(
     path = config_file or env.get(ENV_PREFIX + "CONFIG")
     if path:
         merged.update(from_yaml(path))
-    merged.update(from_env(env))
+    from_environment = from_env(env)
+    merged.update(from_environment)
     extra = {}
     for key, value in kwargs.items():
         if value is None:
             continue
         if key in _FIELDS:
+            if key in from_environment and from_environment[key] != value:
+                log.warning(
+                    "gradsync: %s=%r given in code overrides %s%s=%r (e.g. from gradsync launch); "
+                    "drop the keyword to use the launcher's value",
+                    key, value, ENV_PREFIX, key.upper(), from_environment[key],
+                )
             merged[key] = value
         else:
             extra[key] = value
