@@ -100,6 +100,7 @@ class Accelerator:
         self._window = Window(self.plan.gradient_accumulation_steps)
         self._state = StepState()
         self._models: list[torch.nn.Module] = []
+        self._optimizers: list[PreparedOptimizer] = []
         self.audit: audit_mod.Recorder | None = None
         if self.config.audit:
             self.audit = audit_mod.recorder_of() or audit_mod.Recorder()
@@ -156,6 +157,15 @@ class Accelerator:
         return self._window.current
 
     @property
+    def optimizer(self) -> PreparedOptimizer:
+        """The last prepared optimizer, also one the backend built (a DeepSpeed config's)."""
+        if not self._optimizers:
+            raise RuntimeError(
+                "accel.optimizer: no optimizer was prepared; pass one to accel.prepare(model, optimizer)"
+            )
+        return self._optimizers[-1]
+
+    @property
     def optimizer_steps(self) -> int:
         """Optimizer steps really applied so far."""
         return self._state.optimizer_steps
@@ -200,8 +210,12 @@ class Accelerator:
             wrapped, new_optimizer = self._backend.prepare(model, old_optimizer)
             self._models.append(wrapped)
             out[id(model)] = wrapped
-            if old_optimizer is not None and new_optimizer is not None:
-                out[id(old_optimizer)] = PreparedOptimizer(new_optimizer, self._backend, self._state)
+            if new_optimizer is not None:
+                # The backend may build one itself (DeepSpeed's config optimizer): see .optimizer.
+                prepared = PreparedOptimizer(new_optimizer, self._backend, self._state)
+                self._optimizers.append(prepared)
+                if old_optimizer is not None:
+                    out[id(old_optimizer)] = prepared
         for obj in objects:
             if id(obj) in out:
                 continue

@@ -152,10 +152,12 @@ class _Work(dist.Work):
 class AuditProcessGroup(dist.ProcessGroup):
     """A process group that records each collective, then runs it on the wrapped backend."""
 
-    def __init__(self, inner: Any, rank: int, world_size: int, name: str) -> None:
+    def __init__(
+        self, inner: Any, rank: int, world_size: int, name: str, recorder: Recorder | None = None
+    ) -> None:
         super().__init__(rank, world_size)
         self.inner = inner
-        self.recorder = Recorder()
+        self.recorder = recorder if recorder is not None else Recorder()
         self._backend_name = name
         self._group_name = name
 
@@ -259,16 +261,22 @@ class AuditProcessGroup(dist.ProcessGroup):
         return self.inner.recv(tensors, src, tag)
 
 
+def _world_recorder() -> Recorder | None:
+    """Groups made after the audited world group (DeepSpeed clones it, device meshes make
+    their own) record into the world's recorder, so one recorder sees the whole process."""
+    return recorder_of() if dist.is_initialized() else None
+
+
 def _make_gloo(store: Any, rank: int, world_size: int, timeout: timedelta) -> AuditProcessGroup:
     inner = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    return AuditProcessGroup(inner, rank, world_size, AUDIT_BACKEND["cpu"])
+    return AuditProcessGroup(inner, rank, world_size, AUDIT_BACKEND["cpu"], _world_recorder())
 
 
 def _make_nccl(store: Any, rank: int, world_size: int, timeout: timedelta) -> AuditProcessGroup:
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     inner = dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    return AuditProcessGroup(inner, rank, world_size, AUDIT_BACKEND["cuda"])
+    return AuditProcessGroup(inner, rank, world_size, AUDIT_BACKEND["cuda"], _world_recorder())
 
 
 def register() -> None:

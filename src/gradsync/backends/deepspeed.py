@@ -1,0 +1,299 @@
+"""DeepSpeed (ZeRO 0-3): DeepSpeed accumulates natively; gradsync drives the boundary.
+
+gradsync's window decides the boundary (``engine.set_gradient_accumulation_boundary``),
+scales the loss itself (``engine.backward(loss, scale_wrt_gas=False)``) and calls
+``engine.step()`` only at the boundary. The DeepSpeed config's batch sizes are filled from
+gradsync's plan; a contradiction is a ConfigError. See docs/deepspeed.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from gradsync.backends import _dist
+from gradsync.config import Config
+from gradsync.errors import ConfigError
+
+_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+_INSTALL_HINT = "backend='deepspeed' needs DeepSpeed: pip install 'gradsync[deepspeed]'"
+
+
+def import_deepspeed() -> Any:
+    """The deepspeed module, or a one-line error that says how to install it."""
+    try:
+        import deepspeed
+    except ImportError:
+        raise ImportError(_INSTALL_HINT) from None
+    return deepspeed
+
+
+def load_ds_config(value: Any) -> dict[str, Any]:
+    """A DeepSpeed config from a dict, a JSON/YAML file path, or JSON text (a copy)."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return json.loads(json.dumps(value))
+    if not isinstance(value, str | os.PathLike):
+        raise ConfigError(f"deepspeed_config={value!r} must be a dict, a JSON/YAML path or JSON text")
+    text = str(value)
+    path = Path(text)
+    if not text.lstrip().startswith("{") and path.is_file():
+        raw = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(raw)
+        else:
+            data = json.loads(raw)
+    else:
+        try:
+            data = json.loads(text)
+        except ValueError:
+            raise ConfigError(
+                f"deepspeed_config={text!r} is neither an existing file nor JSON text; "
+                "pass a dict, the path of a .json/.yaml file, or a JSON string"
+            ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"deepspeed_config {text!r} must hold a mapping, not {type(data).__name__}")
+    return data
+
+
+def _is_auto(value: Any) -> bool:
+    return value is None or value == "auto"
+
+
+def fill_batch(ds: dict[str, Any], *, micro: int | None, steps: int, world: int) -> dict[str, Any]:
+    """Fill the three batch keys from gradsync's plan where absent or "auto"; a contradicting
+    value is a ConfigError naming both values."""
+    if micro is None:
+        given = ds.get("train_micro_batch_size_per_gpu")
+        hint = f" (the DeepSpeed config says {given})" if not _is_auto(given) else ""
+        raise ConfigError(
+            "backend='deepspeed' needs the micro batch size when the model is prepared, and "
+            f"gradsync does not know it yet{hint}; pass the DataLoader in the same "
+            "accel.prepare(model, optimizer, loader) call, or set Accelerator(micro_batch_size=...)"
+        )
+    ours = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": steps,
+        "train_batch_size": micro * steps * world,
+    }
+    where = f"micro_batch_size={micro} x gradient_accumulation_steps={steps} x world_size={world}"
+    for key in _BATCH_KEYS:
+        value = ds.get(key)
+        if _is_auto(value):
+            ds[key] = ours[key]
+        elif value != ours[key]:
+            raise ConfigError(
+                f"deepspeed_config {key}={value!r} contradicts gradsync's {key}={ours[key]} "
+                f"({where}); set it to \"auto\" or remove it so gradsync fills it, or change "
+                "the Accelerator's batch settings to agree"
+            )
+    return ds
+
+
+class DeepSpeedBackend:
+    name: ClassVar[str] = "deepspeed"
+
+    def __init__(self) -> None:
+        self.policy = "native"
+        self.owns_group = False
+        self._device = torch.device("cpu")
+        self._config: Config | None = None
+        self._ds: dict[str, Any] = {}
+        self.stage = 0
+        self.engine: Any = None
+        self._coalescing: contextlib.AbstractContextManager[None] | None = None
+        self._clip: float | None = None  # gradient_clipping once fixed (config or first clip call)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    # -- setup and prepare --------------------------------------------------
+    def setup(self, config: Config) -> None:
+        if not _dist.use_cuda():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import_deepspeed()
+        self._config = config
+        self._ds = load_ds_config(config.deepspeed_config)
+        self.stage = int(self._ds.get("zero_optimization", {}).get("stage", 0))
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"deepspeed_config zero_optimization.stage={self.stage} must be 0, 1, 2 or 3")
+        self.policy = self._resolve_policy(config.sync_policy)
+        if "gradient_clipping" in self._ds:
+            self._clip = float(self._ds["gradient_clipping"])
+        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
+        self._device = _dist.local_device()
+
+    def _resolve_policy(self, asked: str) -> str:
+        if asked in ("auto", "native"):
+            return "native"
+        if asked == "defer":
+            return "defer"
+        if self.stage in (2, 3):  # every_step: what ZeRO 2/3 do natively
+            return "every_step"
+        raise ConfigError(
+            f"sync_policy='every_step' with DeepSpeed ZeRO stage {self.stage}: stages 0 and 1 "
+            "reduce gradients only at the boundary; use 'native', 'auto' or 'defer' (or stage 2/3)"
+        )
+
+    def _build_config(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        assert self._config is not None
+        cfg = self._config
+        ds = fill_batch(
+            dict(self._ds), micro=cfg.micro_batch_size, steps=cfg.accumulation_steps,
+            world=dist.get_world_size(),
+        )
+        # DeepSpeed clips at 1.0 by default; gradsync clips only when asked (clip_grad_norm_).
+        ds.setdefault("gradient_clipping", 0.0)
+        if cfg.mixed_precision in ("bf16", "fp16"):
+            section = ds.setdefault(cfg.mixed_precision, {})
+            if section.get("enabled", True) in (False, "false"):
+                raise ConfigError(
+                    f"mixed_precision={cfg.mixed_precision!r} contradicts deepspeed_config "
+                    f"{cfg.mixed_precision}.enabled=false; enable it or drop mixed_precision"
+                )
+            section["enabled"] = True
+        if optimizer is None:
+            if "optimizer" not in ds:
+                raise ConfigError(
+                    "backend='deepspeed' got no optimizer: pass a torch optimizer to "
+                    "accel.prepare(model, optimizer), or give deepspeed_config an 'optimizer' section"
+                )
+            params = ds["optimizer"].setdefault("params", {})
+            if not _dist.use_cuda() and str(ds["optimizer"].get("type", "")).lower() in ("adam", "adamw"):
+                params.setdefault("torch_adam", True)  # FusedAdam would JIT-build a C++ op
+        else:
+            if "optimizer" in ds:
+                raise ConfigError(
+                    "prepare() got a torch optimizer and deepspeed_config has an 'optimizer' "
+                    "section; use one of them (remove the section, or do not pass the optimizer)"
+                )
+            ds.setdefault("zero_allow_untested_optimizer", True)
+        return ds
+
+    def prepare(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+        deepspeed = import_deepspeed()
+        if isinstance(model, deepspeed.DeepSpeedEngine):
+            return model, model.optimizer
+        if self.engine is not None:
+            raise ConfigError("backend='deepspeed' prepares one model per Accelerator; create another")
+        ds = self._build_config(optimizer)
+        if not _dist.use_cuda() and os.environ.get("GRADSYNC_DEEPSPEED_BUILD_OPS") != "1":
+            import deepspeed.ops as ds_ops
+
+            ds_ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of shm on CPU
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, model_parameters=list(model.parameters()),
+            config=ds, dist_init_required=False,
+        )
+        self.engine = engine
+        self._ds = ds
+        return engine, ds_optimizer
+
+    # -- the micro-step ------------------------------------------------------
+    @contextlib.contextmanager
+    def accumulate(self, model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
+        engine = self._engine(model)
+        engine.set_gradient_accumulation_boundary(sync)
+        if self.policy == "defer" and self.stage in (2, 3) and self._coalescing is None:
+            # One coalesce block per window: DeepSpeed's flush overwrites, so it must not split.
+            self._coalescing = engine.coalesce_grad_reduction()
+            self._coalescing.__enter__()
+        try:
+            yield
+        finally:
+            if sync:
+                self._flush()
+
+    def _engine(self, model: torch.nn.Module) -> Any:
+        if self.engine is None or model is not self.engine:
+            raise RuntimeError(
+                f"accumulate() got a {type(model).__name__}, not the DeepSpeed engine that "
+                "accel.prepare() returned; pass the prepared model: `model = accel.prepare(model, ...)`"
+            )
+        return self.engine
+
+    def _flush(self) -> None:
+        """Close the window's coalesce block: one reduction of the accumulated gradients."""
+        if self._coalescing is not None:
+            block, self._coalescing = self._coalescing, None
+            block.__exit__(None, None, None)
+            self.engine.set_gradient_accumulation_boundary(True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # gradsync already divided the loss by this window's size.
+        self.engine.backward(loss, scale_wrt_gas=False)
+        if self.engine.is_gradient_accumulation_boundary():
+            self._flush()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        self._flush()
+        self.engine.step()
+        return bool(self.engine.was_step_applied())
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        # engine.step() clears the gradients on every stage (applied or skipped); nothing to do.
+        return None
+
+    def clip_grad_norm_(
+        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float
+    ) -> torch.Tensor:
+        self._set_clipping(float(max_norm))
+        from deepspeed.utils import safe_get_full_grad
+
+        # The reduced gradients as DeepSpeed holds them before step(); step() clips by this norm.
+        total = torch.zeros((), dtype=torch.float64)
+        for p in parameters:
+            grad = safe_get_full_grad(p)
+            if grad is not None:
+                total += grad.detach().double().pow(2).sum().cpu()
+        return total.sqrt().float()
+
+    def _set_clipping(self, max_norm: float) -> None:
+        if self._clip is not None and self._clip > 0 and not math.isclose(self._clip, max_norm):
+            raise ConfigError(
+                f"clip_grad_norm_(max_norm={max_norm}) contradicts DeepSpeed gradient_clipping="
+                f"{self._clip} set earlier; DeepSpeed clips inside step() with one value, so "
+                "use the same max_norm every time (or the value in deepspeed_config)"
+            )
+        if self._clip == max_norm:
+            return
+        self._clip = max_norm
+        self.engine._config.gradient_clipping = max_norm
+        if hasattr(self.engine.optimizer, "clip_grad"):
+            self.engine.optimizer.clip_grad = max_norm
+
+    # -- models and state ------------------------------------------------------
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.module if model is self.engine else model
+
+    def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The full fp32 weights on every rank (a collective: call it on all ranks)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module = self.unwrap(model)
+        params = dict(module.named_parameters())
+        out: dict[str, Any] = {}
+        for key, value in module.state_dict(keep_vars=True).items():
+            if key in params:
+                full = safe_get_full_fp32_param(params[key])
+                out[key] = (full if full is not None else params[key]).detach().float().cpu().clone()
+            else:
+                out[key] = value.detach().cpu().clone()
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()

@@ -1,0 +1,125 @@
+"""DeepSpeed scenarios, run by mp_worker.py inside one 2-rank audited gloo group."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from gradsync import Accelerator, audit
+
+from scenarios.common import Indexed, make_model, make_optimizer, train
+
+
+def setup_process_group() -> None:
+    """The audited gloo group DeepSpeed adopts; no C++ op builds on the CPU."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    audit.register()
+    dist.init_process_group(audit.AUDIT_BACKEND["cpu"], timeout=timedelta(seconds=180))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
+class CastIO(nn.Module):
+    """Feeds the model inputs in its parameter dtype and returns fp32 (for bf16 runs)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = next(self.net.parameters()).dtype
+        return self.net(x.to(dtype)).float()
+
+
+def ds_config(stage: int, **extra: Any) -> dict[str, Any]:
+    return {"zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+            **extra}
+
+
+def train_ds(*, stage: int, steps: int, policy: str = "auto", mixed_precision: str = "no",
+             ds_extra: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+    accel = Accelerator(backend="deepspeed", gradient_accumulation_steps=steps, sync_policy=policy,
+                        seed=0, audit=True, mixed_precision=mixed_precision,
+                        deepspeed_config=ds_config(stage, **(ds_extra or {})))
+    if mixed_precision == "bf16":
+        kwargs["model"] = CastIO(make_model())
+    out = train(accel, **kwargs)
+    out["stage"] = stage
+    return out
+
+
+def _expect_error(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def config_errors() -> dict[str, str]:
+    """Contradicting or incomplete configs fail in prepare(), before deepspeed.initialize."""
+    def prepare(steps: int, ds: dict[str, Any], with_loader: bool = True, **kw: Any) -> None:
+        accel = Accelerator(backend="deepspeed", gradient_accumulation_steps=steps,
+                            deepspeed_config=ds, **kw)
+        model = make_model()
+        opt = make_optimizer(model.parameters(), "sgd", 0.1)
+        loader = DataLoader(Indexed(8), batch_size=2)
+        if with_loader:
+            accel.prepare(model, opt, loader)
+        else:
+            accel.prepare(model, opt)
+
+    out = {
+        "gas": _expect_error(lambda: prepare(4, ds_config(0, gradient_accumulation_steps=8))),
+        "train_batch": _expect_error(lambda: prepare(4, ds_config(0, train_batch_size=32))),
+        "micro": _expect_error(lambda: prepare(4, ds_config(0, train_micro_batch_size_per_gpu=4))),
+        "no_micro": _expect_error(lambda: prepare(4, ds_config(0), with_loader=False)),
+        "every_step_stage1": _expect_error(
+            lambda: Accelerator(backend="deepspeed", sync_policy="every_step",
+                                deepspeed_config=ds_config(1))),
+    }
+    # "auto" and matching values are accepted; prepare without a loader works given micro_batch_size
+    ok_ds = ds_config(0, gradient_accumulation_steps="auto", train_batch_size=16)
+    out["auto_ok"] = _expect_error(lambda: prepare(4, ok_ds, with_loader=False, micro_batch_size=2))
+    return out
+
+
+def clip_twice() -> dict[str, str]:
+    """A second clip_grad_norm_ with another max_norm is an error (DeepSpeed has one value)."""
+    accel = Accelerator(backend="deepspeed", deepspeed_config=ds_config(2), micro_batch_size=2)
+    model = make_model()
+    model, opt = accel.prepare(model, make_optimizer(model.parameters(), "sgd", 0.1))
+    x, y = torch.randn(2, 8), torch.randn(2, 1)
+    out = {}
+    with accel.accumulate(model):
+        accel.backward(torch.nn.functional.mse_loss(model(x), y))
+        out["first"] = str(float(accel.clip_grad_norm_(model.parameters(), 0.5)))
+        out["second"] = _expect_error(lambda: accel.clip_grad_norm_(model.parameters(), 2.0))
+        opt.step()
+    return out
+
+
+def config_optimizer(*, stage: int) -> dict[str, Any]:
+    """No torch optimizer: the config's optimizer section (torch Adam on the CPU) is used."""
+    accel = Accelerator(backend="deepspeed", gradient_accumulation_steps=2, seed=0,
+                        deepspeed_config=ds_config(stage, optimizer={"type": "Adam", "params": {"lr": 0.01}}))
+    model = make_model()
+    loader = DataLoader(Indexed(16), batch_size=2)
+    model, loader = accel.prepare(model, loader)
+    before = {k: v.clone() for k, v in accel.get_state_dict(model).items()}
+    opt = accel.optimizer
+    for x, y, _ in loader:
+        with accel.accumulate(model):
+            accel.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+    after = accel.get_state_dict(model)
+    return {"changed": max(float((after[k] - before[k]).abs().max()) for k in after),
+            "optimizer_steps": accel.optimizer_steps,
+            "basic": type(model.basic_optimizer).__name__}

@@ -1,0 +1,204 @@
+"""DeepSpeed ZeRO 0-3 on a real 2-rank gloo group, checked against one process on the same
+global windows. The tests that need DeepSpeed skip where it is not installed."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from gradsync import Accelerator, ConfigError
+from gradsync.backends.deepspeed import fill_batch, load_ds_config
+
+from harness import run_scenarios
+from scenarios.common import make_model, max_diff, reference
+
+SAMPLES = 44  # 22 per rank, 11 micro-batches of 2: not a multiple of 3 or 4
+MICRO = 2
+STAGES = (0, 1, 2, 3)
+BF16_TOL = 5e-3  # measured max |bf16 - fp32 reference|: 1.7e-3 (stage 0), 9.7e-4 (stages 1-3)
+
+
+def _run(stage: int, steps: int, **extra):
+    return {"fn": "train_ds", "stage": stage, "steps": steps, "samples": SAMPLES, "micro_batch": MICRO, **extra}
+
+
+SCENARIOS = {
+    **{f"s{s}_k{k}": _run(s, k) for s in STAGES for k in (1, 4)},
+    **{f"s{s}_k4_to_3": _run(s, 4, change_steps_at=[2, 3]) for s in STAGES},
+    **{f"s{s}_defer": _run(s, 4, policy="defer") for s in STAGES},
+    **{f"s{s}_bf16": _run(s, 4, mixed_precision="bf16") for s in STAGES},
+    **{f"s{s}_clip": _run(s, 4, optimizer="adam", lr=0.01, clip=0.5) for s in STAGES},
+    "s2_every_step": _run(2, 4, policy="every_step"),
+    "s3_zero_grad_first": _run(3, 4, zero_grad_first=True),
+    "config_errors": {"fn": "config_errors"},
+    "clip_twice": {"fn": "clip_twice"},
+    "s0_config_optimizer": {"fn": "config_optimizer", "stage": 0},
+    "s3_config_optimizer": {"fn": "config_optimizer", "stage": 3},
+}
+EQUIV = [n for n in SCENARIOS if n.startswith("s") and SCENARIOS[n]["fn"] == "train_ds"
+         and "bf16" not in n and "clip" not in n]
+
+
+@pytest.fixture(scope="module")
+def results():
+    pytest.importorskip("deepspeed")
+    return run_scenarios("scenarios.deepspeed", SCENARIOS, env={"DS_ACCELERATOR": "cpu"})
+
+
+# -- multi-process ---------------------------------------------------------------------
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", EQUIV)
+def test_equivalence_with_one_process(results, name):
+    ranks = results[name]
+    ref = reference(ranks, samples=SAMPLES)
+    for r in ranks:
+        assert max_diff(r["state"], ref["state"]) < 1e-5
+    assert max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", STAGES)
+def test_partial_last_window_and_schedule_change(results, stage):
+    assert results[f"s{stage}_k4"][0]["sizes"] == [4, 4, 3] * 2
+    assert results[f"s{stage}_k4_to_3"][0]["sizes"] == [4, 4, 3, 3, 3, 3, 2]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["s0_k4", "s2_k4", "s3_k4_to_3", "s1_clip", "s3_clip"])
+def test_scheduler_steps_once_per_optimizer_step(results, name):
+    lr = SCENARIOS[name].get("lr", 0.05)
+    for r in results[name]:
+        assert r["scheduler_last_epoch"] == r["optimizer_steps"] == len(r["windows"])
+        assert r["scheduler_calls"] == sum(r["sizes"])
+        assert r["lrs"] == pytest.approx([lr / (1 + s) for s in range(1, r["optimizer_steps"] + 1)])
+
+
+def _grad_bytes(state):
+    def count(v):
+        return sum(count(x) for x in v) if isinstance(v, list) else 1
+    return 4 * sum(count(v) for v in state.values())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["s0_k4", "s1_k4", "s0_defer", "s1_defer", "s2_defer", "s3_defer"])
+def test_no_gradient_reduction_off_the_boundary(results, name):
+    for r in results[name]:
+        records = r["audit"]
+        assert len(records) == sum(r["sizes"])
+        assert any(not rec["sync"] for rec in records)
+        for rec in records:
+            if rec["sync"]:
+                # one reduction of all the gradients (plus, on ZeRO, a scalar for the norm)
+                assert rec["reduction_bytes"] >= _grad_bytes(r["state"]), rec
+            else:
+                assert rec["reductions"] == 0, rec
+    assert results[name][0]["policy"] == ("native" if name.endswith("_k4") else "defer")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["s2_k4", "s3_k4", "s2_every_step"])
+def test_zero_2_3_native_reduce_every_micro_step(results, name):
+    for r in results[name]:
+        records = r["audit"]
+        assert any(not rec["sync"] for rec in records)
+        for rec in records:
+            assert rec["reductions"] >= 1, rec
+            assert rec["reduction_bytes"] >= _grad_bytes(r["state"]) // 2  # at least this rank's shard
+    assert results[name][0]["policy"] == ("every_step" if "every" in name else "native")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", STAGES)
+def test_clipping_returns_the_global_norm(results, stage):
+    ranks = results[f"s{stage}_clip"]
+    ref = reference(ranks, samples=SAMPLES, optimizer="adam", lr=0.01, clip=0.5)
+    assert max(ref["norms"]) > 0.5, "the scenario must actually clip"
+    for r in ranks:
+        assert len(r["norms"]) == len(ref["norms"]) == r["optimizer_steps"]
+        assert max(abs(a - b) for a, b in zip(r["norms"], ref["norms"])) < 1e-5
+        assert max_diff(r["state"], ref["state"]) < 1e-5
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", STAGES)
+def test_bf16_within_tolerance(results, stage):
+    from scenarios.deepspeed import CastIO
+
+    ranks = results[f"s{stage}_bf16"]
+    ref = reference(ranks, samples=SAMPLES, model=CastIO(make_model()))
+    diffs = [max_diff(r["state"], ref["state"]) for r in ranks]
+    print(f"bf16 stage {stage}: max diff vs fp32 reference {max(diffs):.2e}")
+    assert max(diffs) < BF16_TOL
+    assert max(diffs) > 0, "bf16 must really be on"
+    assert max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
+
+
+@pytest.mark.multiprocess
+def test_contradicting_config_fails_before_training(results):
+    for m in results["config_errors"]:
+        assert m["gas"].startswith("ConfigError")
+        assert "gradient_accumulation_steps=8" in m["gas"] and "gradient_accumulation_steps=4" in m["gas"]
+        assert "train_batch_size=32" in m["train_batch"] and "train_batch_size=16" in m["train_batch"]
+        assert "train_micro_batch_size_per_gpu=4" in m["micro"] and "=2" in m["micro"]
+        assert "micro batch size" in m["no_micro"] and "DataLoader" in m["no_micro"]
+        assert "every_step" in m["every_step_stage1"] and "stage 1" in m["every_step_stage1"]
+        assert m["auto_ok"] == "no error"
+
+
+@pytest.mark.multiprocess
+def test_clip_value_is_set_once(results):
+    for m in results["clip_twice"]:
+        assert float(m["first"]) > 0
+        assert m["second"].startswith("ConfigError") and "0.5" in m["second"] and "2.0" in m["second"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 3])
+def test_config_optimizer_section(results, stage):
+    for r in results[f"s{stage}_config_optimizer"]:
+        assert r["optimizer_steps"] == 2 and r["changed"] > 0
+        assert r["basic"] == "FusedAdam" or "Adam" in r["basic"]
+
+
+# -- in-process, no group -----------------------------------------------------------------
+def test_fill_batch_fills_absent_and_auto():
+    ds = fill_batch({"gradient_accumulation_steps": "auto"}, micro=2, steps=4, world=2)
+    assert ds == {"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 2, "train_batch_size": 16}
+
+
+@pytest.mark.parametrize(("key", "value", "ours"), [
+    ("gradient_accumulation_steps", 8, 4), ("train_batch_size", 32, 16), ("train_micro_batch_size_per_gpu", 4, 2),
+])
+def test_fill_batch_names_both_values(key, value, ours):
+    with pytest.raises(ConfigError) as err:
+        fill_batch({key: value}, micro=2, steps=4, world=2)
+    assert f"{key}={value}" in str(err.value) and f"{key}={ours}" in str(err.value)
+
+
+def test_fill_batch_needs_the_micro_batch():
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        fill_batch({}, micro=None, steps=4, world=2)
+
+
+def test_config_from_dict_path_and_json(tmp_path):
+    cfg = {"zero_optimization": {"stage": 2}}
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    (tmp_path / "ds.yaml").write_text("zero_optimization:\n  stage: 2\n")
+    assert load_ds_config(cfg) == cfg
+    assert load_ds_config(str(tmp_path / "ds.json")) == cfg
+    assert load_ds_config(tmp_path / "ds.json") == cfg
+    assert load_ds_config(str(tmp_path / "ds.yaml")) == cfg
+    assert load_ds_config(json.dumps(cfg)) == cfg
+    with pytest.raises(ConfigError, match="neither an existing file nor JSON"):
+        load_ds_config("nope.json")
+
+
+def test_missing_deepspeed_says_how_to_install(monkeypatch, clean_env):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
+    with pytest.raises(ImportError) as err:
+        Accelerator(backend="deepspeed")
+    message = str(err.value)
+    assert "\n" not in message
+    assert "pip install 'gradsync[deepspeed]'" in message
