@@ -1,0 +1,281 @@
+"""FSDP2 (``fully_shard``): defer the reduce-scatter off the boundary, or reduce every micro-step.
+
+Deferring saves communication but holds every parameter's full, unsharded gradient on each
+rank until the boundary. The policy says which: "defer", "every_step", or "auto" (defer when
+those extra bytes fit a memory budget). FSDP1 models wrapped by the user are deferred through
+their ``no_sync()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+from torch.distributed.tensor import DTensor
+
+from gradsync.backends import _dist
+from gradsync.config import Config
+from gradsync.errors import ConfigError
+
+log = logging.getLogger("gradsync")
+
+#: The share of free memory (device memory, or available RAM split over local ranks) that
+#: "auto" lets the deferred, unsharded gradients take.
+AUTO_BUDGET_FRACTION = 0.25
+
+
+def select_units(model: nn.Module, wrap: Any = None) -> list[nn.Module]:
+    """The submodules to shard as their own unit (outermost first; never the root).
+
+    ``wrap`` is None (the children of every ModuleList / Sequential container), a list of
+    module class names or classes, or a callable ``module -> bool``.
+    """
+    if wrap is None:
+        def pick(parent: nn.Module, child: nn.Module) -> bool:
+            return isinstance(parent, nn.ModuleList | nn.Sequential)
+    elif callable(wrap) and not isinstance(wrap, type):
+        def pick(parent: nn.Module, child: nn.Module) -> bool:
+            return bool(wrap(child))
+    else:
+        wanted = [wrap] if isinstance(wrap, str | type) else list(wrap)
+        names = {w if isinstance(w, str) else w.__name__ for w in wanted}
+        present = {type(m).__name__ for m in model.modules()}
+        if not names & present:
+            raise ConfigError(
+                f"fsdp_wrap={sorted(names)} names no module class of this model; use class "
+                f"names from: {', '.join(sorted(present))}, a callable, or None for the default"
+            )
+
+        def pick(parent: nn.Module, child: nn.Module) -> bool:
+            return type(child).__name__ in names
+
+    units: list[nn.Module] = []
+
+    def walk(parent: nn.Module) -> None:
+        for child in parent.children():
+            if pick(parent, child) and any(True for _ in child.parameters()):
+                units.append(child)  # a unit is sharded whole: do not descend into it
+            else:
+                walk(child)
+
+    walk(model)
+    return units
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """Free bytes this rank may count on, and where the number came from."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"free memory of {device}"
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    try:
+        import psutil  # optional
+
+        avail = int(psutil.virtual_memory().available)
+    except ImportError:
+        avail = 0
+        with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+        if not avail:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return avail // local, f"available RAM / {local} local rank(s)"
+
+
+def deferral_cost(model: nn.Module, world: int, *, grad_bytes: int | None, keep_params: bool) -> int:
+    """Extra bytes per rank that deferring holds: the unsharded gradients minus their shard
+    (in the gradient dtype), plus the unsharded parameters when they stay gathered."""
+    full = sum(p.numel() * (grad_bytes or p.element_size()) for p in model.parameters())
+    if keep_params:
+        full += sum(p.numel() * p.element_size() for p in model.parameters())
+    return full - full // world
+
+
+def _groups(model: nn.Module) -> Iterator[Any]:
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            yield from module._get_fsdp_state()._fsdp_param_groups
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+class FSDPBackend:
+    name: ClassVar[str] = "fsdp"
+
+    def __init__(self) -> None:
+        self.policy = "defer"
+        self.policy_reason = ""
+        self.memory: dict[str, int] = {}
+        self._device = torch.device("cpu")
+        self._config = Config()
+        self._mesh: DeviceMesh | None = None
+        self.owns_group = False
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def setup(self, config: Config) -> None:
+        if config.sync_policy == "native":
+            raise ConfigError(
+                "sync_policy='native' is DeepSpeed's; with backend='fsdp' use 'defer', "
+                "'every_step' or 'auto'"
+            )
+        if config.mixed_precision == "fp16":
+            raise ConfigError(
+                "mixed_precision='fp16' is not supported with backend='fsdp'; use 'bf16' "
+                "(bf16 compute, fp32 gradient reduction) or 'no'"
+            )
+        self._config = config
+        self.policy = config.sync_policy if config.sync_policy != "auto" else "every_step"
+        self.policy_reason = f"sync_policy={config.sync_policy!r} (auto decides at prepare)"
+        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
+        self._device = _dist.local_device()
+        self._mesh = init_device_mesh(self._device.type, (dist.get_world_size(),))
+
+    # -- prepare ------------------------------------------------------------
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        if not any(True for _ in model.parameters()):
+            raise ConfigError(
+                f"backend='fsdp' got a {type(model).__name__} with no parameters; there is "
+                "nothing to shard: prepare the model that holds the trainable parameters"
+            )
+        if optimizer is not None and optimizer.state:
+            raise ConfigError(
+                f"the {type(optimizer).__name__} already has state for {len(optimizer.state)} "
+                "parameters; backend='fsdp' re-points the optimizer at the sharded parameters, "
+                "which would orphan that state: prepare before the first optimizer step"
+            )
+        if not isinstance(model, FSDPModule | FSDP1):
+            names = {id(p): n for n, p in model.named_parameters()}
+            self._shard(model)
+            if optimizer is not None:
+                sharded = dict(model.named_parameters())
+                for group in optimizer.param_groups:
+                    group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        self._decide(model)
+        return model, optimizer
+
+    def _shard(self, model: nn.Module) -> None:
+        assert self._mesh is not None, "setup() first"
+        if not any(p.is_meta for p in model.parameters()):
+            # Every rank shards its own copy: start them all from rank 0's weights.
+            model.to(self._device)
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+        kwargs: dict[str, Any] = {"mesh": self._mesh}
+        if self._config.mixed_precision == "bf16":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for unit in select_units(model, self._config.fsdp_wrap):
+            fully_shard(unit, **kwargs)
+        if "mp_policy" in kwargs:  # the user's loss sees fp32 outputs, as without bf16
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+            )
+        fully_shard(model, **kwargs)
+
+    def _decide(self, model: nn.Module) -> None:
+        cfg, world = self._config, dist.get_world_size()
+        keep = cfg.fsdp_reshard_after_backward is False
+        grad_bytes = 4 if cfg.mixed_precision == "bf16" else None
+        extra = deferral_cost(model, world, grad_bytes=grad_bytes, keep_params=keep)
+        budget, source = cfg.fsdp_memory_budget, "fsdp_memory_budget"
+        if cfg.sync_policy == "auto" and budget is None:
+            free, where = available_memory(self._device)
+            # The ranks must agree (a mixed decision would hang): take the smallest budget.
+            t = torch.tensor([int(free * AUTO_BUDGET_FRACTION)], dtype=torch.int64, device=self._device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            budget, source = int(t.item()), f"{AUTO_BUDGET_FRACTION:.0%} of {where}, min over ranks"
+        self.memory = {"deferral_extra_bytes": extra, "world_size": world}
+        if budget is not None:
+            self.memory["budget_bytes"] = budget
+        what = "unsharded gradients" + (" and parameters" if keep else "")
+        cost = f"deferring holds {_mib(extra)} extra {what} per rank"
+        if cfg.sync_policy == "auto":
+            assert budget is not None
+            self.policy = "defer" if extra <= budget else "every_step"
+            fits = "fits" if self.policy == "defer" else "exceeds"
+            self.policy_reason = f"auto -> {self.policy}: {cost}, which {fits} the budget {_mib(budget)} ({source})"
+        else:
+            self.policy_reason = f"{self.policy} (requested): {cost}"
+        if dist.get_rank() == 0:
+            log.info("gradsync fsdp: sync_policy %s", self.policy_reason)
+
+    # -- the micro-step -------------------------------------------------------
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module, *, sync: bool) -> Iterator[None]:
+        reduce = sync or self.policy == "every_step"
+        if isinstance(model, FSDP1):
+            with contextlib.nullcontext() if reduce else model.no_sync():
+                yield
+            return
+        if not isinstance(model, FSDPModule):
+            raise RuntimeError(
+                f"accumulate() got a {type(model).__name__}, not the sharded model that "
+                "accel.prepare() returned, so gradient sync cannot be controlled; pass the "
+                "prepared model: `model = accel.prepare(model)`"
+            )
+        saved = [(g, g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward) for g in _groups(model)]
+        model.set_requires_gradient_sync(reduce)
+        if not reduce and self._config.fsdp_reshard_after_backward is False:
+            model.set_reshard_after_backward(False)
+        try:
+            yield
+        finally:  # put back exactly what FSDP held before, not a value derived from `sync`
+            for g, reduce_grads, all_reduce_grads, reshard in saved:
+                g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward = reduce_grads, all_reduce_grads, reshard
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        optimizer.step()
+        return True
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        optimizer.zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_norm_(
+        self, model: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float
+    ) -> torch.Tensor:
+        if isinstance(model, FSDP1):
+            return model.clip_grad_norm_(max_norm).detach()
+        # Over DTensor gradients the norm is a DTensor of the global norm; make it plain.
+        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
+        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, FSDP1) else model  # FSDP2 shards in place
+
+    def state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The full state dict on CPU, on every rank (each tensor gathered in turn)."""
+        if isinstance(model, FSDP1):
+            from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+
+            # offload_to_cpu frees the flat parameter when it already lives on the CPU
+            cfg = FullStateDictConfig(offload_to_cpu=self._device.type != "cpu", rank0_only=False)
+            with FSDP1.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+                return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        out: dict[str, Any] = {}
+        for key, value in model.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            out[key] = full.detach().cpu()
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()
+

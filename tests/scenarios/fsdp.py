@@ -1,0 +1,147 @@
+"""FSDP2 (and FSDP1) scenarios, run by mp_worker.py inside one 2-rank audited gloo group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+from gradsync import Accelerator
+
+from scenarios.common import Block, make_model, make_optimizer, train
+
+
+def _accel(steps: int, policy: str = "auto", **options: Any) -> Accelerator:
+    options = {k: v for k, v in options.items() if v is not None}
+    return Accelerator(backend="fsdp", gradient_accumulation_steps=steps, sync_policy=policy,
+                       seed=0, audit=True, **options)
+
+
+def _units(model: nn.Module) -> int:
+    """Sharded units that hold parameters (each reduce-scatters once per reduction)."""
+    return sum(len(m._get_fsdp_state()._fsdp_param_groups) for m in model.modules()
+               if isinstance(m, FSDPModule))
+
+
+def grad_bytes(model: nn.Module) -> dict[str, int]:
+    """Gradient bytes this rank holds: FSDP2's unsharded (deferred) and sharded gradients."""
+    unsharded = sharded = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                acc = fp.unsharded_accumulated_grad
+                if acc is not None:
+                    unsharded += acc.numel() * acc.element_size()
+                up = getattr(fp, "_unsharded_param", None)
+                if up is not None and up.grad is not None:
+                    unsharded += up.grad.numel() * up.grad.element_size()
+                g = fp.sharded_param.grad
+                if g is not None:
+                    local = g.to_local()
+                    sharded += local.numel() * local.element_size()
+    return {"unsharded": unsharded, "sharded": sharded}
+
+
+def train_fsdp(*, steps: int, policy: str = "auto", mixed_precision: str | None = None,
+               budget: int | None = None, reshard: bool | None = None, wrap: Any = None,
+               **kwargs: Any) -> dict[str, Any]:
+    accel = _accel(steps, policy, mixed_precision=mixed_precision, fsdp_memory_budget=budget,
+                   fsdp_reshard_after_backward=reshard, fsdp_wrap=wrap)
+    model = make_model()
+    out = train(accel, model=model, **kwargs)
+    out["units"] = _units(model)
+    out["reason"] = accel._backend.policy_reason  # type: ignore[attr-defined]
+    return out
+
+
+def train_wrap_callable(*, steps: int, **kwargs: Any) -> dict[str, Any]:
+    """fsdp_wrap as a callable: shard only the Block modules (plus the root)."""
+    accel = _accel(steps, "defer", fsdp_wrap=lambda m: isinstance(m, Block))
+    model = make_model()
+    out = train(accel, model=model, **kwargs)
+    out["units"] = _units(model)
+    return out
+
+
+def memory(*, policy: str, budget: int | None = None) -> dict[str, Any]:
+    """Gradient bytes held after a non-boundary micro-step and after the boundary."""
+    accel = _accel(2, policy, fsdp_memory_budget=budget)
+    raw = make_model()
+    params = sum(p.numel() for p in raw.parameters())
+    model, _ = accel.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.1))
+    shard = sum(p.to_local().numel() for p in model.parameters())
+    held = []
+    for _ in range(2):
+        with accel.accumulate(model):
+            accel.backward(F.mse_loss(model(torch.randn(2, 8)), torch.randn(2, 1)))
+            held.append(grad_bytes(model))
+    return {"policy": accel.sync_policy, "reason": accel._backend.policy_reason,  # type: ignore[attr-defined]
+            "memory": accel._backend.memory,  # type: ignore[attr-defined]
+            "off_boundary": held[0], "boundary": held[1], "param_numel": params, "shard_numel": shard}
+
+
+def restores_state() -> dict[str, Any]:
+    """accumulate() puts back what FSDP held before, whatever that was."""
+    accel = _accel(2, "defer")
+    model = accel.prepare(make_model())
+    backend = accel._backend
+
+    def flags() -> list[list[bool]]:
+        return [[g.reduce_grads, g.reshard_after_backward] for m in model.modules()
+                if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
+
+    seen: dict[str, Any] = {"before": flags()}
+    model.blocks[0].set_requires_gradient_sync(False, recurse=False)  # the user's own setting
+    seen["user"] = flags()
+    with backend.accumulate(model, sync=True):
+        seen["inside_sync"] = flags()
+    seen["after_sync"] = flags()
+    with backend.accumulate(model, sync=False):
+        seen["inside_defer"] = flags()
+    seen["after_defer"] = flags()
+    return seen
+
+
+def train_fsdp1(*, steps: int, policy: str = "defer", **kwargs: Any) -> dict[str, Any]:
+    """A model the user wrapped in FSDP1 is deferred through its no_sync()."""
+    accel = _accel(steps, policy)
+    model = FSDP1(make_model(), device_id=torch.device("cpu"))
+    return train(accel, model=model, **kwargs)
+
+
+def misuse() -> dict[str, str]:
+    """Each misuse raises a clear error; returns 'ExceptionType: message' per case."""
+    messages: dict[str, str] = {}
+
+    def catch(key: str, fn: Any) -> None:
+        try:
+            fn()
+        except (ValueError, RuntimeError) as err:
+            messages[key] = f"{type(err).__name__}: {err}"
+
+    accel = _accel(4, "defer")
+    catch("no_parameters", lambda: accel.prepare(nn.Sequential(nn.ReLU())))
+    catch("foreign_optimizer",
+          lambda: accel.prepare(make_model(), torch.optim.SGD(make_model(1).parameters(), lr=0.1)))
+    raw = make_model()
+    stateful = make_optimizer(raw.parameters(), "adam", 0.1)
+    F.mse_loss(raw(torch.randn(2, 8)), torch.randn(2, 1)).backward()
+    stateful.step()
+    catch("optimizer_with_state", lambda: accel.prepare(raw, stateful))
+    catch("unknown_wrap", lambda: _accel(4, "defer", fsdp_wrap=["Transformer"]).prepare(make_model()))
+    plain = make_model()
+
+    def unprepared() -> None:
+        with accel.accumulate(plain):
+            pass
+
+    catch("unprepared", unprepared)
+    dist.barrier()
+    return messages
