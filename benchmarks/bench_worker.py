@@ -1,0 +1,287 @@
+"""One rank of the sync-overhead benchmark (started by sync_overhead.py through torchrun).
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 bench_worker.py SPEC OUT
+
+Joins an audited process group (gloo on CPU, nccl on GPUs), then for each backend and each
+accumulation k builds every mode's runner and times them interleaved: each repetition
+runs a few optimizer steps of every mode in turn (rotating the order), so drift on a
+shared machine hits all modes alike. Writes OUT/rank{r}.json after every cell group.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from bench_cells import CELLS, Sizes, build, checksum, mode_skip, sgd
+
+from gradsync import audit
+
+
+# -- memory -----------------------------------------------------------------------
+def _status(key: str) -> int:
+    """A /proc/self/status value in bytes (Linux), 0 where unknown."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_peak(device: torch.device) -> int:
+    """Reset the peak-memory counter; return the current level."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+    return _status("VmRSS")
+
+
+def _peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return _status("VmHWM")
+
+
+# -- one mode's chunk of optimizer steps ----------------------------------------------
+def _run_steps(runner: Any, batches: list[Any], k: int, steps: int, start: int, rec: Any) -> tuple[list[float], list[float], list[float]]:
+    """Run ``steps`` optimizer steps; return per-step times, off-boundary and boundary micro-step times."""
+    step_t, off_t, on_t = [], [], []
+    n = len(batches)
+    perf = time.perf_counter
+    for s in range(steps):
+        t_step = perf()
+        for i in range(k):
+            x, y = batches[(start + s * k + i) % n]
+            sync = i == k - 1
+            rec.open(sync)
+            t0 = perf()
+            runner.micro(x, y, sync)
+            dt = perf() - t0
+            rec.close()
+            (on_t if sync else off_t).append(dt)
+        step_t.append(perf() - t_step)
+    return step_t, off_t, on_t
+
+
+def _audit_per_step(rec: Any, k: int) -> dict[str, Any]:
+    """Collectives of the recorded micro-steps, per optimizer step."""
+    records = rec.records
+    steps = max(1, len(records) // k)
+    red = sum(r.reductions for r in records)
+    red_bytes = sum(r.reduction_bytes for r in records)
+    gathers = sum(r.count("allgather") for r in records)
+    all_bytes = sum(r.nbytes() for r in records)
+    last = records[-k:] if len(records) >= k else records
+    return {
+        "reductions": red / steps,
+        "reduction_bytes": red_bytes / steps,
+        "allgathers": gathers / steps,
+        "bytes": all_bytes / steps,
+        "reductions_per_micro_step": [r.reductions for r in last],
+    }
+
+
+def _allreduce_ms(numel: int, device: torch.device, reps: int) -> list[float]:
+    buf = torch.ones(numel, device=device)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _optimizer_ms(sizes: Sizes, device: torch.device, reps: int) -> list[float]:
+    """One local optimizer step + zero_grad on the full model (no communication)."""
+    model = sizes.model().to(device)
+    opt = sgd(model.parameters())
+    times = []
+    for _ in range(reps + 1):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 1e-3)
+        t0 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times[1:]
+
+
+def _agree(ok: bool, device: torch.device) -> bool:
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _short(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
+
+
+# -- one backend at one k -----------------------------------------------------------------
+def run_group(label: str, k: int, spec: dict[str, Any], sizes: Sizes, device: torch.device, rank: int, out: dict[str, Any]) -> None:
+    cells = CELLS[label]
+    rec = audit.recorder_of()
+    assert rec is not None, "the worker's process group must be the audited one"
+    modes = []
+    for mode in spec["modes"]:
+        reason = mode_skip(cells, mode)
+        if reason is not None:
+            if reason not in out["notes"]:
+                out["notes"].append(reason)
+            continue
+        modes.append(mode)
+
+    if rank == 0:
+        print(f"[bench] {label:<11} k={k:<2} running {', '.join(modes)} ...", flush=True)
+    runners: dict[str, Any] = {}
+    for mode in modes:
+        err: BaseException | None = None
+        try:
+            runners[mode] = build(cells, mode, sizes, k, device)
+        except Exception as exc:  # recorded as a note; the other modes still run
+            err = exc
+            if rank == 0:
+                traceback.print_exc()
+        if not _agree(err is None, device):
+            runners.pop(mode, None)
+            out["notes"].append(f"{label} k={k} {mode}: skipped, building it failed" + (f" ({_short(err)})" if err else " on another rank"))
+    modes = [m for m in modes if m in runners]
+    initial = checksum(sizes.model())
+    rec.clear()
+
+    batches = sizes.batches(rank, spec["batches"], device)
+    numel = sum(p.numel() for p in sizes.model().parameters())
+    steps, reps, warmup = spec["steps_per_rep"], spec["reps"], spec["warmup"]
+    # Warm-up: DDP rebuilds its buckets after the first step, allocators settle.
+    for mode in list(modes):
+        try:
+            _run_steps(runners[mode], batches, k, warmup, 0, rec)
+        except Exception as exc:
+            if rank == 0:
+                traceback.print_exc()
+            out["notes"].append(f"{label} k={k} {mode}: dropped, a warm-up step failed ({_short(exc)})")
+            modes.remove(mode)
+            rec.close()
+    rec.clear()
+
+    res: dict[str, dict[str, Any]] = {
+        m: {"step_s": [], "off_s": [], "on_s": [], "rep_median_s": [], "peak": 0, "peak_growth": 0, "audit": None}
+        for m in modes
+    }
+    ar_ms: list[float] = []
+    for r in range(reps):
+        order = modes[r % len(modes):] + modes[: r % len(modes)] if modes else []
+        for mode in order:
+            dist.barrier()
+            rec.clear()
+            base = _reset_peak(device)
+            try:
+                step_t, off_t, on_t = _run_steps(runners[mode], batches, k, steps, (r + 1) * steps * k, rec)
+            except Exception as exc:  # both ranks run the same code: they fail alike
+                if rank == 0:
+                    traceback.print_exc()
+                out["notes"].append(f"{label} k={k} {mode}: dropped, a step failed ({_short(exc)})")
+                modes = [m for m in modes if m != mode]
+                res.pop(mode, None)
+                rec.close()
+                continue
+            peak = _peak(device)
+            entry = res[mode]
+            entry["step_s"] += step_t
+            entry["off_s"] += off_t
+            entry["on_s"] += on_t
+            entry["rep_median_s"].append(statistics.median(step_t))
+            entry["peak"] = max(entry["peak"], peak)
+            entry["peak_growth"] = max(entry["peak_growth"], peak - base)
+            entry["audit"] = _audit_per_step(rec, k)
+        rec.clear()
+        ar_ms += _allreduce_ms(numel, device, 2)
+    # Every mode saw the same batches in the same order: their parameters must agree.
+    sums = {m: checksum(runners[m].model) for m in modes}
+    rec.clear()
+    ref = sums.get("gradsync")
+    update = abs(ref - initial) if ref is not None else 0.0
+    for m in modes:
+        res[m]["param_diff_rel"] = abs(sums[m] - ref) / update if ref is not None and update else None
+
+    group = {
+        "backend": label,
+        "k": k,
+        "grad_numel": numel,
+        "grad_bytes": numel * 4,
+        "allreduce_ms": ar_ms,
+        "optimizer_ms": _optimizer_ms(sizes, device, 5),
+        "modes": {m: {**res[m], "policy": getattr(runners[m], "policy", "?")} for m in modes},
+    }
+    out["groups"].append(group)
+    if rank == 0:
+        for m in modes:
+            med = statistics.median(res[m]["step_s"]) * 1e3
+            aud = res[m]["audit"]
+            print(
+                f"[bench] {label:<11} k={k:<2} {m:<10} {med:8.2f} ms/step  "
+                f"{aud['reductions']:.1f} reductions, {aud['reduction_bytes'] / 2**20:.2f} MiB per step",
+                flush=True,
+            )
+    runners.clear()
+    gc.collect()
+
+
+def main() -> None:
+    spec_path, out_dir = sys.argv[1:3]
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec.get("threads", 1))
+    device_type = "cuda" if torch.cuda.is_available() and spec.get("device") != "cpu" else "cpu"
+    for label in spec["backends"]:
+        setup = CELLS[label].process_setup if label in CELLS else None
+        if setup is not None and CELLS[label].missing() is None:
+            setup()
+    audit.register()
+    dist.init_process_group(audit.AUDIT_BACKEND[device_type], timeout=timedelta(seconds=300))
+    rank = dist.get_rank()
+    device = torch.device(device_type, rank % max(1, torch.cuda.device_count())) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    sizes = Sizes(**spec["sizes"])
+    out: dict[str, Any] = {"rank": rank, "device": str(device), "groups": [], "notes": []}
+    path = Path(out_dir, f"rank{rank}.json")
+    for label in spec["backends"]:
+        cells = CELLS.get(label)
+        if cells is None:
+            out["notes"].append(f"{label}: unknown backend cell; known: {', '.join(CELLS)}")
+            continue
+        if cells.note and cells.note not in out["notes"]:
+            out["notes"].append(cells.note)
+        missing = cells.missing()
+        if not _agree(missing is None, device):
+            out["notes"].append(missing or f"{label}: skipped, unavailable on another rank")
+            if rank == 0:
+                print(f"[bench] {label:<12} skipped: {missing}", flush=True)
+            continue
+        for k in spec["ks"]:
+            run_group(label, k, spec, sizes, device, rank, out)
+            path.write_text(json.dumps(out))
+    path.write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

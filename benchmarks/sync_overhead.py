@@ -1,0 +1,482 @@
+"""The sync-overhead benchmark: what deferral saves, what gradsync costs, against Accelerate.
+
+    python benchmarks/sync_overhead.py [--quick] [--out DIR]       (or: gradsync bench ...)
+
+Starts its own worker group (2 ranks, gloo on CPU / nccl on GPUs, through
+``torch.distributed.run --standalone``) and measures, per backend (ddp, fsdp, deepspeed
+ZeRO 0 and 2) and per accumulation k, four modes of the same training loop:
+
+* naive       gradsync, ``sync_policy="every_step"``
+* gradsync    gradsync, default policy
+* manual      the loop by hand against the backend's own API (the floor for the wrapper)
+* accelerate  Hugging Face Accelerate's ``accumulate`` (DDP path, where installed)
+
+Then a one-process micro-benchmark of the wrapper alone. Writes a Markdown table to
+stdout and ``sync_overhead.{json,md,png}`` to the output folder. Run it under the shared
+lock on a busy machine: ``flock /tmp/gradsync-mp.lock python benchmarks/sync_overhead.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "bench_worker.py"
+BACKENDS = ("ddp", "fsdp", "deepspeed-0", "deepspeed-2")
+MODES = ("naive", "gradsync", "manual", "accelerate")
+
+FULL = {
+    "ks": [1, 4, 8],
+    # ~4.2 M parameters (16 MiB of fp32 gradients), micro-batch 8: on one CPU core per rank
+    # the all-reduce of the gradients costs about as much as a micro-step's compute.
+    "sizes": {"width": 1024, "depth": 3, "features": 1024, "outputs": 16, "micro_batch": 8},
+    "batches": 16, "steps_per_rep": 3, "reps": 8, "warmup": 2,
+    "micro": {"reps": 9, "iters": 800},
+}
+QUICK = {
+    "ks": [1, 4],
+    "sizes": {"width": 64, "depth": 2, "features": 64, "outputs": 4, "micro_batch": 4},
+    "batches": 8, "steps_per_rep": 2, "reps": 2, "warmup": 1,
+    "micro": {"reps": 3, "iters": 200},
+}
+FORMULA = (
+    "expected naive/gradsync = (k*c + r_naive*a + o) / (k*c + r_gradsync*a + o); c = compute "
+    "per micro-step (median off-boundary micro-step under gradsync), a = one all-reduce of "
+    "the gradient bytes on the same group, o = one local optimizer step + zero_grad, r = "
+    "gradient bytes reduced per optimizer step / gradient bytes of the model"
+)
+
+
+# -- statistics -------------------------------------------------------------------
+def _summary_ms(values_s: list[float]) -> dict[str, float]:
+    ms = sorted(v * 1e3 for v in values_s)
+    if not ms:
+        return {}
+    q = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [ms[0]] * 3
+    return {"median": statistics.median(ms), "q1": q[0], "q3": q[2], "min": ms[0], "max": ms[-1], "n": len(ms)}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# -- the wrapper micro-benchmark (one process) ----------------------------------------
+def micro_benchmark(reps: int, iters: int, k: int = 4) -> dict[str, Any]:
+    """Per-micro-step cost of accumulate() + backward() + the gated optimizer calls."""
+    import torch
+    import torch.nn.functional as F
+
+    from gradsync import Accelerator
+
+    torch.set_num_threads(1)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(var, None)
+
+    def model_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 1)
+        return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+
+    bare_model, bare_opt = model_opt()
+
+    def bare(n: int) -> float:
+        t0 = time.perf_counter()
+        for i in range(n):
+            loss = F.mse_loss(bare_model(x), y) / k
+            loss.backward()
+            if (i + 1) % k == 0:
+                bare_opt.step()
+                bare_opt.zero_grad()
+        return time.perf_counter() - t0
+
+    accel = Accelerator(backend="single", gradient_accumulation_steps=k)
+    gs_model, gs_opt = accel.prepare(*model_opt())
+
+    def wrapped(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            with accel.accumulate(gs_model):
+                loss = F.mse_loss(gs_model(x), y)
+                accel.backward(loss)
+                gs_opt.step()
+                gs_opt.zero_grad()
+        return time.perf_counter() - t0
+
+    bare(iters // 4)
+    wrapped(iters // 4)  # warm-up, a multiple of k
+    bare_us, gs_us = [], []
+    for r in range(reps):
+        pair = [(bare, bare_us), (wrapped, gs_us)]
+        for fn, sink in pair if r % 2 == 0 else reversed(pair):
+            sink.append(fn(iters) / iters * 1e6)
+    diffs = [g - b for g, b in zip(gs_us, bare_us)]
+    return {
+        "k": k,
+        "model": "Linear(8, 1), micro-batch 4, SGD, backend 'single'",
+        "micro_steps_per_rep": iters,
+        "bare_us": statistics.median(bare_us),
+        "gradsync_us": statistics.median(gs_us),
+        "overhead_us": statistics.median(diffs),
+        "overhead_us_min": min(diffs),
+        "overhead_us_max": max(diffs),
+        "target_us": 50.0,
+    }
+
+
+# -- the worker group ---------------------------------------------------------------
+def run_workers(spec: dict[str, Any], out: Path, nproc: int, timeout: float) -> list[dict[str, Any]]:
+    work = Path(tempfile.mkdtemp(prefix="gradsync-bench-"))
+    (work / "spec.json").write_text(json.dumps(spec))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "--max-restarts=0", str(WORKER), str(work / "spec.json"), str(work),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    env.setdefault("OMP_NUM_THREADS", str(spec.get("threads", 1)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    log_path = out / "worker.log"
+    with log_path.open("w") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=None, stderr=log, env=env, cwd=HERE, timeout=timeout)
+            code: int | str = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = f"timeout after {timeout:.0f} s"
+    results = []
+    for rank in range(nproc):
+        path = work / f"rank{rank}.json"
+        if path.exists():
+            results.append(json.loads(path.read_text()))
+    if len(results) < nproc or code not in (0, "0"):
+        tail = log_path.read_text()[-3000:]
+        if len(results) < nproc:
+            raise RuntimeError(f"the benchmark workers wrote no results (exit {code}); {log_path}:\n{tail}")
+        # A rank may abort at exit after writing everything (seen with DeepSpeed): the files decide.
+        print(f"[bench] note: worker group exited with {code} after writing results; see {log_path}", flush=True)
+    return results
+
+
+# -- turning raw timings into cells, ratios and checks -------------------------------------
+def analyse(ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    rank0 = ranks[0]
+    cells, ratios = [], []
+    notes = list(dict.fromkeys(n for r in ranks for n in r["notes"]))
+    compute_ms: dict[str, float] = {}
+    for group in rank0["groups"]:
+        gs = group["modes"].get("gradsync")
+        if gs and gs["off_s"]:
+            compute_ms[group["backend"]] = statistics.median(gs["off_s"]) * 1e3
+    for gi, group in enumerate(rank0["groups"]):
+        label, k, grad_bytes = group["backend"], group["k"], group["grad_bytes"]
+        a = statistics.median(group["allreduce_ms"])
+        o = statistics.median(group["optimizer_ms"])
+        med: dict[str, float] = {}
+        reps: dict[str, list[float]] = {}
+        red: dict[str, float] = {}
+        for mode, m in group["modes"].items():
+            stats = _summary_ms(m["step_s"])
+            peaks = [r["groups"][gi]["modes"][mode] for r in ranks if gi < len(r["groups"])]
+            med[mode] = stats["median"]
+            reps[mode] = m["rep_median_s"]
+            diff = m.get("param_diff_rel")
+            if diff is not None and diff > 1e-3:
+                notes.append(f"{label} k={k} {mode}: final parameters differ from gradsync's by "
+                             f"{diff:.2e} of the update: this mode did not train the same way")
+            red[mode] = m["audit"]["reduction_bytes"]
+            cells.append({
+                "backend": label, "k": k, "mode": mode, "policy": m["policy"],
+                "step_ms": stats,
+                "micro_step_ms": {"off_boundary": _summary_ms(m["off_s"]).get("median"),
+                                  "boundary": _summary_ms(m["on_s"]).get("median")},
+                "reductions_per_step": m["audit"]["reductions"],
+                "reduction_bytes_per_step": m["audit"]["reduction_bytes"],
+                "allgathers_per_step": m["audit"]["allgathers"],
+                "collective_bytes_per_step": m["audit"]["bytes"],
+                "reductions_per_micro_step": m["audit"]["reductions_per_micro_step"],
+                "param_diff_vs_gradsync": m.get("param_diff_rel"),
+                "peak_rss_mib_per_rank": [p["peak"] / 2**20 for p in peaks],
+                "peak_growth_mib_per_rank": [p["peak_growth"] / 2**20 for p in peaks],
+            })
+        c = compute_ms.get(label)
+        row: dict[str, Any] = {
+            "backend": label, "k": k, "allreduce_ms": a, "optimizer_ms": o, "compute_ms": c,
+            "grad_bytes": grad_bytes,
+        }
+        if "naive" in med and "gradsync" in med:
+            r_n, r_g = red["naive"] / grad_bytes, red["gradsync"] / grad_bytes
+            cc = c if c is not None else 0.0
+            expected = (k * cc + r_n * a + o) / (k * cc + r_g * a + o)
+            measured = med["naive"] / med["gradsync"]
+            row.update({
+                "speedup": measured, "speedup_expected": expected,
+                "speedup_vs_expected": measured / expected,
+                "bytes_gradsync_over_naive": _ratio(red["gradsync"], red["naive"]),
+                "bytes_target": 1 / k,
+            })
+        for other in ("manual", "accelerate"):
+            if "gradsync" in med and other in med:
+                per_rep = [g / m for g, m in zip(reps["gradsync"], reps[other])]
+                row[f"gradsync_over_{other}"] = med["gradsync"] / med[other]
+                row[f"gradsync_over_{other}_rep_min"] = min(per_rep)
+                row[f"gradsync_over_{other}_rep_max"] = max(per_rep)
+        ratios.append(row)
+    return cells, ratios, notes
+
+
+def checks(ratios: list[dict[str, Any]], micro: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's acceptance criteria, evaluated on this run."""
+    out = []
+
+    def add(name: str, value: float | None, target: str, ok: bool | None) -> None:
+        out.append({"check": name, "value": value, "target": target, "pass": ok})
+
+    for row in ratios:
+        label, k = row["backend"], row["k"]
+        if label in ("ddp", "fsdp") and k == 8 and "speedup" in row:
+            b = row["bytes_gradsync_over_naive"]
+            add(f"{label} k=8 bytes gradsync/naive", b, "1/k +-5%", b is not None and abs(b * k - 1) <= 0.05)
+            v = row["speedup_vs_expected"]
+            add(f"{label} k=8 speed-up / expected", v, "within 20%", abs(v - 1) <= 0.20)
+        if label == "ddp" and k in (4, 8):
+            if "gradsync_over_manual" in row:
+                v = row["gradsync_over_manual"]
+                add(f"ddp k={k} gradsync/manual", v, "<= 1.02", v <= 1.02)
+            if "gradsync_over_accelerate" in row:
+                v = row["gradsync_over_accelerate"]
+                add(f"ddp k={k} gradsync/accelerate", v, "<= 1.00", v <= 1.00)
+    add("wrapper overhead us per micro-step", micro["overhead_us"], "< 50", micro["overhead_us"] < 50)
+    return out
+
+
+# -- output ------------------------------------------------------------------------------
+def _f(v: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        f"## gradsync sync-overhead benchmark ({result['meta']['device']}, {result['meta']['world_size']} ranks)",
+        "",
+        f"Model: {result['meta']['model']}. Times per optimizer step on rank 0, median [IQR] over "
+        f"{result['meta']['timed_steps_per_mode']} steps per cell; bytes and counts from gradsync.audit; "
+        "'params vs gradsync' = |checksum(mode) - checksum(gradsync)| / |update of gradsync| after "
+        "the same batches (~1e-6 is float rounding).",
+        "",
+        "| backend | k | mode | policy | ms/step median [IQR] | reductions/step | MiB reduced/step | all-gathers/step | peak RSS MiB (growth) | params vs gradsync |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in result["cells"]:
+        s = c["step_ms"]
+        peak = max(c["peak_rss_mib_per_rank"])
+        growth = max(c["peak_growth_mib_per_rank"])
+        lines.append(
+            f"| {c['backend']} | {c['k']} | {c['mode']} | {c['policy']} | {s['median']:.1f} [{s['q1']:.1f}-{s['q3']:.1f}] "
+            f"| {c['reductions_per_step']:.1f} | {c['reduction_bytes_per_step'] / 2**20:.1f} "
+            f"| {c['allgathers_per_step']:.1f} | {peak:.0f} (+{growth:.0f}) "
+            f"| {_f(c['param_diff_vs_gradsync'], '{:.1e}')} |"
+        )
+    lines += [
+        "",
+        "| backend | k | all-reduce ms | compute ms/micro | naive/gradsync | expected | bytes gradsync/naive (1/k) | gradsync/manual [rep range] | gradsync/accelerate [rep range] |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    def rng(r: dict[str, Any], name: str) -> str:
+        if name not in r:
+            return "-"
+        return f"{r[name]:.3f} [{r[name + '_rep_min']:.3f}-{r[name + '_rep_max']:.3f}]"
+
+    for r in result["ratios"]:
+        lines.append(
+            f"| {r['backend']} | {r['k']} | {r['allreduce_ms']:.1f} | {_f(r['compute_ms'], '{:.1f}')} "
+            f"| {_f(r.get('speedup'))} | {_f(r.get('speedup_expected'))} "
+            f"| {_f(r.get('bytes_gradsync_over_naive'), '{:.3f}')} ({1 / r['k']:.3f}) "
+            f"| {rng(r, 'gradsync_over_manual')} | {rng(r, 'gradsync_over_accelerate')} |"
+        )
+    m = result["micro"]
+    lines += [
+        "",
+        f"Wrapper micro-benchmark ({m['model']}, k={m['k']}): bare loop {m['bare_us']:.1f} us, gradsync "
+        f"{m['gradsync_us']:.1f} us per micro-step; overhead {m['overhead_us']:.1f} us "
+        f"(reps {m['overhead_us_min']:.1f} to {m['overhead_us_max']:.1f}; target < 50 us).",
+        "",
+        f"Formula: {FORMULA}.",
+        "",
+        "Checks: " + "; ".join(
+            f"{c['check']} = {_f(c['value'], '{:.3f}')} ({c['target']}: {'ok' if c['pass'] else 'MISSED'})"
+            for c in result["checks"]
+        ),
+    ]
+    if result["notes"]:
+        lines += ["", "Notes:"] + [f"- {n}" for n in result["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def chart(result: dict[str, Any], path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "chart: skipped, matplotlib is not installed (pip install 'gradsync[bench]')"
+    labels = list(dict.fromkeys(c["backend"] for c in result["cells"]))
+    if not labels:
+        return "chart: skipped, no cell was measured"
+    fig, axes = plt.subplots(2, len(labels), figsize=(4.2 * len(labels), 6.5), squeeze=False)
+    for col, label in enumerate(labels):
+        cells = [c for c in result["cells"] if c["backend"] == label]
+        ks = sorted({c["k"] for c in cells})
+        modes = [m for m in MODES if any(c["mode"] == m for c in cells)]
+        width = 0.8 / max(1, len(modes))
+        for j, mode in enumerate(modes):
+            xs, ts, lo, hi, mib = [], [], [], [], []
+            for i, k in enumerate(ks):
+                cell = next((c for c in cells if c["k"] == k and c["mode"] == mode), None)
+                if cell is None:
+                    continue
+                s = cell["step_ms"]
+                xs.append(i + (j - (len(modes) - 1) / 2) * width)
+                ts.append(s["median"])
+                lo.append(s["median"] - s["q1"])
+                hi.append(s["q3"] - s["median"])
+                mib.append(cell["reduction_bytes_per_step"] / 2**20)
+            axes[0][col].bar(xs, ts, width, yerr=[lo, hi], label=mode, capsize=2)
+            axes[1][col].bar(xs, mib, width, label=mode)
+        for row, ylabel in ((0, "ms per optimizer step"), (1, "MiB reduced per step")):
+            ax = axes[row][col]
+            ax.set_xticks(range(len(ks)), [f"k={k}" for k in ks])
+            ax.set_ylabel(ylabel)
+        axes[0][col].set_title(label)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"gradsync sync overhead ({result['meta']['device']}, {result['meta']['world_size']} ranks)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+# -- main -------------------------------------------------------------------------------
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sync_overhead", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps, k in {1, 4} (< 1 min)")
+    p.add_argument("--out", default="benchmark-results", help="output folder (default: ./benchmark-results)")
+    p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list of {', '.join(BACKENDS)}")
+    p.add_argument("--ks", default=None, help="comma list of accumulation steps (default 1,4,8)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--reps", type=int, default=None, help="interleaved repetitions per cell")
+    p.add_argument("--steps-per-rep", type=int, default=None, help="optimizer steps per mode per repetition")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces gloo where CUDA exists")
+    p.add_argument("--timeout", type=float, default=None, help="seconds before the worker group is stopped")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    t_start = time.perf_counter()
+    preset = dict(QUICK if args.quick else FULL)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad_modes = [m for m in modes if m not in MODES]
+    if unknown or bad_modes:
+        print(f"sync_overhead: error: --backends {unknown} / --modes {bad_modes} unknown; use "
+              f"{', '.join(BACKENDS)} / {', '.join(MODES)}", file=sys.stderr)
+        return 2
+    ks = [int(k) for k in args.ks.split(",")] if args.ks else preset["ks"]
+    if any(k < 1 for k in ks):
+        print(f"sync_overhead: error: --ks={args.ks} must be positive integers, e.g. 1,4,8", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    use_cuda = torch.cuda.is_available() and args.device != "cpu"
+    spec = {
+        "backends": backends, "ks": ks, "modes": modes, "sizes": preset["sizes"],
+        "batches": preset["batches"], "warmup": preset["warmup"],
+        "steps_per_rep": args.steps_per_rep or preset["steps_per_rep"],
+        "reps": args.reps or preset["reps"],
+        "device": "cuda" if use_cuda else "cpu", "threads": 1,
+    }
+    device = f"{'cuda/nccl' if use_cuda else 'cpu/gloo'}"
+    print("[bench] wrapper micro-benchmark (one process, backend 'single') ...", flush=True)
+    micro = micro_benchmark(**preset["micro"])
+    print(f"[bench] wrapper: bare {micro['bare_us']:.1f} us, gradsync {micro['gradsync_us']:.1f} us per "
+          f"micro-step, overhead {micro['overhead_us']:.1f} us", flush=True)
+    print(f"[bench] starting {args.nproc} ranks ({device}); backends {', '.join(backends)}; k {ks}", flush=True)
+    timeout = args.timeout or (300.0 if args.quick else 1500.0)
+    ranks = run_workers(spec, out, args.nproc, timeout)
+    cells, ratios, notes = analyse(ranks)
+    measured = {c["backend"] for c in cells}
+    for b in backends:
+        if b not in measured and not any(n.startswith(b + ":") for n in notes):
+            notes.append(f"{b}: no cell measured (see {out / 'worker.log'})")
+    if "fsdp" in measured or "deepspeed-2" in measured:
+        notes.append("on gloo a reduce-scatter is carried out as a full all-reduce: sharded backends "
+                     "save no bytes on the wire here; on CPU the ratios, not the times, carry over to GPUs")
+    sizes = spec["sizes"]
+    numel = ranks[0]["groups"][0]["grad_numel"] if ranks[0]["groups"] else None
+    result: dict[str, Any] = {
+        "meta": {
+            "command": shlex.join(["python", "benchmarks/sync_overhead.py", *(argv if argv is not None else sys.argv[1:])]),
+            "quick": args.quick,
+            "device": device,
+            "world_size": args.nproc,
+            "threads_per_rank": 1,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "model": (f"MLP {sizes['features']}->{sizes['width']} x{sizes['depth']} blocks ->{sizes['outputs']}, "
+                      f"{numel} parameters, micro-batch {sizes['micro_batch']}, SGD momentum, fp32"),
+            "backends": backends, "ks": ks, "modes": modes,
+            "warmup_steps": spec["warmup"], "reps": spec["reps"], "steps_per_rep": spec["steps_per_rep"],
+            "timed_steps_per_mode": spec["reps"] * spec["steps_per_rep"],
+            "memory": ("peak resident set size (VmHWM, reset before each mode's chunk) per rank, and its "
+                       "growth above the RSS at the chunk's start" if not use_cuda else
+                       "torch.cuda.max_memory_allocated per rank"),
+            "formula": FORMULA,
+            "seconds": None,
+        },
+        "micro": micro,
+        "cells": cells,
+        "ratios": ratios,
+        "notes": notes,
+    }
+    result["checks"] = checks(ratios, micro)
+    try:
+        import accelerate
+
+        result["meta"]["accelerate"] = accelerate.__version__
+    except ImportError:
+        result["meta"]["accelerate"] = None
+    note = chart(result, out / "sync_overhead.png")
+    if note:
+        result["notes"].append(note)
+    result["meta"]["seconds"] = round(time.perf_counter() - t_start, 1)
+    table = markdown(result)
+    (out / "sync_overhead.json").write_text(json.dumps(result, indent=1))
+    (out / "sync_overhead.md").write_text(table)
+    print()
+    print(table)
+    print(f"[bench] wrote {out / 'sync_overhead.json'}, {out / 'sync_overhead.md'}, {out / 'sync_overhead.png'} "
+          f"in {result['meta']['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
