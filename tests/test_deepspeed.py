@@ -7,6 +7,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from gradsync import Accelerator, ConfigError
 from gradsync.backends.deepspeed import fill_batch, load_ds_config
@@ -17,7 +18,7 @@ from scenarios.common import make_model, max_diff, reference
 SAMPLES = 44  # 22 per rank, 11 micro-batches of 2: not a multiple of 3 or 4
 MICRO = 2
 STAGES = (0, 1, 2, 3)
-BF16_TOL = 5e-3  # measured max |bf16 - fp32 reference|: 1.7e-3 (stage 0), 9.7e-4 (stages 1-3)
+BF16_TOL = 5e-3  # measured max |bf16 - fp32 reference|: 9.7e-4 on stages 0-3 (docs/deepspeed.md)
 
 
 def _run(stage: int, steps: int, **extra):
@@ -73,6 +74,10 @@ def test_scheduler_steps_once_per_optimizer_step(results, name):
         assert r["scheduler_last_epoch"] == r["optimizer_steps"] == len(r["windows"])
         assert r["scheduler_calls"] == sum(r["sizes"])
         assert r["lrs"] == pytest.approx([lr / (1 + s) for s in range(1, r["optimizer_steps"] + 1)])
+
+
+def _flatten(v):
+    return [x for item in v for x in _flatten(item)] if isinstance(v, list) else [v]
 
 
 def _grad_bytes(state):
@@ -132,6 +137,10 @@ def test_bf16_within_tolerance(results, stage):
     print(f"bf16 stage {stage}: max diff vs fp32 reference {max(diffs):.2e}")
     assert max(diffs) < BF16_TOL
     assert max(diffs) > 0, "bf16 must really be on"
+    # the fp32 master weights, not the bf16 copies the model computes with
+    state = ranks[0]["state"]
+    flat = [x for v in state.values() for x in _flatten(v)]
+    assert any(float(torch.tensor(x).bfloat16().float()) != x for x in flat)
     assert max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
 
 

@@ -199,6 +199,12 @@ class DeepSpeedBackend:
             model=model, optimizer=optimizer, model_parameters=list(model.parameters()),
             config=ds, dist_init_required=False,
         )
+        if self.policy == "defer" and self.stage in (2, 3) and not hasattr(engine, "coalesce_grad_reduction"):
+            raise ConfigError(
+                f"sync_policy='defer' on ZeRO stage {self.stage} needs engine.coalesce_grad_reduction(), "
+                f"which deepspeed {deepspeed.__version__} lacks; upgrade DeepSpeed "
+                "(constraints.txt pins 0.19.8) or use sync_policy='native'"
+            )
         self.engine = engine
         self._ds = ds
         return engine, ds_optimizer
@@ -286,13 +292,29 @@ class DeepSpeedBackend:
 
         module = self.unwrap(model)
         params = dict(module.named_parameters())
+        masters = self._flat_fp32_masters()
         out: dict[str, Any] = {}
         for key, value in module.state_dict(keep_vars=True).items():
             if key in params:
                 full = safe_get_full_fp32_param(params[key])
+                full = masters.get(id(params[key])) if full is None else full
                 out[key] = (full if full is not None else params[key]).detach().float().cpu().clone()
             else:
                 out[key] = value.detach().cpu().clone()
+        return out
+
+    def _flat_fp32_masters(self) -> dict[int, torch.Tensor]:
+        """Stage 0 with bf16/fp16 (DeepSpeed's FP16_[Unfused]Optimizer) keeps fp32 masters
+        per group: flat (fp32_groups_flat) or one per parameter (fp32_groups)."""
+        opt = self.engine.optimizer if self.engine is not None else None
+        out: dict[int, torch.Tensor] = {}
+        for group, flat in zip(getattr(opt, "fp16_groups", []), getattr(opt, "fp32_groups_flat", [])):
+            offset = 0
+            for p in group:
+                out[id(p)] = flat.narrow(0, offset, p.numel()).view_as(p)
+                offset += p.numel()
+        for group, masters in zip(getattr(opt, "fp16_groups", []), getattr(opt, "fp32_groups", [])):
+            out.update({id(p): m for p, m in zip(group, masters)})
         return out
 
     def barrier(self) -> None:
