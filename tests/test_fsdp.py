@@ -11,7 +11,7 @@ pytestmark = pytest.mark.multiprocess
 
 SAMPLES = 44  # 22 per rank, 11 micro-batches of 2: windows of 4, 4 and a partial 3
 MICRO = 2
-BF16_TOLERANCE = 5e-3  # max abs parameter difference bf16 vs fp32 after 6 steps (docs/fsdp.md)
+BF16_TOLERANCE = 2e-3  # max abs parameter diff, bf16 vs fp32, 6 steps; measured 2.0e-4 (docs/fsdp.md)
 RUN = {"samples": SAMPLES, "micro_batch": MICRO}
 SCENARIOS = {
     **{f"k{k}_{p}": {"fn": "train_fsdp", "steps": k, "policy": p, **RUN}
@@ -110,6 +110,14 @@ def test_defer_holds_full_unsharded_gradients_every_step_only_shards(results):
         assert d["memory"]["deferral_extra_bytes"] == full - full // 2
 
 
+def test_the_decision_is_logged_once_on_rank_0(results):
+    rank0, rank1 = results["memory_auto_small"]
+    assert rank1["logged"] == []
+    assert len(rank0["logged"]) == 1 and rank0["reason"] in rank0["logged"][0]
+    assert "(1410 bytes) of extra unsharded gradients per rank" in rank0["reason"]
+    assert "budget 1 B (1 bytes, fsdp_memory_budget)" in rank0["reason"]
+
+
 def test_auto_follows_the_memory_budget(results):
     for small, large in zip(results["memory_auto_small"], results["memory_auto_large"]):
         assert small["policy"] == "every_step" and "exceeds the budget" in small["reason"]
@@ -154,8 +162,8 @@ def test_fsdp1_defers_through_no_sync(results):
     for r in results["fsdp1_k4"]:
         assert r["policy"] == "defer"
         for rec in r["audit"]:
-            if rec["sync"]:
-                assert rec["reductions"] >= 1, rec
+            if rec["sync"]:  # FSDP1 without an auto-wrap policy: one flat parameter, one unit
+                assert rec["reductions"] == rec["ops"]["reduce_scatter"] == 1, rec
             else:
                 assert rec["reductions"] == 0, rec
 

@@ -118,6 +118,11 @@ class Accelerator:
         return self._backend.policy
 
     @property
+    def sync_policy_reason(self) -> str:
+        """Why the backend resolved that policy, with its numbers ("" when it says nothing)."""
+        return str(getattr(self._backend, "policy_reason", ""))
+
+    @property
     def rank(self) -> int:
         return _dist.rank_info()[0]
 

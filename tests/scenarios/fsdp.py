@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -49,6 +50,15 @@ def grad_bytes(model: nn.Module) -> dict[str, int]:
     return {"unsharded": unsharded, "sharded": sharded}
 
 
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def train_fsdp(*, steps: int, policy: str = "auto", mixed_precision: str | None = None,
                budget: int | None = None, reshard: bool | None = None, wrap: Any = None,
                **kwargs: Any) -> dict[str, Any]:
@@ -57,7 +67,7 @@ def train_fsdp(*, steps: int, policy: str = "auto", mixed_precision: str | None 
     model = make_model()
     out = train(accel, model=model, **kwargs)
     out["units"] = _units(model)
-    out["reason"] = accel._backend.policy_reason  # type: ignore[attr-defined]
+    out["reason"] = accel.sync_policy_reason
     return out
 
 
@@ -75,16 +85,22 @@ def memory(*, policy: str, budget: int | None = None) -> dict[str, Any]:
     accel = _accel(2, policy, fsdp_memory_budget=budget)
     raw = make_model()
     params = sum(p.numel() for p in raw.parameters())
-    model, _ = accel.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.1))
+    logger, logged = logging.getLogger("gradsync"), _Capture()
+    logger.addHandler(logged)
+    logger.setLevel(logging.INFO)
+    try:
+        model, _ = accel.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.1))
+    finally:
+        logger.removeHandler(logged)
     shard = sum(p.to_local().numel() for p in model.parameters())
     held = []
     for _ in range(2):
         with accel.accumulate(model):
             accel.backward(F.mse_loss(model(torch.randn(2, 8)), torch.randn(2, 1)))
             held.append(grad_bytes(model))
-    return {"policy": accel.sync_policy, "reason": accel._backend.policy_reason,  # type: ignore[attr-defined]
+    return {"policy": accel.sync_policy, "reason": accel.sync_policy_reason,
             "memory": accel._backend.memory,  # type: ignore[attr-defined]
-            "off_boundary": held[0], "boundary": held[1], "param_numel": params, "shard_numel": shard}
+            "logged": logged.messages, "off_boundary": held[0], "boundary": held[1], "param_numel": params, "shard_numel": shard}
 
 
 def restores_state() -> dict[str, Any]:

@@ -107,8 +107,12 @@ def _groups(model: nn.Module) -> Iterator[Any]:
             yield from module._get_fsdp_state()._fsdp_param_groups
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 class FSDPBackend:
@@ -204,12 +208,13 @@ class FSDPBackend:
         if budget is not None:
             self.memory["budget_bytes"] = budget
         what = "unsharded gradients" + (" and parameters" if keep else "")
-        cost = f"deferring holds {_mib(extra)} extra {what} per rank"
+        cost = (f"deferring holds {_human(extra)} ({extra} bytes) of extra {what} per rank "
+                f"(full size minus this rank's 1/{world} shard)")
         if cfg.sync_policy == "auto":
             assert budget is not None
             self.policy = "defer" if extra <= budget else "every_step"
             fits = "fits" if self.policy == "defer" else "exceeds"
-            self.policy_reason = f"auto -> {self.policy}: {cost}, which {fits} the budget {_mib(budget)} ({source})"
+            self.policy_reason = f"auto -> {self.policy}: {cost}, which {fits} the budget {_human(budget)} ({budget} bytes, {source})"
         else:
             self.policy_reason = f"{self.policy} (requested): {cost}"
         if dist.get_rank() == 0:
