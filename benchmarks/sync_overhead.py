@@ -41,7 +41,7 @@ FULL = {
     # ~4.2 M parameters (16 MiB of fp32 gradients), micro-batch 8: on one CPU core per rank
     # the all-reduce of the gradients costs about as much as a micro-step's compute.
     "sizes": {"width": 1024, "depth": 3, "features": 1024, "outputs": 16, "micro_batch": 8},
-    "batches": 16, "steps_per_rep": 3, "reps": 8, "warmup": 2,
+    "batches": 16, "steps_per_rep": 1, "reps": 24, "warmup": 2,
     "micro": {"reps": 9, "iters": 800},
 }
 QUICK = {
