@@ -161,6 +161,7 @@ def test_accumulate_restores_the_previous_fsdp_state(results):
 def test_fsdp1_defers_through_no_sync(results):
     for r in results["fsdp1_k4"]:
         assert r["policy"] == "defer"
+        assert "(1410 bytes) of extra unsharded gradients" in r["reason"]  # the full size, not the shard
         for rec in r["audit"]:
             if rec["sync"]:  # FSDP1 without an auto-wrap policy: one flat parameter, one unit
                 assert rec["reductions"] == rec["ops"]["reduce_scatter"] == 1, rec

@@ -129,7 +129,9 @@ def train_fsdp1(*, steps: int, policy: str = "defer", **kwargs: Any) -> dict[str
     """A model the user wrapped in FSDP1 is deferred through its no_sync()."""
     accel = _accel(steps, policy)
     model = FSDP1(make_model(), device_id=torch.device("cpu"))
-    return train(accel, model=model, **kwargs)
+    out = train(accel, model=model, **kwargs)
+    out["reason"] = accel.sync_policy_reason
+    return out
 
 
 def misuse() -> dict[str, str]:

@@ -95,9 +95,12 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 def deferral_cost(model: nn.Module, world: int, *, grad_bytes: int | None, keep_params: bool) -> int:
     """Extra bytes per rank that deferring holds: the unsharded gradients minus their shard
     (in the gradient dtype), plus the unsharded parameters when they stay gathered."""
-    full = sum(p.numel() * (grad_bytes or p.element_size()) for p in model.parameters())
+    # FSDP2 parameters are DTensors (numel is the full size); FSDP1's are local flat shards.
+    sizes = [(torch.Size(getattr(p, "_unpadded_unsharded_size", p.shape)).numel(), p.element_size())
+             for p in model.parameters()]
+    full = sum(n * (grad_bytes or size) for n, size in sizes)
     if keep_params:
-        full += sum(p.numel() * p.element_size() for p in model.parameters())
+        full += sum(n * size for n, size in sizes)
     return full - full // world
 
 
