@@ -243,6 +243,7 @@ class BackendCells:
     gradsync_policy: str | None = None  # the "gradsync" mode's sync_policy (None: the default)
     process_setup: Callable[[], None] | None = None
     note: str = ""
+    rep_scale: int = 1  # cheap cells get more repetitions, for tighter ratios
 
     def missing(self) -> str | None:
         """None when every required module imports, else why this backend is skipped."""
@@ -276,7 +277,8 @@ def _deepspeed(stage: int) -> BackendCells:
 
 CELLS: dict[str, BackendCells] = {
     "ddp": BackendCells(
-        label="ddp", backend="ddp", requires=("gradsync.backends.ddp",), manual=DDPManual, accelerate=True
+        label="ddp", backend="ddp", requires=("gradsync.backends.ddp",), manual=DDPManual, accelerate=True,
+        rep_scale=3,
     ),
     "fsdp": BackendCells(
         label="fsdp", backend="fsdp", requires=("gradsync.backends.fsdp",), manual=FSDPManual,

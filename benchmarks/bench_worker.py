@@ -168,7 +168,7 @@ def run_group(label: str, k: int, spec: dict[str, Any], sizes: Sizes, device: to
 
     batches = sizes.batches(rank, spec["batches"], device)
     numel = sum(p.numel() for p in sizes.model().parameters())
-    steps, reps, warmup = spec["steps_per_rep"], spec["reps"], spec["warmup"]
+    steps, reps, warmup = spec["steps_per_rep"], spec["reps"] * cells.rep_scale, spec["warmup"]
     # Warm-up: DDP rebuilds its buckets after the first step, allocators settle.
     for mode in list(modes):
         try:
