@@ -253,7 +253,7 @@ def analyse(ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dic
 
 
 def checks(ratios: list[dict[str, Any]], micro: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's acceptance criteria, evaluated on this run."""
+    """The acceptance targets (docs/benchmark.md), evaluated on this run."""
     out = []
 
     def add(name: str, value: float | None, target: str, ok: bool | None) -> None:

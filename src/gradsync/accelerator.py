@@ -323,11 +323,10 @@ class Accelerator:
             print(*args, **kwargs, flush=True)
 
     def end(self) -> None:
-        """Destroy the process group if gradsync created it."""
-        import torch.distributed as dist
-
-        if getattr(self._backend, "owns_group", False) and dist.is_initialized():
-            dist.destroy_process_group()
+        """Destroy the process group if gradsync created it (also done at exit)."""
+        if getattr(self._backend, "owns_group", False):
+            self._models.clear()
+            _dist.release_process_group()
 
     # -- audit ------------------------------------------------------------
     def _report_audit(self) -> None:

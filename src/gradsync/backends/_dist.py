@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 
@@ -55,7 +57,21 @@ def ensure_process_group(backend_name: str, *, want_audit: bool) -> bool:
     else:
         pg_backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend=pg_backend)
+    atexit.register(release_process_group)
     return True
+
+
+def release_process_group() -> None:
+    """Destroy the group and free what still holds it, while the interpreter is alive.
+
+    Wrapped models (DDP's reducer, FSDP states) keep the backend alive through reference
+    cycles; left to interpreter shutdown, its worker threads can outlive the runtime and
+    abort the process ("terminate called without an active exception") after all work is
+    done. Collecting the cycles here joins those threads cleanly.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def rank_info() -> tuple[int, int, int]:
