@@ -282,12 +282,19 @@ def _f(v: float | None, fmt: str = "{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _steps_range(result: dict[str, Any]) -> str:
+    counts = sorted({c["step_ms"]["n"] for c in result["cells"] if "n" in c["step_ms"]})
+    if not counts:
+        return str(result["meta"]["timed_steps_per_mode"])
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"## gradsync sync-overhead benchmark ({result['meta']['device']}, {result['meta']['world_size']} ranks)",
         "",
         f"Model: {result['meta']['model']}. Times per optimizer step on rank 0, median [IQR] over "
-        f"{result['meta']['timed_steps_per_mode']} steps per cell; bytes and counts from gradsync.audit; "
+        f"{_steps_range(result)} steps per cell; bytes and counts from gradsync.audit; "
         "'params vs gradsync' = |checksum(mode) - checksum(gradsync)| / |update of gradsync| after "
         "the same batches (~1e-6 is float rounding).",
         "",
@@ -370,14 +377,16 @@ def chart(result: dict[str, Any], path: Path) -> str | None:
                 lo.append(s["median"] - s["q1"])
                 hi.append(s["q3"] - s["median"])
                 mib.append(cell["reduction_bytes_per_step"] / 2**20)
-            axes[0][col].bar(xs, ts, width, yerr=[lo, hi], label=mode, capsize=2)
-            axes[1][col].bar(xs, mib, width, label=mode)
+            color = f"C{MODES.index(mode)}"  # one color per mode in every panel
+            axes[0][col].bar(xs, ts, width, yerr=[lo, hi], label=mode, capsize=2, color=color)
+            axes[1][col].bar(xs, mib, width, label=mode, color=color)
         for row, ylabel in ((0, "ms per optimizer step"), (1, "MiB reduced per step")):
             ax = axes[row][col]
             ax.set_xticks(range(len(ks)), [f"k={k}" for k in ks])
             ax.set_ylabel(ylabel)
         axes[0][col].set_title(label)
-    axes[0][0].legend(fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i}") for i in range(len(MODES))]
+    fig.legend(handles, list(MODES), loc="upper right", fontsize=8, ncol=len(MODES))
     fig.suptitle(f"gradsync sync overhead ({result['meta']['device']}, {result['meta']['world_size']} ranks)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

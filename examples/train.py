@@ -62,7 +62,7 @@ def main() -> None:
                     accel.print(
                         f"epoch {epoch} step {accel.optimizer_steps}: loss {window_loss / step.size:.4f} "
                         f"grad-norm {float(norm):.3f} lr {scheduler.get_last_lr()[0]:.4f} "
-                        f"({step.size} micro-batches)"
+                        f"({step.size} micro-batch{'es' if step.size > 1 else ''})"
                     )
                     window_loss = 0.0
     if accel.audit is not None:
