@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gradsync import Accelerator, ConfigError
-from gradsync.backends.deepspeed import fill_batch, load_ds_config
+from gradsync.backends._deepspeed_config import fill_batch, load_ds_config
 
 from harness import run_scenarios
 from scenarios.common import make_model, max_diff, reference

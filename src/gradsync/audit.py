@@ -120,17 +120,18 @@ class Recorder:
         gathers = sum(r.count("allgather") for r in window)
         return (
             f"micro-steps {len(window)}: reductions per micro-step [{per}] "
-            f"({_human(red_bytes)}), all-gathers {gathers}"
+            f"({human_bytes(red_bytes)}), all-gathers {gathers}"
         )
 
 
-def _human(n: int) -> str:
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
-    return f"{n} B"
+    return f"{value:.1f} GiB"
 
 
 class _Work(dist.Work):

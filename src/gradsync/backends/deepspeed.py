@@ -9,21 +9,19 @@ gradsync's plan; a contradiction is a ConfigError. See docs/deepspeed.md.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from gradsync.backends import _dist
+from gradsync.backends._deepspeed_config import fill_batch, load_ds_config
 from gradsync.config import Config
 from gradsync.errors import ConfigError
 
-_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 _INSTALL_HINT = "backend='deepspeed' needs DeepSpeed: pip install 'gradsync[deepspeed]'"
 
 
@@ -34,71 +32,6 @@ def import_deepspeed() -> Any:
     except ImportError:
         raise ImportError(_INSTALL_HINT) from None
     return deepspeed
-
-
-def load_ds_config(value: Any) -> dict[str, Any]:
-    """A DeepSpeed config from a dict, a JSON/YAML file path, or JSON text (a copy)."""
-    if value is None:
-        return {}
-    if isinstance(value, dict):
-        return json.loads(json.dumps(value))
-    if not isinstance(value, str | os.PathLike):
-        raise ConfigError(f"deepspeed_config={value!r} must be a dict, a JSON/YAML path or JSON text")
-    text = str(value)
-    path = Path(text)
-    if not text.lstrip().startswith("{") and path.is_file():
-        raw = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(raw)
-        else:
-            data = json.loads(raw)
-    else:
-        try:
-            data = json.loads(text)
-        except ValueError:
-            raise ConfigError(
-                f"deepspeed_config={text!r} is neither an existing file nor JSON text; "
-                "pass a dict, the path of a .json/.yaml file, or a JSON string"
-            ) from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"deepspeed_config {text!r} must hold a mapping, not {type(data).__name__}")
-    return data
-
-
-def _is_auto(value: Any) -> bool:
-    return value is None or value == "auto"
-
-
-def fill_batch(ds: dict[str, Any], *, micro: int | None, steps: int, world: int) -> dict[str, Any]:
-    """Fill the three batch keys from gradsync's plan where absent or "auto"; a contradicting
-    value is a ConfigError naming both values."""
-    if micro is None:
-        given = ds.get("train_micro_batch_size_per_gpu")
-        hint = f" (the DeepSpeed config says {given})" if not _is_auto(given) else ""
-        raise ConfigError(
-            "backend='deepspeed' needs the micro batch size when the model is prepared, and "
-            f"gradsync does not know it yet{hint}; pass the DataLoader in the same "
-            "accel.prepare(model, optimizer, loader) call, or set Accelerator(micro_batch_size=...)"
-        )
-    ours = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": steps,
-        "train_batch_size": micro * steps * world,
-    }
-    where = f"micro_batch_size={micro} x gradient_accumulation_steps={steps} x world_size={world}"
-    for key in _BATCH_KEYS:
-        value = ds.get(key)
-        if _is_auto(value):
-            ds[key] = ours[key]
-        elif value != ours[key]:
-            raise ConfigError(
-                f"deepspeed_config {key}={value!r} contradicts gradsync's {key}={ours[key]} "
-                f"({where}); set it to \"auto\" or remove it so gradsync fills it, or change "
-                "the Accelerator's batch settings to agree"
-            )
-    return ds
 
 
 class DeepSpeedBackend:
