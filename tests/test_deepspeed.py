@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from gradsync import Accelerator, ConfigError
+from gradsync import Accelerator, ConfigError, audit
 from gradsync.backends._deepspeed_config import fill_batch, load_ds_config
 
 from harness import run_scenarios
@@ -32,6 +32,9 @@ SCENARIOS = {
     **{f"s{s}_bf16": _run(s, 4, mixed_precision="bf16") for s in STAGES},
     **{f"s{s}_clip": _run(s, 4, optimizer="adam", lr=0.01, clip=0.5) for s in STAGES},
     "s2_every_step": _run(2, 4, policy="every_step"),
+    **{f"s{s}_{p}_after": {**_run(s, 4, policy=p), "fn": "step_after_block"}
+       for s, p in ((0, "auto"), (2, "defer"), (3, "auto"), (3, "defer"))},
+    "s2_clip_after": {**_run(2, 4, optimizer="adam", lr=0.01, clip=0.5), "fn": "step_after_block"},
     "s3_zero_grad_first": _run(3, 4, zero_grad_first=True),
     "config_errors": {"fn": "config_errors"},
     "clip_twice": {"fn": "clip_twice"},
@@ -86,20 +89,79 @@ def _grad_bytes(state):
     return 4 * sum(count(v) for v in state.values())
 
 
+SCALAR_BYTES = 64  # a reduction this small is a scalar (norm, overflow flag), not gradients
+SCALAR_SLACK = 256  # all the scalar reductions of one boundary together stay below this
+
+
+def _reductions(ops):
+    return [nbytes for op, nbytes in ops if op in audit.REDUCTIONS]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["s0_k4", "s1_k4", "s0_defer", "s1_defer", "s2_defer", "s3_defer"])
 def test_no_gradient_reduction_off_the_boundary(results, name):
     for r in results[name]:
         records = r["audit"]
-        assert len(records) == sum(r["sizes"])
+        grad_bytes = _grad_bytes(r["state"])
+        assert len(records) == len(r["audit_ops"]) == sum(r["sizes"])
         assert any(not rec["sync"] for rec in records)
-        for rec in records:
+        for rec, ops in zip(records, r["audit_ops"]):
             if rec["sync"]:
-                # one reduction of all the gradients (plus, on ZeRO, a scalar for the norm)
-                assert rec["reduction_bytes"] >= _grad_bytes(r["state"]), rec
+                print(name, "boundary reductions (bytes):", _reductions(ops), "gradients:", grad_bytes)
+                assert_one_gradient_reduction(ops, grad_bytes)
+                assert rec["reduction_bytes"] == sum(_reductions(ops))
             else:
                 assert rec["reductions"] == 0, rec
     assert results[name][0]["policy"] == ("native" if name.endswith("_k4") else "defer")
+
+
+def assert_one_gradient_reduction(ops, grad_bytes):
+    """Exactly one gradient-sized reduction carrying all the gradients; the rest are scalars."""
+    sizes = _reductions(ops)
+    gradient_sized = [b for b in sizes if b > SCALAR_BYTES]
+    assert len(gradient_sized) == 1, f"want one reduction of the gradients, got {gradient_sized}"
+    assert grad_bytes <= gradient_sized[0] <= grad_bytes + SCALAR_SLACK, (gradient_sized, grad_bytes)
+    assert sum(sizes) <= grad_bytes + SCALAR_SLACK, (sizes, grad_bytes)
+
+
+@pytest.mark.parametrize(("ops", "ok"), [
+    ([("allreduce", 2820), ("allreduce", 4), ("allgather", 2820)], True),
+    ([("allreduce", 2820), ("allreduce", 2820)], False),  # two full reductions
+    ([("reduce_scatter", 1410), ("reduce_scatter", 1410)], False),  # the gradients in two halves
+    ([("allreduce", 4)], False),  # no gradient reduction
+])
+def test_one_gradient_reduction_check_rejects_two(ops, ok):
+    if ok:
+        assert_one_gradient_reduction(ops, 2820)
+    else:
+        with pytest.raises(AssertionError):
+            assert_one_gradient_reduction(ops, 2820)
+
+
+AFTER = [n for n in SCENARIOS if n.endswith("_after")]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", AFTER)
+def test_step_after_the_block_applies_at_boundaries_only(results, name):
+    """clip / optimizer.step() / scheduler.step() / zero_grad() after the with-block: applied
+    at each boundary only, and the same parameters as one process."""
+    ranks, params = results[name], SCENARIOS[name]
+    ref = reference(ranks, samples=SAMPLES, optimizer=params.get("optimizer", "sgd"),
+                    lr=params.get("lr", 0.05), clip=params.get("clip"))
+    for r in ranks:
+        assert r["sync_kept_after_block"], "accel.sync_gradients after the block must be the last micro-step's"
+        assert r["flag_set_inside"], "the engine's boundary flag must be gradsync's decision inside the block"
+        assert r["flag_restored"], "accumulate() must put the engine's boundary flag back on exit"
+        assert r["sizes"] == [4, 4, 3] * 2
+        assert r["optimizer_steps"] == r["scheduler_last_epoch"] == len(r["windows"]) == 6
+        assert max_diff(r["state"], ref["state"]) < 1e-5
+        if params.get("clip") is not None:
+            assert max(ref["norms"]) > params["clip"], "the scenario must actually clip"
+            assert len(r["norms"]) == len(ref["norms"])
+            assert max(abs(a - b) for a, b in zip(r["norms"], ref["norms"])) < 1e-5
+    assert max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
+    assert ranks[0]["policy"] == ("defer" if "defer" in name else "native")
 
 
 @pytest.mark.multiprocess

@@ -9,12 +9,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
 from gradsync import Accelerator, audit
 
-from scenarios.common import Indexed, make_model, make_optimizer, train
+from scenarios.common import Indexed, make_model, make_optimizer, make_scheduler, to_lists, train
 
 
 def setup_process_group() -> None:
@@ -49,9 +50,61 @@ def train_ds(*, stage: int, steps: int, policy: str = "auto", mixed_precision: s
                         deepspeed_config=ds_config(stage, **(ds_extra or {})))
     if mixed_precision == "bf16":
         kwargs["model"] = CastIO(make_model())
+    assert accel.audit is not None
+    start = len(accel.audit.records)
     out = train(accel, **kwargs)
     out["stage"] = stage
+    # each collective with its payload, per micro-step (the audit dicts keep only totals)
+    out["audit_ops"] = [[list(op) for op in rec.ops] for rec in accel.audit.records[start:]]
     return out
+
+
+def step_after_block(*, stage: int, steps: int, samples: int, micro_batch: int, policy: str = "auto",
+                     epochs: int = 2, optimizer: str = "sgd", lr: float = 0.05,
+                     clip: float | None = None) -> dict[str, Any]:
+    """The loop with clip / optimizer.step() / scheduler.step() / zero_grad() AFTER the
+    accumulate block: ``accel.sync_gradients`` keeps the last micro-step's decision there."""
+    accel = Accelerator(backend="deepspeed", gradient_accumulation_steps=steps, sync_policy=policy,
+                        seed=0, deepspeed_config=ds_config(stage))
+    model = make_model()
+    opt = make_optimizer(model.parameters(), optimizer, lr)
+    sched = make_scheduler(opt)
+    loader = DataLoader(Indexed(samples), batch_size=micro_batch, shuffle=True)
+    model, opt, loader, sched = accel.prepare(model, opt, loader, sched)
+    windows: list[list[list[int]]] = []
+    current: list[list[int]] = []
+    sizes: list[int] = []
+    norms: list[float] = []
+    after_block_sync: list[bool] = []
+    set_inside: list[bool] = []  # the engine's boundary flag is gradsync's decision in the block
+    restored: list[bool] = []  # and back to its prior value after it
+    for _ in range(epochs):
+        for x, y, idx in loader:
+            prior = model.is_gradient_accumulation_boundary()
+            with accel.accumulate(model):
+                accel.backward(F.mse_loss(model(x), y))
+                current.append([int(i) for i in idx])
+                assert accel.micro_step is not None
+                boundary, size = accel.sync_gradients, accel.micro_step.size
+                set_inside.append(model.is_gradient_accumulation_boundary() == boundary)
+            after_block_sync.append(accel.sync_gradients == boundary)
+            restored.append(model.is_gradient_accumulation_boundary() == prior)
+            if clip is not None:
+                norm = accel.clip_grad_norm_(model.parameters(), clip)
+                if norm is not None:
+                    norms.append(float(norm))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            if boundary:  # the window's truth, taken inside the block
+                sizes.append(size)
+                windows.append(current)
+                current = []
+    return {"state": to_lists(accel.get_state_dict(model)), "windows": windows, "sizes": sizes,
+            "norms": norms, "optimizer_steps": accel.optimizer_steps,
+            "scheduler_last_epoch": int(sched.last_epoch), "policy": accel.sync_policy,
+            "sync_kept_after_block": all(after_block_sync), "flag_set_inside": all(set_inside),
+            "flag_restored": all(restored)}
 
 
 def _expect_error(fn: Any) -> str:

@@ -146,16 +146,20 @@ class DeepSpeedBackend:
     @contextlib.contextmanager
     def accumulate(self, model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
         engine = self._engine(model)
+        prior = bool(engine.is_gradient_accumulation_boundary())
         engine.set_gradient_accumulation_boundary(sync)
-        if self.policy == "defer" and self.stage in (2, 3) and self._coalescing is None:
-            # One coalesce block per window: DeepSpeed's flush overwrites, so it must not split.
-            self._coalescing = engine.coalesce_grad_reduction()
-            self._coalescing.__enter__()
         try:
+            if self.policy == "defer" and self.stage in (2, 3) and self._coalescing is None:
+                # One coalesce block per window: DeepSpeed's flush overwrites, so it must not split.
+                self._coalescing = engine.coalesce_grad_reduction()
+                self._coalescing.__enter__()
             yield
         finally:
-            if sync:
-                self._flush()
+            try:
+                if sync:
+                    self._flush()
+            finally:
+                engine.set_gradient_accumulation_boundary(prior)  # step() sets its own boundary
 
     def _engine(self, model: torch.nn.Module) -> Any:
         if self.engine is None or model is not self.engine:
@@ -179,7 +183,10 @@ class DeepSpeedBackend:
             self._flush()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        # Called only at a boundary, inside the accumulate block or after it (where the
+        # engine's flag is back to its prior value), so the step sets the boundary itself.
         self._flush()
+        self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         return bool(self.engine.was_step_applied())
 
