@@ -21,7 +21,10 @@ SCENARIOS = {
                 "change_steps_at": [2, 3]},
     "k4_every_step": {"fn": "train_ddp", "steps": 4, "policy": "every_step", "samples": SAMPLES,
                       "micro_batch": MICRO},
+    "k4_after_block": {"fn": "train_ddp", "steps": 4, "samples": SAMPLES, "micro_batch": MICRO,
+                       "after_block": True},
     "misuse": {"fn": "misuse"},
+    "sharding": {"fn": "sharding", "samples": 45, "micro_batch": 2},
 }
 
 
@@ -30,7 +33,9 @@ def results():
     return run_scenarios("scenarios.ddp", SCENARIOS)
 
 
-@pytest.mark.parametrize("name", ["k1", "k3", "k4", "k4_zero_grad_first", "k4_to_3", "k4_every_step"])
+@pytest.mark.parametrize(
+    "name", ["k1", "k3", "k4", "k4_zero_grad_first", "k4_to_3", "k4_every_step", "k4_after_block"]
+)
 def test_equivalence_with_one_process(results, name):
     ranks = results[name]
     ref = reference(ranks, samples=SAMPLES)
@@ -115,3 +120,16 @@ def torch_flat(value):
     if isinstance(value, list):
         return [x for v in value for x in torch_flat(v)]
     return [value]
+
+
+def test_each_rank_gets_its_own_shard_reshuffled_per_epoch(results):
+    ranks = results["sharding"]
+    # 45 samples on 2 ranks: 23 each (one padded repeat), 12 batches of 2 on every rank
+    assert ranks[0]["len"] == ranks[1]["len"] == 12
+    for epoch in range(2):
+        a, b = (set(r["epochs"][epoch]) for r in ranks)
+        assert len(ranks[0]["epochs"][epoch]) == len(ranks[1]["epochs"][epoch]) == 23
+        assert a | b == set(range(45))
+        assert len(a & b) <= 1  # only the padding sample may repeat
+    for r in ranks:
+        assert r["epochs"][0] != r["epochs"][1], "the shard must be reshuffled each epoch"

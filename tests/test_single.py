@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset
 
 from gradsync import Accelerator, ConfigError
-from gradsync.wrappers import PreparedScheduler, StepState
+from gradsync.wrappers import PreparedScheduler
 
 from scenarios.common import Indexed, make_model, max_diff, reference, train
 
@@ -135,11 +135,11 @@ def test_prepare_returns_in_order_and_rejects_unknown(clean_env):
 def test_scheduler_does_not_step_when_the_optimizer_step_was_skipped():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    state = StepState()
-    sched = PreparedScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), state)
+    applied = [0]
+    sched = PreparedScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), lambda: applied[0])
     sched.step()  # no optimizer step applied yet (e.g. an fp16 overflow skipped it)
     assert sched.get_last_lr() == [1.0]
-    state.optimizer_steps += 1
+    applied[0] += 1
     sched.step()
     sched.step()  # a second call for the same optimizer step does nothing
     assert sched.get_last_lr() == [0.5]

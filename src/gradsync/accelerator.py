@@ -6,7 +6,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -103,7 +103,14 @@ class Accelerator:
         self._optimizers: list[PreparedOptimizer] = []
         self.audit: audit_mod.Recorder | None = None
         if self.config.audit:
-            self.audit = audit_mod.recorder_of() or audit_mod.Recorder()
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                # None when the group was made outside gradsync: nothing is counted, and an
+                # empty record would read as "no collectives" (ensure_process_group warned).
+                self.audit = audit_mod.recorder_of()
+            else:
+                self.audit = audit_mod.Recorder()  # one process: there is nothing to count
         self._audit_window_start = len(self.audit.records) if self.audit is not None else 0
 
     # -- where we are -----------------------------------------------------
@@ -153,7 +160,8 @@ class Accelerator:
 
     @property
     def sync_gradients(self) -> bool:
-        """True when the micro-step in progress closes its window (True outside accumulate)."""
+        """True when the micro-step in progress closes its window; after the block, the last
+        micro-step's decision (True before the first one)."""
         return self._state.sync
 
     @property
@@ -227,7 +235,7 @@ class Accelerator:
             if _is_scheduler(obj):
                 if old_optimizer is not None and new_optimizer is not None and obj.optimizer is old_optimizer:
                     obj.optimizer = new_optimizer
-                out[id(obj)] = PreparedScheduler(obj, self._state)
+                out[id(obj)] = PreparedScheduler(obj, self._step_counter(obj.optimizer))
             elif _is_dataloader(obj):
                 out[id(obj)] = self._prepare_dataloader(obj)
             else:
@@ -237,6 +245,14 @@ class Accelerator:
                 )
         result = tuple(out[id(o)] for o in objects)
         return result[0] if len(result) == 1 else result
+
+    def _step_counter(self, optimizer: Any) -> Callable[[], int]:
+        """The applied-step count of the prepared optimizer wrapping ``optimizer`` (all
+        prepared optimizers together when it is none of them)."""
+        for prepared in self._optimizers:
+            if prepared.optimizer is optimizer or prepared is optimizer:
+                return lambda: prepared.steps_applied
+        return lambda: self._state.optimizer_steps
 
     @staticmethod
     def _check_optimizer_holds(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -259,25 +275,59 @@ class Accelerator:
             )
         seed = self.config.seed if self.config.seed is not None else 0
         sharded = shard_dataloader(loader, rank=self.rank, world_size=self.world_size, seed=seed)
-        return PreparedDataLoader(sharded, self._state, self.device, lambda: self._window.steps)
+        return PreparedDataLoader(sharded, self._state, self.device, self._on_epoch_start)
+
+    def _on_epoch_start(self) -> None:
+        """A driving dataloader starts an epoch: a window left open (a `break` out of the
+        last epoch) cannot be completed, so its micro-batches are dropped, not carried over."""
+        if not self._window.at_window_start:
+            log.warning(
+                "gradsync: a new epoch starts inside an unfinished accumulation window (did the "
+                "loop break early?); dropping its gradients so they do not leak into the next window"
+            )
+            self._drop_window()
+
+    def _drop_window(self) -> None:
+        self._window.reset()
+        self._state.in_window = False
+        for prepared in self._optimizers:
+            self._backend.zero_grad(prepared.optimizer, True)
 
     # -- the micro-step ---------------------------------------------------
     @contextlib.contextmanager
     def accumulate(self, model: torch.nn.Module) -> Iterator[None]:
-        """One micro-step: forward and backward go inside; sync only when the window closes."""
-        step = self._window.begin(remaining=self._state.remaining, last=self._state.last)
+        """One micro-step: forward and backward go inside; sync only when the window closes.
+
+        After the block, ``sync_gradients`` keeps this micro-step's decision, so
+        ``optimizer.step()`` and friends may also follow the block. If the block raises,
+        the open window is dropped (its gradients cleared) and the error propagates.
+        """
+        remaining, last = self._state.remaining, self._state.last
+        if remaining is None and self._window.at_window_start and self._state.peek is not None:
+            remaining = self._state.peek(self._window.steps)  # an unsized loader: look ahead
+            last = remaining == 1
+        step = self._window.begin(remaining=remaining, last=last)
         self._state.sync = step.sync
+        self._state.in_window = True
         if self.audit is not None:
             self.audit.open(step.sync)
+        failed = False
         try:
             with self._backend.accumulate(model, sync=step.sync):
                 yield
+        except BaseException:
+            failed = True
+            raise
         finally:
-            self._window.end()
-            self._state.sync = True
+            if failed:
+                self._drop_window()
+                self._state.sync = False  # a stray step() after the error must not apply
+            else:
+                self._window.end()
+                self._state.in_window = not step.sync
             if self.audit is not None:
                 self.audit.close()
-                if step.sync:
+                if step.sync and not failed:
                     self._report_audit()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -294,7 +344,6 @@ class Accelerator:
         else:
             scale = step.size
         self._backend.backward(loss / scale if scale != 1 else loss)
-        self._state.grads_pending = True
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float

@@ -86,8 +86,12 @@ def train(
     change_steps_at: tuple[int, int] | None = None,
     shuffle: bool = True,
     model: nn.Module | None = None,
+    after_block: bool = False,
 ) -> dict[str, Any]:
-    """The user's loop, written once for every backend; returns what the parent checks."""
+    """The user's loop, written once for every backend; returns what the parent checks.
+
+    ``after_block``: the optimizer, scheduler and zero_grad calls follow the accumulate
+    block instead of sitting inside it (both loop shapes must train alike)."""
     model = model if model is not None else make_model()
     opt = make_optimizer(model.parameters(), optimizer, lr)
     sched = make_scheduler(opt)
@@ -116,16 +120,22 @@ def train(
                         norms.append(float(norm))
                     else:
                         assert norm is None, "clip_grad_norm_ off the boundary must return None"
+                if not after_block:
+                    opt.step()
+                    sched.step()
+                    sched_calls += 1
+                    if not zero_grad_first:
+                        opt.zero_grad()
+            if after_block:
                 opt.step()
                 sched.step()
                 sched_calls += 1
-                if not zero_grad_first:
-                    opt.zero_grad()
-                if accel.sync_gradients:
-                    sizes.append(accel.micro_step.size)
-                    windows.append(current)
-                    current = []
-                    lrs.append(float(sched.get_last_lr()[0]))
+                opt.zero_grad()
+            if accel.sync_gradients:  # after the block: this micro-step's decision
+                sizes.append(len(current))
+                windows.append(current)
+                current = []
+                lrs.append(float(sched.get_last_lr()[0]))
     records = []
     if accel.audit is not None:
         records = [r.to_dict() for r in accel.audit.records[audit_start:]]

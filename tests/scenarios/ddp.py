@@ -39,3 +39,15 @@ def misuse() -> dict[str, Any]:
     except ValueError as err:
         messages["foreign_optimizer"] = f"{type(err).__name__}: {err}"
     return messages
+
+
+def sharding(*, samples: int, micro_batch: int, epochs: int = 2) -> dict[str, Any]:
+    """The ids this rank's prepared loader yields, per epoch."""
+    from torch.utils.data import DataLoader
+
+    from scenarios.common import Indexed
+
+    accel = Accelerator(backend="ddp", seed=3)
+    loader = accel.prepare(DataLoader(Indexed(samples), batch_size=micro_batch, shuffle=True))
+    per_epoch = [[int(i) for _, _, idx in loader for i in idx] for _ in range(epochs)]
+    return {"len": len(loader), "epochs": per_epoch}

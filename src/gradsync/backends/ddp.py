@@ -22,6 +22,7 @@ class DDPBackend:
         self.policy = "defer"
         self._device = torch.device("cpu")
         self.owns_group = False
+        self._bf16 = False
         self.ddp_kwargs: dict[str, Any] = {}
 
     @property
@@ -36,6 +37,8 @@ class DDPBackend:
             )
         # Deferring costs DDP no memory, so "auto" defers.
         self.policy = "every_step" if config.sync_policy == "every_step" else "defer"
+        self._bf16 = _dist.autocast_bf16(config, self.name)
+        self.ddp_kwargs = dict(config.ddp_kwargs or {})
         self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
         self._device = _dist.local_device()
 
@@ -56,11 +59,11 @@ class DDPBackend:
                 "that accel.prepare() returned, so gradients would sync on every micro-step; "
                 "pass the prepared model: `model = accel.prepare(model)`"
             )
-        if sync or self.policy == "every_step":
-            yield
-            return
         # no_sync() saves require_backward_grad_sync and puts the saved value back on exit.
-        with model.no_sync():
+        defer = not sync and self.policy != "every_step"
+        with model.no_sync() if defer else contextlib.nullcontext(), torch.autocast(
+            self._device.type, dtype=torch.bfloat16, enabled=self._bf16
+        ):
             yield
 
     def backward(self, loss: torch.Tensor) -> None:

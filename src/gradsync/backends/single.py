@@ -18,6 +18,7 @@ class SingleBackend:
     def __init__(self) -> None:
         self.policy = "defer"
         self._device = torch.device("cpu")
+        self._bf16 = False
 
     @property
     def device(self) -> torch.device:
@@ -25,7 +26,9 @@ class SingleBackend:
 
     def setup(self, config: Config) -> None:
         self._device = _dist.local_device()
-        self.policy = "native" if config.sync_policy == "native" else "defer"
+        # Nothing is synchronised; report the policy asked for ("auto" defers).
+        self.policy = "defer" if config.sync_policy == "auto" else config.sync_policy
+        self._bf16 = _dist.autocast_bf16(config, self.name)
 
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
@@ -34,7 +37,8 @@ class SingleBackend:
 
     @contextlib.contextmanager
     def accumulate(self, model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
-        yield
+        with torch.autocast(self._device.type, dtype=torch.bfloat16, enabled=self._bf16):
+            yield
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -1,0 +1,292 @@
+"""Loop shapes and edge cases of the accumulation semantics, in one process (backend "single").
+
+Each test pins down a way a training loop can go wrong silently: an error at the boundary,
+calls after the block, epoch-level schedulers, two optimizers, an early break, a wrong len(),
+two loaders, a plain loss.backward(), samplers that must not be replaced.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from gradsync import Accelerator, ConfigError
+from gradsync.wrappers import shard_dataloader
+
+from scenarios.common import Indexed, make_model, max_diff, reference, train
+
+
+def accel(**kwargs) -> Accelerator:
+    return Accelerator(backend="single", seed=0, **kwargs)
+
+
+def grads(model) -> list[torch.Tensor]:
+    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def window_grad(model, batches) -> list[torch.Tensor]:
+    """The gradient one window of these micro-batches must produce (mean of their losses)."""
+    ref = make_model()
+    ref.load_state_dict(model.state_dict())
+    loss = sum(F.mse_loss(ref(x), y) for x, y in batches) / len(batches)
+    loss.backward()
+    return [p.grad for p in ref.parameters()]
+
+
+def test_calls_after_the_block_step_only_at_the_boundary(clean_env):
+    r = train(accel(gradient_accumulation_steps=4), samples=22, micro_batch=2, after_block=True)
+    assert r["optimizer_steps"] == len(r["windows"]) == 6  # 11 batches per epoch: 4, 4, 3
+    assert max_diff(r["state"], reference([r], samples=22)["state"]) < 1e-6
+
+
+def test_an_error_at_the_boundary_drops_the_window(clean_env):
+    a = accel(gradient_accumulation_steps=2)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = a.prepare(model, opt)
+    data = [(torch.randn(2, 8), torch.randn(2, 1)) for _ in range(4)]
+    with a.accumulate(model):
+        a.backward(F.mse_loss(model(data[0][0]), data[0][1]))
+    with pytest.raises(ValueError, match="bad batch"), a.accumulate(model):
+        a.backward(F.mse_loss(model(data[1][0]), data[1][1]))
+        raise ValueError("bad batch")
+    opt.step()  # a stray step after the error applies nothing
+    assert a.optimizer_steps == 0
+    assert a.micro_step is None
+    for x, y in data[2:]:
+        with a.accumulate(model):
+            a.backward(F.mse_loss(model(x), y))
+            if a.sync_gradients:
+                got = grads(model)
+    want = window_grad(model, data[2:])
+    assert max(float((g - w).abs().max()) for g, w in zip(got, want)) < 1e-6
+
+
+def test_plain_loss_backward_accumulates_too(clean_env):
+    a = accel(gradient_accumulation_steps=3)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = a.prepare(model, opt)
+    data = [(torch.randn(2, 8), torch.randn(2, 1)) for _ in range(3)]
+    for x, y in data:
+        with a.accumulate(model):
+            (F.mse_loss(model(x), y) / 3).backward()
+            if a.sync_gradients:
+                got = grads(model)
+            opt.step()
+            opt.zero_grad()
+    want = window_grad(make_model(), data)
+    assert max(float((g - w).abs().max()) for g, w in zip(got, want)) < 1e-6
+    assert all(p.grad is None for p in model.parameters())  # the step cleared the window
+
+
+def _loop(a, model, opt, loader, per_epoch=None, epochs=2):
+    for _ in range(epochs):
+        for x, y, _ in loader:
+            with a.accumulate(model):
+                a.backward(F.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        if per_epoch is not None:
+            per_epoch()
+
+
+def test_epoch_level_schedulers(clean_env):
+    a = accel(gradient_accumulation_steps=2)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    step_lr = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    loader = DataLoader(Indexed(16), batch_size=2)
+    model, opt, loader, step_lr = a.prepare(model, opt, loader, step_lr)
+    _loop(a, model, opt, loader, per_epoch=step_lr.step, epochs=3)
+    assert a.optimizer_steps == 12
+    assert step_lr.get_last_lr() == [0.125]  # three epochs, three halvings
+
+
+def test_reduce_on_plateau_passes_through(clean_env):
+    a = accel(gradient_accumulation_steps=2)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.1)
+    model, opt, plateau = a.prepare(model, opt, plateau)
+    plateau.step(1.0)
+    plateau.step(1.0)  # no improvement once: one reduction
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert plateau.num_bad_epochs == 0
+
+
+def test_two_optimizers_each_drive_their_own_scheduler(clean_env):
+    a = accel(gradient_accumulation_steps=2)
+    g, d = make_model(0), make_model(1)
+    opt_g = torch.optim.SGD(g.parameters(), lr=1.0)
+    opt_d = torch.optim.SGD(d.parameters(), lr=1.0)
+    sch_g = torch.optim.lr_scheduler.StepLR(opt_g, 1, gamma=0.5)
+    sch_d = torch.optim.lr_scheduler.StepLR(opt_d, 1, gamma=0.5)
+    g, opt_g, sch_g = a.prepare(g, opt_g, sch_g)
+    d, opt_d, sch_d = a.prepare(d, opt_d, sch_d)
+    for _ in range(6):
+        x, y = torch.randn(2, 8), torch.randn(2, 1)
+        with a.accumulate(g):
+            a.backward(F.mse_loss(g(x), y) + F.mse_loss(d(x), y))
+            for opt, sch in ((opt_g, sch_g), (opt_d, sch_d)):
+                opt.step()
+                sch.step()
+                opt.zero_grad()
+    assert a.optimizer_steps == 6  # 3 windows x 2 optimizers
+    assert sch_g.last_epoch == sch_d.last_epoch == 3
+    assert sch_g.get_last_lr() == sch_d.get_last_lr() == [0.125]
+
+
+def test_breaking_out_of_an_epoch_does_not_carry_the_window_over(clean_env, caplog):
+    a = accel(gradient_accumulation_steps=4)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(Indexed(20), batch_size=2)  # 10 batches
+    model, opt, loader = a.prepare(model, opt, loader)
+    for i, (x, y, _) in enumerate(loader):
+        with a.accumulate(model):
+            a.backward(F.mse_loss(model(x), y))
+        if i == 5:
+            break  # mid-window (index 1 of the second window)
+    seen = []
+    with caplog.at_level(logging.WARNING, logger="gradsync"):
+        for x, y, _ in loader:
+            with a.accumulate(model):
+                a.backward(F.mse_loss(model(x), y))
+                seen.append((a.micro_step.index, a.micro_step.size, a.sync_gradients))
+            opt.step()
+            opt.zero_grad()
+    assert "unfinished accumulation window" in caplog.text
+    assert seen[:4] == [(0, 4, False), (1, 4, False), (2, 4, False), (3, 4, True)]
+    assert seen[-2:] == [(0, 2, False), (1, 2, True)]
+    # and the loader's position does not outlive its loop
+    with a.accumulate(model):
+        assert a.micro_step.size == 4
+
+
+class Stream(IterableDataset):
+    def __init__(self, n: int, claimed: int | None = None) -> None:
+        self.data, self.claimed = Indexed(n), claimed
+
+    def __iter__(self):
+        for i in range(len(self.data)):
+            yield self.data[i]
+
+    def __len__(self) -> int:
+        if self.claimed is None:
+            raise TypeError("unsized")
+        return self.claimed
+
+
+def _sizes(a, model, loader, change=None):
+    out = []
+    for i, (x, y, _) in enumerate(loader):
+        if change is not None and i == change[0]:
+            a.gradient_accumulation_steps = change[1]
+        with a.accumulate(model):
+            a.backward(F.mse_loss(model(x), y))
+            out.append((a.micro_step.size, a.sync_gradients))
+    return out
+
+
+def test_a_len_that_over_reports_still_flushes(clean_env):
+    a = accel(gradient_accumulation_steps=4)
+    model = a.prepare(make_model())
+    loader = a.prepare(DataLoader(Stream(12, claimed=16), batch_size=2))  # says 8 batches, has 6
+    got = _sizes(a, model, loader)
+    # len() sizes the windows; reading one batch ahead finds the real end and flushes there
+    assert got == [(4, False)] * 3 + [(4, True)] + [(4, False), (2, True)]
+
+
+def test_raising_k_with_an_unsized_loader_keeps_the_weights_right(clean_env):
+    a = accel(gradient_accumulation_steps=2)
+    model = a.prepare(make_model())
+    loader = a.prepare(DataLoader(Stream(10), batch_size=2))  # 5 batches
+    got = _sizes(a, model, loader, change=(2, 4))
+    # windows: 2, then the remaining 3 (known when that window starts)
+    assert got == [(2, False), (2, True), (3, False), (3, False), (3, True)]
+
+
+def test_the_outer_of_two_zipped_loaders_drives_the_window(clean_env):
+    a = accel(gradient_accumulation_steps=4)
+    model = a.prepare(make_model())
+    train_loader = a.prepare(DataLoader(Indexed(12), batch_size=2))  # 6 batches
+    aux = a.prepare(DataLoader(Indexed(20), batch_size=2))  # 10 batches
+    got = []
+    for (x, y, _), _aux in zip(train_loader, aux):
+        with a.accumulate(model):
+            a.backward(F.mse_loss(model(x), y))
+            got.append((a.micro_step.size, a.sync_gradients))
+    assert got == [(4, False)] * 3 + [(4, True)] + [(2, False), (2, True)]
+
+
+def test_prepared_loader_exposes_the_loader_and_moves_named_batches(clean_env):
+    a = accel()
+    loader = a.prepare(DataLoader(Indexed(6), batch_size=2))
+    assert len(loader.dataset) == 6 and loader.batch_size == 2
+    Pair = collections.namedtuple("Pair", "x y")
+    from gradsync.wrappers import _to_device
+
+    moved = _to_device(Pair(torch.ones(1), {"z": torch.zeros(1)}), torch.device("cpu"))
+    assert isinstance(moved, Pair) and isinstance(moved.y, dict)
+
+
+def test_optimizer_hooks_reach_the_wrapped_optimizer(clean_env):
+    a = accel()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = a.prepare(model, opt)
+    calls = []
+    opt.register_step_post_hook(lambda *args: calls.append(1))
+    with a.accumulate(model):
+        a.backward(F.mse_loss(model(torch.randn(2, 8)), torch.randn(2, 1)))
+        opt.step()
+    assert calls == [1]
+
+
+def test_samplers_are_sharded_kept_or_refused():
+    data = Indexed(8)
+    weighted = DataLoader(data, batch_size=2, sampler=WeightedRandomSampler([1.0] * 8, 8))
+    with pytest.raises(ConfigError, match="WeightedRandomSampler.*cannot shard"):
+        shard_dataloader(weighted, rank=0, world_size=2, seed=0)
+    own = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=1))
+    assert shard_dataloader(own, rank=1, world_size=2, seed=0) is own
+    g = torch.Generator()
+    plain = DataLoader(data, batch_size=2, shuffle=True, generator=g)
+    sharded = shard_dataloader(plain, rank=0, world_size=2, seed=0)
+    assert isinstance(sharded.sampler, DistributedSampler) and sharded.generator is g
+
+
+def test_user_set_epoch_on_the_sampler_is_respected(clean_env):
+    a = accel()
+    loader = DataLoader(Indexed(16), batch_size=4, sampler=DistributedSampler(Indexed(16), num_replicas=1, rank=0, shuffle=True))
+    prepared = a.prepare(loader)
+    first = [int(i) for _, _, idx in prepared for i in idx]
+    loader.sampler.set_epoch(5)
+    fifth = [int(i) for _, _, idx in prepared for i in idx]
+    loader.sampler.set_epoch(5)
+    again = [int(i) for _, _, idx in prepared for i in idx]
+    assert fifth == again != first
+
+
+def test_bf16_autocast_on_single_and_fp16_refused(clean_env):
+    a = accel(mixed_precision="bf16")
+    model = a.prepare(make_model())
+    with a.accumulate(model):
+        assert model(torch.randn(2, 8)).dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match="mixed_precision='fp16' is not supported with backend='single'"):
+        accel(mixed_precision="fp16")
+
+
+def test_audit_is_off_when_the_group_cannot_be_counted(clean_env, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    a = Accelerator(backend="ddp", audit=True)
+    assert a.audit is None
