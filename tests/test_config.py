@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from gradsync import BatchPlan, ConfigError
@@ -111,3 +113,38 @@ def test_keyword_overriding_the_launcher_is_reported(clean_env, caplog):
         cfg = load_config(gradient_accumulation_steps=4)
     assert cfg.gradient_accumulation_steps == 4
     assert "gradient_accumulation_steps=4 given in code overrides GRADSYNC_GRADIENT_ACCUMULATION_STEPS=8" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("a: [1, 2\n", "at line 2, column 1"),
+        ("backend: ddp\n  seed: 3\n", "at line 2, column 7"),
+    ],
+)
+def test_malformed_yaml_is_one_line_naming_the_file_and_the_problem(tmp_path, clean_env, text, where):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(config_file=path)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"config file {str(path)!r} is not valid YAML: ")
+    assert where in message and message.endswith("; fix the syntax there")
+
+
+def test_malformed_json_without_pyyaml_names_the_file_and_the_problem(tmp_path, clean_env, monkeypatch):
+    monkeypatch.setitem(sys.modules, "yaml", None)  # `import yaml` raises ImportError
+    path = tmp_path / "bad.json"
+    path.write_text('{"backend": "ddp",}')
+    with pytest.raises(ConfigError) as err:
+        load_config(config_file=path)
+    assert str(err.value).startswith(f"config file {str(path)!r} is not valid JSON: ")
+    assert "at line 1, column 19" in str(err.value)
+    path.write_text('{"backend": "ddp"}')
+    assert load_config(config_file=path).backend == "ddp"
+
+
+def test_a_directory_as_the_config_file_is_named_as_such(tmp_path, clean_env):
+    with pytest.raises(ConfigError, match="is a directory; pass the path of a YAML file"):
+        load_config(config_file=tmp_path)

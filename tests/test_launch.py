@@ -124,3 +124,103 @@ def test_launcher_is_usable_from_python(tmp_path):
     assert launcher.plan.gradient_accumulation_steps == 4
     assert launcher.worker_env()["GRADSYNC_GRADIENT_ACCUMULATION_STEPS"] == "4"
     assert "--standalone" in launcher.torchrun_argv()
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_dry_run_with_a_config_file_exports_only_what_was_given(tmp_path):
+    cfg = write(tmp_path / "cfg.yaml", "backend: fsdp\nsync_policy: defer\ngradient_accumulation_steps: 4\n")
+    proc = gradsync("launch", "--nproc-per-node", "2", "--config", str(cfg), "--dry-run", str(SCRIPT))
+    assert proc.returncode == 0, proc.stderr
+    env = [line.strip() for line in proc.stdout.splitlines() if line.startswith("  GRADSYNC_")]
+    assert f"GRADSYNC_CONFIG={cfg.resolve()}" in env
+    assert "GRADSYNC_GRADIENT_ACCUMULATION_STEPS=4" in env
+    # The file's backend and sync policy reach the workers through GRADSYNC_CONFIG, not beaten
+    # by launcher defaults in the environment.
+    assert not [line for line in env if line.startswith(("GRADSYNC_BACKEND=", "GRADSYNC_SYNC_POLICY="))], env
+    assert sorted(line.split("=")[0] for line in env) == [
+        "GRADSYNC_CONFIG", "GRADSYNC_GRADIENT_ACCUMULATION_STEPS"]
+
+
+@pytest.mark.multiprocess
+def test_launched_workers_run_the_config_files_backend(tmp_path):
+    cfg = write(tmp_path / "cfg.yaml", "backend: fsdp\ngradient_accumulation_steps: 2\n")
+    proc = gradsync("launch", "--nproc-per-node", "2", "--config", str(cfg), str(SCRIPT), str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = reports(tmp_path)
+    assert [(r["rank"], r["backend"], r["env_backend"], r["accumulation"]) for r in got] == [
+        (0, "fsdp", None, 2), (1, "fsdp", None, 2)]
+
+
+def test_workers_see_the_config_files_backend_and_flags_still_win(tmp_path, clean_env):
+    from gradsync.config import load_config
+
+    cfg = write(tmp_path / "cfg.yaml", "backend: fsdp\nsync_policy: defer\nmixed_precision: bf16\n")
+    launcher = Launcher(LaunchConfig(script=str(SCRIPT), nproc_per_node=2, config_file=str(cfg)))
+    assert launcher.worker_env() == {"GRADSYNC_CONFIG": str(cfg.resolve())}
+    worker = load_config(environ=launcher.worker_env())  # what each worker's Accelerator() reads
+    assert (worker.backend, worker.sync_policy, worker.mixed_precision) == ("fsdp", "defer", "bf16")
+
+    # An explicit flag wins over the file, even when it names the default.
+    launcher = Launcher(LaunchConfig(script=str(SCRIPT), nproc_per_node=2, config_file=str(cfg),
+                                     backend="auto", sync_policy="auto", mixed_precision="no"))
+    worker = load_config(environ=launcher.worker_env())
+    assert (worker.backend, worker.sync_policy, worker.mixed_precision) == ("auto", "auto", "no")
+
+
+def test_no_batch_size_given_exports_no_accumulation_steps():
+    launcher = Launcher(LaunchConfig(script=str(SCRIPT), nproc_per_node=2))
+    assert launcher.worker_env() == {}
+    launcher = Launcher(LaunchConfig(script=str(SCRIPT), nproc_per_node=2, global_batch_size=16,
+                                     micro_batch_size=2, seed=7, audit=True))
+    assert launcher.worker_env() == {
+        "GRADSYNC_GRADIENT_ACCUMULATION_STEPS": "4", "GRADSYNC_MICRO_BATCH_SIZE": "2",
+        "GRADSYNC_SEED": "7", "GRADSYNC_AUDIT": "1"}
+
+
+@pytest.mark.parametrize(
+    "yaml_text, flags, message",
+    [
+        ("backend: horovod\n", [], "config file '{cfg}': backend='horovod' is unknown; available: auto, "),
+        ("sync_policy: sometimes\n", [], "config file '{cfg}': sync_policy='sometimes' is unknown; use one of"),
+        ("mixed_precision: fp8\n", [], "config file '{cfg}': mixed_precision='fp8' is unknown"),
+        ("micro_batch_size: 0\n", [], "config file '{cfg}': micro_batch_size=0 must be >= 1"),
+        ("seed: abc\n", [], "config file '{cfg}': seed='abc' must be an integer"),
+        ("a: [1, 2\n", [], "config file '{cfg}' is not valid YAML: "),
+        ("backend: ddp\n", ["--mixed-precision", "fp8"], "--mixed-precision='fp8' is unknown; use one of no, bf16"),
+        ("backend: ddp\n", ["--micro-batch-size", "0"], "micro_batch_size=0 must be >= 1"),
+        ("", ["--rdzv-endpoint", "127.0.0.1:abc"], "--rdzv-endpoint='127.0.0.1:abc' has port 'abc'"),
+        ("", ["--rdzv-endpoint", "127.0.0.1:70000"], "--rdzv-endpoint='127.0.0.1:70000' has port '70000'"),
+        ("", ["--rdzv-endpoint", "127.0.0.1"], "--rdzv-endpoint='127.0.0.1' must be HOST:PORT"),
+    ],
+)
+def test_bad_settings_stop_before_any_process_starts(tmp_path, yaml_text, flags, message):
+    cfg = write(tmp_path / "cfg.yaml", yaml_text)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = gradsync("launch", "--nproc-per-node", "2", "--config", str(cfg), *flags, str(SCRIPT), str(out))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gradsync: error: "), proc.stderr
+    assert message.format(cfg=cfg) in lines[0]
+    assert not list(out.iterdir())  # no worker ran
+
+
+def test_a_directory_as_the_script_is_named_as_such(tmp_path):
+    proc = gradsync("launch", str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"gradsync: error: script {str(tmp_path)!r} is a directory; give the path of your training "
+        "script inside it (or -m module.name to run a module)")
+
+
+@pytest.mark.parametrize("flag", ["--nproc-per-node", "--nnodes"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_process_counts_below_one_are_rejected_by_the_parser(flag, value):
+    proc = gradsync("launch", flag, value, str(SCRIPT))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"argument {flag}: {value} must be >= 1" in proc.stderr

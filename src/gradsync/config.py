@@ -43,6 +43,7 @@ class Config:
     fsdp_memory_budget: int | None = None
     fsdp_reshard_after_backward: bool | None = None
     fsdp_wrap: Any = None
+    ddp_kwargs: dict[str, Any] | None = None  # extra DistributedDataParallel(...) arguments
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> Config:
@@ -62,6 +63,13 @@ class Config:
                 f"mixed_precision={self.mixed_precision!r} is unknown; "
                 f"use one of {', '.join(MIXED_PRECISION)}"
             )
+        if self.ddp_kwargs is not None and not isinstance(self.ddp_kwargs, dict):
+            raise ConfigError(
+                f"ddp_kwargs={self.ddp_kwargs!r} must be a dict of DistributedDataParallel "
+                "arguments, e.g. {'find_unused_parameters': True}"
+            )
+        if not isinstance(self.audit, bool):
+            raise ConfigError(f"audit={self.audit!r} must be True or False")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed={self.seed!r} must be an integer or None")
         return self
@@ -77,7 +85,6 @@ _FIELDS = {f.name: f for f in fields(Config) if f.name != "extra"}
 
 def _coerce(name: str, raw: str, source: str) -> Any:
     """Turn an environment string into the field's type."""
-    default = _FIELDS[name].default
     if name in ("audit", "fsdp_reshard_after_backward"):
         low = raw.strip().lower()
         if low in _TRUE:
@@ -96,7 +103,13 @@ def _coerce(name: str, raw: str, source: str) -> Any:
             ) from None
     if name == "fsdp_wrap":
         return [part.strip() for part in raw.split(",") if part.strip()]
-    del default
+    if name == "ddp_kwargs":
+        import json
+
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise ConfigError(f"{source}={raw!r} is not JSON; set it to a JSON object") from None
     return raw
 
 
@@ -114,9 +127,14 @@ def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
 def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The settings in a YAML (or JSON) file, as keyword arguments."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {str(p)!r} is a directory; pass the path of a YAML file")
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist; pass the path of a YAML file")
-    text = p.read_text()
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {str(p)!r} cannot be read ({err}); pass a UTF-8 YAML file") from None
     try:
         import yaml
     except ImportError:
@@ -124,12 +142,22 @@ def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
 
         try:
             data = json.loads(text)
-        except ValueError:
+        except json.JSONDecodeError as err:
+            if p.suffix.lower() == ".json":
+                raise ConfigError(
+                    f"config file {str(p)!r} is not valid JSON: {err.msg} at line {err.lineno}, "
+                    f"column {err.colno}; fix the syntax there"
+                ) from None
             raise ConfigError(
                 f"config file {str(p)!r} needs PyYAML to read; pip install 'gradsync[yaml]'"
             ) from None
     else:
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(
+                f"config file {str(p)!r} is not valid YAML: {_yaml_problem(err)}; fix the syntax there"
+            ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -141,6 +169,17 @@ def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"known keys: {', '.join(sorted(_FIELDS))}"
         )
     return dict(data)
+
+
+def _yaml_problem(err: Exception) -> str:
+    """One line from a PyYAML error: the problem and where it is (1-based line, column)."""
+    problem = getattr(err, "problem", None) or getattr(err, "context", None)
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    if problem is None:
+        return " ".join(str(err).split())
+    if mark is None:
+        return str(problem)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
 def load_config(

@@ -16,10 +16,14 @@ def _add_batch_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _positive(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a whole number >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1; give a whole number >= 1")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,13 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--master-port", type=int, default=None, metavar="P")
     launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT")
     launch.add_argument("--rdzv-id", default="gradsync", metavar="ID")
-    launch.add_argument("--backend", default="auto", metavar="B",
-                        help="auto, single, ddp, fsdp or deepspeed")
+    launch.add_argument("--backend", default=None, metavar="B",
+                        help="auto, single, ddp, fsdp or deepspeed (default: the config file's, else auto)")
     _add_batch_flags(launch)
     launch.add_argument("--sync-policy", default=None, metavar="P",
                         help="auto, defer, every_step or native")
     launch.add_argument("--seed", type=int, default=None)
-    launch.add_argument("--mixed-precision", default=None, metavar="MP", help="no or bf16")
+    launch.add_argument("--mixed-precision", default=None, metavar="MP", help="no, bf16 or fp16")
     launch.add_argument("--audit", action="store_true", help="count collectives per micro-step")
     launch.add_argument("--config", default=None, metavar="YAML", help="a gradsync YAML config")
     launch.add_argument("--dry-run", action="store_true",

@@ -13,11 +13,16 @@ import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gradsync import backends
 from gradsync.batching import BatchPlan, check_positive_int
-from gradsync.config import SYNC_POLICIES, Config, from_yaml, to_env
+from gradsync.config import ENV_PREFIX, MIXED_PRECISION, SYNC_POLICIES, Config, from_yaml
 from gradsync.errors import ConfigError
+
+# LaunchConfig fields that are worker settings; None (or audit=False) means "not given".
+_SETTINGS = ("backend", "gradient_accumulation_steps", "micro_batch_size", "global_batch_size",
+             "sync_policy", "seed", "mixed_precision", "audit")
 
 
 @dataclass
@@ -35,8 +40,9 @@ class LaunchConfig:
     rdzv_endpoint: str | None = None
     rdzv_id: str = "gradsync"
     max_restarts: int = 0
-    # What the workers' Accelerator() reads from GRADSYNC_* variables.
-    backend: str = "auto"
+    # What the workers' Accelerator() reads from GRADSYNC_* variables. None means "not given":
+    # the workers then take the value from the config file, or the default.
+    backend: str | None = None
     gradient_accumulation_steps: int | None = None
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
@@ -56,6 +62,7 @@ class Launcher:
 
     def __init__(self, config: LaunchConfig) -> None:
         self.config = config
+        self._file_settings: dict[str, Any] | None = None  # the config file, read once
         self.plan = self.validate()
 
     def validate(self) -> BatchPlan:
@@ -66,63 +73,95 @@ class Launcher:
             raise ConfigError(
                 f"--node-rank={c.node_rank} must be in 0..{c.nnodes - 1} for --nnodes={c.nnodes}"
             )
-        if not c.module and not Path(c.script).is_file():
-            raise ConfigError(
-                f"script {c.script!r} does not exist; give the path of your training script "
-                "(or -m module.name to run a module)"
-            )
-        backends.check_name(c.backend)
+        if not c.module:
+            script = Path(c.script)
+            if script.is_dir():
+                raise ConfigError(
+                    f"script {c.script!r} is a directory; give the path of your training script "
+                    "inside it (or -m module.name to run a module)"
+                )
+            if not script.is_file():
+                raise ConfigError(
+                    f"script {c.script!r} does not exist; give the path of your training script "
+                    "(or -m module.name to run a module)"
+                )
+        if c.backend is not None:
+            backends.check_name(c.backend)
         if c.sync_policy is not None and c.sync_policy not in SYNC_POLICIES:
             raise ConfigError(
                 f"--sync-policy={c.sync_policy!r} is unknown; use one of {', '.join(SYNC_POLICIES)}"
             )
+        if c.mixed_precision is not None and c.mixed_precision not in MIXED_PRECISION:
+            raise ConfigError(
+                f"--mixed-precision={c.mixed_precision!r} is unknown; "
+                f"use one of {', '.join(MIXED_PRECISION)}"
+            )
         if c.master_port is not None and not 0 < c.master_port < 65536:
             raise ConfigError(f"--master-port={c.master_port} must be a TCP port (1-65535)")
-        if c.rdzv_endpoint is not None and ":" not in c.rdzv_endpoint:
-            raise ConfigError(
-                f"--rdzv-endpoint={c.rdzv_endpoint!r} must be HOST:PORT, e.g. 127.0.0.1:29500"
-            )
+        if c.rdzv_endpoint is not None:
+            _check_endpoint(c.rdzv_endpoint)
         if c.nnodes > 1 and c.rdzv_endpoint is None and c.master_addr is None:
             raise ConfigError(
                 f"--nnodes={c.nnodes} needs --rdzv-endpoint HOST:PORT (or --master-addr and "
                 "--master-port) so the nodes can find each other"
             )
-        sizes = self._sizes()
-        return BatchPlan.solve(data_parallel_size=c.world_size, **sizes)
+        # The same checks the workers' Config makes, on the flags and on the file apart, so
+        # that a bad value stops here and the message says where it came from.
+        _check_settings(self._given())
+        from_file = self._from_file()
+        try:
+            _check_settings(from_file)
+        except ConfigError as err:
+            raise ConfigError(f"config file {c.config_file!r}: {err}") from None
+        merged = self._merged()
+        return BatchPlan.solve(
+            data_parallel_size=c.world_size,
+            global_batch_size=merged.get("global_batch_size"),
+            micro_batch_size=merged.get("micro_batch_size"),
+            gradient_accumulation_steps=merged.get("gradient_accumulation_steps"),
+        )
 
-    def _sizes(self) -> dict[str, int | None]:
+    def _given(self) -> dict[str, Any]:
+        """The worker settings given on the command line (or to LaunchConfig)."""
         c = self.config
-        sizes: dict[str, int | None] = {
-            "global_batch_size": c.global_batch_size,
-            "micro_batch_size": c.micro_batch_size,
-            "gradient_accumulation_steps": c.gradient_accumulation_steps,
-        }
-        if c.config_file:
-            from_file = from_yaml(c.config_file)
-            for key in sizes:
-                if sizes[key] is None and from_file.get(key) is not None:
-                    sizes[key] = from_file[key]
-        return sizes
+        given = {name: getattr(c, name) for name in _SETTINGS}
+        if not c.audit:
+            del given["audit"]
+        return {k: v for k, v in given.items() if v is not None}
+
+    def _merged(self) -> dict[str, Any]:
+        """The config file's settings, overridden by the given ones: what the workers will use."""
+        merged = self._from_file()
+        merged.update(self._given())
+        return merged
 
     def worker_env(self) -> dict[str, str]:
-        """The GRADSYNC_* variables every worker gets."""
-        c = self.config
-        settings = Config(
-            backend=c.backend,
-            gradient_accumulation_steps=self.plan.gradient_accumulation_steps,
-            micro_batch_size=self.plan.micro_batch_size,
-            global_batch_size=None,  # derived from the other two; passing all three is redundant
-            sync_policy=c.sync_policy or "auto",
-            seed=c.seed,
-            mixed_precision=c.mixed_precision or "no",
-            audit=c.audit,
-        )
-        env = to_env(settings)
-        env["GRADSYNC_GRADIENT_ACCUMULATION_STEPS"] = str(self.plan.gradient_accumulation_steps)
-        env["GRADSYNC_BACKEND"] = c.backend
-        if c.config_file:
-            env["GRADSYNC_CONFIG"] = str(Path(c.config_file).resolve())
+        """The GRADSYNC_* variables every worker gets: only the settings that were given.
+
+        Settings that are not given are not exported, so the workers read them from the
+        config file (``GRADSYNC_CONFIG``) or fall back to the defaults.
+        """
+        sizes = ("gradient_accumulation_steps", "micro_batch_size", "global_batch_size")
+        given = {k: v for k, v in self._given().items() if k not in sizes}
+        # The batch sizes go as the plan derived them from the flags and the file (the global
+        # batch size follows from the other two); none go when neither gave any.
+        if any(self._merged().get(name) is not None for name in sizes):
+            given["gradient_accumulation_steps"] = self.plan.gradient_accumulation_steps
+            if self.plan.micro_batch_size is not None:
+                given["micro_batch_size"] = self.plan.micro_batch_size
+        env = {
+            ENV_PREFIX + name.upper(): ("1" if value is True else str(value))
+            for name, value in given.items()
+        }
+        if self.config.config_file:
+            env[ENV_PREFIX + "CONFIG"] = str(Path(self.config.config_file).resolve())
         return env
+
+    def _from_file(self) -> dict[str, Any]:
+        if self._file_settings is None:
+            path = self.config.config_file
+            self._file_settings = from_yaml(path) if path else {}
+        return dict(self._file_settings)
 
     def torchrun_argv(self) -> list[str]:
         """The arguments of torch.distributed.run (after `python -m torch.distributed.run`)."""
@@ -164,6 +203,25 @@ class Launcher:
                 codes = [f.exitcode for f in err.failures.values() if f.exitcode]
                 return codes[0] if codes and codes[0] > 0 else 1
         return 0
+
+
+def _check_settings(settings: Mapping[str, Any]) -> None:
+    if settings.get("backend") is not None:
+        backends.check_name(settings["backend"])
+    Config(**settings).validate()
+
+
+def _check_endpoint(endpoint: str) -> None:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(
+            f"--rdzv-endpoint={endpoint!r} must be HOST:PORT, e.g. 127.0.0.1:29500"
+        )
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"--rdzv-endpoint={endpoint!r} has port {port!r}, which is not a TCP port (1-65535); "
+            "use HOST:PORT, e.g. 127.0.0.1:29500"
+        )
 
 
 @contextlib.contextmanager
