@@ -61,9 +61,8 @@ class DDPBackend:
             )
         # no_sync() saves require_backward_grad_sync and puts the saved value back on exit.
         defer = not sync and self.policy != "every_step"
-        with model.no_sync() if defer else contextlib.nullcontext(), torch.autocast(
-            self._device.type, dtype=torch.bfloat16, enabled=self._bf16
-        ):
+        cast = torch.autocast(self._device.type, dtype=torch.bfloat16) if self._bf16 else None
+        with model.no_sync() if defer else contextlib.nullcontext(), cast or contextlib.nullcontext():
             yield
 
     def backward(self, loss: torch.Tensor) -> None:
