@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,6 @@ class Config:
     fsdp_reshard_after_backward: bool | None = None
     fsdp_wrap: Any = None
     ddp_kwargs: dict[str, Any] | None = None  # extra DistributedDataParallel(...) arguments
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> Config:
         if not isinstance(self.backend, str) or not self.backend:
@@ -80,7 +79,7 @@ class Config:
         return self.gradient_accumulation_steps or 1
 
 
-_FIELDS = {f.name: f for f in fields(Config) if f.name != "extra"}
+_FIELDS = {f.name: f for f in fields(Config)}
 
 
 def _coerce(name: str, raw: str, source: str) -> Any:
