@@ -83,7 +83,9 @@ def test_plain_loss_backward_accumulates_too(clean_env):
             opt.zero_grad()
     want = window_grad(make_model(), data)
     assert max(float((g - w).abs().max()) for g, w in zip(got, want)) < 1e-6
-    assert all(p.grad is None for p in model.parameters())  # the step cleared the window
+    assert all(p.grad is not None for p in model.parameters()), "gradients stay readable after step"
+    with a.accumulate(model):
+        assert all(p.grad is None for p in model.parameters()), "a new window starts cleared"
 
 
 def _loop(a, model, opt, loader, per_epoch=None, epochs=2):
@@ -290,3 +292,143 @@ def test_audit_is_off_when_the_group_cannot_be_counted(clean_env, tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     a = Accelerator(backend="ddp", audit=True)
     assert a.audit is None
+
+
+def _pattern(a, model, batches):
+    out = []
+    for x, y, _ in batches:
+        with a.accumulate(model):
+            a.backward(F.mse_loss(model(x), y))
+            step = a.micro_step
+            out.append(f"{step.index}/{step.size}{'S' if step.sync else ''}")
+    return out
+
+
+def test_a_nested_inner_loader_drives_the_window(clean_env):
+    a = accel(gradient_accumulation_steps=4)
+    model = a.prepare(make_model())
+    outer = a.prepare(DataLoader(Indexed(6), batch_size=2))  # 3 tasks
+    inner = a.prepare(DataLoader(Indexed(16), batch_size=2))  # 8 batches per task
+    for _task in outer:
+        assert _pattern(a, model, inner) == ["0/4", "1/4", "2/4", "3/4S"] * 2
+
+
+def test_two_passes_over_one_loader_do_not_disturb_each_other(clean_env):
+    a = accel(gradient_accumulation_steps=4)
+    model = a.prepare(make_model())
+    loader = a.prepare(DataLoader(Indexed(8), batch_size=2))
+    pairs = [(p[2].tolist(), q[2].tolist()) for p, q in zip(loader, loader)]
+    assert pairs == [([0, 1], [0, 1]), ([2, 3], [2, 3]), ([4, 5], [4, 5]), ([6, 7], [6, 7])]
+    probe = iter(loader)
+    next(probe)  # a sample batch, the pass left open
+    loader6 = a.prepare(DataLoader(Indexed(12), batch_size=2))
+    for _ in range(2):
+        assert _pattern(a, model, loader6) == ["0/4", "1/4", "2/4", "3/4S", "0/2", "1/2S"]
+    del probe
+
+
+def test_an_eval_loader_mid_window_does_not_drop_the_training_window(clean_env, caplog):
+    a = accel(gradient_accumulation_steps=4)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = a.prepare(model, opt)
+    evaluation = a.prepare(DataLoader(Indexed(4), batch_size=2))
+    data = [(torch.randn(2, 8), torch.randn(2, 1)) for _ in range(4)]
+    with caplog.at_level(logging.WARNING, logger="gradsync"):
+        for i, (x, y) in enumerate(data):
+            with a.accumulate(model):
+                a.backward(F.mse_loss(model(x), y))
+                if a.sync_gradients:
+                    got = grads(model)
+            if i == 1:
+                with torch.no_grad():
+                    for ex, _, _ in evaluation:
+                        model(ex)
+    assert "unfinished" not in caplog.text
+    want = window_grad(model, data)
+    assert max(float((g - w).abs().max()) for g, w in zip(got, want)) < 1e-6
+
+
+def test_loader_state_dict_mid_epoch_names_the_epoch_in_progress(clean_env):
+    a = accel()
+    loader = a.prepare(DataLoader(Indexed(8), batch_size=2))
+    list(loader)
+    it = iter(loader)
+    next(it)
+    next(it)
+    assert loader.state_dict() == {"epoch": 1, "batches_yielded": 2}
+
+
+class Broken(Indexed):
+    def __getitem__(self, i):
+        if i == 5:
+            raise OSError("shard unreadable")
+        return super().__getitem__(i)
+
+
+def test_a_loading_error_surfaces_at_its_own_batch(clean_env):
+    a = accel(gradient_accumulation_steps=4)
+    model = a.prepare(make_model())
+    loader = a.prepare(DataLoader(Broken(10), batch_size=1))
+    seen = []
+    with pytest.raises(OSError, match="shard unreadable"):
+        for x, y, idx in loader:
+            with a.accumulate(model):
+                a.backward(F.mse_loss(model(x), y))
+            seen.append(int(idx))
+    assert seen == [0, 1, 2, 3, 4]
+
+    class Stream10(IterableDataset):
+        def __iter__(self):
+            for i in range(10):
+                if i == 6:
+                    raise OSError("stream broke")
+                yield Indexed(10)[i]
+
+    stream = a.prepare(DataLoader(Stream10(), batch_size=1))
+    got = []
+    with pytest.raises(OSError, match="stream broke"):
+        for x, y, idx in stream:
+            with a.accumulate(model):  # the window look-ahead must not raise it early
+                a.backward(F.mse_loss(model(x), y))
+            got.append(int(idx))
+    assert got == [0, 1, 2, 3, 4, 5]
+
+
+def test_gradients_are_readable_after_step_and_stale_ones_never_leak(clean_env):
+    a = accel()  # k = 1
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = a.prepare(model, opt)
+    x, y = torch.randn(2, 8), torch.randn(2, 1)
+    F.mse_loss(model(x), y).backward()  # a sanity-check backward before training
+    with a.accumulate(model):
+        opt.zero_grad()
+        a.backward(F.mse_loss(model(x), y))
+        want = window_grad(model, [(x, y)])
+        got = grads(model)
+        opt.step()
+    assert max(float((g - w).abs().max()) for g, w in zip(got, want)) < 1e-6
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_optimizer_methods_that_bypass_the_window_are_refused(clean_env):
+    class SAM(torch.optim.SGD):
+        def first_step(self):
+            pass
+
+    a = accel(gradient_accumulation_steps=2)
+    model = make_model()
+    model, opt = a.prepare(model, SAM(model.parameters(), lr=0.1))
+    with pytest.raises(AttributeError, match="first_step.*not gated"):
+        opt.first_step()
+    assert isinstance(opt.defaults, dict)
+
+
+def test_random_sampler_with_replacement_is_refused():
+    from torch.utils.data import RandomSampler
+
+    data = Indexed(8)
+    loader = DataLoader(data, batch_size=2, sampler=RandomSampler(data, replacement=True, num_samples=40))
+    with pytest.raises(ConfigError, match="replacement"):
+        shard_dataloader(loader, rank=0, world_size=2, seed=0)

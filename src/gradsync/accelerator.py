@@ -101,6 +101,7 @@ class Accelerator:
         self._state = StepState()
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
+        self._window_loader: PreparedDataLoader | None = None  # the loader feeding the open window
         self.audit: audit_mod.Recorder | None = None
         if self.config.audit:
             import torch.distributed as dist
@@ -277,21 +278,26 @@ class Accelerator:
         sharded = shard_dataloader(loader, rank=self.rank, world_size=self.world_size, seed=seed)
         return PreparedDataLoader(sharded, self._state, self.device, self._on_epoch_start)
 
-    def _on_epoch_start(self) -> None:
-        """A driving dataloader starts an epoch: a window left open (a `break` out of the
-        last epoch) cannot be completed, so its micro-batches are dropped, not carried over."""
-        if not self._window.at_window_start:
+    def _on_epoch_start(self, loader: PreparedDataLoader) -> None:
+        """A loader starts a new pass. If the open window was being fed by that loader (its
+        last pass was broken off mid-window), the window cannot be completed: drop it rather
+        than carry its gradients into the next window."""
+        if not self._window.at_window_start and self._window_loader is loader:
             log.warning(
                 "gradsync: a new epoch starts inside an unfinished accumulation window (did the "
                 "loop break early?); dropping its gradients so they do not leak into the next window"
             )
             self._drop_window()
 
+    def _clear_grads(self) -> None:
+        for prepared in self._optimizers:
+            self._backend.zero_grad(prepared.optimizer, True)
+
     def _drop_window(self) -> None:
         self._window.reset()
         self._state.in_window = False
-        for prepared in self._optimizers:
-            self._backend.zero_grad(prepared.optimizer, True)
+        self._window_loader = None
+        self._clear_grads()
 
     # -- the micro-step ---------------------------------------------------
     @contextlib.contextmanager
@@ -302,10 +308,14 @@ class Accelerator:
         ``optimizer.step()`` and friends may also follow the block. If the block raises,
         the open window is dropped (its gradients cleared) and the error propagates.
         """
-        remaining, last = self._state.remaining, self._state.last
-        if remaining is None and self._window.at_window_start and self._state.peek is not None:
-            remaining = self._state.peek(self._window.steps)  # an unsized loader: look ahead
-            last = remaining == 1
+        fed = self._state.feeding_iteration()
+        remaining, last = (fed.remaining, fed.last) if fed is not None else (None, False)
+        if self._window.at_window_start:
+            self._clear_grads()  # every window starts from cleared gradients
+            self._window_loader = fed.owner if fed is not None else None
+            if remaining is None and fed is not None:
+                remaining = fed.peek(self._window.steps)  # unsized: look up to a window ahead
+                last = remaining == 1
         step = self._window.begin(remaining=remaining, last=last)
         self._state.sync = step.sync
         self._state.in_window = True

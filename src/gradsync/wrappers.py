@@ -6,10 +6,12 @@ They share one ``StepState`` with the Accelerator that made them (never a global
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,17 +33,32 @@ class StepState:
     sync: bool = True  # the current (or, after the block, the last) micro-step is a boundary
     in_window: bool = False  # inside accumulate(), or between micro-steps of an unfinished window
     optimizer_steps: int = 0  # optimizer steps really applied, all prepared optimizers together
-    remaining: int | None = None  # batches left in the epoch, this one included (None: unknown)
-    last: bool = False  # the batch just yielded is the epoch's last
-    driver: object | None = None  # the prepared dataloader whose position drives the window
-    peek: Callable[[int], int | None] | None = None  # the driver's look-ahead (see PreparedDataLoader)
+    yields: int = 0  # batches yielded by all prepared loaders (orders their iterations)
+    iterations: list[weakref.ref[LoaderIteration]] = field(default_factory=list)
+
+    def live_iterations(self) -> list[LoaderIteration]:
+        alive = [it for it in (ref() for ref in self.iterations) if it is not None and not it.done]
+        self.iterations = [weakref.ref(it) for it in alive]
+        return alive
+
+    def feeding_iteration(self) -> LoaderIteration | None:
+        """The prepared-loader pass that fed this micro-step: of the passes that yielded since
+        the previous micro-step, the one started last (an inner loop of a nested pair); among
+        passes started together (``zip``), the first."""
+        fed = [it for it in self.live_iterations() if it.fresh]
+        for it in fed:
+            it.fresh = False
+        if not fed:
+            return None
+        return max(fed, key=lambda it: (it.started_at, -it.serial))
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
-    """Steps only at a boundary and then clears the window's gradients; ``zero_grad`` does
-    nothing while a window is open (inside ``accumulate()`` or between its micro-steps).
-    So both loop orders (``zero_grad`` at the top of the loop, or after ``step``), calls
-    after the block, and a plain ``loss.backward()`` all accumulate correctly.
+    """Steps only at a boundary; ``zero_grad`` does nothing while a window is open (inside
+    ``accumulate()`` or between its micro-steps), and each new window starts from cleared
+    gradients. So both loop orders (``zero_grad`` at the top of the loop, or after
+    ``step``), calls after the block, and a plain ``loss.backward()`` all accumulate
+    correctly, and the gradients stay readable after ``step()`` until the next window.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, backend: Backend, state: StepState) -> None:
@@ -77,10 +94,18 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def __getattr__(self, name: str) -> Any:
-        # Hooks and anything else of the Optimizer API: the wrapped optimizer's.
+        # Data and hook registration of the wrapped optimizer pass through; its other methods
+        # (e.g. a SAM-style first_step) would change the weights off the boundary: refused.
         if name == "optimizer":
             raise AttributeError(name)
-        return getattr(self.optimizer, name)
+        value = getattr(self.optimizer, name)
+        if callable(value) and not name.startswith("register_"):
+            raise AttributeError(
+                f"{type(self.optimizer).__name__}.{name}() is not gated by gradsync's "
+                "accumulation window; call it on accel-prepared optimizer.optimizer only when "
+                "accel.sync_gradients is True"
+            )
+        return value
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         if closure is not None:
@@ -93,8 +118,6 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if self._backend.step(self.optimizer):
             self.steps_applied += 1
             self._state.optimizer_steps += 1
-        # The window is consumed (applied or skipped): its gradients must not leak onward.
-        self._backend.zero_grad(self.optimizer, True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not self._state.in_window:
@@ -180,16 +203,22 @@ def shard_dataloader(loader: DataLoader[Any], *, rank: int, world_size: int, see
             "shard over ranks; build the DataLoader with batch_size=..., or give each rank its "
             "own shard (e.g. a DistributedSampler) and the same number of batches"
         )
-    if not isinstance(loader.sampler, RandomSampler | SequentialSampler):
+    plain_random = (
+        type(loader.sampler) is RandomSampler
+        and not loader.sampler.replacement
+        and loader.sampler._num_samples is None
+    )
+    if not (plain_random or type(loader.sampler) is SequentialSampler):
         raise ConfigError(
-            f"the dataloader's sampler is a {type(loader.sampler).__name__}, which gradsync "
+            f"the dataloader's sampler is a {type(loader.sampler).__name__} (or a RandomSampler "
+            "with replacement/num_samples), which gradsync "
             "cannot shard over ranks without changing what it samples; shard it yourself (each "
             "rank its own indices, equal batch counts, e.g. a DistributedSampler over your "
             "subset) and gradsync keeps it as it is"
         )
     sampler: DistributedSampler[Any] = DistributedSampler(
         loader.dataset, num_replicas=world_size, rank=rank,
-        shuffle=isinstance(loader.sampler, RandomSampler), seed=seed, drop_last=loader.drop_last,
+        shuffle=plain_random, seed=seed, drop_last=loader.drop_last,
     )
     kwargs: dict[str, Any] = {
         "batch_size": loader.batch_size,
@@ -210,15 +239,76 @@ def shard_dataloader(loader: DataLoader[Any], *, rank: int, world_size: int, see
     return DataLoader(loader.dataset, **kwargs)
 
 
+_SERIAL = itertools.count()
+
+
+class LoaderIteration:
+    """One pass over a prepared loader: reads one batch ahead (a window ahead on request),
+    knows where the pass stands, and re-raises a loading error at the batch that caused it."""
+
+    def __init__(self, owner: PreparedDataLoader, source: Iterator[Any], total: int | None) -> None:
+        self.owner = owner
+        self.source = source
+        self.total = total
+        self.buffer: collections.deque[Any] = collections.deque()
+        self.exhausted = False
+        self.error: BaseException | None = None
+        self.done = False
+        self.yielded = 0
+        self.fresh = False  # yielded since the previous micro-step
+        self.remaining: int | None = None  # batches left, the last yielded one included
+        self.last = False
+        self.started_at = owner._state.yields
+        self.serial = next(_SERIAL)
+
+    def __iter__(self) -> LoaderIteration:
+        return self
+
+    def _fill(self, n: int) -> None:
+        while not self.exhausted and self.error is None and len(self.buffer) < n:
+            try:
+                self.buffer.append(next(self.source))
+            except StopIteration:
+                self.exhausted = True
+            except Exception as err:  # raised when its batch's turn comes, not earlier
+                self.error = err
+
+    def peek(self, n: int) -> int | None:
+        """Batches left from the last yielded one on, if the data ends within ``n``; else None."""
+        self._fill(n)
+        left = len(self.buffer) + 1
+        return left if self.error is None and self.exhausted and left <= n else None
+
+    def __next__(self) -> Any:
+        self._fill(2)  # the batch to hand out and one more, to see the end coming
+        if not self.buffer:
+            self.done = True
+            if self.error is not None:
+                error, self.error = self.error, None
+                raise error
+            raise StopIteration
+        batch = self.buffer.popleft()
+        left = len(self.buffer) + 1
+        if self.error is None and self.exhausted:
+            self.remaining = left
+        elif self.total is not None and self.total - self.yielded >= left:
+            self.remaining = self.total - self.yielded  # len() agrees with what was read
+        else:
+            self.remaining = None
+        self.last = self.error is None and self.exhausted and not self.buffer
+        self.yielded += 1
+        self.fresh = True
+        self.owner._state.yields += 1
+        return _to_device(batch, self.owner._device)
+
+
 class PreparedDataLoader:
     """Iterates the (sharded) loader and tells the window where the epoch stands.
 
-    It always reads one batch ahead, so it knows the epoch's last batch even when ``len()``
-    is wrong or absent; with a sized loader it knows how many batches remain, with an
-    unsized one the Accelerator can ask it (``peek``) to read up to one window ahead, so the
-    last, partial window is known when it starts. Only one prepared loader drives the
-    window at a time: the outermost one iterating (a loader zipped with or nested in it
-    does not).
+    Each pass reads one batch ahead, so it knows the epoch's last batch even when ``len()``
+    is wrong or absent; with a sized loader it knows how many batches remain, and an unsized
+    one can be asked to read up to one window ahead when a window starts. The window
+    follows the pass that fed the micro-step (see ``StepState.feeding_iteration``).
     """
 
     def __init__(
@@ -226,7 +316,7 @@ class PreparedDataLoader:
         loader: Any,
         state: StepState,
         device: torch.device,
-        on_epoch_start: Callable[[], None],
+        on_epoch_start: Callable[[PreparedDataLoader], None],
     ) -> None:
         self.loader = loader
         self._state = state
@@ -236,19 +326,23 @@ class PreparedDataLoader:
         self._epoch_set = False
         self._sampler_epoch = 0
         self._user_epochs = False
-        self._buffer: collections.deque[Any] = collections.deque()
-        self._source: Iterator[Any] | None = None
-        self._exhausted = False
+        self._current: LoaderIteration | None = None
+        self._current_epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch of the next iteration (it reshuffles the shards); counted up by itself."""
+        """The epoch of the next pass (it reshuffles the shards); counted up by itself."""
         self._epoch = epoch
         self._epoch_set = True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self._epoch}
+        """The epoch in progress (or the next one between passes) and the batches it yielded."""
+        it = self._current
+        if it is not None and not it.done:
+            return {"epoch": self._current_epoch, "batches_yielded": it.yielded}
+        return {"epoch": self._epoch, "batches_yielded": 0}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the epoch's order (skip ``batches_yielded`` batches yourself to go on mid-epoch)."""
         self.set_epoch(int(state_dict["epoch"]))
 
     @property
@@ -263,23 +357,7 @@ class PreparedDataLoader:
             raise AttributeError(name)
         return getattr(self.loader, name)  # dataset, batch_size, num_workers, ...
 
-    def _fill(self, n: int) -> None:
-        """Read ahead until ``n`` batches wait in the buffer or the data ends."""
-        assert self._source is not None
-        while not self._exhausted and len(self._buffer) < n:
-            try:
-                self._buffer.append(next(self._source))
-            except StopIteration:
-                self._exhausted = True
-
-    def peek(self, n: int) -> int | None:
-        """Batches left after the one just yielded plus one (i.e. from the current one on),
-        if the data ends within ``n``; None when at least ``n`` more remain."""
-        self._fill(n)
-        left = len(self._buffer) + 1
-        return left if self._exhausted and left <= n else None
-
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> LoaderIteration:
         sampler = self.sampler
         if isinstance(sampler, DistributedSampler):
             if not self._epoch_set and sampler.epoch != self._sampler_epoch:
@@ -287,42 +365,14 @@ class PreparedDataLoader:
             if self._epoch_set or not self._user_epochs:
                 sampler.set_epoch(self._epoch)
             self._sampler_epoch = sampler.epoch
+        self._current_epoch = self._epoch
         self._epoch += 1
         self._epoch_set = False
-        drives = self._state.driver is None
-        if drives:
-            self._on_epoch_start()
-            self._state.driver = self
-        total = self._sized_len()
-        self._source, self._buffer, self._exhausted = iter(self.loader), collections.deque(), False
-        try:
-            i = 0
-            while True:
-                self._fill(2)  # the batch to yield and one more, to see the end coming
-                if not self._buffer:
-                    break
-                batch = self._buffer.popleft()
-                if drives:
-                    self._publish(total, i)
-                yield _to_device(batch, self._device)
-                i += 1
-        finally:
-            if drives:
-                self._state.remaining, self._state.last = None, False
-                self._state.driver, self._state.peek = None, None
-            self._source, self._buffer = None, collections.deque()
-
-    def _publish(self, total: int | None, i: int) -> None:
-        left_known = len(self._buffer) + 1  # this batch and the ones read ahead
-        if self._exhausted:
-            remaining: int | None = left_known
-        elif total is not None and total - i > left_known - 1:
-            remaining = total - i  # len() agrees with what was read so far
-        else:
-            remaining = None
-        self._state.remaining = remaining
-        self._state.last = self._exhausted and not self._buffer
-        self._state.peek = None if remaining is not None else self.peek
+        self._on_epoch_start(self)
+        it = LoaderIteration(self, iter(self.loader), self._sized_len())
+        self._current = it
+        self._state.iterations.append(weakref.ref(it))
+        return it
 
     def _sized_len(self) -> int | None:
         try:
