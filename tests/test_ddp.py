@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness import run_scenarios
-from scenarios.common import max_diff, reference
+from scenarios.common import assert_matches_one_process, max_diff, reference
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,12 +37,7 @@ def results():
     "name", ["k1", "k3", "k4", "k4_zero_grad_first", "k4_to_3", "k4_every_step", "k4_after_block"]
 )
 def test_equivalence_with_one_process(results, name):
-    ranks = results[name]
-    ref = reference(ranks, samples=SAMPLES)
-    for r in ranks:
-        assert max_diff(r["state"], ref["state"]) < 1e-5
-    # every rank ends with the same parameters
-    assert max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
+    assert_matches_one_process(results[name], samples=SAMPLES)
 
 
 @pytest.mark.parametrize("k", [1, 3, 4])

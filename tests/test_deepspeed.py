@@ -13,7 +13,7 @@ from gradsync import Accelerator, ConfigError, audit
 from gradsync.backends._deepspeed_config import fill_batch, load_ds_config
 
 from harness import run_scenarios
-from scenarios.common import make_model, max_diff, reference
+from scenarios.common import assert_matches_one_process, make_model, max_diff, reference
 
 SAMPLES = 44  # 22 per rank, 11 micro-batches of 2: not a multiple of 3 or 4
 MICRO = 2
@@ -55,11 +55,7 @@ def results():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", EQUIV)
 def test_equivalence_with_one_process(results, name):
-    ranks = results[name]
-    ref = reference(ranks, samples=SAMPLES)
-    for r in ranks:
-        assert max_diff(r["state"], ref["state"]) < 1e-5
-    assert max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
+    assert_matches_one_process(results[name], samples=SAMPLES)
 
 
 @pytest.mark.multiprocess

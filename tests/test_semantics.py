@@ -30,6 +30,10 @@ def grads(model) -> list[torch.Tensor]:
     return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
+def grad_diff(got, want) -> float:
+    return max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
+
+
 def window_grad(model, batches) -> list[torch.Tensor]:
     """The gradient one window of these micro-batches must produce (mean of their losses)."""
     ref = make_model()
@@ -65,7 +69,7 @@ def test_an_error_at_the_boundary_drops_the_window(clean_env):
             if a.sync_gradients:
                 got = grads(model)
     want = window_grad(model, data[2:])
-    assert max(float((g - w).abs().max()) for g, w in zip(got, want)) < 1e-6
+    assert grad_diff(got, want) < 1e-6
 
 
 def test_plain_loss_backward_accumulates_too(clean_env):
@@ -82,7 +86,7 @@ def test_plain_loss_backward_accumulates_too(clean_env):
             opt.step()
             opt.zero_grad()
     want = window_grad(make_model(), data)
-    assert max(float((g - w).abs().max()) for g, w in zip(got, want)) < 1e-6
+    assert grad_diff(got, want) < 1e-6
     assert all(p.grad is not None for p in model.parameters()), "gradients stay readable after step"
     with a.accumulate(model):
         assert all(p.grad is None for p in model.parameters()), "a new window starts cleared"
@@ -346,7 +350,7 @@ def test_an_eval_loader_mid_window_does_not_drop_the_training_window(clean_env, 
                         model(ex)
     assert "unfinished" not in caplog.text
     want = window_grad(model, data)
-    assert max(float((g - w).abs().max()) for g, w in zip(got, want)) < 1e-6
+    assert grad_diff(got, want) < 1e-6
 
 
 def test_loader_state_dict_mid_epoch_names_the_epoch_in_progress(clean_env):
@@ -408,7 +412,7 @@ def test_gradients_are_readable_after_step_and_stale_ones_never_leak(clean_env):
         want = window_grad(model, [(x, y)])
         got = grads(model)
         opt.step()
-    assert max(float((g - w).abs().max()) for g, w in zip(got, want)) < 1e-6
+    assert grad_diff(got, want) < 1e-6
     assert all(p.grad is not None for p in model.parameters())
 
 

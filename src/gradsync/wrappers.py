@@ -37,9 +37,9 @@ class StepState:
     iterations: list[weakref.ref[LoaderIteration]] = field(default_factory=list)
 
     def live_iterations(self) -> list[LoaderIteration]:
-        alive = [it for it in (ref() for ref in self.iterations) if it is not None and not it.done]
-        self.iterations = [weakref.ref(it) for it in alive]
-        return alive
+        # Runs every micro-step: keep the existing weak references, only drop finished passes.
+        self.iterations = [ref for ref in self.iterations if (it := ref()) is not None and not it.done]
+        return [it for it in (ref() for ref in self.iterations) if it is not None]
 
     def feeding_iteration(self) -> LoaderIteration | None:
         """The prepared-loader pass that fed this micro-step: of the passes that yielded since

@@ -190,3 +190,13 @@ def max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max(
         float((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max()) for k in a
     )
+
+
+def assert_matches_one_process(rank_results: list[dict[str, Any]], **reference_kwargs: Any) -> dict[str, Any]:
+    """Every rank's final parameters equal one process on the same windows (fp32, 1e-5),
+    and the ranks agree exactly; returns the reference for further checks."""
+    ref = reference(rank_results, **reference_kwargs)
+    for r in rank_results:
+        assert max_diff(r["state"], ref["state"]) < 1e-5
+    assert max_diff(rank_results[0]["state"], rank_results[1]["state"]) == 0.0
+    return ref
