@@ -67,8 +67,8 @@ def main() -> None:
                     window_loss = 0.0
     if accel.audit is not None:
         records = accel.audit.records
-        syncs = [r for r in records if r.sync]
-        off = sum(r.reductions for r in records if not r.sync)
+        syncs = [r for r in records if r.boundary]
+        off = sum(r.reductions for r in records if not r.boundary)
         accel.print(
             f"done: {accel.optimizer_steps} optimizer steps, {len(records)} micro-steps; "
             f"gradient reductions on boundary micro-steps {sum(r.reductions for r in syncs)}, "

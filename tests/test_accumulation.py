@@ -12,7 +12,7 @@ def run(window: Window, batches: int, *, sized: bool = True) -> list[tuple[int, 
     for i in range(batches):
         remaining = batches - i if sized else None
         step = window.begin(remaining=remaining, last=i == batches - 1)
-        out.append((step.index, step.size, step.sync))
+        out.append((step.index, step.size, step.boundary))
         window.end()
     return out
 
@@ -39,7 +39,7 @@ def test_counting_without_a_dataloader():
     w = Window(3)
     flags = []
     for _ in range(7):
-        flags.append(w.begin().sync)
+        flags.append(w.begin().boundary)
         w.end()
     assert flags == [False, False, True, False, False, True, False]
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from harness import run_scenarios
-from scenarios.common import assert_matches_one_process, max_diff, reference
+from scenarios.common import (
+    DROPS,
+    assert_dropped_window_leaks_nothing,
+    assert_matches_one_process,
+    max_diff,
+    reference,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -23,6 +29,9 @@ SCENARIOS = {
                       "micro_batch": MICRO},
     "k4_after_block": {"fn": "train_ddp", "steps": 4, "samples": SAMPLES, "micro_batch": MICRO,
                        "after_block": True},
+    **{f"drop_{how}_{p}": {"fn": "train_ddp", "steps": 4, "policy": p, "samples": SAMPLES,
+                           "micro_batch": MICRO, **kw}
+       for how, kw in DROPS.items() for p in ("defer", "every_step")},
     "misuse": {"fn": "misuse"},
     "sharding": {"fn": "sharding", "samples": 45, "micro_batch": 2},
 }
@@ -38,6 +47,12 @@ def results():
 )
 def test_equivalence_with_one_process(results, name):
     assert_matches_one_process(results[name], samples=SAMPLES)
+
+
+@pytest.mark.parametrize("how", sorted(DROPS))
+@pytest.mark.parametrize("policy", ["defer", "every_step"])
+def test_a_dropped_window_leaks_nothing(results, how, policy):
+    assert_dropped_window_leaks_nothing(results[f"drop_{how}_{policy}"], samples=SAMPLES)
 
 
 @pytest.mark.parametrize("k", [1, 3, 4])
@@ -73,7 +88,7 @@ def test_scheduler_steps_once_per_optimizer_step(results, name):
 
 def _after(records, windows):
     """The records after the first ``windows`` windows."""
-    syncs = [i for i, rec in enumerate(records) if rec["sync"]]
+    syncs = [i for i, rec in enumerate(records) if rec["boundary"]]
     return records[syncs[windows - 1] + 1 :]
 
 
@@ -83,7 +98,7 @@ def test_deferral_no_reduction_off_the_boundary(results):
         assert len(records) == sum(r["sizes"]), "audit must record every micro-step"
         grad_bytes = 4 * sum(len(torch_flat(v)) for v in r["state"].values())
         for rec in records:
-            if rec["sync"]:
+            if rec["boundary"]:
                 assert rec["reductions"] == 1, rec
                 assert rec["reduction_bytes"] == grad_bytes
             else:
@@ -91,7 +106,7 @@ def test_deferral_no_reduction_off_the_boundary(results):
         # DDP broadcasts its rebuilt bucket layout once, early in the second step; after that
         # a micro-step off the boundary issues nothing at all.
         later = _after(records, 2)
-        assert later and all(rec["bytes"] == 0 for rec in later if not rec["sync"])
+        assert later and all(rec["bytes"] == 0 for rec in later if not rec["boundary"])
 
 
 def test_every_step_reduces_on_every_micro_step(results):
@@ -99,7 +114,7 @@ def test_every_step_reduces_on_every_micro_step(results):
         assert r["policy"] == "every_step"
         records = _after(r["audit"], 1)
         assert records and all(rec["reductions"] == 1 for rec in records)
-        assert any(not rec["sync"] for rec in records)
+        assert any(not rec["boundary"] for rec in records)
 
 
 def test_misuse_gives_clear_errors(results):

@@ -13,7 +13,14 @@ from gradsync import Accelerator, ConfigError, audit
 from gradsync.backends._deepspeed_config import fill_batch, load_ds_config
 
 from harness import run_scenarios
-from scenarios.common import assert_matches_one_process, make_model, max_diff, reference
+from scenarios.common import (
+    DROPS,
+    assert_dropped_window_leaks_nothing,
+    assert_matches_one_process,
+    make_model,
+    max_diff,
+    reference,
+)
 
 SAMPLES = 44  # 22 per rank, 11 micro-batches of 2: not a multiple of 3 or 4
 MICRO = 2
@@ -36,13 +43,16 @@ SCENARIOS = {
        for s, p in ((0, "auto"), (2, "defer"), (3, "auto"), (3, "defer"))},
     "s2_clip_after": {**_run(2, 4, optimizer="adam", lr=0.01, clip=0.5), "fn": "step_after_block"},
     "s3_zero_grad_first": _run(3, 4, zero_grad_first=True),
+    **{f"s{s}_{p}_drop_{how}": _run(s, 4, policy=p, **kw) for how, kw in DROPS.items()
+       for s, p in ((0, "native"), (1, "defer"), (2, "native"), (2, "defer"), (3, "native"), (3, "defer"))},
     "config_errors": {"fn": "config_errors"},
     "clip_twice": {"fn": "clip_twice"},
     "s0_config_optimizer": {"fn": "config_optimizer", "stage": 0},
     "s3_config_optimizer": {"fn": "config_optimizer", "stage": 3},
 }
 EQUIV = [n for n in SCENARIOS if n.startswith("s") and SCENARIOS[n]["fn"] == "train_ds"
-         and "bf16" not in n and "clip" not in n]
+         and "bf16" not in n and "clip" not in n and "drop" not in n]
+DROPPED = [n for n in SCENARIOS if "_drop_" in n]
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +66,12 @@ def results():
 @pytest.mark.parametrize("name", EQUIV)
 def test_equivalence_with_one_process(results, name):
     assert_matches_one_process(results[name], samples=SAMPLES)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", DROPPED)
+def test_a_dropped_window_leaks_nothing(results, name):
+    assert_dropped_window_leaks_nothing(results[name], samples=SAMPLES)
 
 
 @pytest.mark.multiprocess
@@ -100,9 +116,9 @@ def test_no_gradient_reduction_off_the_boundary(results, name):
         records = r["audit"]
         grad_bytes = _grad_bytes(r["state"])
         assert len(records) == len(r["audit_ops"]) == sum(r["sizes"])
-        assert any(not rec["sync"] for rec in records)
+        assert any(not rec["boundary"] for rec in records)
         for rec, ops in zip(records, r["audit_ops"]):
-            if rec["sync"]:
+            if rec["boundary"]:
                 print(name, "boundary reductions (bytes):", _reductions(ops), "gradients:", grad_bytes)
                 assert_one_gradient_reduction(ops, grad_bytes)
                 assert rec["reduction_bytes"] == sum(_reductions(ops))
@@ -165,7 +181,7 @@ def test_step_after_the_block_applies_at_boundaries_only(results, name):
 def test_zero_2_3_native_reduce_every_micro_step(results, name):
     for r in results[name]:
         records = r["audit"]
-        assert any(not rec["sync"] for rec in records)
+        assert any(not rec["boundary"] for rec in records)
         for rec in records:
             assert rec["reductions"] >= 1, rec
             assert rec["reduction_bytes"] >= _grad_bytes(r["state"]) // 2  # at least this rank's shard

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from harness import run_scenarios
-from scenarios.common import assert_matches_one_process, max_diff, reference
+from scenarios.common import (
+    DROPS,
+    assert_dropped_window_leaks_nothing,
+    assert_matches_one_process,
+    max_diff,
+    reference,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,6 +37,11 @@ SCENARIOS = {
     "memory_auto_large": {"fn": "memory", "policy": "auto", "budget": 10**9},
     "restores_state": {"fn": "restores_state"},
     "fsdp1_k4": {"fn": "train_fsdp1", "steps": 4, **RUN},
+    **{f"drop_{how}_{p}": {"fn": "train_fsdp", "steps": 4, "policy": p, **RUN, **kw}
+       for how, kw in DROPS.items() for p in ("defer", "every_step")},
+    **{f"drop_{how}_keep_params": {"fn": "train_fsdp", "steps": 4, "policy": "defer",
+                                   "reshard": False, **RUN, **kw} for how, kw in DROPS.items()},
+    **{f"drop_{how}_fsdp1": {"fn": "train_fsdp1", "steps": 4, **RUN, **kw} for how, kw in DROPS.items()},
     "misuse": {"fn": "misuse"},
 }
 EQUIVALENT = ["k1_defer", "k4_defer", "k1_every_step", "k4_every_step", "k4_auto",
@@ -48,6 +59,12 @@ def test_equivalence_with_one_process(results, name):
     for r in ranks:
         assert r["optimizer_steps"] == len(r["windows"]) > 0
     assert_matches_one_process(ranks, samples=SAMPLES)
+
+
+@pytest.mark.parametrize("how", sorted(DROPS))
+@pytest.mark.parametrize("variant", ["defer", "every_step", "keep_params", "fsdp1"])
+def test_a_dropped_window_leaks_nothing(results, how, variant):
+    assert_dropped_window_leaks_nothing(results[f"drop_{how}_{variant}"], samples=SAMPLES)
 
 
 @pytest.mark.parametrize("name", ["k4_defer", "k4_every_step"])
@@ -76,7 +93,7 @@ def test_defer_reduce_scatters_once_per_unit_at_the_boundary(results, name):
         assert len(r["audit"]) == sum(r["sizes"])
         for rec in r["audit"]:
             assert rec["ops"].get("allgather", 0) > 0, "all-gathers are reported"
-            if rec["sync"]:
+            if rec["boundary"]:
                 assert _reduce_scatters(rec) == units, rec
                 assert rec["reductions"] == units, rec  # nothing else reduces
             else:
@@ -85,7 +102,7 @@ def test_defer_reduce_scatters_once_per_unit_at_the_boundary(results, name):
 
 def test_every_step_reduce_scatters_every_micro_step(results):
     for r in results["k4_every_step"]:
-        assert any(not rec["sync"] for rec in r["audit"])
+        assert any(not rec["boundary"] for rec in r["audit"])
         for rec in r["audit"]:
             assert _reduce_scatters(rec) == rec["reductions"] == r["units"] == 3, rec
 
@@ -161,7 +178,7 @@ def test_fsdp1_defers_through_no_sync(results):
         assert r["policy"] == "defer"
         assert "(1410 bytes) of extra unsharded gradients" in r["reason"]  # the full size, not the shard
         for rec in r["audit"]:
-            if rec["sync"]:  # FSDP1 without an auto-wrap policy: one flat parameter, one unit
+            if rec["boundary"]:  # FSDP1 without an auto-wrap policy: one flat parameter, one unit
                 assert rec["reductions"] == rec["ops"]["reduce_scatter"] == 1, rec
             else:
                 assert rec["reductions"] == 0, rec

@@ -31,5 +31,5 @@ def test_ddp_over_nccl_defers_and_matches():
     ref = reference(ranks, samples=44)
     for r in ranks:
         assert max_diff(r["state"], ref["state"]) < 1e-4
-        assert all(rec["reductions"] == 0 for rec in r["audit"] if not rec["sync"])
-        assert all(rec["reductions"] >= 1 for rec in r["audit"] if rec["sync"]) or nproc == 1
+        assert all(rec["reductions"] == 0 for rec in r["audit"] if not rec["boundary"])
+        assert all(rec["reductions"] >= 1 for rec in r["audit"] if rec["boundary"]) or nproc == 1

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from gradsync import Accelerator, ConfigError
-from gradsync.wrappers import shard_dataloader
+from gradsync.data import shard_dataloader
 
 from scenarios.common import Indexed, make_model, max_diff, reference, train
 
@@ -237,7 +237,7 @@ def test_prepared_loader_exposes_the_loader_and_moves_named_batches(clean_env):
     loader = a.prepare(DataLoader(Indexed(6), batch_size=2))
     assert len(loader.dataset) == 6 and loader.batch_size == 2
     Pair = collections.namedtuple("Pair", "x y")
-    from gradsync.wrappers import _to_device
+    from gradsync.data import _to_device
 
     moved = _to_device(Pair(torch.ones(1), {"z": torch.zeros(1)}), torch.device("cpu"))
     assert isinstance(moved, Pair) and isinstance(moved.y, dict)
@@ -304,7 +304,7 @@ def _pattern(a, model, batches):
         with a.accumulate(model):
             a.backward(F.mse_loss(model(x), y))
             step = a.micro_step
-            out.append(f"{step.index}/{step.size}{'S' if step.sync else ''}")
+            out.append(f"{step.index}/{step.size}{'S' if step.boundary else ''}")
     return out
 
 

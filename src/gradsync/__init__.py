@@ -1,10 +1,38 @@
-"""gradsync: gradient accumulation that is correct and cheap on every PyTorch backend."""
+"""gradsync: gradient accumulation that is correct and cheap on every PyTorch backend.
 
-from gradsync import audit
-from gradsync.accelerator import Accelerator
+Importing gradsync does not import torch: the names below are loaded when first used,
+so the command line (``gradsync launch``, ``gradsync plan``) starts fast and can say
+"torch is not installed" itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
 
+if TYPE_CHECKING:
+    from gradsync import audit
+    from gradsync.accelerator import Accelerator
+
 __all__ = ["Accelerator", "BatchPlan", "Config", "ConfigError", "audit"]
 __version__ = "0.1.0"
+
+# name -> module that defines it (imported on first access: these import torch)
+_LAZY = {"Accelerator": "gradsync.accelerator", "audit": "gradsync.audit"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module = importlib.import_module(_LAZY[name])
+        value = module if name == "audit" else getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -7,24 +7,20 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, overload
 
 import torch
+from torch.utils.data import DataLoader
 
 from gradsync import audit as audit_mod
 from gradsync import backends
 from gradsync.accumulation import MicroStep, Window
 from gradsync.backends import _dist
 from gradsync.batching import BatchPlan
-from gradsync.config import Config, load_config
+from gradsync.config import Config, SyncPolicy, load_config
+from gradsync.data import PreparedDataLoader, shard_dataloader
 from gradsync.errors import ConfigError
-from gradsync.wrappers import (
-    PreparedDataLoader,
-    PreparedOptimizer,
-    PreparedScheduler,
-    StepState,
-    shard_dataloader,
-)
+from gradsync.wrappers import PreparedOptimizer, PreparedScheduler
 
 log = logging.getLogger("gradsync")
 
@@ -90,18 +86,15 @@ class Accelerator:
             micro_batch_size=self.config.micro_batch_size,
             gradient_accumulation_steps=self.config.gradient_accumulation_steps,
         )
-        # The plan is the one source of truth for batch sizes; adapters read it from the config.
-        self.config.gradient_accumulation_steps = self.plan.gradient_accumulation_steps
-        self.config.micro_batch_size = self.plan.micro_batch_size
+        # The plan is the one source of truth for batch sizes; it reaches the backend at prepare.
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
         self._backend = backends.create(name)
         self._backend.setup(self.config)
         self._window = Window(self.plan.gradient_accumulation_steps)
-        self._state = StepState()
+        self._view = self._window.view
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
-        self._window_loader: PreparedDataLoader | None = None  # the loader feeding the open window
         self.audit: audit_mod.Recorder | None = None
         if self.config.audit:
             import torch.distributed as dist
@@ -121,14 +114,14 @@ class Accelerator:
         return self._backend.name
 
     @property
-    def sync_policy(self) -> str:
+    def sync_policy(self) -> SyncPolicy:
         """The resolved sync policy: "defer", "every_step" or "native"."""
         return self._backend.policy
 
     @property
     def sync_policy_reason(self) -> str:
         """Why the backend resolved that policy, with its numbers ("" when it says nothing)."""
-        return str(getattr(self._backend, "policy_reason", ""))
+        return self._backend.policy_reason
 
     @property
     def rank(self) -> int:
@@ -163,11 +156,11 @@ class Accelerator:
     def sync_gradients(self) -> bool:
         """True when the micro-step in progress closes its window; after the block, the last
         micro-step's decision (True before the first one)."""
-        return self._state.sync
+        return self._window.boundary
 
     @property
     def micro_step(self) -> MicroStep | None:
-        """The micro-step in progress (its index, window size and sync flag), or None."""
+        """The micro-step in progress (its index, window size and boundary flag), or None."""
         return self._window.current
 
     @property
@@ -181,10 +174,34 @@ class Accelerator:
 
     @property
     def optimizer_steps(self) -> int:
-        """Optimizer steps really applied so far."""
-        return self._state.optimizer_steps
+        """Optimizer steps really applied so far, all prepared optimizers together."""
+        return sum(o.steps_applied for o in self._optimizers)
 
     # -- prepare ----------------------------------------------------------
+    @overload
+    def prepare(self, model: torch.nn.Module, /) -> torch.nn.Module: ...
+    @overload
+    def prepare(self, loader: DataLoader[Any], /) -> PreparedDataLoader: ...
+    @overload
+    def prepare(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, /
+    ) -> tuple[torch.nn.Module, PreparedOptimizer]: ...
+    @overload
+    def prepare(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader[Any], /
+    ) -> tuple[torch.nn.Module, PreparedOptimizer, PreparedDataLoader]: ...
+    @overload
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loader: DataLoader[Any],
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        /,
+    ) -> tuple[torch.nn.Module, PreparedOptimizer, PreparedDataLoader, PreparedScheduler]: ...
+    @overload
+    def prepare(self, *objects: Any) -> Any: ...
+
     def prepare(self, *objects: Any) -> Any:
         """Wrap a model, optimizer, dataloader and scheduler (any subset, any order).
 
@@ -213,7 +230,6 @@ class Accelerator:
                     micro_batch_size=batch,
                     gradient_accumulation_steps=self.plan.gradient_accumulation_steps,
                 )
-                self.config.micro_batch_size = batch
         out: dict[int, Any] = {}
         new_optimizer: torch.optim.Optimizer | None = None
         old_optimizer = optimizers[0] if optimizers else None
@@ -221,12 +237,12 @@ class Accelerator:
             model = models[0]
             if old_optimizer is not None:
                 self._check_optimizer_holds(model, old_optimizer)
-            wrapped, new_optimizer = self._backend.prepare(model, old_optimizer)
+            wrapped, new_optimizer = self._backend.prepare(model, old_optimizer, self.plan)
             self._models.append(wrapped)
             out[id(model)] = wrapped
             if new_optimizer is not None:
                 # The backend may build one itself (DeepSpeed's config optimizer): see .optimizer.
-                prepared = PreparedOptimizer(new_optimizer, self._backend, self._state)
+                prepared = PreparedOptimizer(new_optimizer, self._backend, self._view)
                 self._optimizers.append(prepared)
                 if old_optimizer is not None:
                     out[id(old_optimizer)] = prepared
@@ -253,7 +269,7 @@ class Accelerator:
         for prepared in self._optimizers:
             if prepared.optimizer is optimizer or prepared is optimizer:
                 return lambda: prepared.steps_applied
-        return lambda: self._state.optimizer_steps
+        return lambda: self.optimizer_steps
 
     @staticmethod
     def _check_optimizer_holds(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -276,13 +292,13 @@ class Accelerator:
             )
         seed = self.config.seed if self.config.seed is not None else 0
         sharded = shard_dataloader(loader, rank=self.rank, world_size=self.world_size, seed=seed)
-        return PreparedDataLoader(sharded, self._state, self.device, self._on_epoch_start)
+        return PreparedDataLoader(sharded, self._window, self.device, self._on_epoch_start)
 
     def _on_epoch_start(self, loader: PreparedDataLoader) -> None:
         """A loader starts a new pass. If the open window was being fed by that loader (its
         last pass was broken off mid-window), the window cannot be completed: drop it rather
         than carry its gradients into the next window."""
-        if not self._window.at_window_start and self._window_loader is loader:
+        if self._window.fed_by(loader):
             log.warning(
                 "gradsync: a new epoch starts inside an unfinished accumulation window (did the "
                 "loop break early?); dropping its gradients so they do not leak into the next window"
@@ -294,51 +310,56 @@ class Accelerator:
             self._backend.zero_grad(prepared.optimizer, True)
 
     def _drop_window(self) -> None:
-        self._window.reset()
-        self._state.in_window = False
-        self._window_loader = None
+        """Abandon the open window on every layer: the window's counters, the backend's
+        accumulated gradients (wherever it keeps them), the optimizers' gradients."""
+        self._window.drop()
+        self._backend.abort_window(self._models)
         self._clear_grads()
 
     # -- the micro-step ---------------------------------------------------
     @contextlib.contextmanager
-    def accumulate(self, model: torch.nn.Module) -> Iterator[None]:
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
         """One micro-step: forward and backward go inside; sync only when the window closes.
 
-        After the block, ``sync_gradients`` keeps this micro-step's decision, so
-        ``optimizer.step()`` and friends may also follow the block. If the block raises,
-        the open window is dropped (its gradients cleared) and the error propagates.
+        Pass every prepared model trained in the micro-step. After the block,
+        ``sync_gradients`` keeps this micro-step's decision, so ``optimizer.step()`` and
+        friends may also follow the block. If the block raises, the open window is dropped
+        (its gradients cleared on every backend) and the error propagates.
         """
-        fed = self._state.feeding_iteration()
-        remaining, last = (fed.remaining, fed.last) if fed is not None else (None, False)
-        if self._window.at_window_start:
-            self._clear_grads()  # every window starts from cleared gradients
-            self._window_loader = fed.owner if fed is not None else None
-            if remaining is None and fed is not None:
-                remaining = fed.peek(self._window.steps)  # unsized: look up to a window ahead
-                last = remaining == 1
-        step = self._window.begin(remaining=remaining, last=last)
-        self._state.sync = step.sync
-        self._state.in_window = True
+        if not models:
+            raise TypeError("accumulate() needs the prepared model: `with accel.accumulate(model):`")
+        step = self._window.begin()
+        if step.index == 0:
+            try:
+                self._clear_grads()  # every window starts from cleared gradients
+                self._backend.begin_window(models)
+            except BaseException:
+                self._window.drop()
+                raise
         if self.audit is not None:
-            self.audit.open(step.sync)
-        failed = False
+            self.audit.open(step.boundary)
+        backend = self._backend
         try:
-            with self._backend.accumulate(model, sync=step.sync):
-                yield
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            if failed:
-                self._drop_window()
-                self._state.sync = False  # a stray step() after the error must not apply
+            if len(models) == 1:
+                with backend.micro_step(models[0], boundary=step.boundary):
+                    yield
             else:
-                self._window.end()
-                self._state.in_window = not step.sync
+                with contextlib.ExitStack() as stack:
+                    for model in models:
+                        stack.enter_context(backend.micro_step(model, boundary=step.boundary))
+                    yield
+        except BaseException:
             if self.audit is not None:
                 self.audit.close()
-                if step.sync and not failed:
-                    self._report_audit()
+            self._drop_window()  # a stray step() after the error applies nothing
+            raise
+        self._window.end()
+        if step.boundary:
+            backend.end_window(models)
+        if self.audit is not None:
+            self.audit.close()
+            if step.boundary:
+                self._report_audit()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / n``, n the number of micro-batches in this window."""
@@ -356,14 +377,14 @@ class Accelerator:
         self._backend.backward(loss / scale if scale != 1 else loss)
 
     def clip_grad_norm_(
-        self, parameters: Iterable[torch.Tensor], max_norm: float
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor | None:
         """Clip at a boundary and return the global gradient norm; off it, do nothing (None)."""
-        if not self._state.sync:
+        if not self._window.boundary:
             return None
         if not self._models:
             raise RuntimeError("clip_grad_norm_() before prepare(); prepare the model first")
-        return self._backend.clip_grad_norm_(self._models[-1], parameters, max_norm)
+        return self._backend.clip_grad_norm_(self._models[-1], parameters, max_norm, norm_type)
 
     # -- models and processes ----------------------------------------------
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -383,7 +404,7 @@ class Accelerator:
 
     def end(self) -> None:
         """Destroy the process group if gradsync created it (also done at exit)."""
-        if getattr(self._backend, "owns_group", False):
+        if self._backend.owns_group:
             self._models.clear()
             _dist.release_process_group()
 

@@ -1,14 +1,19 @@
-"""The accumulation window: which micro-step closes it, and how many micro-batches it holds.
+"""The accumulation window: the one owner of where training stands inside a window.
 
-It knows nothing of backends or tensors. The Accelerator asks it at the start of each
-micro-step whether to synchronise, and tells it when the micro-step is over.
+It decides which micro-step is a boundary (closes the window), how many micro-batches
+the window holds (the loss scale), counts micro-steps and windows, and follows the
+loader pass that feeds it. It knows nothing of backends or tensors. The Accelerator
+drives it (``begin`` / ``end`` / ``drop``); prepared loaders tell it about their passes
+(``track`` / ``fed``); everything else reads it through a ``WindowView``.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Protocol
 
-from gradsync.batching import check_positive_int
+from gradsync._util import check_positive_int
 
 
 @dataclass(frozen=True)
@@ -17,17 +22,52 @@ class MicroStep:
 
     index: int  # position in the window, from 0
     size: int  # micro-batches in this window (the loss is scaled by 1/size)
-    sync: bool  # this micro-step closes the window: synchronise and step
+    boundary: bool  # this micro-step closes the window: synchronise and step
+
+
+class Feed(Protocol):
+    """A pass over a prepared loader, as the window sees it."""
+
+    @property
+    def owner(self) -> object:
+        """The loader this pass belongs to."""
+
+    @property
+    def remaining(self) -> int | None:
+        """Batches left in the pass, the last yielded one included (None when unknown)."""
+
+    @property
+    def last(self) -> bool:
+        """The last yielded batch is the pass's last."""
+
+    @property
+    def done(self) -> bool:
+        """The pass is over."""
+
+    def peek(self, n: int) -> int | None:
+        """Read up to ``n`` batches ahead: ``remaining`` if the pass ends within them, else None."""
+
+
+class FeedTicket:
+    """The window's record of one tracked pass (opaque to the pass that holds it)."""
+
+    __slots__ = ("fresh", "ref", "serial", "started_at")
+
+    def __init__(self, feed: Feed, started_at: int, serial: int) -> None:
+        self.ref: weakref.ref[Feed] = weakref.ref(feed)
+        self.started_at = started_at
+        self.serial = serial
+        self.fresh = False
 
 
 class Window:
     """Counts micro-steps into windows of ``steps``; the end of the data closes a window early.
 
-    ``begin(remaining=..., last=...)`` is called at the start of each micro-step:
-    ``remaining`` is how many batches are left in the epoch including this one (None when
-    unknown), ``last`` whether this batch is the epoch's last. A window opened with
-    ``remaining < steps`` has ``size == remaining`` (the partial last window), so loss
-    scaling weighs every micro-batch of that window equally.
+    At the start of each micro-step, ``begin()`` looks at the loader pass that fed it: how
+    many batches remain in the epoch (None when unknown) and whether this batch is the
+    last. A window opened with fewer batches remaining than ``steps`` has ``size ==
+    remaining`` (the partial last window), so loss scaling weighs every micro-batch of that
+    window equally. Without a prepared loader, ``remaining`` / ``last`` may be given.
     """
 
     def __init__(self, steps: int) -> None:
@@ -36,8 +76,14 @@ class Window:
         self._index = 0
         self._size = self._steps
         self._current: MicroStep | None = None
-        self.completed_windows = 0
+        self._boundary = True  # the last decision (True before the first micro-step)
+        self._completed = 0
+        self._tickets: list[FeedTicket] = []
+        self._yields = 0
+        self._serial = 0
+        self._feeder: object | None = None  # the loader whose pass feeds the open window
 
+    # -- reading ------------------------------------------------------------
     @property
     def steps(self) -> int:
         """The configured window length (a change takes effect at the next window)."""
@@ -58,39 +104,121 @@ class Window:
         return self._current
 
     @property
-    def at_window_start(self) -> bool:
-        return self._index == 0
+    def boundary(self) -> bool:
+        """The micro-step in progress closes its window; between micro-steps, the last
+        micro-step's decision (False after a dropped window, True before the first)."""
+        return self._boundary
 
+    @property
+    def is_open(self) -> bool:
+        """Inside a micro-step, or between the micro-steps of an unfinished window."""
+        return self._index > 0 or self._current is not None
+
+    @property
+    def completed_windows(self) -> int:
+        return self._completed
+
+    def fed_by(self, loader: object) -> bool:
+        """The open window is being fed by a pass of ``loader``."""
+        return self.is_open and self._feeder is loader
+
+    # -- told by prepared loaders -------------------------------------------
+    def track(self, feed: Feed) -> FeedTicket:
+        """A loader pass starts; it calls ``fed(ticket)`` each time it yields a batch."""
+        self._serial += 1
+        ticket = FeedTicket(feed, self._yields, self._serial)
+        self._tickets.append(ticket)
+        return ticket
+
+    def fed(self, ticket: FeedTicket) -> None:
+        ticket.fresh = True
+        self._yields += 1
+
+    def _feeding(self) -> Feed | None:
+        """The pass that fed this micro-step: of the passes that yielded since the previous
+        micro-step, the one started last (an inner loop of a nested pair); among passes
+        started together (``zip``), the first."""
+        best: FeedTicket | None = None
+        best_feed: Feed | None = None
+        live: list[FeedTicket] = []
+        for ticket in self._tickets:
+            feed = ticket.ref()
+            if feed is None or feed.done:
+                continue
+            live.append(ticket)
+            if ticket.fresh:
+                ticket.fresh = False
+                if best is None or (ticket.started_at, -ticket.serial) > (best.started_at, -best.serial):
+                    best, best_feed = ticket, feed
+        self._tickets = live
+        return best_feed
+
+    # -- driven by the Accelerator ------------------------------------------
     def begin(self, *, remaining: int | None = None, last: bool = False) -> MicroStep:
+        """Start a micro-step and decide whether it is a boundary."""
         if self._current is not None:
             raise RuntimeError(
                 "accumulate() was entered again before the previous micro-step ended; "
                 "use one `with accel.accumulate(model):` block per micro-batch, not nested ones"
             )
+        feed = self._feeding()
+        if feed is not None:
+            remaining, last = feed.remaining, feed.last
         if self._index == 0:
             if self._pending_steps is not None:
                 self._steps, self._pending_steps = self._pending_steps, None
+            self._feeder = feed.owner if feed is not None else None
+            if remaining is None and feed is not None:
+                remaining = feed.peek(self._steps)  # unsized: look up to a window ahead
+                last = remaining == 1
             self._size = self._steps if remaining is None else max(1, min(self._steps, remaining))
-        sync = last or self._index + 1 >= self._size
+        boundary = last or self._index + 1 >= self._size
         if last and self._index + 1 < self._size:
             # An epoch ended early without a known length: the window is shorter than planned.
             self._size = self._index + 1
-        self._current = MicroStep(self._index, self._size, sync)
+        self._current = MicroStep(self._index, self._size, boundary)
+        self._boundary = boundary
         return self._current
 
     def end(self) -> MicroStep:
+        """The micro-step finished; at a boundary the window closes."""
         step = self._current
         if step is None:
             raise RuntimeError("Window.end() without begin()")
         self._current = None
-        if step.sync:
+        if step.boundary:
             self._index = 0
-            self.completed_windows += 1
+            self._completed += 1
+            self._feeder = None
         else:
             self._index += 1
         return step
 
-    def reset(self) -> None:
-        """Drop a partly filled window (e.g. when a new epoch starts without a flush)."""
+    def drop(self) -> None:
+        """Abandon the open window (an error inside it, or a new epoch before it closed):
+        the next micro-step starts a new window, and nothing steps until it closes."""
         self._index = 0
         self._current = None
+        self._feeder = None
+        self._boundary = False
+
+    @property
+    def view(self) -> WindowView:
+        return WindowView(self)
+
+
+class WindowView:
+    """The window as the prepared optimizer sees it: read-only."""
+
+    __slots__ = ("_window",)
+
+    def __init__(self, window: Window) -> None:
+        self._window = window
+
+    @property
+    def boundary(self) -> bool:
+        return self._window.boundary
+
+    @property
+    def is_open(self) -> bool:
+        return self._window.is_open

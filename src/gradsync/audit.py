@@ -1,4 +1,6 @@
 # mypy: disable-error-code="override,assignment,call-arg"
+# (AuditProcessGroup overrides torch's ProcessGroup methods with the signatures the C++
+# dispatcher calls them with, which differ from the Python stubs; the stubs are the problem.)
 """Count the collectives a process issues, and their bytes, per micro-step.
 
 gradsync registers a process-group backend that wraps the real one (gloo, or nccl on
@@ -22,6 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync import _torch_compat
+from gradsync._util import human_bytes
+
 #: Ops that reduce data (the gradient synchronisation of every backend is one of these).
 REDUCTIONS = frozenset({"allreduce", "reduce_scatter", "reduce"})
 
@@ -41,7 +46,7 @@ class MicroStepRecord:
     """What one micro-step issued: ops in order, with their payload bytes."""
 
     index: int
-    sync: bool
+    boundary: bool
     ops: list[tuple[str, int]] = field(default_factory=list)
 
     def count(self, *names: str) -> int:
@@ -64,7 +69,7 @@ class MicroStepRecord:
         counts = Counter(op for op, _ in self.ops)
         return {
             "index": self.index,
-            "sync": self.sync,
+            "boundary": self.boundary,
             "ops": dict(counts),
             "reductions": self.reductions,
             "reduction_bytes": self.reduction_bytes,
@@ -86,9 +91,9 @@ class Recorder:
             target = self._current.ops if self._current is not None else self.outside
             target.append((op, nbytes))
 
-    def open(self, sync: bool) -> MicroStepRecord:
+    def open(self, boundary: bool) -> MicroStepRecord:
         with self._lock:
-            self._current = MicroStepRecord(len(self.records), sync)
+            self._current = MicroStepRecord(len(self.records), boundary)
             self.records.append(self._current)
             return self._current
 
@@ -103,11 +108,11 @@ class Recorder:
             self._current = None
 
     def windows(self) -> Iterator[list[MicroStepRecord]]:
-        """The records grouped into accumulation windows (each ends at a sync micro-step)."""
+        """The records grouped into accumulation windows (each ends at a boundary micro-step)."""
         window: list[MicroStepRecord] = []
         for rec in self.records:
             window.append(rec)
-            if rec.sync:
+            if rec.boundary:
                 yield window
                 window = []
         if window:
@@ -124,16 +129,6 @@ class Recorder:
         )
 
 
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
-
-
 class _Work(dist.Work):
     """A finished-when-the-inner-one-is Work, for ops run as a loop of inner calls."""
 
@@ -147,7 +142,8 @@ class _Work(dist.Work):
         return True
 
     def get_future(self) -> torch.futures.Future[Any]:
-        return self._works[-1].get_future()
+        future: torch.futures.Future[Any] = self._works[-1].get_future()
+        return future
 
 
 class AuditProcessGroup(dist.ProcessGroup):
@@ -207,7 +203,7 @@ class AuditProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
         self._rec("allgather", inp)
-        return self.inner._allgather_base(output, inp, opts)
+        return _torch_compat.allgather_base(self.inner, output, inp, opts)
 
     _allgather_base = all_gather_single
 
@@ -224,7 +220,7 @@ class AuditProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
         self._rec("reduce_scatter", inp)
-        return self.inner._reduce_scatter_base(output, inp, opts)
+        return _torch_compat.reduce_scatter_base(self.inner, output, inp, opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -275,7 +271,7 @@ def _make_gloo(store: Any, rank: int, world_size: int, timeout: timedelta) -> Au
 
 def _make_nccl(store: Any, rank: int, world_size: int, timeout: timedelta) -> AuditProcessGroup:
     opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
+    _torch_compat.set_nccl_timeout(opts, timeout)
     inner = dist.ProcessGroupNCCL(store, rank, world_size, opts)
     return AuditProcessGroup(inner, rank, world_size, AUDIT_BACKEND["cuda"], _world_recorder())
 

@@ -4,19 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gradsync._util import check_positive_int
 from gradsync.errors import ConfigError
-
-
-def check_positive_int(name: str, value: object) -> int:
-    """Return ``value`` as an int >= 1, or raise a ConfigError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, str) and value.strip().lstrip("+").isdigit():
-            value = int(value)
-        else:
-            raise ConfigError(f"{name}={value!r} is not an integer; set it to a whole number >= 1")
-    if value < 1:
-        raise ConfigError(f"{name}={value} must be >= 1; set it to a whole number >= 1")
-    return value
 
 
 @dataclass(frozen=True)

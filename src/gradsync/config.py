@@ -5,21 +5,25 @@ Later sources win: defaults < YAML (``config_file`` / ``GRADSYNC_CONFIG``) < env
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from gradsync.batching import check_positive_int
+from gradsync._util import check_positive_int
 from gradsync.errors import ConfigError
 
 log = logging.getLogger("gradsync")
 
 ENV_PREFIX = "GRADSYNC_"
-SYNC_POLICIES = ("auto", "defer", "every_step", "native")
+#: A resolved sync policy: "defer" (no gradient collective off the boundary), "every_step"
+#: (reduce on every micro-step) or "native" (whatever the backend does by itself).
+SyncPolicy = Literal["defer", "every_step", "native"]
+#: A requested policy: a resolved one, or "auto" (the backend decides).
+RequestedPolicy = Literal["auto", "defer", "every_step", "native"]
+SYNC_POLICIES: tuple[RequestedPolicy, ...] = ("auto", "defer", "every_step", "native")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -34,7 +38,7 @@ class Config:
     gradient_accumulation_steps: int | None = None
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
-    sync_policy: str = "auto"
+    sync_policy: RequestedPolicy = "auto"
     seed: int | None = None
     audit: bool = False
     mixed_precision: str = "no"
@@ -72,11 +76,6 @@ class Config:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed={self.seed!r} must be an integer or None")
         return self
-
-    @property
-    def accumulation_steps(self) -> int:
-        """The accumulation steps to use when none was derived from batch sizes (default 1)."""
-        return self.gradient_accumulation_steps or 1
 
 
 _FIELDS = {f.name: f for f in fields(Config)}
@@ -216,13 +215,14 @@ def load_config(
     return Config(**merged).validate()
 
 
-def to_env(config: Config) -> dict[str, str]:
-    """The GRADSYNC_* variables that carry ``config`` to worker processes (set fields only)."""
+def env_vars(settings: Mapping[str, Any]) -> dict[str, str]:
+    """The GRADSYNC_* variables that carry ``settings`` (field name -> value) to worker
+    processes; ``from_env`` reads them back. The one encoding of settings as text."""
     out: dict[str, str] = {}
-    defaults = Config()
-    for name in _FIELDS:
-        value = getattr(config, name)
-        if value == getattr(defaults, name) or value is None:
+    for name, value in settings.items():
+        if name not in _FIELDS:
+            raise ConfigError(f"{name!r} is not a gradsync setting; known: {', '.join(sorted(_FIELDS))}")
+        if value is None:
             continue
         if isinstance(value, bool):
             text = "1" if value else "0"
@@ -238,5 +238,10 @@ def to_env(config: Config) -> dict[str, str]:
     return out
 
 
-def replace(config: Config, **changes: Any) -> Config:
-    return dataclasses.replace(config, **changes).validate()
+def to_env(config: Config) -> dict[str, str]:
+    """The GRADSYNC_* variables of the fields of ``config`` that differ from the defaults."""
+    defaults = Config()
+    return env_vars({
+        name: getattr(config, name) for name in _FIELDS
+        if getattr(config, name) != getattr(defaults, name)
+    })

@@ -73,6 +73,10 @@ def to_lists(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {k: v.detach().cpu().float().tolist() for k, v in state.items()}
 
 
+class _Dropped(Exception):
+    """Raised inside the accumulate block by a test loop: the window must be dropped."""
+
+
 def train(
     accel: Any,
     *,
@@ -87,11 +91,19 @@ def train(
     shuffle: bool = True,
     model: nn.Module | None = None,
     after_block: bool = False,
+    raise_at: tuple[int, int] | None = None,
+    break_at: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """The user's loop, written once for every backend; returns what the parent checks.
 
     ``after_block``: the optimizer, scheduler and zero_grad calls follow the accumulate
-    block instead of sitting inside it (both loop shapes must train alike)."""
+    block instead of sitting inside it (both loop shapes must train alike).
+    ``raise_at=(window, micro)``: the block raises after that micro-step's backward (every
+    rank alike); the loop catches it and goes on. ``break_at=(epoch, batch)``: the loop
+    breaks out of that epoch before that batch. Either way the open window is dropped, and
+    its micro-batches are left out of ``windows``: one process never saw them."""
+    raise_at = tuple(raise_at) if raise_at is not None else None  # JSON gives lists
+    break_at = tuple(break_at) if break_at is not None else None
     model = model if model is not None else make_model()
     opt = make_optimizer(model.parameters(), optimizer, lr)
     sched = make_scheduler(opt)
@@ -104,28 +116,43 @@ def train(
     sizes: list[int] = []
     sched_calls = 0
     audit_start = len(accel.audit.records) if accel.audit is not None else 0
-    for _ in range(epochs):
-        for x, y, idx in loader:
+    dropped: list[list[list[int]]] = []
+    for epoch in range(epochs):
+        for batch, (x, y, idx) in enumerate(loader):
             if change_steps_at is not None and len(windows) == change_steps_at[0]:
                 accel.gradient_accumulation_steps = change_steps_at[1]
-            with accel.accumulate(model):
-                if zero_grad_first:
-                    opt.zero_grad()
-                loss = F.mse_loss(model(x), y)
-                accel.backward(loss)
-                current.append([int(i) for i in idx])
-                if clip is not None:
-                    norm = accel.clip_grad_norm_(model.parameters(), clip)
-                    if accel.sync_gradients:
-                        norms.append(float(norm))
-                    else:
-                        assert norm is None, "clip_grad_norm_ off the boundary must return None"
-                if not after_block:
-                    opt.step()
-                    sched.step()
-                    sched_calls += 1
-                    if not zero_grad_first:
+            if break_at == (epoch, batch):
+                dropped.append(current)
+                current = []
+                break
+            try:
+                with accel.accumulate(model):
+                    if zero_grad_first:
                         opt.zero_grad()
+                    loss = F.mse_loss(model(x), y)
+                    accel.backward(loss)
+                    current.append([int(i) for i in idx])
+                    if raise_at == (len(windows), len(current) - 1):
+                        raise_at = None
+                        raise _Dropped
+                    if clip is not None:
+                        norm = accel.clip_grad_norm_(model.parameters(), clip)
+                        if accel.sync_gradients:
+                            norms.append(float(norm))
+                        else:
+                            assert norm is None, "clip_grad_norm_ off the boundary must return None"
+                    if not after_block:
+                        opt.step()
+                        sched.step()
+                        sched_calls += 1
+                        if not zero_grad_first:
+                            opt.zero_grad()
+            except _Dropped:
+                opt.step()  # a stray step after the error must apply nothing
+                sched.step()
+                dropped.append(current)
+                current = []
+                continue
             if after_block:
                 opt.step()
                 sched.step()
@@ -150,6 +177,7 @@ def train(
         "scheduler_last_epoch": int(sched.last_epoch),
         "audit": records,
         "policy": accel.sync_policy,
+        "dropped": dropped,
     }
 
 
@@ -200,3 +228,18 @@ def assert_matches_one_process(rank_results: list[dict[str, Any]], **reference_k
         assert max_diff(r["state"], ref["state"]) < 1e-5
     assert max_diff(rank_results[0]["state"], rank_results[1]["state"]) == 0.0
     return ref
+
+
+#: Ways a window gets dropped (scenario keywords of ``train``): the block raises in the 2nd
+#: micro-step of the 2nd window on every rank, or the loop breaks out of the first epoch
+#: in the middle of its 2nd window (the next epoch's pass then drops it).
+DROPS = {"raise": {"raise_at": [1, 1]}, "break": {"break_at": [0, 6]}}
+
+
+def assert_dropped_window_leaks_nothing(rank_results: list[dict[str, Any]], **reference_kwargs: Any) -> None:
+    """A dropped window was really dropped mid-way (it held micro-batches), nothing of it
+    reached the parameters: they equal one process that never saw its micro-batches."""
+    for r in rank_results:
+        assert len(r["dropped"]) == 1 and len(r["dropped"][0]) >= 1, r["dropped"]
+        assert r["optimizer_steps"] == len(r["windows"]) == r["scheduler_last_epoch"]
+    assert_matches_one_process(rank_results, **reference_kwargs)

@@ -116,10 +116,10 @@ def restores_state() -> dict[str, Any]:
     seen: dict[str, Any] = {"before": flags()}
     model.blocks[0].set_requires_gradient_sync(False, recurse=False)  # the user's own setting
     seen["user"] = flags()
-    with backend.accumulate(model, sync=True):
+    with backend.micro_step(model, boundary=True):
         seen["inside_sync"] = flags()
     seen["after_sync"] = flags()
-    with backend.accumulate(model, sync=False):
+    with backend.micro_step(model, boundary=False):
         seen["inside_defer"] = flags()
     seen["after_defer"] = flags()
     return seen

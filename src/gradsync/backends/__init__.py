@@ -9,6 +9,13 @@ from gradsync.errors import ConfigError
 
 if TYPE_CHECKING:
     from gradsync.backends.base import Backend
+    from gradsync.backends.ddp import DDPBackend
+    from gradsync.backends.deepspeed import DeepSpeedBackend
+    from gradsync.backends.fsdp import FSDPBackend
+    from gradsync.backends.single import SingleBackend
+
+    # mypy checks here that every adapter satisfies the Backend protocol.
+    _ADAPTERS: tuple[type[Backend], ...] = (SingleBackend, DDPBackend, FSDPBackend, DeepSpeedBackend)
 
 # name -> "module:Class"; the module is imported only when the backend is created.
 _REGISTRY: dict[str, str] = {

@@ -18,7 +18,8 @@ def load_ds_config(value: Any) -> dict[str, Any]:
     if value is None:
         return {}
     if isinstance(value, dict):
-        return json.loads(json.dumps(value))
+        copy: dict[str, Any] = json.loads(json.dumps(value))
+        return copy
     if not isinstance(value, str | os.PathLike):
         raise ConfigError(f"deepspeed_config={value!r} must be a dict, a JSON/YAML path or JSON text")
     text = str(value)

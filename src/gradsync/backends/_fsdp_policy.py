@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradsync.backends._fsdp_compat import unsharded_numel
 from gradsync.errors import ConfigError
 
 #: The share of free memory (device memory, or available RAM split over local ranks) that
@@ -82,8 +83,7 @@ def deferral_cost(model: nn.Module, world: int, *, grad_bytes: int | None, keep_
     """Extra bytes per rank that deferring holds: the unsharded gradients minus their shard
     (in the gradient dtype), plus the unsharded parameters when they stay gathered."""
     # FSDP2 parameters are DTensors (numel is the full size); FSDP1's are local flat shards.
-    sizes = [(torch.Size(getattr(p, "_unpadded_unsharded_size", p.shape)).numel(), p.element_size())
-             for p in model.parameters()]
+    sizes = [(unsharded_numel(p), p.element_size()) for p in model.parameters()]
     full = sum(n * (grad_bytes or size) for n, size in sizes)
     if keep_params:
         full += sum(n * size for n, size in sizes)

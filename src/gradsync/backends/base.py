@@ -1,43 +1,67 @@
-"""The Backend protocol: what every adapter offers the Accelerator, and nothing more."""
+"""The Backend protocol: what every adapter offers the Accelerator, and nothing more.
+
+The Accelerator drives one accumulation window at a time through four hooks:
+
+* ``begin_window(models)`` before the window's first micro-step,
+* ``micro_step(model, boundary=...)`` around each micro-step's forward and backward,
+* ``end_window(models)`` after the boundary micro-step,
+* ``abort_window(models)`` when a micro-step raised or the window was broken off: the
+  adapter clears every gradient the window accumulated, wherever the backend keeps it,
+  so nothing of it reaches a later update.
+
+What an adapter does in each hook is its own business.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from gradsync.config import RequestedPolicy, SyncPolicy
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
     import torch
 
+    from gradsync.batching import BatchPlan
     from gradsync.config import Config
 
+__all__ = ["Backend", "RequestedPolicy", "SyncPolicy", "clear_grads"]
 
-@runtime_checkable
+
 class Backend(Protocol):
-    """One distributed backend, seen through the five things accumulation needs.
-
-    ``policy`` is the resolved sync policy: "defer" (no gradient collective off the
-    boundary), "every_step" (reduce on every micro-step) or "native" (whatever the
-    backend does by itself).
-    """
+    """One distributed backend, seen through what accumulation needs."""
 
     name: ClassVar[str]
-    policy: str
-
-    def setup(self, config: Config) -> None:
-        """Join (or create) the process group and pick the device."""
+    policy: SyncPolicy
+    policy_reason: str  # why the adapter resolved that policy, with its numbers ("" if nothing)
+    owns_group: bool  # gradsync created the process group (and releases it)
 
     @property
     def device(self) -> torch.device: ...
 
+    def setup(self, config: Config) -> None:
+        """Join (or create) the process group and pick the device. ``config`` is read here
+        and not kept for later: what the adapter needs of it, it copies."""
+
     def prepare(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
         """Wrap the model (DDP / FSDP2 / engine) and return the optimizer over its parameters."""
 
-    def accumulate(self, model: torch.nn.Module, *, sync: bool) -> AbstractContextManager[None]:
-        """Inside: backward accumulates locally unless ``sync``; the prior state is restored on exit."""
+    def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
+        """A window starts (its gradients have been cleared)."""
+
+    def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> AbstractContextManager[None]:
+        """Around one micro-step: backward accumulates locally unless ``boundary`` (or the
+        policy reduces every micro-step); the backend's prior state is restored on exit."""
+
+    def end_window(self, models: Sequence[torch.nn.Module]) -> None:
+        """The boundary micro-step finished without error."""
+
+    def abort_window(self, models: Sequence[torch.nn.Module]) -> None:
+        """Drop the open window: clear every gradient it accumulated. Called on every rank
+        together (it may run a collective)."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """Run the backward pass of an already scaled loss."""
@@ -46,10 +70,14 @@ class Backend(Protocol):
         """Apply the optimizer step at a boundary; return whether it was really applied."""
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        """Clear the gradients after a step."""
+        """Clear the gradients the optimizer holds."""
 
     def clip_grad_norm_(
-        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float
+        self,
+        model: torch.nn.Module,
+        parameters: Iterable[torch.Tensor],
+        max_norm: float,
+        norm_type: float = 2.0,
     ) -> torch.Tensor:
         """Clip to ``max_norm`` and return the GLOBAL gradient norm (equal on all ranks)."""
 
@@ -61,3 +89,10 @@ class Backend(Protocol):
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
+
+
+def clear_grads(models: Iterable[torch.nn.Module]) -> None:
+    """Drop the ``.grad`` of every parameter of ``models`` (where plain autograd keeps them)."""
+    for model in models:
+        for p in model.parameters():
+            p.grad = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync.backends import _dist
+from gradsync.backends.base import SyncPolicy, clear_grads
+from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
 
@@ -19,7 +21,8 @@ class DDPBackend:
     name: ClassVar[str] = "ddp"
 
     def __init__(self) -> None:
-        self.policy = "defer"
+        self.policy: SyncPolicy = "defer"
+        self.policy_reason = ""
         self._device = torch.device("cpu")
         self.owns_group = False
         self._bf16 = False
@@ -37,13 +40,15 @@ class DDPBackend:
             )
         # Deferring costs DDP no memory, so "auto" defers.
         self.policy = "every_step" if config.sync_policy == "every_step" else "defer"
+        if config.sync_policy == "auto":
+            self.policy_reason = "auto -> defer: no_sync() costs DDP no extra memory"
         self._bf16 = _dist.autocast_bf16(config, self.name)
         self.ddp_kwargs = dict(config.ddp_kwargs or {})
         self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
         self._device = _dist.local_device()
 
     def prepare(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
         if isinstance(model, DDP):
             return model, optimizer
@@ -51,8 +56,11 @@ class DDPBackend:
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         return DDP(model, device_ids=device_ids, **self.ddp_kwargs), optimizer
 
+    def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
+        return None
+
     @contextlib.contextmanager
-    def accumulate(self, model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
+    def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
         if not isinstance(model, DDP):
             raise RuntimeError(
                 f"accumulate() got a {type(model).__name__}, not the DistributedDataParallel model "
@@ -60,10 +68,18 @@ class DDPBackend:
                 "pass the prepared model: `model = accel.prepare(model)`"
             )
         # no_sync() saves require_backward_grad_sync and puts the saved value back on exit.
-        defer = not sync and self.policy != "every_step"
+        defer = not boundary and self.policy != "every_step"
         cast = torch.autocast(self._device.type, dtype=torch.bfloat16) if self._bf16 else None
         with model.no_sync() if defer else contextlib.nullcontext(), cast or contextlib.nullcontext():
             yield
+
+    def end_window(self, models: Sequence[torch.nn.Module]) -> None:
+        return None
+
+    def abort_window(self, models: Sequence[torch.nn.Module]) -> None:
+        # Deferred gradients live on the parameters (DDP's reducer keeps no copy between
+        # backward passes), so clearing them drops the window.
+        clear_grads(models)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -76,10 +92,11 @@ class DDPBackend:
         optimizer.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(
-        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float
+        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
+        norm_type: float = 2.0,
     ) -> torch.Tensor:
         # At the boundary DDP has all-reduced the gradients: the local norm is the global one.
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.module if isinstance(model, DDP) else model

@@ -11,14 +11,16 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from gradsync.backends import _dist
+from gradsync.backends import _deepspeed_compat, _dist
 from gradsync.backends._deepspeed_config import fill_batch, load_ds_config
+from gradsync.backends.base import RequestedPolicy, SyncPolicy
+from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
 
@@ -38,14 +40,17 @@ class DeepSpeedBackend:
     name: ClassVar[str] = "deepspeed"
 
     def __init__(self) -> None:
-        self.policy = "native"
+        self.policy: SyncPolicy = "native"
+        self.policy_reason = ""
         self.owns_group = False
         self._device = torch.device("cpu")
-        self._config: Config | None = None
+        self._mixed_precision = "no"
         self._ds: dict[str, Any] = {}
         self.stage = 0
         self.engine: Any = None
-        self._coalescing: contextlib.AbstractContextManager[None] | None = None
+        # The window's coalesce_grad_reduction() block, open from begin_window until the
+        # boundary's backward (or end_window / abort_window) closes it.
+        self._coalescing: contextlib.ExitStack | None = None
         self._clip: float | None = None  # gradient_clipping once fixed (config or first clip call)
 
     @property
@@ -57,7 +62,7 @@ class DeepSpeedBackend:
         if not _dist.use_cuda():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import_deepspeed()
-        self._config = config
+        self._mixed_precision = config.mixed_precision
         self._ds = load_ds_config(config.deepspeed_config)
         self.stage = int(self._ds.get("zero_optimization", {}).get("stage", 0))
         if self.stage not in (0, 1, 2, 3):
@@ -68,8 +73,9 @@ class DeepSpeedBackend:
         self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
         self._device = _dist.local_device()
 
-    def _resolve_policy(self, asked: str) -> str:
+    def _resolve_policy(self, asked: RequestedPolicy) -> SyncPolicy:
         if asked in ("auto", "native"):
+            self.policy_reason = f"{asked} -> native: DeepSpeed ZeRO {self.stage} accumulates by itself"
             return "native"
         if asked == "defer":
             return "defer"
@@ -80,21 +86,20 @@ class DeepSpeedBackend:
             "reduce gradients only at the boundary; use 'native', 'auto' or 'defer' (or stage 2/3)"
         )
 
-    def _build_config(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        assert self._config is not None
-        cfg = self._config
+    def _build_config(self, optimizer: torch.optim.Optimizer | None, plan: BatchPlan) -> dict[str, Any]:
         ds = fill_batch(
-            dict(self._ds), micro=cfg.micro_batch_size, steps=cfg.accumulation_steps,
+            dict(self._ds), micro=plan.micro_batch_size, steps=plan.gradient_accumulation_steps,
             world=dist.get_world_size(),
         )
         # DeepSpeed clips at 1.0 by default; gradsync clips only when asked (clip_grad_norm_).
         ds.setdefault("gradient_clipping", 0.0)
-        if cfg.mixed_precision in ("bf16", "fp16"):
-            section = ds.setdefault(cfg.mixed_precision, {})
+        mp = self._mixed_precision
+        if mp in ("bf16", "fp16"):
+            section = ds.setdefault(mp, {})
             if section.get("enabled", True) in (False, "false"):
                 raise ConfigError(
-                    f"mixed_precision={cfg.mixed_precision!r} contradicts deepspeed_config "
-                    f"{cfg.mixed_precision}.enabled=false; enable it or drop mixed_precision"
+                    f"mixed_precision={mp!r} contradicts deepspeed_config "
+                    f"{mp}.enabled=false; enable it or drop mixed_precision"
                 )
             section["enabled"] = True
         if optimizer is None:
@@ -116,14 +121,14 @@ class DeepSpeedBackend:
         return ds
 
     def prepare(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
         deepspeed = import_deepspeed()
         if isinstance(model, deepspeed.DeepSpeedEngine):
             return model, model.optimizer
         if self.engine is not None:
             raise ConfigError("backend='deepspeed' prepares one model per Accelerator; create another")
-        ds = self._build_config(optimizer)
+        ds = self._build_config(optimizer, plan)
         if not _dist.use_cuda() and os.environ.get("GRADSYNC_DEEPSPEED_BUILD_OPS") != "1":
             import deepspeed.ops as ds_ops
 
@@ -132,34 +137,45 @@ class DeepSpeedBackend:
             model=model, optimizer=optimizer, model_parameters=list(model.parameters()),
             config=ds, dist_init_required=False,
         )
-        if self.policy == "defer" and self.stage in (2, 3) and not hasattr(engine, "coalesce_grad_reduction"):
+        if self.policy == "defer" and self.stage in (2, 3) and not _deepspeed_compat.can_coalesce(engine):
             raise ConfigError(
-                f"sync_policy='defer' on ZeRO stage {self.stage} needs engine.coalesce_grad_reduction(), "
-                f"which deepspeed {deepspeed.__version__} lacks; upgrade DeepSpeed "
-                "(constraints.txt pins 0.19.8) or use sync_policy='native'"
+                f"sync_policy='defer' on ZeRO stage {self.stage} needs engine.coalesce_grad_reduction() "
+                f"for {type(engine.optimizer).__name__}, which deepspeed {deepspeed.__version__} does "
+                "not offer (its BF16/FP16 optimizer wrappers cannot coalesce); use "
+                "sync_policy='native', or fp32 / a DeepSpeed that supports it (constraints.txt pins 0.19.8)"
             )
         self.engine = engine
         self._ds = ds
         return engine, ds_optimizer
 
-    # -- the micro-step ------------------------------------------------------
+    # -- the window -------------------------------------------------------------
+    def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
+        if self.policy == "defer" and self.stage in (2, 3):
+            # One coalesce block per window: DeepSpeed's flush overwrites, so it must not split.
+            stack = contextlib.ExitStack()
+            stack.enter_context(self._engine(self.engine).coalesce_grad_reduction())
+            self._coalescing = stack
+
     @contextlib.contextmanager
-    def accumulate(self, model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
+    def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
         engine = self._engine(model)
         prior = bool(engine.is_gradient_accumulation_boundary())
-        engine.set_gradient_accumulation_boundary(sync)
+        engine.set_gradient_accumulation_boundary(boundary)
         try:
-            if self.policy == "defer" and self.stage in (2, 3) and self._coalescing is None:
-                # One coalesce block per window: DeepSpeed's flush overwrites, so it must not split.
-                self._coalescing = engine.coalesce_grad_reduction()
-                self._coalescing.__enter__()
             yield
         finally:
-            try:
-                if sync:
-                    self._flush()
-            finally:
-                engine.set_gradient_accumulation_boundary(prior)  # step() sets its own boundary
+            engine.set_gradient_accumulation_boundary(prior)  # step() sets its own boundary
+
+    def end_window(self, models: Sequence[torch.nn.Module]) -> None:
+        self._flush()
+
+    def abort_window(self, models: Sequence[torch.nn.Module]) -> None:
+        if self.engine is None:
+            return
+        # Closing the coalesce block reduces what it holds (a collective: every rank aborts
+        # together); then everything the window accumulated is dropped, on every stage.
+        self._flush()
+        _deepspeed_compat.clear_window_gradients(self.engine)
 
     def _engine(self, model: torch.nn.Module) -> Any:
         if self.engine is None or model is not self.engine:
@@ -173,7 +189,7 @@ class DeepSpeedBackend:
         """Close the window's coalesce block: one reduction of the accumulated gradients."""
         if self._coalescing is not None:
             block, self._coalescing = self._coalescing, None
-            block.__exit__(None, None, None)
+            block.close()
             self.engine.set_gradient_accumulation_boundary(True)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -195,8 +211,14 @@ class DeepSpeedBackend:
         return None
 
     def clip_grad_norm_(
-        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float
+        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
+        norm_type: float = 2.0,
     ) -> torch.Tensor:
+        if float(norm_type) != 2.0:
+            raise ConfigError(
+                f"clip_grad_norm_(norm_type={norm_type}) with backend='deepspeed': DeepSpeed "
+                "clips by the 2-norm inside step(); use norm_type=2.0"
+            )
         self._set_clipping(float(max_norm))
         from deepspeed.utils import safe_get_full_grad
 
@@ -218,9 +240,7 @@ class DeepSpeedBackend:
         if self._clip == max_norm:
             return
         self._clip = max_norm
-        self.engine._config.gradient_clipping = max_norm
-        if hasattr(self.engine.optimizer, "clip_grad"):
-            self.engine.optimizer.clip_grad = max_norm
+        _deepspeed_compat.set_clipping(self.engine, max_norm)
 
     # -- models and state ------------------------------------------------------
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -232,7 +252,7 @@ class DeepSpeedBackend:
 
         module = self.unwrap(model)
         params = dict(module.named_parameters())
-        masters = self._flat_fp32_masters()
+        masters = _deepspeed_compat.flat_fp32_masters(self.engine)
         out: dict[str, Any] = {}
         for key, value in module.state_dict(keep_vars=True).items():
             if key in params:
@@ -241,20 +261,6 @@ class DeepSpeedBackend:
                 out[key] = (full if full is not None else params[key]).detach().float().cpu().clone()
             else:
                 out[key] = value.detach().cpu().clone()
-        return out
-
-    def _flat_fp32_masters(self) -> dict[int, torch.Tensor]:
-        """Stage 0 with bf16/fp16 (DeepSpeed's FP16_[Unfused]Optimizer) keeps fp32 masters
-        per group: flat (fp32_groups_flat) or one per parameter (fp32_groups)."""
-        opt = self.engine.optimizer if self.engine is not None else None
-        out: dict[int, torch.Tensor] = {}
-        for group, flat in zip(getattr(opt, "fp16_groups", []), getattr(opt, "fp32_groups_flat", [])):
-            offset = 0
-            for p in group:
-                out[id(p)] = flat.narrow(0, offset, p.numel()).view_as(p)
-                offset += p.numel()
-        for group, masters in zip(getattr(opt, "fp16_groups", []), getattr(opt, "fp32_groups", [])):
-            out.update({id(p): m for p, m in zip(group, masters)})
         return out
 
     def barrier(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -21,36 +21,38 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.tensor import DTensor
 
-from gradsync.audit import human_bytes
-from gradsync.backends import _dist
+from gradsync._util import human_bytes
+from gradsync.backends import _dist, _fsdp_compat
 from gradsync.backends._fsdp_policy import (
     AUTO_BUDGET_FRACTION,
     available_memory,
     deferral_cost,
     select_units,
 )
+from gradsync.backends.base import RequestedPolicy, SyncPolicy, clear_grads
+from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
 
 log = logging.getLogger("gradsync")
-
-def _groups(model: nn.Module) -> Iterator[Any]:
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            yield from module._get_fsdp_state()._fsdp_param_groups
 
 
 class FSDPBackend:
     name: ClassVar[str] = "fsdp"
 
     def __init__(self) -> None:
-        self.policy = "defer"
+        self.policy: SyncPolicy = "defer"
         self.policy_reason = ""
         self.memory: dict[str, int] = {}
         self._device = torch.device("cpu")
-        self._config = Config()
         self._mesh: DeviceMesh | None = None
         self.owns_group = False
+        # Copied from the Config at setup (the adapter keeps no reference to it).
+        self._asked: RequestedPolicy = "auto"
+        self._bf16 = False
+        self._wrap: Any = None
+        self._budget: int | None = None
+        self._keep_params = False
 
     @property
     def device(self) -> torch.device:
@@ -67,8 +69,12 @@ class FSDPBackend:
                 "mixed_precision='fp16' is not supported with backend='fsdp'; use 'bf16' "
                 "(bf16 compute, fp32 gradient reduction) or 'no'"
             )
-        self._config = config
-        self.policy = config.sync_policy if config.sync_policy != "auto" else "every_step"
+        self._asked = config.sync_policy
+        self._bf16 = config.mixed_precision == "bf16"
+        self._wrap = config.fsdp_wrap
+        self._budget = config.fsdp_memory_budget
+        self._keep_params = config.fsdp_reshard_after_backward is False
+        self.policy = "every_step" if config.sync_policy == "auto" else config.sync_policy
         self.policy_reason = f"sync_policy={config.sync_policy!r} (auto decides at prepare)"
         self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
         self._device = _dist.local_device()
@@ -76,7 +82,7 @@ class FSDPBackend:
 
     # -- prepare ------------------------------------------------------------
     def prepare(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         if not any(True for _ in model.parameters()):
             raise ConfigError(
@@ -107,9 +113,9 @@ class FSDPBackend:
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=0)
         kwargs: dict[str, Any] = {"mesh": self._mesh}
-        if self._config.mixed_precision == "bf16":
+        if self._bf16:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for unit in select_units(model, self._config.fsdp_wrap):
+        for unit in select_units(model, self._wrap):
             fully_shard(unit, **kwargs)
         if "mp_policy" in kwargs:  # the user's loss sees fp32 outputs, as without bf16
             kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -118,12 +124,12 @@ class FSDPBackend:
         fully_shard(model, **kwargs)
 
     def _decide(self, model: nn.Module) -> None:
-        cfg, world = self._config, dist.get_world_size()
-        keep = cfg.fsdp_reshard_after_backward is False
-        grad_bytes = 4 if cfg.mixed_precision == "bf16" else None
+        world = dist.get_world_size()
+        keep = self._keep_params
+        grad_bytes = 4 if self._bf16 else None
         extra = deferral_cost(model, world, grad_bytes=grad_bytes, keep_params=keep)
-        budget, source = cfg.fsdp_memory_budget, "fsdp_memory_budget"
-        if cfg.sync_policy == "auto" and budget is None:
+        budget, source = self._budget, "fsdp_memory_budget"
+        if self._asked == "auto" and budget is None:
             free, where = available_memory(self._device)
             # The ranks must agree (a mixed decision would hang): take the smallest budget.
             t = torch.tensor([int(free * AUTO_BUDGET_FRACTION)], dtype=torch.int64, device=self._device)
@@ -135,7 +141,7 @@ class FSDPBackend:
         what = "unsharded gradients" + (" and parameters" if keep else "")
         cost = (f"deferring holds {human_bytes(extra)} ({extra} bytes) of extra {what} per rank "
                 f"(full size minus this rank's 1/{world} shard)")
-        if cfg.sync_policy == "auto":
+        if self._asked == "auto":
             assert budget is not None
             self.policy = "defer" if extra <= budget else "every_step"
             fits = "fits" if self.policy == "defer" else "exceeds"
@@ -146,9 +152,12 @@ class FSDPBackend:
             log.info("gradsync fsdp: sync_policy %s", self.policy_reason)
 
     # -- the micro-step -------------------------------------------------------
+    def begin_window(self, models: Sequence[nn.Module]) -> None:
+        return None
+
     @contextlib.contextmanager
-    def accumulate(self, model: nn.Module, *, sync: bool) -> Iterator[None]:
-        reduce = sync or self.policy == "every_step"
+    def micro_step(self, model: nn.Module, *, boundary: bool) -> Iterator[None]:
+        reduce = boundary or self.policy == "every_step"
         if isinstance(model, FSDP1):
             with contextlib.nullcontext() if reduce else model.no_sync():
                 yield
@@ -159,15 +168,25 @@ class FSDPBackend:
                 "accel.prepare() returned, so gradient sync cannot be controlled; pass the "
                 "prepared model: `model = accel.prepare(model)`"
             )
-        saved = [(g, g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward) for g in _groups(model)]
+        saved = _fsdp_compat.save_flags(model)
         model.set_requires_gradient_sync(reduce)
-        if not reduce and self._config.fsdp_reshard_after_backward is False:
+        if not reduce and self._keep_params:
             model.set_reshard_after_backward(False)
         try:
             yield
-        finally:  # put back exactly what FSDP held before, not a value derived from `sync`
-            for g, reduce_grads, all_reduce_grads, reshard in saved:
-                g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward = reduce_grads, all_reduce_grads, reshard
+        finally:  # put back exactly what FSDP held before, not a value derived from `boundary`
+            _fsdp_compat.restore_flags(saved)
+
+    def end_window(self, models: Sequence[nn.Module]) -> None:
+        return None
+
+    def abort_window(self, models: Sequence[nn.Module]) -> None:
+        # Reduced gradients sit on the sharded parameters; a deferred window's gradients sit
+        # unsharded inside FSDP2's own state (FSDP1's no_sync: on its flat parameters).
+        clear_grads(models)
+        for model in models:
+            if isinstance(model, FSDPModule):
+                _fsdp_compat.clear_unsharded_grads(model)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -180,12 +199,13 @@ class FSDPBackend:
         optimizer.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(
-        self, model: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float
+        self, model: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
+        norm_type: float = 2.0,
     ) -> torch.Tensor:
         if isinstance(model, FSDP1):
-            return model.clip_grad_norm_(max_norm).detach()
+            return model.clip_grad_norm_(max_norm, norm_type).detach()
         # Over DTensor gradients the norm is a DTensor of the global norm; make it plain.
-        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type)
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
 
     def unwrap(self, model: nn.Module) -> nn.Module:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
 
 from gradsync.backends import _dist
+from gradsync.backends.base import SyncPolicy, clear_grads
+from gradsync.batching import BatchPlan
 from gradsync.config import Config
 
 
@@ -16,7 +18,9 @@ class SingleBackend:
     name: ClassVar[str] = "single"
 
     def __init__(self) -> None:
-        self.policy = "defer"
+        self.policy: SyncPolicy = "defer"
+        self.policy_reason = ""
+        self.owns_group = False
         self._device = torch.device("cpu")
         self._bf16 = False
 
@@ -28,20 +32,30 @@ class SingleBackend:
         self._device = _dist.local_device()
         # Nothing is synchronised; report the policy asked for ("auto" defers).
         self.policy = "defer" if config.sync_policy == "auto" else config.sync_policy
+        self.policy_reason = "one process: nothing to synchronise"
         self._bf16 = _dist.autocast_bf16(config, self.name)
 
     def prepare(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
         return model.to(self._device), optimizer
 
+    def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
+        return None
+
     @contextlib.contextmanager
-    def accumulate(self, model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
+    def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
         if not self._bf16:  # entering even a disabled autocast costs microseconds per step
             yield
             return
         with torch.autocast(self._device.type, dtype=torch.bfloat16):
             yield
+
+    def end_window(self, models: Sequence[torch.nn.Module]) -> None:
+        return None
+
+    def abort_window(self, models: Sequence[torch.nn.Module]) -> None:
+        clear_grads(models)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -54,9 +68,10 @@ class SingleBackend:
         optimizer.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(
-        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float
+        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
+        norm_type: float = 2.0,
     ) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model

@@ -166,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"gradsync: error: {err}", file=sys.stderr)
         return 2
+    except ImportError as err:  # torch missing where the launcher must start the workers
+        print(f"gradsync: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from gradsync import backends
-from gradsync.batching import BatchPlan, check_positive_int
-from gradsync.config import ENV_PREFIX, MIXED_PRECISION, SYNC_POLICIES, Config, from_yaml
+from gradsync._util import check_positive_int
+from gradsync.batching import BatchPlan
+from gradsync.config import ENV_PREFIX, MIXED_PRECISION, SYNC_POLICIES, Config, env_vars, from_yaml
 from gradsync.errors import ConfigError
 
 # LaunchConfig fields that are worker settings; None (or audit=False) means "not given".
@@ -149,10 +150,7 @@ class Launcher:
             given["gradient_accumulation_steps"] = self.plan.gradient_accumulation_steps
             if self.plan.micro_batch_size is not None:
                 given["micro_batch_size"] = self.plan.micro_batch_size
-        env = {
-            ENV_PREFIX + name.upper(): ("1" if value is True else str(value))
-            for name, value in given.items()
-        }
+        env = env_vars(given)
         if self.config.config_file:
             env[ENV_PREFIX + "CONFIG"] = str(Path(self.config.config_file).resolve())
         return env
@@ -192,8 +190,14 @@ class Launcher:
 
     def run(self) -> int:
         """Start the workers and wait; return their exit status (0 when all succeeded)."""
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.run import parse_args, run
+        try:
+            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+            from torch.distributed.run import parse_args, run
+        except ImportError as err:
+            raise ImportError(
+                f"starting the workers needs torch, which cannot be imported here ({err}); "
+                "install it: pip install torch (the project's constraints.txt pins the tested version)"
+            ) from None
 
         args = parse_args(self.torchrun_argv())
         with _environ(self.worker_env()):

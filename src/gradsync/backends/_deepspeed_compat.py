@@ -1,0 +1,89 @@
+"""The only place gradsync touches DeepSpeed's private state.
+
+DeepSpeed has no public API for: changing the clipping value after ``initialize``, the
+fp32 master weights of its stage-0 mixed-precision optimizers, and dropping the gradients
+a micro-step has already accumulated (its ``zero_grad`` after a ZeRO 1/2 reduction leaves
+the averaged partitions in place). Every access goes through ``_require`` so that a
+DeepSpeed that renamed one fails with a message naming the supported versions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradsync._util import require_attr
+
+#: The DeepSpeed versions whose internals this module was written and tested against.
+SUPPORTED_DEEPSPEED = "0.19 (tested with 0.19.8)"
+
+
+def _version() -> str:
+    try:
+        import deepspeed
+
+        return str(deepspeed.__version__)
+    except ImportError:  # pragma: no cover - the adapter checks the import first
+        return "?"
+
+
+def _require(obj: object, name: str, what: str) -> Any:
+    return require_attr(obj, name, what=what, library="deepspeed", version=_version(),
+                        supported=SUPPORTED_DEEPSPEED)
+
+
+def set_clipping(engine: Any, max_norm: float) -> None:
+    """Make ``engine.step()`` clip at ``max_norm`` (the config's gradient_clipping)."""
+    _require(engine, "_config", "engine config").gradient_clipping = max_norm
+    if hasattr(engine.optimizer, "clip_grad"):  # ZeRO optimizers copy the value at init
+        engine.optimizer.clip_grad = max_norm
+
+
+def can_coalesce(engine: Any) -> bool:
+    """The engine's optimizer supports ``coalesce_grad_reduction()`` (DeepSpeed's BF16/FP16
+    optimizer wrappers do not: they raise NotImplementedError)."""
+    return hasattr(engine, "coalesce_grad_reduction") and hasattr(
+        engine.optimizer, "_coalesce_grad_reduction"
+    )
+
+
+def flat_fp32_masters(engine: Any) -> dict[int, torch.Tensor]:
+    """Stage 0 with bf16/fp16 (DeepSpeed's FP16_[Unfused]Optimizer) keeps fp32 masters per
+    group: flat (fp32_groups_flat) or one per parameter (fp32_groups); keyed by id(param)."""
+    opt = engine.optimizer
+    out: dict[int, torch.Tensor] = {}
+    for group, flat in zip(getattr(opt, "fp16_groups", []), getattr(opt, "fp32_groups_flat", [])):
+        offset = 0
+        for p in group:
+            out[id(p)] = flat.narrow(0, offset, p.numel()).view_as(p)
+            offset += p.numel()
+    for group, masters in zip(getattr(opt, "fp16_groups", []), getattr(opt, "fp32_groups", [])):
+        out.update({id(p): m for p, m in zip(group, masters)})
+    return out
+
+
+def clear_window_gradients(engine: Any) -> None:
+    """Drop every gradient accumulated since the last step, as an overflowed step does, but
+    without stepping: the parameters' gradients, ZeRO's reduced (averaged) partitions and
+    its micro-step counter, and the fp32 gradients of the mixed-precision wrappers."""
+    opt = engine.optimizer
+    _require(opt, "zero_grad", "optimizer zero_grad")(set_to_none=True)
+    if hasattr(opt, "clear_hp_grads"):  # BF16_Optimizer: fp32 gradient accumulators
+        opt.clear_hp_grads()
+    averaged = getattr(opt, "averaged_gradients", None)
+    if isinstance(averaged, dict):  # ZeRO 1/2 (keyed by group, value None = empty) and 3
+        for key in list(averaged):
+            averaged[key] = None
+        if hasattr(opt, "all_grad_tensors"):
+            for key in list(opt.all_grad_tensors):
+                opt.all_grad_tensors[key] = None
+        else:
+            averaged.clear()
+    if hasattr(opt, "_release_preflattened_grad_buffers"):
+        opt._release_preflattened_grad_buffers()
+    if hasattr(opt, "micro_step_id") and hasattr(opt, "all_grad_tensors"):
+        opt.micro_step_id = -1  # ZeRO 1/2's INITIAL_MICRO_STEP_ID, as step() leaves it
+    module = _require(engine, "module", "wrapped module")
+    for p in module.parameters():
+        p.grad = None

@@ -1,0 +1,72 @@
+"""The only place gradsync touches FSDP2's private state.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) has no public API for three things gradsync
+needs: reading and restoring the per-group sync flags that ``set_requires_gradient_sync``
+and ``set_reshard_after_backward`` write, the unpadded full size of a sharded parameter,
+and the unsharded gradients that a deferred window accumulates. Each access goes through
+``_require`` so that a torch that renamed one fails with a message naming the supported
+versions instead of an AttributeError from deep inside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from gradsync._torch_compat import SUPPORTED_TORCH
+from gradsync._util import require_attr
+
+#: One group's flags: (group, reduce_grads, all_reduce_grads, reshard_after_backward).
+GroupFlags = tuple[Any, bool, bool, Any]
+
+
+def _require(obj: object, name: str, what: str) -> Any:
+    return require_attr(obj, name, what=f"FSDP2 {what}", library="torch",
+                        version=torch.__version__, supported=SUPPORTED_TORCH)
+
+
+def param_groups(model: nn.Module) -> Iterator[Any]:
+    """Every FSDP2 parameter group under ``model`` (one per sharded unit that holds parameters)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = _require(module, "_get_fsdp_state", "per-module state")()
+            yield from _require(state, "_fsdp_param_groups", "parameter groups")
+
+
+def save_flags(model: nn.Module) -> list[GroupFlags]:
+    """The sync flags every group holds now (to be put back exactly by ``restore_flags``)."""
+    return [
+        (g, _require(g, "reduce_grads", "gradient-sync flag"),
+         _require(g, "all_reduce_grads", "all-reduce flag"),
+         _require(g, "reshard_after_backward", "reshard-after-backward flag"))
+        for g in param_groups(model)
+    ]
+
+
+def restore_flags(saved: list[GroupFlags]) -> None:
+    for group, reduce_grads, all_reduce_grads, reshard in saved:
+        group.reduce_grads = reduce_grads
+        group.all_reduce_grads = all_reduce_grads
+        group.reshard_after_backward = reshard
+
+
+def unsharded_numel(param: torch.Tensor) -> int:
+    """The full (unpadded) number of elements of a parameter; FSDP1 keeps flat shards whose
+    full size is ``_unpadded_unsharded_size``, FSDP2's DTensors report it as their shape."""
+    return torch.Size(getattr(param, "_unpadded_unsharded_size", param.shape)).numel()
+
+
+def clear_unsharded_grads(model: nn.Module) -> None:
+    """Drop the unsharded gradients a deferred window left inside FSDP2 (they are reduced
+    into the sharded ``.grad`` only at the boundary, so ``zero_grad`` never sees them)."""
+    for group in param_groups(model):
+        for fsdp_param in _require(group, "fsdp_params", "parameters of a group"):
+            _require(fsdp_param, "unsharded_accumulated_grad", "accumulated unsharded gradient")
+            fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None

@@ -1,0 +1,236 @@
+"""Prepared dataloaders: sharding over ranks, one-batch read-ahead, passes, device moves.
+
+Each pass over a prepared loader tells the accumulation window where the epoch stands
+(how many batches remain, whether this batch is the last), so the window can close at the
+end of the data and size the partial last window.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from gradsync._torch_compat import sampler_num_samples
+from gradsync.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gradsync.accumulation import Window
+
+log = logging.getLogger("gradsync")
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        moved = {k: _to_device(v, device) for k, v in batch.items()}
+        try:
+            return type(batch)(moved)  # type: ignore[call-arg]
+        except TypeError:
+            return moved
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_to_device(v, device) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(_to_device(v, device) for v in batch)
+    if hasattr(batch, "to") and callable(batch.to):
+        return batch.to(device)
+    return batch
+
+
+def shard_dataloader(loader: DataLoader[Any], *, rank: int, world_size: int, seed: int) -> DataLoader[Any]:
+    """A DataLoader over this rank's shard: seeded, reshuffled per epoch, equal batch counts.
+
+    Only the default samplers (sequential, random) are resharded; a DistributedSampler the
+    user built is kept as it is; any other sampler is refused rather than silently replaced.
+    """
+    if world_size == 1 or isinstance(loader.dataset, IterableDataset):
+        if world_size > 1:
+            log.warning(
+                "gradsync: an IterableDataset is not resharded; make each rank yield its own "
+                "shard with the same number of batches"
+            )
+        return loader
+    if isinstance(loader.sampler, DistributedSampler):
+        return loader
+    if loader.batch_size is None:
+        raise ConfigError(
+            "the dataloader has a custom batch_sampler (batch_size=None), which gradsync cannot "
+            "shard over ranks; build the DataLoader with batch_size=..., or give each rank its "
+            "own shard (e.g. a DistributedSampler) and the same number of batches"
+        )
+    plain_random = (
+        type(loader.sampler) is RandomSampler
+        and not loader.sampler.replacement
+        and sampler_num_samples(loader.sampler) is None
+    )
+    if not (plain_random or type(loader.sampler) is SequentialSampler):
+        raise ConfigError(
+            f"the dataloader's sampler is a {type(loader.sampler).__name__} (or a RandomSampler "
+            "with replacement/num_samples), which gradsync "
+            "cannot shard over ranks without changing what it samples; shard it yourself (each "
+            "rank its own indices, equal batch counts, e.g. a DistributedSampler over your "
+            "subset) and gradsync keeps it as it is"
+        )
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        loader.dataset, num_replicas=world_size, rank=rank,
+        shuffle=plain_random, seed=seed, drop_last=loader.drop_last,
+    )
+    kwargs: dict[str, Any] = {
+        "batch_size": loader.batch_size,
+        "sampler": sampler,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "drop_last": loader.drop_last,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+    }
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return DataLoader(loader.dataset, **kwargs)
+
+
+class LoaderIteration:
+    """One pass over a prepared loader: reads one batch ahead (a window ahead on request),
+    knows where the pass stands, and re-raises a loading error at the batch that caused it."""
+
+    def __init__(self, owner: PreparedDataLoader, source: Iterator[Any], total: int | None) -> None:
+        self.owner = owner
+        self.source = source
+        self.total = total
+        self.buffer: collections.deque[Any] = collections.deque()
+        self.exhausted = False
+        self.error: BaseException | None = None
+        self.done = False
+        self.yielded = 0
+        self.remaining: int | None = None  # batches left, the last yielded one included
+        self.last = False
+        self._window = owner._window
+        self._ticket = owner._window.track(self)
+
+    def __iter__(self) -> LoaderIteration:
+        return self
+
+    def _fill(self, n: int) -> None:
+        while not self.exhausted and self.error is None and len(self.buffer) < n:
+            try:
+                self.buffer.append(next(self.source))
+            except StopIteration:
+                self.exhausted = True
+            except Exception as err:  # raised when its batch's turn comes, not earlier
+                self.error = err
+
+    def peek(self, n: int) -> int | None:
+        """Batches left from the last yielded one on, if the data ends within ``n``; else None."""
+        self._fill(n)
+        left = len(self.buffer) + 1
+        return left if self.error is None and self.exhausted and left <= n else None
+
+    def __next__(self) -> Any:
+        self._fill(2)  # the batch to hand out and one more, to see the end coming
+        if not self.buffer:
+            self.done = True
+            if self.error is not None:
+                error, self.error = self.error, None
+                raise error
+            raise StopIteration
+        batch = self.buffer.popleft()
+        left = len(self.buffer) + 1
+        if self.error is None and self.exhausted:
+            self.remaining = left
+        elif self.total is not None and self.total - self.yielded >= left:
+            self.remaining = self.total - self.yielded  # len() agrees with what was read
+        else:
+            self.remaining = None
+        self.last = self.error is None and self.exhausted and not self.buffer
+        self.yielded += 1
+        self._window.fed(self._ticket)
+        return _to_device(batch, self.owner._device)
+
+
+class PreparedDataLoader:
+    """Iterates the (sharded) loader and tells the window where the epoch stands.
+
+    Each pass reads one batch ahead, so it knows the epoch's last batch even when ``len()``
+    is wrong or absent; with a sized loader it knows how many batches remain, and an unsized
+    one can be asked to read up to one window ahead when a window starts. The window
+    follows the pass that fed the micro-step (see ``Window.begin``).
+    """
+
+    def __init__(
+        self,
+        loader: Any,
+        window: Window,
+        device: torch.device,
+        on_epoch_start: Callable[[PreparedDataLoader], None],
+    ) -> None:
+        self.loader = loader
+        self._window = window
+        self._device = device
+        self._on_epoch_start = on_epoch_start
+        self._epoch = 0
+        self._epoch_set = False
+        self._sampler_epoch = 0
+        self._user_epochs = False
+        self._current: LoaderIteration | None = None
+        self._current_epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch of the next pass (it reshuffles the shards); counted up by itself."""
+        self._epoch = epoch
+        self._epoch_set = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch in progress (or the next one between passes) and the batches it yielded."""
+        it = self._current
+        if it is not None and not it.done:
+            return {"epoch": self._current_epoch, "batches_yielded": it.yielded}
+        return {"epoch": self._epoch, "batches_yielded": 0}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the epoch's order (skip ``batches_yielded`` batches yourself to go on mid-epoch)."""
+        self.set_epoch(int(state_dict["epoch"]))
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.loader, "sampler", None)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)  # dataset, batch_size, num_workers, ...
+
+    def __iter__(self) -> LoaderIteration:
+        sampler = self.sampler
+        if isinstance(sampler, DistributedSampler):
+            if not self._epoch_set and sampler.epoch != self._sampler_epoch:
+                self._user_epochs = True  # the user calls sampler.set_epoch(): leave it to them
+            if self._epoch_set or not self._user_epochs:
+                sampler.set_epoch(self._epoch)
+            self._sampler_epoch = sampler.epoch
+        self._current_epoch = self._epoch
+        self._epoch += 1
+        self._epoch_set = False
+        self._on_epoch_start(self)
+        it = LoaderIteration(self, iter(self.loader), self._sized_len())
+        self._current = it
+        return it
+
+    def _sized_len(self) -> int | None:
+        try:
+            return len(self.loader)
+        except TypeError:
+            return None

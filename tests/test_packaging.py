@@ -1,0 +1,92 @@
+"""What the package promises before any training starts: the command line and ``import
+gradsync`` need no torch, and the installed package carries its type information."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train.py"
+
+# Run the CLI in a fresh interpreter where `import torch` fails, as on a machine without it.
+NO_TORCH = """
+import sys
+sys.modules["torch"] = None  # any import of torch now raises ImportError
+from gradsync.launch.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def without_torch(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    return subprocess.run([sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def test_plan_runs_without_torch():
+    proc = without_torch("plan", "--global-batch-size", "64", "--micro-batch-size", "4",
+                         "--nproc-per-node", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "accumulation steps:      8" in proc.stdout
+
+
+def test_launch_help_and_dry_run_run_without_torch():
+    help_ = without_torch("launch", "--help")
+    assert help_.returncode == 0, help_.stderr
+    assert "usage: gradsync launch" in help_.stdout
+    dry = without_torch("launch", "--dry-run", "--nproc-per-node", "2",
+                        "--gradient-accumulation-steps", "4", str(EXAMPLE))
+    assert dry.returncode == 0, dry.stderr
+    assert "torch.distributed.run --nproc-per-node=2" in dry.stdout
+    assert "GRADSYNC_GRADIENT_ACCUMULATION_STEPS=4" in dry.stdout
+
+
+def test_launch_without_torch_says_so_in_one_line():
+    proc = without_torch("launch", "--nproc-per-node", "2", str(EXAMPLE))
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("gradsync: error: starting the workers needs torch")
+    assert "pip install torch" in lines[0]
+
+
+def test_import_gradsync_does_not_import_torch_until_the_accelerator_is_touched():
+    code = (
+        "import sys, gradsync\n"
+        "from gradsync import BatchPlan, Config, ConfigError\n"
+        "assert 'torch' not in sys.modules, 'import gradsync imported torch'\n"
+        "BatchPlan.solve(data_parallel_size=2, global_batch_size=16, micro_batch_size=2)\n"
+        "assert 'torch' not in sys.modules\n"
+        "gradsync.Accelerator\n"
+        "assert 'torch' in sys.modules\n"
+        "assert gradsync.audit.REDUCTIONS\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    import gradsync
+
+    with pytest.raises(AttributeError, match="no attribute 'Accelerater'"):
+        gradsync.Accelerater  # noqa: B018
+
+
+def test_the_built_wheel_ships_py_typed(tmp_path):
+    """Build the wheel as pip would (from this checkout, no network) and look inside."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    wheel = next(tmp_path.glob("gradsync-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "gradsync/py.typed" in names
+    assert "gradsync/backends/_fsdp_compat.py" in names
