@@ -77,6 +77,11 @@ class Config:
             raise ConfigError(f"seed={self.seed!r} must be an integer or None")
         return self
 
+    @property
+    def accumulation_steps(self) -> int:
+        """The accumulation steps to use when none was derived from batch sizes (default 1)."""
+        return self.gradient_accumulation_steps or 1
+
 
 _FIELDS = {f.name: f for f in fields(Config)}
 
