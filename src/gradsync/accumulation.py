@@ -10,8 +10,9 @@ drives it (``begin`` / ``end`` / ``drop``); prepared loaders tell it about their
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from gradsync._util import check_positive_int
 
@@ -46,6 +47,9 @@ class Feed(Protocol):
 
     def peek(self, n: int) -> int | None:
         """Read up to ``n`` batches ahead: ``remaining`` if the pass ends within them, else None."""
+
+    def count_items(self, n: int, count: Callable[[Any], Any]) -> int:
+        """Items (e.g. tokens) in the last yielded batch and the ``n - 1`` after it."""
 
 
 class FeedTicket:
@@ -82,6 +86,8 @@ class Window:
         self._yields = 0
         self._serial = 0
         self._feeder: object | None = None  # the loader whose pass feeds the open window
+        self._feed: Feed | None = None  # that pass (held while the window is open)
+        self._items: int | None = None  # items in the global window, when counted
 
     # -- reading ------------------------------------------------------------
     @property
@@ -117,6 +123,26 @@ class Window:
     @property
     def completed_windows(self) -> int:
         return self._completed
+
+    @property
+    def feed(self) -> Feed | None:
+        """The loader pass feeding the open window (None without a prepared loader)."""
+        return self._feed
+
+    @property
+    def items(self) -> int | None:
+        """Items (e.g. tokens) in the whole global window in progress, or the last one
+        between windows; None until counted."""
+        return self._items
+
+    @property
+    def skips_step(self) -> bool:
+        """The window holds no item at all: its optimizer step is skipped."""
+        return self._items == 0
+
+    def set_items(self, n: int) -> None:
+        """The Accelerator counted the window's items (all ranks, all micro-batches)."""
+        self._items = n
 
     def fed_by(self, loader: object) -> bool:
         """The open window is being fed by a pass of ``loader``."""
@@ -168,6 +194,8 @@ class Window:
             if self._pending_steps is not None:
                 self._steps, self._pending_steps = self._pending_steps, None
             self._feeder = feed.owner if feed is not None else None
+            self._feed = feed
+            self._items = None
             if remaining is None and feed is not None:
                 remaining = feed.peek(self._steps)  # unsized: look up to a window ahead
                 last = remaining == 1
@@ -190,6 +218,7 @@ class Window:
             self._index = 0
             self._completed += 1
             self._feeder = None
+            self._feed = None
         else:
             self._index += 1
         return step
@@ -200,6 +229,8 @@ class Window:
         self._index = 0
         self._current = None
         self._feeder = None
+        self._feed = None
+        self._items = None
         self._boundary = False
 
     @property
@@ -222,3 +253,7 @@ class WindowView:
     @property
     def is_open(self) -> bool:
         return self._window.is_open
+
+    @property
+    def skips_step(self) -> bool:
+        return self._window.skips_step

@@ -42,6 +42,9 @@ class Config:
     seed: int | None = None
     audit: bool = False
     mixed_precision: str = "no"
+    # fn(batch) -> int: items (tokens) per batch, for reduction="sum"/"normalized" in backward;
+    # a callable, or "module:function" (e.g. "gradsync:count_label_tokens") from YAML / env.
+    count_items: Any = None
     # Backend options (each adapter reads its own; unknown to the others).
     deepspeed_config: Any = None
     fsdp_memory_budget: int | None = None
@@ -71,6 +74,8 @@ class Config:
                 f"ddp_kwargs={self.ddp_kwargs!r} must be a dict of DistributedDataParallel "
                 "arguments, e.g. {'find_unused_parameters': True}"
             )
+        if self.count_items is not None:
+            self.count_items = _resolve_callable("count_items", self.count_items)
         if not isinstance(self.audit, bool):
             raise ConfigError(f"audit={self.audit!r} must be True or False")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
@@ -81,6 +86,24 @@ class Config:
     def accumulation_steps(self) -> int:
         """The accumulation steps to use when none was derived from batch sizes (default 1)."""
         return self.gradient_accumulation_steps or 1
+
+
+def _resolve_callable(name: str, value: Any) -> Any:
+    """A callable as given, or the one a "module:attribute" string names."""
+    if callable(value):
+        return value
+    if isinstance(value, str) and ":" in value:
+        module_name, _, attr = value.partition(":")
+        import importlib
+
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ConfigError(f"{name}={value!r} cannot be loaded ({err}); give 'module:function'") from None
+    raise ConfigError(
+        f"{name}={value!r} must be a callable fn(batch) -> int, or 'module:function' such as "
+        "'gradsync:count_label_tokens'"
+    )
 
 
 _FIELDS = {f.name: f for f in fields(Config)}
@@ -237,6 +260,8 @@ def env_vars(settings: Mapping[str, Any]) -> dict[str, str]:
             import json
 
             text = json.dumps(value)
+        elif callable(value):  # read back by _resolve_callable
+            text = f"{value.__module__}:{value.__qualname__}"
         else:
             text = str(value)
         out[ENV_PREFIX + name.upper()] = text

@@ -29,7 +29,7 @@ from gradsync.backends._fsdp_policy import (
     deferral_cost,
     select_units,
 )
-from gradsync.backends.base import RequestedPolicy, SyncPolicy, clear_grads
+from gradsync.backends.base import RequestedPolicy, SyncPolicy, clear_grads, is_frozen
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
@@ -102,7 +102,8 @@ class FSDPBackend:
                 sharded = dict(model.named_parameters())
                 for group in optimizer.param_groups:
                     group["params"] = [sharded[names[id(p)]] for p in group["params"]]
-        self._decide(model)
+        if not is_frozen(model):  # a frozen model is sharded for its forward only
+            self._decide(model)
         return model, optimizer
 
     def _shard(self, model: nn.Module) -> None:
