@@ -81,7 +81,7 @@ def test_a_window_without_items_skips_the_step_and_the_scheduler(clean_env, capl
     accel = Accelerator(backend="single", gradient_accumulation_steps=2, count_items=gradsync.count_label_tokens)
     empty = labelled([0, 1])  # no label token after the shift
     with caplog.at_level(logging.WARNING, logger="gradsync"):
-        model, opt, sched, seen = _run(
+        model, _opt, sched, seen = _run(
             accel, [empty, empty, labelled([3]), labelled([2])],
             # a loss over no item gone wrong: NaN
             loss_of=lambda m, b: m(b["x"]).sum() * (1.0 if gradsync.count_label_tokens(b) else float("nan")),
