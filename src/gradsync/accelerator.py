@@ -13,13 +13,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from gradsync import audit as audit_mod
-from gradsync import backends, metrics
+from gradsync import backends, checkpoint_state, metrics
 from gradsync.accumulation import MicroStep, Window
 from gradsync.backends import _dist
 from gradsync.batching import BatchPlan
+from gradsync.checkpoint_state import CheckpointState
 from gradsync.config import Config, SyncPolicy, load_config
 from gradsync.data import LoaderContext, PreparedDataLoader, shard_dataloader
-from gradsync.errors import ConfigError
+from gradsync.errors import ConfigError, naming_collective
 from gradsync.wrappers import PreparedOptimizer, PreparedScheduler
 
 REDUCTIONS = ("mean", "sum", "normalized")
@@ -51,6 +52,10 @@ class Accelerator:
         seed: seeds torch on every rank and the sharded sampler.
         micro_batch_size / global_batch_size: give two of the three sizes to derive the third.
         audit: count collectives per micro-step and print a summary per optimizer step.
+        timeout: seconds a collective waits for the other ranks before it fails with an
+            error naming the operation (``GRADSYNC_TIMEOUT``; torch's default is 30 min).
+        save_on_sigterm: a folder; on SIGTERM (preemption) every rank saves a checkpoint
+            there (``step-N``) when the next window starts, then exits with status 0.
         **options: backend options (``deepspeed_config``, ``fsdp_memory_budget``, ...).
     """
 
@@ -65,6 +70,8 @@ class Accelerator:
         global_batch_size: int | None = None,
         mixed_precision: str | None = None,
         audit: bool | None = None,
+        timeout: float | None = None,
+        save_on_sigterm: str | os.PathLike[str] | None = None,
         config_file: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
@@ -78,6 +85,8 @@ class Accelerator:
             global_batch_size=global_batch_size,
             mixed_precision=mixed_precision,
             audit=audit,
+            timeout=timeout,
+            save_on_sigterm=None if save_on_sigterm is None else os.fspath(save_on_sigterm),
             **options,
         )
         _, world, _ = _dist.rank_info()
@@ -96,6 +105,11 @@ class Accelerator:
         self._window = Window(self.plan.gradient_accumulation_steps)
         self._view = self._window.view
         self._models: list[torch.nn.Module] = []
+        self._model_optimizers: list[PreparedOptimizer | None] = []  # parallel to _models
+        self._schedulers: list[PreparedScheduler] = []
+        self._prepared_loaders: list[PreparedDataLoader] = []
+        self._registered: list[Any] = []
+        self._state = CheckpointState(self)
         self._trained: list[torch.nn.Module] = []  # prepared models with trainable parameters
         self._optimizers: list[PreparedOptimizer] = []
         self._count_items = self.config.count_items
@@ -112,6 +126,7 @@ class Accelerator:
             else:
                 self.audit = audit_mod.Recorder()  # one process: there is nothing to count
         self._audit_window_start = len(self.audit.records) if self.audit is not None else 0
+        self._sigterm = checkpoint_state.SigtermWatch(self.config.save_on_sigterm)
 
     # -- where we are -----------------------------------------------------
     @property
@@ -245,13 +260,15 @@ class Accelerator:
                 self._check_optimizer_holds(model, old_optimizer)
             wrapped, new_optimizer = self._backend.prepare(model, old_optimizer, self.plan)
             self._models.append(wrapped)
+            self._model_optimizers.append(None)
             if any(p.requires_grad for p in wrapped.parameters()):
                 self._trained.append(wrapped)
             out[id(model)] = wrapped
             if new_optimizer is not None:
                 # The backend may build one itself (DeepSpeed's config optimizer): see .optimizer.
-                prepared = PreparedOptimizer(new_optimizer, self._backend, self._view)
+                prepared = PreparedOptimizer(new_optimizer, self._backend, self._view, self._timeout)
                 self._optimizers.append(prepared)
+                self._model_optimizers[-1] = prepared
                 if old_optimizer is not None:
                     out[id(old_optimizer)] = prepared
         for obj in objects:
@@ -261,8 +278,10 @@ class Accelerator:
                 if old_optimizer is not None and new_optimizer is not None and obj.optimizer is old_optimizer:
                     obj.optimizer = new_optimizer
                 out[id(obj)] = PreparedScheduler(obj, self._step_counter(obj.optimizer))
+                self._schedulers.append(out[id(obj)])
             elif _is_dataloader(obj):
                 out[id(obj)] = self._prepare_dataloader(obj)
+                self._prepared_loaders.append(out[id(obj)])
             else:
                 raise ConfigError(
                     f"prepare() does not know what to do with a {type(obj).__name__}; pass a "
@@ -336,6 +355,8 @@ class Accelerator:
         """
         if not models:
             raise TypeError("accumulate() needs the prepared model: `with accel.accumulate(model):`")
+        if self._sigterm.enabled and not self._window.is_open:
+            self._stop_if_told()
         step = self._window.begin()
         if step.index == 0:
             try:
@@ -350,14 +371,16 @@ class Accelerator:
         try:
             if step.index == 0 and self._count_items is not None:
                 self._count_window_items(step.size)
-            if len(models) == 1:
-                with backend.micro_step(models[0], boundary=step.boundary):
-                    yield
-            else:
-                with contextlib.ExitStack() as stack:
-                    for model in models:
-                        stack.enter_context(backend.micro_step(model, boundary=step.boundary))
-                    yield
+            where = f"micro-step {step.index + 1} of {step.size} (window {self._window.completed_windows + 1})"
+            with naming_collective(f"the forward/backward of {where}", self._timeout):
+                if len(models) == 1:
+                    with backend.micro_step(models[0], boundary=step.boundary):
+                        yield
+                else:
+                    with contextlib.ExitStack() as stack:
+                        for model in models:
+                            stack.enter_context(backend.micro_step(model, boundary=step.boundary))
+                        yield
         except BaseException:
             if self.audit is not None:
                 self.audit.close()
@@ -365,7 +388,8 @@ class Accelerator:
             raise
         self._window.end()
         if step.boundary:
-            backend.end_window(models)
+            with naming_collective("the end of the accumulation window", self._timeout):
+                backend.end_window(models)
             if self._window.skips_step:
                 log.warning(
                     "gradsync: window %d holds no item (count_items gave 0 on every rank); its "
@@ -445,7 +469,8 @@ class Accelerator:
                     "backward inside the accumulate block, which decides when gradients sync"
                 )
             scale = 1 if step is None else step.size
-            self._backend.backward(loss / scale if scale != 1 else loss)
+            with naming_collective(self._backward_name(), self._timeout):
+                self._backend.backward(loss / scale if scale != 1 else loss)
             return
         if reduction not in REDUCTIONS:
             raise ConfigError(f"backward(reduction={reduction!r}) is unknown; use one of {', '.join(REDUCTIONS)}")
@@ -465,7 +490,18 @@ class Accelerator:
             return  # nothing to learn from; the boundary skips the step
         world = self.plan.data_parallel_size  # every backend averages gradients over it
         factor = world / items if reduction == "sum" else float(world)
-        self._backend.backward(loss * factor if factor != 1 else loss)
+        with naming_collective(self._backward_name(), self._timeout):
+            self._backend.backward(loss * factor if factor != 1 else loss)
+
+    def _backward_name(self) -> str:
+        step = self._window.current
+        if step is not None and step.boundary:
+            return "backward() at the window boundary (the gradient reduction)"
+        return "backward()"
+
+    @property
+    def _timeout(self) -> float | None:
+        return self.config.timeout
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
@@ -475,7 +511,70 @@ class Accelerator:
             return None
         if not self._trained:
             raise RuntimeError("clip_grad_norm_() before prepare(); prepare the model first")
-        return self._backend.clip_grad_norm_(self._trained[-1], parameters, max_norm, norm_type)
+        with naming_collective("clip_grad_norm_() (the global gradient norm)", self._timeout):
+            return self._backend.clip_grad_norm_(self._trained[-1], parameters, max_norm, norm_type)
+
+    # -- checkpoints ---------------------------------------------------------
+    def save_state(self, path: str | os.PathLike[str], *, keep_last: int | None = None) -> str:
+        """Save everything training needs to go on exactly: models, optimizers, schedulers,
+        the window (also mid-window, with each rank's local gradients, where the backend
+        can), every rank's RNG, every prepared loader's position and the registered
+        objects, into the folder ``path`` (atomically). Call it on every rank, outside the
+        accumulate block. ``keep_last=N`` then keeps only the newest N checkpoints in
+        ``path``'s parent folder. Returns the folder."""
+        with naming_collective(f"save_state({os.fspath(path)!r})", self._timeout):
+            return self._state.save(path, keep_last)
+
+    def load_state(self, path: str | os.PathLike[str]) -> None:
+        """Restore a checkpoint written by ``save_state`` (on every rank, after ``prepare``).
+        The next pass over each prepared loader resumes at the first batch not yet consumed;
+        ``loader.epoch`` is that pass's epoch. A missing, incomplete, corrupted or
+        incompatible checkpoint raises one error on every rank and changes nothing."""
+        with naming_collective(f"load_state({os.fspath(path)!r})", self._timeout):
+            self._state.load(path)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and load these objects (anything with ``state_dict`` / ``load_state_dict``:
+        EMA weights, counters) with the checkpoint; rank 0's state is saved."""
+        for obj in objects:
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise ConfigError(
+                    f"register_for_checkpointing() got a {type(obj).__name__}, which has no "
+                    "state_dict()/load_state_dict(); register objects that have both"
+                )
+            self._registered.append(obj)
+
+    def save_model(self, model: torch.nn.Module, directory: str | os.PathLike[str]) -> str:
+        """The model's full weights as one safetensors file ``model.safetensors`` in
+        ``directory``, gathered from every rank and written by rank 0 (call on every rank).
+        Tied weights are written once. Returns the file's path."""
+        with naming_collective("save_model() (gathering the weights)", self._timeout):
+            return checkpoint_state.save_model(self._backend, model, directory, self.rank)
+
+    @property
+    def stop_requested(self) -> bool:
+        """SIGTERM was received (with ``save_on_sigterm``): the job saves and exits when the
+        next window starts."""
+        return self._sigterm.received
+
+    def _stop_if_told(self) -> None:
+        told = self._sigterm.received
+        if self.world_size > 1:
+            flag = torch.tensor([int(told)], dtype=torch.int64, device=self.device)
+            with self._own_collective(), naming_collective("the SIGTERM check", self._timeout):
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            told = bool(flag.item())
+        if not told:
+            return
+        root = self.config.save_on_sigterm
+        assert root is not None
+        path = os.path.join(root, f"step-{self.optimizer_steps}")
+        with naming_collective(f"save_state({path!r})", self._timeout):
+            self._state.save(path, None, pending=1)  # the batch just yielded is not trained on yet
+        if self.is_main_process:
+            print(f"gradsync: SIGTERM received; saved {path}, exiting", file=sys.stderr, flush=True)
+        self.end()
+        raise SystemExit(0)
 
     # -- models and processes ----------------------------------------------
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -486,7 +585,8 @@ class Accelerator:
         return self._backend.state_dict(model)
 
     def wait_for_everyone(self) -> None:
-        self._backend.barrier()
+        with naming_collective("wait_for_everyone() (a barrier)", self._timeout):
+            self._backend.barrier()
 
     @property
     def is_local_main_process(self) -> bool:

@@ -88,6 +88,7 @@ class Window:
         self._feeder: object | None = None  # the loader whose pass feeds the open window
         self._feed: Feed | None = None  # that pass (held while the window is open)
         self._items: int | None = None  # items in the global window, when counted
+        self._resumed = False  # loaded mid-window: the next pass that feeds it is adopted
 
     # -- reading ------------------------------------------------------------
     @property
@@ -148,6 +149,11 @@ class Window:
         """The open window is being fed by a pass of ``loader``."""
         return self.is_open and self._feeder is loader
 
+    @property
+    def index(self) -> int:
+        """Micro-steps done in the open window (0 between windows)."""
+        return self._index
+
     # -- told by prepared loaders -------------------------------------------
     def track(self, feed: Feed) -> FeedTicket:
         """A loader pass starts; it calls ``fed(ticket)`` each time it yields a batch."""
@@ -190,6 +196,10 @@ class Window:
         feed = self._feeding()
         if feed is not None:
             remaining, last = feed.remaining, feed.last
+        if self._resumed and feed is not None:
+            # A window loaded mid-way: the resumed pass of its loader goes on feeding it.
+            self._resumed = False
+            self._feeder, self._feed = feed.owner, feed
         if self._index == 0:
             if self._pending_steps is not None:
                 self._steps, self._pending_steps = self._pending_steps, None
@@ -232,6 +242,39 @@ class Window:
         self._feed = None
         self._items = None
         self._boundary = False
+        self._resumed = False
+
+    # -- checkpoints -----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Where training stands: windows completed, the micro-step within the open window,
+        its size and the schedule (plain values, the same on every rank)."""
+        if self._current is not None:
+            raise RuntimeError(
+                "the accumulation window cannot be saved inside `with accel.accumulate(model):`; "
+                "call accel.save_state() after the block"
+            )
+        return {
+            "steps": self._steps, "pending_steps": self._pending_steps, "index": self._index,
+            "size": self._size, "boundary": self._boundary, "completed": self._completed,
+            "items": self._items,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put the window back where ``state_dict`` found it; an open window is fed on by the
+        next pass of a prepared loader (its resumed pass)."""
+        self._steps = check_positive_int("gradient_accumulation_steps", state["steps"])
+        pending = state.get("pending_steps")
+        self._pending_steps = None if pending is None else check_positive_int(
+            "gradient_accumulation_steps", pending)
+        self._index = int(state["index"])
+        self._size = int(state["size"])
+        self._boundary = bool(state["boundary"])
+        self._completed = int(state["completed"])
+        self._items = state.get("items")
+        self._current = None
+        self._feeder = None
+        self._feed = None
+        self._resumed = self._index > 0
 
     @property
     def view(self) -> WindowView:

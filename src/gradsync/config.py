@@ -51,6 +51,10 @@ class Config:
     fsdp_reshard_after_backward: bool | None = None
     fsdp_wrap: Any = None
     ddp_kwargs: dict[str, Any] | None = None  # extra DistributedDataParallel(...) arguments
+    # Seconds a collective may wait for the other ranks before it fails (torch's default: 30 min).
+    timeout: float | None = None
+    # On SIGTERM: save a checkpoint under this folder at the next boundary, then exit.
+    save_on_sigterm: str | None = None
 
     def validate(self) -> Config:
         if not isinstance(self.backend, str) or not self.backend:
@@ -78,6 +82,18 @@ class Config:
             self.count_items = _resolve_callable("count_items", self.count_items)
         if not isinstance(self.audit, bool):
             raise ConfigError(f"audit={self.audit!r} must be True or False")
+        if self.timeout is not None and (
+            isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or not self.timeout > 0
+        ):
+            raise ConfigError(
+                f"timeout={self.timeout!r} must be a number of seconds > 0 (how long a collective "
+                "waits for the other ranks), or None for torch's default"
+            )
+        if self.save_on_sigterm is not None and not isinstance(self.save_on_sigterm, str | os.PathLike):
+            raise ConfigError(
+                f"save_on_sigterm={self.save_on_sigterm!r} must be a folder path (where to save "
+                "a checkpoint when the job is told to stop), or None"
+            )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed={self.seed!r} must be an integer or None")
         return self
@@ -127,6 +143,11 @@ def _coerce(name: str, raw: str, source: str) -> Any:
                 f"{source}={raw!r} is not an integer; set it to a whole number"
                 + (" >= 1" if name != "seed" else "")
             ) from None
+    if name == "timeout":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"{source}={raw!r} is not a number; set it to the seconds to wait, e.g. 600") from None
     if name == "fsdp_wrap":
         return [part.strip() for part in raw.split(",") if part.strip()]
     if name == "ddp_kwargs":

@@ -104,6 +104,24 @@ def shard_dataloader(loader: DataLoader[Any], *, rank: int, world_size: int, see
 
 
 ItemCounter = Callable[[Any], Any]
+#: The torch RNG states a DataLoader iterator draws from when it is created.
+RngState = dict[str, torch.Tensor]
+
+
+def get_rng(loader: Any) -> RngState:
+    """The global torch CPU RNG and the loader's own generator, if it has one."""
+    state = {"torch": torch.get_rng_state()}
+    generator = getattr(loader, "generator", None)
+    if isinstance(generator, torch.Generator):
+        state["generator"] = generator.get_state()
+    return state
+
+
+def set_rng(state: RngState, loader: Any) -> None:
+    torch.set_rng_state(state["torch"])
+    generator = getattr(loader, "generator", None)
+    if isinstance(generator, torch.Generator) and "generator" in state:
+        generator.set_state(state["generator"])
 
 
 @dataclass
@@ -141,8 +159,10 @@ class LoaderIteration:
     """One pass over a prepared loader: reads one batch ahead (a window ahead on request),
     knows where the pass stands, and re-raises a loading error at the batch that caused it."""
 
-    def __init__(self, owner: PreparedDataLoader, source: Iterator[Any], total: int | None) -> None:
+    def __init__(self, owner: PreparedDataLoader, source: Iterator[Any], total: int | None,
+                 rng_at_start: RngState | None = None) -> None:
         self.owner = owner
+        self.rng_at_start = rng_at_start  # the RNG the iterator was created under
         self.epoch = owner._current_epoch
         self.source = source
         self.total = total
@@ -187,6 +207,24 @@ class LoaderIteration:
             for i, b in enumerate(batches)
         )
 
+    @property
+    def read(self) -> int:
+        """Batches taken from the source so far (yielded, plus those read ahead)."""
+        return self.yielded + len(self.buffer)
+
+    @property
+    def finished(self) -> bool:
+        """Every batch of the pass was yielded (the pass may not have noticed yet)."""
+        return self.done or (self.exhausted and self.error is None and not self.buffer)
+
+    def skip(self, consumed: int, read: int) -> None:
+        """Resume mid-pass: read ``read`` batches, of which the first ``consumed`` were
+        consumed before (dropped), the others were read ahead (kept), as when saved."""
+        self._fill(max(read, consumed))
+        for _ in range(min(consumed, len(self.buffer))):
+            self.buffer.popleft()
+        self.yielded = consumed
+
     def __next__(self) -> Any:
         self._fill(2)  # the batch to hand out and one more, to see the end coming
         if not self.buffer:
@@ -230,6 +268,16 @@ class PreparedDataLoader:
         self._user_epochs = False
         self._current: LoaderIteration | None = None
         self._current_epoch = 0
+        self._resume: dict[str, Any] | None = None  # the pass to resume (from load_state)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the pass in progress or, between passes, of the next pass; so
+        ``for epoch in range(loader.epoch, EPOCHS): for batch in loader:`` resumes."""
+        it = self._current
+        if it is not None and not it.finished:
+            return self._current_epoch
+        return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch of the next pass (it reshuffles the shards); counted up by itself."""
@@ -246,6 +294,30 @@ class PreparedDataLoader:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume the epoch's order (skip ``batches_yielded`` batches yourself to go on mid-epoch)."""
         self.set_epoch(int(state_dict["epoch"]))
+
+    def position(self, unconsumed: int = 0) -> dict[str, Any]:
+        """Where the loader stands, for a checkpoint: the epoch of the first batch not yet
+        consumed, the batches of that pass consumed and read, and the RNG the pass's
+        iterator was created under (None when the next pass starts afresh). ``unconsumed``:
+        that many of the batches the pass yielded are not trained on yet."""
+        it = self._current
+        if it is None or (it.finished and not unconsumed):
+            return {"epoch": self._epoch, "consumed": 0, "read": 0, "rng": None}
+        return {"epoch": self._current_epoch, "consumed": it.yielded - unconsumed, "read": it.read,
+                "rng": it.rng_at_start}
+
+    @property
+    def pass_in_progress(self) -> LoaderIteration | None:
+        return self._current
+
+    def resume(self, position: dict[str, Any], rng_now: Callable[[], None]) -> None:
+        """The next pass resumes ``position``: its iterator is created under the saved RNG,
+        the consumed batches are skipped, and then ``rng_now()`` puts back the RNG of the
+        moment of the save (creating an iterator draws from it)."""
+        self.set_epoch(int(position["epoch"]))
+        self._current = None
+        started = position["consumed"] or position.get("rng") is not None
+        self._resume = dict(position, rng_now=rng_now) if started else None
 
     @property
     def sampler(self) -> Any:
@@ -283,7 +355,14 @@ class PreparedDataLoader:
         self._epoch += 1
         self._epoch_set = False
         self._context.on_epoch_start(self)
-        it = LoaderIteration(self, iter(self.loader), self._sized_len())
+        resume, self._resume = self._resume, None
+        if resume is not None and resume["rng"] is not None:
+            set_rng(resume["rng"], self.loader)
+        rng = get_rng(self.loader)
+        it = LoaderIteration(self, iter(self.loader), self._sized_len(), rng)
+        if resume is not None:
+            it.skip(int(resume["consumed"]), int(resume["read"]))
+            resume["rng_now"]()
         self._current = it
         return it
 

@@ -1,7 +1,38 @@
-"""The one exception type for invalid settings."""
+"""The exception types: invalid settings, and a collective that another rank left hanging."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 
 class ConfigError(ValueError):
     """An invalid gradsync setting. The message names the setting, the value and the fix."""
+
+
+#: Words of torch's errors when a collective waited too long or a peer went away.
+_LOST = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
+         "connection refused", "peer closed")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed because another rank stopped answering (timed out or went away)."""
+
+
+@contextlib.contextmanager
+def naming_collective(operation: str, timeout: float | None) -> Iterator[None]:
+    """Re-raise a hung or broken collective inside the block as a CollectiveError that names
+    ``operation``, the timeout and how to change it; other errors pass unchanged."""
+    try:
+        yield
+    except RuntimeError as err:
+        if isinstance(err, CollectiveError):
+            raise
+        text = " ".join(str(err).split())
+        if not any(word in text.lower() for word in _LOST):
+            raise
+        limit = f"{timeout:g} s" if timeout is not None else "torch's default, 30 min"
+        raise CollectiveError(
+            f"{operation} failed: another rank stopped answering (timeout {limit}; set it with "
+            f"Accelerator(timeout=...) or GRADSYNC_TIMEOUT): {text[:300]}"
+        ) from err

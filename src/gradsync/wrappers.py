@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gradsync.errors import naming_collective
+
 if TYPE_CHECKING:
     from gradsync.accumulation import WindowView
     from gradsync.backends.base import Backend
@@ -25,11 +27,13 @@ class PreparedOptimizer(torch.optim.Optimizer):
     correctly, and the gradients stay readable after ``step()`` until the next window.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, backend: Backend, window: WindowView) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, backend: Backend, window: WindowView,
+                 timeout: float | None = None) -> None:
         # Deliberately no super().__init__: the wrapped optimizer owns groups, state and hooks.
         self.optimizer = optimizer
         self._backend = backend
         self._window = window
+        self._timeout = timeout
         self.steps_applied = 0
 
     @property
@@ -79,7 +83,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
             )
         if not self._window.boundary or self._window.skips_step:
             return
-        if self._backend.step(self.optimizer):
+        with naming_collective("optimizer.step()", self._timeout):
+            applied = self._backend.step(self.optimizer)
+        if applied:
             self.steps_applied += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -120,6 +126,8 @@ class PreparedScheduler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state_dict)
+        # The steps seen so far are those of the (restored) optimizer: step only after new ones.
+        self._seen = self._steps()
 
     def __getattr__(self, name: str) -> Any:
         if name == "scheduler":

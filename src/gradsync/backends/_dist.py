@@ -6,6 +6,7 @@ import atexit
 import gc
 import logging
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def ensure_process_group(backend_name: str, *, want_audit: bool) -> bool:
+def ensure_process_group(backend_name: str, *, want_audit: bool, timeout: float | None = None) -> bool:
     """Join the running process group, or create one from the launcher's environment.
 
     Returns True when gradsync created the group (and so should destroy it).
@@ -58,7 +59,10 @@ def ensure_process_group(backend_name: str, *, want_audit: bool) -> bool:
         pg_backend = audit.AUDIT_BACKEND[device]
     else:
         pg_backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend=pg_backend)
+    if timeout is not None:
+        dist.init_process_group(backend=pg_backend, timeout=timedelta(seconds=timeout))
+    else:
+        dist.init_process_group(backend=pg_backend)
     atexit.register(release_process_group)
     return True
 

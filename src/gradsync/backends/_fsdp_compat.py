@@ -70,3 +70,32 @@ def clear_unsharded_grads(model: nn.Module) -> None:
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if unsharded is not None:
                 unsharded.grad = None
+
+
+def window_grads(model: nn.Module) -> list[torch.Tensor | None]:
+    """The unsharded gradients a deferred window holds on this rank, one entry per FSDP2
+    parameter (in the model's group order): this rank's local sums, not yet reduced."""
+    out: list[torch.Tensor | None] = []
+    for group in param_groups(model):
+        for fsdp_param in _require(group, "fsdp_params", "parameters of a group"):
+            grad = _require(fsdp_param, "unsharded_accumulated_grad", "accumulated unsharded gradient")
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if grad is None and unsharded is not None:
+                grad = unsharded.grad
+            out.append(None if grad is None else grad.detach().cpu().clone())
+    return out
+
+
+def put_window_grads(model: nn.Module, grads: list[torch.Tensor | None], device: torch.device) -> None:
+    """Give a deferred window's saved gradients back to FSDP2 as its accumulated unsharded
+    gradients: the next backward adds to them, and the boundary reduce-scatters the sum."""
+    fsdp_params = [fp for group in param_groups(model)
+                   for fp in _require(group, "fsdp_params", "parameters of a group")]
+    if len(fsdp_params) != len(grads):
+        raise ValueError(f"the window holds {len(grads)} gradients, the model has {len(fsdp_params)} parameters")
+    for fsdp_param, grad in zip(fsdp_params, grads):
+        _require(fsdp_param, "unsharded_accumulated_grad", "accumulated unsharded gradient")
+        fsdp_param.unsharded_accumulated_grad = None if grad is None else grad.to(device)
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is not None:
+            unsharded.grad = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from gradsync.config import RequestedPolicy, SyncPolicy
@@ -33,6 +34,10 @@ class Backend(Protocol):
     """One distributed backend, seen through what accumulation needs."""
 
     name: ClassVar[str]
+    #: The layout of its checkpoints: backends of one format load each other's.
+    checkpoint_format: ClassVar[str]
+    #: Its checkpoints saved at a boundary load on another world size.
+    reshardable: ClassVar[bool]
     policy: SyncPolicy
     policy_reason: str  # why the adapter resolved that policy, with its numbers ("" if nothing)
     owns_group: bool  # gradsync created the process group (and releases it)
@@ -89,6 +94,16 @@ class Backend(Protocol):
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
+
+    def save(self, path: Path, models: Sequence[torch.nn.Module],
+             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
+        """Write the models and their optimizers (``optimizers[i]`` belongs to ``models[i]``)
+        into the folder ``path`` (collective). With ``window_open``, also the open window's
+        local gradients of this rank, or a one-line error where the backend cannot."""
+
+    def load(self, path: Path, models: Sequence[torch.nn.Module],
+             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
+        """Read back what ``save`` wrote (collective); check before changing anything."""
 
 
 def is_frozen(model: torch.nn.Module) -> bool:

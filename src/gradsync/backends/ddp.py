@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradsync.backends import _dist
+from gradsync.backends import _dist, _plain_state
 from gradsync.backends.base import SyncPolicy, clear_grads, is_frozen
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
@@ -19,6 +20,8 @@ from gradsync.errors import ConfigError
 
 class DDPBackend:
     name: ClassVar[str] = "ddp"
+    checkpoint_format: ClassVar[str] = "plain"
+    reshardable: ClassVar[bool] = True  # every rank holds everything
 
     def __init__(self) -> None:
         self.policy: SyncPolicy = "defer"
@@ -44,7 +47,8 @@ class DDPBackend:
             self.policy_reason = "auto -> defer: no_sync() costs DDP no extra memory"
         self._bf16 = _dist.autocast_bf16(config, self.name)
         self.ddp_kwargs = dict(config.ddp_kwargs or {})
-        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
+        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit,
+                                                   timeout=config.timeout)
         self._device = _dist.local_device()
 
     def prepare(
@@ -114,3 +118,11 @@ class DDPBackend:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def save(self, path: Path, models: Sequence[torch.nn.Module],
+             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
+        _plain_state.save(path, models, optimizers, self.unwrap, dist.get_rank(), window_open=window_open)
+
+    def load(self, path: Path, models: Sequence[torch.nn.Module],
+             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
+        _plain_state.load(path, models, optimizers, self.unwrap, dist.get_rank(), window_open=window_open)

@@ -12,12 +12,13 @@ import contextlib
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from gradsync.backends import _deepspeed_compat, _dist
+from gradsync.backends import _deepspeed_checkpoint, _deepspeed_compat, _dist
 from gradsync.backends._deepspeed_config import fill_batch, load_ds_config
 from gradsync.backends.base import RequestedPolicy, SyncPolicy, is_frozen
 from gradsync.batching import BatchPlan
@@ -38,6 +39,8 @@ def import_deepspeed() -> Any:
 
 class DeepSpeedBackend:
     name: ClassVar[str] = "deepspeed"
+    checkpoint_format: ClassVar[str] = "deepspeed"  # the engine's own checkpoints
+    reshardable: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.policy: SyncPolicy = "native"
@@ -70,7 +73,8 @@ class DeepSpeedBackend:
         self.policy = self._resolve_policy(config.sync_policy)
         if "gradient_clipping" in self._ds:
             self._clip = float(self._ds["gradient_clipping"])
-        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
+        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit,
+                                                   timeout=config.timeout)
         self._device = _dist.local_device()
 
     def _resolve_policy(self, asked: RequestedPolicy) -> SyncPolicy:
@@ -277,3 +281,13 @@ class DeepSpeedBackend:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def save(self, path: Path, models: Sequence[torch.nn.Module],
+             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
+        if window_open:
+            _deepspeed_checkpoint.refuse_open_window()
+        _deepspeed_checkpoint.save(path, self.engine, models)
+
+    def load(self, path: Path, models: Sequence[torch.nn.Module],
+             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
+        _deepspeed_checkpoint.load(path, self.engine, models)

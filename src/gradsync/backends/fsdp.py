@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -22,7 +23,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.tensor import DTensor
 
 from gradsync._util import human_bytes
-from gradsync.backends import _dist, _fsdp_compat
+from gradsync.backends import _dist, _fsdp_checkpoint, _fsdp_compat
 from gradsync.backends._fsdp_policy import (
     AUTO_BUDGET_FRACTION,
     available_memory,
@@ -39,6 +40,8 @@ log = logging.getLogger("gradsync")
 
 class FSDPBackend:
     name: ClassVar[str] = "fsdp"
+    checkpoint_format: ClassVar[str] = "dcp"  # torch.distributed.checkpoint, sharded
+    reshardable: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.policy: SyncPolicy = "defer"
@@ -76,7 +79,8 @@ class FSDPBackend:
         self._keep_params = config.fsdp_reshard_after_backward is False
         self.policy = "every_step" if config.sync_policy == "auto" else config.sync_policy
         self.policy_reason = f"sync_policy={config.sync_policy!r} (auto decides at prepare)"
-        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
+        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit,
+                                                   timeout=config.timeout)
         self._device = _dist.local_device()
         self._mesh = init_device_mesh(self._device.type, (dist.get_world_size(),))
 
@@ -230,3 +234,11 @@ class FSDPBackend:
     def barrier(self) -> None:
         dist.barrier()
 
+
+    def save(self, path: Path, models: Sequence[nn.Module],
+             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
+        _fsdp_checkpoint.save(path, models, optimizers, window_open=window_open, device=self._device)
+
+    def load(self, path: Path, models: Sequence[nn.Module],
+             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
+        _fsdp_checkpoint.load(path, models, optimizers, window_open=window_open, device=self._device)

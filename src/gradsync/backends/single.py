@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from gradsync.backends import _dist
+from gradsync.backends import _dist, _plain_state
 from gradsync.backends.base import SyncPolicy, clear_grads
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
@@ -16,6 +17,8 @@ from gradsync.config import Config
 
 class SingleBackend:
     name: ClassVar[str] = "single"
+    checkpoint_format: ClassVar[str] = "plain"
+    reshardable: ClassVar[bool] = True  # every rank holds everything
 
     def __init__(self) -> None:
         self.policy: SyncPolicy = "defer"
@@ -81,3 +84,11 @@ class SingleBackend:
 
     def barrier(self) -> None:
         return None
+
+    def save(self, path: Path, models: Sequence[torch.nn.Module],
+             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
+        _plain_state.save(path, models, optimizers, self.unwrap, 0, window_open=window_open)
+
+    def load(self, path: Path, models: Sequence[torch.nn.Module],
+             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
+        _plain_state.load(path, models, optimizers, self.unwrap, 0, window_open=window_open)

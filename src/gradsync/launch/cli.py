@@ -5,14 +5,42 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from gradsync.errors import ConfigError
 
 
 def _add_batch_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--global-batch-size", type=int, default=None, metavar="G")
-    p.add_argument("--micro-batch-size", type=int, default=None, metavar="M")
-    p.add_argument("--gradient-accumulation-steps", type=int, default=None, metavar="K")
+    _add(p, "--global-batch-size", type=int, default=None, metavar="G")
+    _add(p, "--micro-batch-size", type=int, default=None, metavar="M")
+    _add(p, "--gradient-accumulation-steps", type=int, default=None, metavar="K")
+
+
+def _add(p: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
+    """A flag in torchrun's two spellings, --max-restarts and --max_restarts (the second
+    hidden from --help, so errors and usage name the first)."""
+    p.add_argument(flag, **kwargs)
+    kwargs.pop("metavar", None)
+    p.add_argument("--" + flag[2:].replace("-", "_"), **{**kwargs, "help": argparse.SUPPRESS},
+                   dest=flag[2:].replace("-", "_"))
+
+
+def _nproc(text: str) -> int | str:
+    """--nproc-per-node: a whole number >= 1, or auto / cpu / gpu (as torchrun)."""
+    if text in ("auto", "cpu", "gpu"):
+        return text
+    return _positive(text)
+
+
+def _nnodes(text: str) -> str:
+    """--nnodes: N, or MIN:MAX for an elastic job; each a whole number >= 1."""
+    parts = text.split(":")
+    if len(parts) > 2:
+        raise argparse.ArgumentTypeError(f"{text!r} must be N or MIN:MAX, e.g. 1:4")
+    values = [_positive(part) for part in parts]
+    if len(values) == 2 and values[0] > values[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: MIN must not exceed MAX, e.g. 1:4")
+    return text
 
 
 def _positive(text: str) -> int:
@@ -33,23 +61,38 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     launch = sub.add_parser("launch", help="run a training script on N processes (torchrun)")
-    launch.add_argument("--nproc-per-node", type=_positive, default=1, metavar="N")
-    launch.add_argument("--nnodes", type=_positive, default=1, metavar="N")
-    launch.add_argument("--node-rank", type=int, default=0, metavar="R")
-    launch.add_argument("--master-addr", default=None, metavar="A")
-    launch.add_argument("--master-port", type=int, default=None, metavar="P")
-    launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT")
-    launch.add_argument("--rdzv-id", default="gradsync", metavar="ID")
+    # torchrun's own flags, in both spellings (--nproc-per-node / --nproc_per_node).
+    _add(launch, "--nproc-per-node", type=_nproc, default=1, metavar="N",
+                        help="processes per node: N, auto, cpu or gpu")
+    launch.add_argument("--nnodes", type=_nnodes, default="1", metavar="N|MIN:MAX")
+    _add(launch, "--node-rank", type=int, default=0, metavar="R")
+    _add(launch, "--master-addr", default=None, metavar="A")
+    _add(launch, "--master-port", type=int, default=None, metavar="P")
+    launch.add_argument("--standalone", action="store_true",
+                        help="one node, a local rendezvous on a free port (the default on one node)")
+    _add(launch, "--rdzv-backend", default=None, metavar="B", help="e.g. c10d, static")
+    _add(launch, "--rdzv-endpoint", default=None, metavar="HOST:PORT")
+    _add(launch, "--rdzv-id", default="gradsync", metavar="ID")
+    _add(launch, "--rdzv-conf", default=None, metavar="K=V,...")
+    _add(launch, "--max-restarts", type=int, default=0, metavar="N",
+                        help="restart every worker up to N times after a failure")
+    _add(launch, "--monitor-interval", type=float, default=None, metavar="S")
+    _add(launch, "--log-dir", default=None, metavar="DIR")
+    launch.add_argument("--tee", default=None, metavar="STD")
+    launch.add_argument("--redirects", default=None, metavar="STD")
+    _add(launch, "--no-python", action="store_true",
+                        help="run SCRIPT as a program, not with python")
+    _add(launch, "--local-ranks-filter", default=None, metavar="RANKS")
     launch.add_argument("--backend", default=None, metavar="B",
                         help="auto, single, ddp, fsdp or deepspeed (default: the config file's, else auto)")
     _add_batch_flags(launch)
-    launch.add_argument("--sync-policy", default=None, metavar="P",
+    _add(launch, "--sync-policy", default=None, metavar="P",
                         help="auto, defer, every_step or native")
     launch.add_argument("--seed", type=int, default=None)
-    launch.add_argument("--mixed-precision", default=None, metavar="MP", help="no, bf16 or fp16")
+    _add(launch, "--mixed-precision", default=None, metavar="MP", help="no, bf16 or fp16")
     launch.add_argument("--audit", action="store_true", help="count collectives per micro-step")
     launch.add_argument("--config", default=None, metavar="YAML", help="a gradsync YAML config")
-    launch.add_argument("--dry-run", action="store_true",
+    _add(launch, "--dry-run", action="store_true",
                         help="print the torchrun command and the settings, start nothing")
     launch.add_argument("-m", dest="module", action="store_true", help="run SCRIPT as a module")
     launch.add_argument("script", help="the training script")
@@ -57,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="derive and check the batch sizes")
     _add_batch_flags(plan)
-    plan.add_argument("--nproc-per-node", type=_positive, default=1, metavar="N")
+    _add(plan, "--nproc-per-node", type=_positive, default=1, metavar="N")
     plan.add_argument("--nnodes", type=_positive, default=1, metavar="N")
 
     sub.add_parser("env", help="print versions and the backends available here")
@@ -75,12 +118,22 @@ def _launch(args: argparse.Namespace) -> int:
         script_args=list(args.script_args),
         module=args.module,
         nproc_per_node=args.nproc_per_node,
-        nnodes=args.nnodes,
+        nnodes=int(args.nnodes) if args.nnodes.isdigit() else args.nnodes,
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id,
+        standalone=args.standalone,
+        rdzv_backend=args.rdzv_backend,
+        rdzv_conf=args.rdzv_conf,
+        max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval,
+        log_dir=args.log_dir,
+        tee=args.tee,
+        redirects=args.redirects,
+        no_python=args.no_python,
+        local_ranks_filter=args.local_ranks_filter,
         backend=args.backend,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         micro_batch_size=args.micro_batch_size,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import sys
 from collections.abc import Iterator, Mapping
@@ -20,6 +21,7 @@ from gradsync._util import check_positive_int
 from gradsync.batching import BatchPlan
 from gradsync.config import ENV_PREFIX, MIXED_PRECISION, SYNC_POLICIES, Config, env_vars, from_yaml
 from gradsync.errors import ConfigError
+from gradsync.launch import failures
 
 # LaunchConfig fields that are worker settings; None (or audit=False) means "not given".
 _SETTINGS = ("backend", "gradient_accumulation_steps", "micro_batch_size", "global_batch_size",
@@ -33,14 +35,23 @@ class LaunchConfig:
     script: str
     script_args: list[str] = field(default_factory=list)
     module: bool = False  # run `script` as a module (python -m)
-    nproc_per_node: int = 1
-    nnodes: int = 1
+    nproc_per_node: int | str = 1  # N, or "auto" / "cpu" / "gpu" as torchrun
+    nnodes: int | str = 1  # N, or "MIN:MAX" (elastic)
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str = "gradsync"
     max_restarts: int = 0
+    standalone: bool = False
+    rdzv_backend: str | None = None
+    rdzv_conf: str | None = None
+    monitor_interval: float | None = None
+    log_dir: str | None = None
+    tee: str | None = None
+    redirects: str | None = None
+    no_python: bool = False
+    local_ranks_filter: str | None = None
     # What the workers' Accelerator() reads from GRADSYNC_* variables. None means "not given":
     # the workers then take the value from the config file, or the default.
     backend: str | None = None
@@ -54,8 +65,38 @@ class LaunchConfig:
     config_file: str | None = None
 
     @property
+    def node_range(self) -> tuple[int, int]:
+        """(min, max) nodes; equal unless ``nnodes`` is "MIN:MAX"."""
+        text = str(self.nnodes)
+        low, _, high = text.partition(":")
+        try:
+            lo, hi = int(low), int(high or low)
+        except ValueError:
+            raise ConfigError(f"--nnodes={text!r} must be N or MIN:MAX, e.g. 1:4") from None
+        check_positive_int("--nnodes", lo)
+        check_positive_int("--nnodes", hi)
+        if lo > hi:
+            raise ConfigError(f"--nnodes={text!r}: MIN must not exceed MAX, e.g. 1:4")
+        return lo, hi
+
+    @property
+    def processes_per_node(self) -> int:
+        """--nproc-per-node as a number (auto: the GPUs if any, else the CPU cores)."""
+        n = self.nproc_per_node
+        if isinstance(n, int) or (isinstance(n, str) and n.isdigit()):
+            return check_positive_int("--nproc-per-node", int(n))
+        if n not in ("auto", "cpu", "gpu"):
+            raise ConfigError(f"--nproc-per-node={n!r} must be a whole number >= 1, auto, cpu or gpu")
+        if n == "cpu":
+            return os.cpu_count() or 1
+        gpus = _gpu_count()
+        if n == "gpu" and gpus == 0:
+            raise ConfigError("--nproc-per-node=gpu, but no CUDA GPU is visible here; give a number or 'cpu'")
+        return gpus if gpus else os.cpu_count() or 1
+
+    @property
     def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
+        return self.processes_per_node * self.node_range[0]
 
 
 class Launcher:
@@ -68,13 +109,14 @@ class Launcher:
 
     def validate(self) -> BatchPlan:
         c = self.config
-        check_positive_int("--nproc-per-node", c.nproc_per_node)
-        check_positive_int("--nnodes", c.nnodes)
-        if not 0 <= c.node_rank < c.nnodes:
+        nproc = c.processes_per_node
+        min_nodes, max_nodes = c.node_range
+        if not 0 <= c.node_rank < max_nodes:
             raise ConfigError(
-                f"--node-rank={c.node_rank} must be in 0..{c.nnodes - 1} for --nnodes={c.nnodes}"
+                f"--node-rank={c.node_rank} must be in 0..{max_nodes - 1} for --nnodes={c.nnodes}"
             )
-        if not c.module:
+        _check_torchrun_flags(c, max_nodes)
+        if not c.module and not c.no_python:
             script = Path(c.script)
             if script.is_dir():
                 raise ConfigError(
@@ -101,7 +143,7 @@ class Launcher:
             raise ConfigError(f"--master-port={c.master_port} must be a TCP port (1-65535)")
         if c.rdzv_endpoint is not None:
             _check_endpoint(c.rdzv_endpoint)
-        if c.nnodes > 1 and c.rdzv_endpoint is None and c.master_addr is None:
+        if max_nodes > 1 and c.rdzv_endpoint is None and c.master_addr is None:
             raise ConfigError(
                 f"--nnodes={c.nnodes} needs --rdzv-endpoint HOST:PORT (or --master-addr and "
                 "--master-port) so the nodes can find each other"
@@ -115,12 +157,13 @@ class Launcher:
         except ConfigError as err:
             raise ConfigError(f"config file {c.config_file!r}: {err}") from None
         merged = self._merged()
-        return BatchPlan.solve(
-            data_parallel_size=c.world_size,
+        plans = [BatchPlan.solve(
+            data_parallel_size=nproc * nodes,
             global_batch_size=merged.get("global_batch_size"),
             micro_batch_size=merged.get("micro_batch_size"),
             gradient_accumulation_steps=merged.get("gradient_accumulation_steps"),
-        )
+        ) for nodes in sorted({max_nodes, min_nodes})]  # an elastic job: both ends must work
+        return plans[0]
 
     def _given(self) -> dict[str, Any]:
         """The worker settings given on the command line (or to LaunchConfig)."""
@@ -166,19 +209,29 @@ class Launcher:
         c = self.config
         argv = [f"--nproc-per-node={c.nproc_per_node}", f"--nnodes={c.nnodes}"]
         if c.rdzv_endpoint is not None:
-            argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={c.rdzv_endpoint}", f"--rdzv-id={c.rdzv_id}"]
-        elif c.master_addr is not None or c.master_port is not None or c.nnodes > 1:
+            argv += [f"--rdzv-backend={c.rdzv_backend or 'c10d'}", f"--rdzv-endpoint={c.rdzv_endpoint}",
+                     f"--rdzv-id={c.rdzv_id}"]
+        elif c.master_addr is not None or c.master_port is not None or c.node_range[1] > 1:
             argv += [f"--node-rank={c.node_rank}"]
             if c.master_addr is not None:
                 argv.append(f"--master-addr={c.master_addr}")
             if c.master_port is not None:
                 argv.append(f"--master-port={c.master_port}")
+            if c.rdzv_backend is not None:
+                argv.append(f"--rdzv-backend={c.rdzv_backend}")
         else:
             argv.append("--standalone")
         argv.append(f"--max-restarts={c.max_restarts}")
-        if c.module:
-            argv.append("-m")
-        argv.append(c.script)
+        for flag, value in (("--rdzv-conf", c.rdzv_conf), ("--monitor-interval", c.monitor_interval),
+                            ("--log-dir", c.log_dir), ("--tee", c.tee), ("--redirects", c.redirects),
+                            ("--local-ranks-filter", c.local_ranks_filter)):
+            if value is not None:
+                argv.append(f"{flag}={value}")
+        if c.no_python:
+            argv += ["--no-python", c.script]
+        else:
+            # Each worker runs the script through gradsync's wrapper, which records its error.
+            argv += ["-m", "gradsync.launch.worker", *(["-m"] if c.module else []), c.script]
         return argv + list(c.script_args)
 
     def describe(self) -> str:
@@ -200,13 +253,56 @@ class Launcher:
             ) from None
 
         args = parse_args(self.torchrun_argv())
-        with _environ(self.worker_env()):
+        env = self.worker_env()
+        if self.config.max_restarts > 0:
+            # Restarted workers hang in init_process_group with torchrun's shared rendezvous
+            # store (pytorch issue 135712); each worker group then makes its own.
+            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+                           os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"))
+        with _environ(env), failures.quiet_torchrun():
             try:
                 run(args)
             except ChildFailedError as err:
-                codes = [f.exitcode for f in err.failures.values() if f.exitcode]
-                return codes[0] if codes and codes[0] > 0 else 1
+                return failures.report(err, sys.stderr)
         return 0
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+_STD = re.compile(r"^([0-3]|\d+:[0-3](,\d+:[0-3])*)$")
+
+
+def _check_torchrun_flags(c: LaunchConfig, max_nodes: int) -> None:
+    if isinstance(c.max_restarts, bool) or not isinstance(c.max_restarts, int) or c.max_restarts < 0:
+        raise ConfigError(f"--max-restarts={c.max_restarts!r} must be a whole number >= 0")
+    if c.standalone and (max_nodes > 1 or c.rdzv_endpoint is not None):
+        raise ConfigError(
+            f"--standalone runs one node with a local rendezvous; it contradicts --nnodes={c.nnodes}"
+            + (f" and --rdzv-endpoint={c.rdzv_endpoint}" if c.rdzv_endpoint else "")
+            + ": drop one of them"
+        )
+    if c.monitor_interval is not None and not c.monitor_interval > 0:
+        raise ConfigError(f"--monitor-interval={c.monitor_interval} must be > 0 (seconds)")
+    for flag, value in (("--tee", c.tee), ("--redirects", c.redirects)):
+        if value is not None and not _STD.match(str(value)):
+            raise ConfigError(
+                f"{flag}={value!r} must be 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or per "
+                "local rank, e.g. 0:1,1:2"
+            )
+    if c.local_ranks_filter is not None and not re.fullmatch(r"\d+(,\d+)*", c.local_ranks_filter):
+        raise ConfigError(
+            f"--local-ranks-filter={c.local_ranks_filter!r} must be local ranks separated by commas, e.g. 0,1"
+        )
+    if c.log_dir is not None and Path(c.log_dir).exists() and not Path(c.log_dir).is_dir():
+        raise ConfigError(f"--log-dir={c.log_dir!r} is an existing file; give a folder")
+    if c.no_python and c.module:
+        raise ConfigError("--no-python and -m cannot be used together; give one of them")
 
 
 def _check_settings(settings: Mapping[str, Any]) -> None:

@@ -1,0 +1,95 @@
+"""What `gradsync launch` says when workers fail: the first failing rank's exception as
+one block (its traceback, recorded by ``gradsync.launch.worker``), the ranks that only
+stopped because of it in one line, and a line per restart, instead of torchrun's logs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+_ELASTIC = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+_AGENT = "torch.distributed.elastic.agent.server.api"
+
+
+class _Quiet(logging.Filter):
+    """Drops torchrun's warnings and per-process failure lines; turns its restart notice
+    into one gradsync line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "will restart worker group" in message:
+            left = message.split("attempts left")[0].strip().rsplit(" ", 1)[-1]
+            print(f"gradsync: a worker failed; restarting every worker (restarts left: {left})",
+                  file=sys.stderr, flush=True)
+            return False
+        if record.levelno >= logging.CRITICAL:
+            return True
+        if record.name.startswith("torch.distributed.elastic.multiprocessing"):
+            return False  # "failed (exitcode: 1) local_rank: ...": gradsync reports it itself
+        return record.levelno >= logging.ERROR
+
+
+@contextlib.contextmanager
+def quiet_torchrun() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name.startswith(_ELASTIC)]
+    quiet = _Quiet()
+    agent = logging.getLogger(_AGENT)
+    level = agent.level
+    for logger in loggers:
+        logger.addFilter(quiet)
+    if agent.getEffectiveLevel() > logging.INFO:
+        agent.setLevel(logging.INFO)  # its restart notice is an INFO record
+    try:
+        yield
+    finally:
+        agent.setLevel(level)
+        for logger in loggers:
+            logger.removeFilter(quiet)
+
+
+def _info(failure: Any) -> dict[str, Any]:
+    data = getattr(failure, "error_file_data", None) or {}
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        extra = message.get("extraInfo")
+        return {"message": message.get("message", ""), **(extra if isinstance(extra, dict) else {})}
+    return {}
+
+
+def first_cause(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The rank whose failure came first and was not the consequence of another's: an
+    exception that lost a peer counts only when nothing else is known."""
+
+    def key(item: tuple[int, Any]) -> tuple[int, float, int]:
+        rank, failure = item
+        info = _info(failure)
+        consequence = bool(info.get("gradsync_consequence"))
+        killed = failure.exitcode < 0  # a signal: the rank died, the others lost it
+        order = 0 if (info and not consequence) else 1 if killed else 2
+        return order, float(info.get("gradsync_time", failure.timestamp)), rank
+
+    return min(failures.items(), key=key)
+
+
+def report(err: Any, stream: TextIO) -> int:
+    """Print the first failing rank's error as one block; return the exit status to use."""
+    failures: dict[int, Any] = dict(err.failures)
+    rank, failure = first_cause(failures)
+    info = _info(failure)
+    code = failure.exitcode
+    how = f"exit code {code}" if code >= 0 else f"killed by {failure.signal_name()}"
+    lines = [f"gradsync: rank {rank} (local rank {failure.local_rank}) failed ({how})"]
+    if info.get("py_callstack"):
+        lines.append(str(info["py_callstack"]).rstrip())
+    elif info.get("message"):
+        lines.append(str(info["message"]))
+    others = [f"rank {r} ({'exit code ' + str(f.exitcode) if f.exitcode >= 0 else f.signal_name()})"
+              for r, f in sorted(failures.items()) if r != rank]
+    if others:
+        lines.append(f"gradsync: also stopped: {', '.join(others)}")
+    print("\n".join(lines), file=stream, flush=True)
+    return code if code > 0 else 1

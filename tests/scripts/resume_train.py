@@ -1,0 +1,168 @@
+"""A training job that checkpoints, dies and resumes: the checkpoint tests run it.
+
+    resume_train.py OUT --backend B [--mode run|reference] [--dropout P] [--workers N]
+                    [--save-every M] [--boundary-only] [--kill RANK:MICRO] [--stop MICRO]
+                    [--epochs E] [--reshard-at MICRO]
+
+k=4, SGD with momentum, an LR schedule, dropout, shuffled data whose shards end in partial
+windows. ``--mode reference`` (or first, with ``--with-reference``) trains without any checkpoint and writes ``reference.pt``.
+``--mode run`` resumes from ``OUT/ckpt``'s latest checkpoint if there is one (three lines,
+as in the docs), saves every ``--save-every`` micro-steps (only at boundaries with
+``--boundary-only``), and on the first attempt (TORCHELASTIC_RESTART_COUNT=0) rank RANK
+SIGKILLs itself after micro-step MICRO (``--kill``), or every rank exits after saving at
+MICRO (``--stop``). The finished run writes ``final.pt`` (rank 0) and ``run_rank{r}.json``.
+``--reshard-at`` saves one boundary checkpoint in ``OUT/reshard`` and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import gradsync
+from gradsync import Accelerator
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scenarios.common import Indexed, Net, make_optimizer, make_scheduler
+
+SAMPLES = 44  # 22 per rank on 2 ranks: 11 batches of 2 -> windows of 4, 4, 3
+
+
+class DropNet(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = Net()
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(self.drop(x))
+
+
+class Noisy(Dataset[Any]):
+    """Indexed data plus noise drawn where the batch is loaded (a worker's own RNG)."""
+
+    def __init__(self) -> None:
+        self.data = Indexed(SAMPLES)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Any:
+        x, y, idx = self.data[i]
+        return x + 0.01 * torch.randn(x.shape), y, idx
+
+
+class Recorder:
+    """What the run saw (micro-steps, windows); registered, so it survives restarts."""
+
+    def __init__(self) -> None:
+        self.micro = 0
+        self.windows: list[list[list[int]]] = []
+        self.current: list[list[int]] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"micro": self.micro, "windows": self.windows, "current": self.current}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.micro, self.windows, self.current = state["micro"], state["windows"], state["current"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--backend", default="ddp")
+    ap.add_argument("--mode", default="run")
+    ap.add_argument("--dropout", type=float, default=0.2)
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--save-every", type=int, default=5)
+    ap.add_argument("--boundary-only", action="store_true")
+    ap.add_argument("--kill", default=None)
+    ap.add_argument("--stop", type=int, default=None)
+    ap.add_argument("--reshard-at", type=int, default=None)
+    ap.add_argument("--with-reference", action="store_true",
+                    help="first train the reference in the same processes (first attempt only)")
+    args = ap.parse_args()
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if args.with_reference and first_attempt:
+        train(args, "reference")
+    train(args, args.mode)
+
+
+def train(args: argparse.Namespace, mode: str) -> None:
+    out = Path(args.out)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    options: dict[str, Any] = {}
+    if args.backend == "deepspeed":
+        options["deepspeed_config"] = {"zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
+    accel = Accelerator(backend=args.backend, gradient_accumulation_steps=4, seed=0, **options)
+    model = DropNet(args.dropout)
+    opt = make_optimizer(model.parameters(), "sgd", 0.05)
+    sched = make_scheduler(opt)
+    data = Noisy() if args.workers else Indexed(SAMPLES)
+    loader = DataLoader(data, batch_size=2, shuffle=True, num_workers=args.workers)
+    model, opt, loader, sched = accel.prepare(model, opt, loader, sched)
+    rec = Recorder()
+    accel.register_for_checkpointing(rec)
+    root = out / "ckpt"
+
+    if mode == "run":
+        # Resume from the newest complete checkpoint, if any (the three lines of the docs).
+        ckpt = gradsync.latest_checkpoint(root)
+        if ckpt is not None:
+            accel.load_state(ckpt)
+    kill_rank, kill_at = (int(v) for v in args.kill.split(":")) if args.kill else (-1, -1)
+    for _epoch in range(loader.epoch, args.epochs):
+        for x, y, idx in loader:
+            with accel.accumulate(model):
+                loss = F.mse_loss(model(x), y)
+                accel.backward(loss)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            rec.micro += 1
+            rec.current.append([int(i) for i in idx])
+            if accel.sync_gradients:
+                rec.windows.append(rec.current)
+                rec.current = []
+            if mode != "run":
+                continue
+            if args.reshard_at is not None and rec.micro == args.reshard_at:
+                assert accel.sync_gradients, "--reshard-at must be a boundary"
+                accel.save_state(out / "reshard")
+                (out / f"reshard_rank{accel.rank}.json").write_text(json.dumps(rec.state_dict()))
+                accel.end()
+                return
+            at_boundary = accel.sync_gradients
+            if rec.micro % args.save_every == 0 and (at_boundary or not args.boundary_only):
+                accel.save_state(root / f"micro-{rec.micro:04d}", keep_last=2)
+            if first_attempt and accel.rank == kill_rank and rec.micro == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if first_attempt and args.stop is not None and rec.micro == args.stop:
+                accel.end()
+                return
+    state = {k: v.clone() for k, v in accel.get_state_dict(model).items()}
+    name = "reference" if mode == "reference" else "final"
+    if accel.rank == 0:
+        torch.save(state, out / f"{name}.pt")
+    result = {"windows": rec.windows, "optimizer_steps": accel.optimizer_steps,
+              "lr": float(sched.get_last_lr()[0]), "micro": rec.micro,
+              "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+    (out / f"{name}_rank{accel.rank}.json").write_text(json.dumps(result))
+    if mode == args.mode:
+        accel.end()
+
+
+if __name__ == "__main__":
+    main()
