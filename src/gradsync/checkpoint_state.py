@@ -193,8 +193,9 @@ class CheckpointState:
 
 
 def _rescale(pos: dict[str, Any], saved_world: int, world: int) -> dict[str, Any]:
-    """A pass position on another world size: the same samples of the epoch's shuffled
-    order are behind, when they divide evenly into batches of the new shards."""
+    """A pass position on another world size: as many samples of the epoch are skipped as
+    were consumed on all ranks together. Which samples they are follows the new sharding
+    (the same ones when both world sizes shard the same DistributedSampler order)."""
     consumed = int(pos["consumed"]) * saved_world
     if consumed % world:
         log.warning(

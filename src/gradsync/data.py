@@ -275,7 +275,7 @@ class PreparedDataLoader:
         """The epoch of the pass in progress or, between passes, of the next pass; so
         ``for epoch in range(loader.epoch, EPOCHS): for batch in loader:`` resumes."""
         it = self._current
-        if it is not None and not it.finished:
+        if it is not None and not it.done:
             return self._current_epoch
         return self._epoch
 

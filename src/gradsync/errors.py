@@ -31,8 +31,10 @@ def naming_collective(operation: str, timeout: float | None) -> Iterator[None]:
         text = " ".join(str(err).split())
         if not any(word in text.lower() for word in _LOST):
             raise
-        limit = f"{timeout:g} s" if timeout is not None else "torch's default, 30 min"
-        raise CollectiveError(
-            f"{operation} failed: another rank stopped answering (timeout {limit}; set it with "
-            f"Accelerator(timeout=...) or GRADSYNC_TIMEOUT): {text[:300]}"
-        ) from err
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            limit = f"{timeout:g} s" if timeout is not None else "torch's default, 30 min"
+            why = (f"timed out waiting for another rank (timeout {limit}; set it with "
+                   "Accelerator(timeout=...) or GRADSYNC_TIMEOUT)")
+        else:
+            why = "lost its connection to another rank (that rank exited or crashed)"
+        raise CollectiveError(f"{operation} failed: {why}: {text[:300]}") from None

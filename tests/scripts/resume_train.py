@@ -9,8 +9,9 @@ windows. ``--mode reference`` (or first, with ``--with-reference``) trains witho
 ``--mode run`` resumes from ``OUT/ckpt``'s latest checkpoint if there is one (three lines,
 as in the docs), saves every ``--save-every`` micro-steps (only at boundaries with
 ``--boundary-only``), and on the first attempt (TORCHELASTIC_RESTART_COUNT=0) rank RANK
-SIGKILLs itself after micro-step MICRO (``--kill``), or every rank exits after saving at
-MICRO (``--stop``). The finished run writes ``final.pt`` (rank 0) and ``run_rank{r}.json``.
+SIGKILLs itself after micro-step MICRO (``--kill``; a list: one kill per attempt), or
+every rank exits after saving at MICRO (``--stop``), or sends itself SIGTERM at MICRO
+(``--sigterm-at``, with ``save_on_sigterm``). The finished run writes ``final.pt`` (rank 0) and ``run_rank{r}.json``.
 ``--reshard-at`` saves one boundary checkpoint in ``OUT/reshard`` and exits.
 """
 
@@ -88,7 +89,10 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--save-every", type=int, default=5)
     ap.add_argument("--boundary-only", action="store_true")
-    ap.add_argument("--kill", default=None)
+    ap.add_argument("--kill", default=None, help="RANK:MICRO[,RANK:MICRO...], one per attempt")
+    ap.add_argument("--policy", default="auto")
+    ap.add_argument("--sigterm-at", type=int, default=None)
+    ap.add_argument("--resume-from", default=None)
     ap.add_argument("--stop", type=int, default=None)
     ap.add_argument("--reshard-at", type=int, default=None)
     ap.add_argument("--with-reference", action="store_true",
@@ -106,7 +110,10 @@ def train(args: argparse.Namespace, mode: str) -> None:
     options: dict[str, Any] = {}
     if args.backend == "deepspeed":
         options["deepspeed_config"] = {"zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
-    accel = Accelerator(backend=args.backend, gradient_accumulation_steps=4, seed=0, **options)
+    if args.sigterm_at is not None and mode == "run":
+        options["save_on_sigterm"] = str(out / "ckpt")
+    accel = Accelerator(backend=args.backend, gradient_accumulation_steps=4, seed=0,
+                        sync_policy=args.policy, **options)
     model = DropNet(args.dropout)
     opt = make_optimizer(model.parameters(), "sgd", 0.05)
     sched = make_scheduler(opt)
@@ -117,12 +124,15 @@ def train(args: argparse.Namespace, mode: str) -> None:
     accel.register_for_checkpointing(rec)
     root = out / "ckpt"
 
+    ckpt = None
     if mode == "run":
         # Resume from the newest complete checkpoint, if any (the three lines of the docs).
-        ckpt = gradsync.latest_checkpoint(root)
+        ckpt = args.resume_from or gradsync.latest_checkpoint(root)
         if ckpt is not None:
             accel.load_state(ckpt)
-    kill_rank, kill_at = (int(v) for v in args.kill.split(":")) if args.kill else (-1, -1)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    kills = [tuple(int(v) for v in k.split(":")) for k in args.kill.split(",")] if args.kill else []
+    kill_rank, kill_at = kills[attempt] if attempt < len(kills) else (-1, -1)
     for _epoch in range(loader.epoch, args.epochs):
         for x, y, idx in loader:
             with accel.accumulate(model):
@@ -147,8 +157,10 @@ def train(args: argparse.Namespace, mode: str) -> None:
             at_boundary = accel.sync_gradients
             if rec.micro % args.save_every == 0 and (at_boundary or not args.boundary_only):
                 accel.save_state(root / f"micro-{rec.micro:04d}", keep_last=2)
-            if first_attempt and accel.rank == kill_rank and rec.micro == kill_at:
+            if accel.rank == kill_rank and rec.micro == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if first_attempt and args.sigterm_at is not None and rec.micro == args.sigterm_at:
+                os.kill(os.getpid(), signal.SIGTERM)  # saved and stopped at the next window
             if first_attempt and args.stop is not None and rec.micro == args.stop:
                 accel.end()
                 return
@@ -158,7 +170,9 @@ def train(args: argparse.Namespace, mode: str) -> None:
         torch.save(state, out / f"{name}.pt")
     result = {"windows": rec.windows, "optimizer_steps": accel.optimizer_steps,
               "lr": float(sched.get_last_lr()[0]), "micro": rec.micro,
-              "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+              "restarts": attempt, "resumed_from": ckpt, "policy": accel.sync_policy,
+              "world_size": accel.world_size,
+              "share_store": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
     (out / f"{name}_rank{accel.rank}.json").write_text(json.dumps(result))
     if mode == args.mode:
         accel.end()

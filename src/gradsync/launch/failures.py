@@ -68,8 +68,14 @@ def first_cause(failures: dict[int, Any]) -> tuple[int, Any]:
         rank, failure = item
         info = _info(failure)
         consequence = bool(info.get("gradsync_consequence"))
-        killed = failure.exitcode < 0  # a signal: the rank died, the others lost it
-        order = 0 if (info and not consequence) else 1 if killed else 2
+        if info and not consequence:
+            order = 0  # an exception of its own
+        elif failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
+            order = 1  # killed (SIGKILL, SIGSEGV...): the others lost it
+        elif info:
+            order = 2  # lost another rank, or timed out waiting for it
+        else:
+            order = 3  # stopped by the launcher (SIGTERM), or exited without a word
         return order, float(info.get("gradsync_time", failure.timestamp)), rank
 
     return min(failures.items(), key=key)

@@ -25,6 +25,16 @@ _CONSEQUENCE = ("connection closed", "connection reset", "broken pipe", "timed o
                 "connection refused", "peer closed", "stopped answering")
 
 
+def _user_traceback(err: BaseException) -> str:
+    """The traceback from the user's code on (without this wrapper's and runpy's frames)."""
+    te = traceback.TracebackException.from_exception(err)
+    frames = list(te.stack)
+    while frames and (frames[0].filename == __file__ or "runpy" in frames[0].filename):
+        frames.pop(0)
+    te.stack = traceback.StackSummary.from_list(frames)
+    return "".join(te.format())
+
+
 def _record(err: BaseException) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     text = f"{type(err).__name__}: {err}"
@@ -34,7 +44,7 @@ def _record(err: BaseException) -> None:
         "message": {
             "message": text,
             "extraInfo": {
-                "py_callstack": traceback.format_exc(),
+                "py_callstack": _user_traceback(err),
                 "timestamp": str(int(time.time())),
                 "gradsync_time": time.time(),
                 "gradsync_rank": os.environ.get("RANK", "?"),

@@ -1,0 +1,368 @@
+"""Checkpoints in one process: resume bitwise in fresh processes, atomic writes, the
+latest checkpoint, keep_last, bad input, SIGTERM, save_model, loader epochs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+import gradsync
+from gradsync import Accelerator, CheckpointError, ConfigError
+from gradsync.checkpoint import MANIFEST
+
+from scenarios.common import Indexed, make_model, make_optimizer, make_scheduler
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "scripts" / "resume_train.py"
+
+
+def run_script(out: Path, *args: str) -> None:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("GRADSYNC_", "TORCHELASTIC_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), "--backend", "single", *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+
+
+def bitwise_equal(out: Path) -> None:
+    ref = torch.load(out / "reference.pt", weights_only=True)
+    final = torch.load(out / "final.pt", weights_only=True)
+    assert ref.keys() == final.keys()
+    assert all(torch.equal(ref[k], final[k]) for k in ref), {
+        k: float((ref[k] - final[k]).abs().max()) for k in ref}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_mid_window_checkpoint_resumes_bitwise_in_a_fresh_process(tmp_path, workers):
+    """Saved at micro-step 5 (2nd micro-step of the 2nd window), the process exits at 7; a
+    fresh process resumes from the latest checkpoint. With workers, each batch draws noise
+    from its worker's seed, which the resumed pass must draw again."""
+    w = ["--workers", str(workers)]
+    run_script(tmp_path, "--mode", "reference", *w)
+    run_script(tmp_path, "--stop", "7", *w)
+    assert gradsync.latest_checkpoint(tmp_path / "ckpt") == str(tmp_path / "ckpt" / "micro-0005")
+    manifest = json.loads((tmp_path / "ckpt" / "micro-0005" / MANIFEST).read_text())
+    assert manifest["window"]["index"] == 1  # mid-window
+    assert manifest["loaders"] == [{"epoch": 0, "consumed": 5, "read": 6}]  # one read ahead
+    run_script(tmp_path, *w)
+    assert json.loads((tmp_path / "final_rank0.json").read_text())["resumed_from"].endswith("micro-0005")
+    bitwise_equal(tmp_path)
+
+
+def test_sigterm_saves_at_the_next_window_and_exits_cleanly(tmp_path):
+    run_script(tmp_path, "--mode", "reference")
+    run_script(tmp_path, "--sigterm-at", "6")  # mid-window 2: saved when window 3 starts
+    saved = gradsync.latest_checkpoint(tmp_path / "ckpt")
+    assert saved == str(tmp_path / "ckpt" / "step-2"), saved
+    assert not (tmp_path / "final.pt").exists()  # it stopped there
+    manifest = json.loads((Path(saved) / MANIFEST).read_text())
+    assert manifest["window"]["index"] == 0 and manifest["optimizer_steps"] == 2
+    run_script(tmp_path)
+    bitwise_equal(tmp_path)
+
+
+# -- in this process, backend "single" ---------------------------------------------
+def trained(steps: int = 4, micro: int = 6, seed: int = 0) -> tuple[Accelerator, torch.nn.Module, object, object, object]:
+    accel = Accelerator(backend="single", gradient_accumulation_steps=steps, seed=seed)
+    model = make_model()
+    opt = make_optimizer(model.parameters(), "sgd", 0.05)
+    sched = make_scheduler(opt)
+    loader = DataLoader(Indexed(40), batch_size=2, shuffle=True)
+    model, opt, loader, sched = accel.prepare(model, opt, loader, sched)
+    it = iter(loader)
+    for _ in range(micro):
+        x, y, _ = next(it)
+        with accel.accumulate(model):
+            accel.backward(F.mse_loss(model(x), y))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    return accel, model, opt, sched, loader
+
+
+def fresh() -> tuple[Accelerator, torch.nn.Module, object, object, object]:
+    return trained(micro=0, seed=5)
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture
+def saved(tmp_path, clean_env):
+    accel, _model, *_ = trained()
+    path = accel.save_state(tmp_path / "ckpts" / "a")
+    return Path(path)
+
+
+def test_load_restores_the_weights_optimizer_scheduler_and_window(saved, clean_env):
+    _accel, model, opt, _sched, _loader = trained()
+    a2, m2, o2, s2, l2 = fresh()
+    a2.load_state(saved)
+    assert all(torch.equal(v, m2.state_dict()[k]) for k, v in model.state_dict().items())
+    assert a2.optimizer_steps == 1 and s2.last_epoch == 1
+    assert a2._window.index == 2  # 6 micro-steps, k=4: the 2nd window is half done
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(torch.equal(p.grad, grads[n]) for n, p in m2.named_parameters())
+    assert l2.epoch == 0 and l2.state_dict()["epoch"] == 0
+    assert torch.equal(o2.state_dict()["state"][0]["momentum_buffer"],
+                       opt.state_dict()["state"][0]["momentum_buffer"])
+
+
+def test_the_scheduler_does_not_step_again_after_a_load(saved, clean_env):
+    a2, _m2, _o2, s2, _l2 = fresh()
+    a2.load_state(saved)
+    s2.step()  # no optimizer step since the load: nothing to do
+    assert s2.last_epoch == 1
+
+
+def corrupt(folder: Path, name: str, how: str) -> Path:
+    file = folder / name
+    data = bytearray(file.read_bytes())
+    if how == "truncate":
+        file.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        data[len(data) // 2] ^= 0xFF
+        file.write_bytes(bytes(data))
+    return file
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: p.parent / "nope", "checkpoint '{p}/../nope' does not exist"),
+        (lambda p: (p / MANIFEST).unlink() or p, "'{p}' is not a gradsync checkpoint (no gradsync_checkpoint.json"),
+        (lambda p: corrupt(p, "model_0.pt", "truncate") and p,
+         "checkpoint '{p}' is corrupted: model_0.pt has"),
+        (lambda p: corrupt(p, "optimizer_0.pt", "flip") and p,
+         "checkpoint '{p}' is corrupted: optimizer_0.pt fails its checksum"),
+        (lambda p: (p / "rng_rank0.pt").unlink() or p, "checkpoint '{p}' is incomplete: rng_rank0.pt is missing"),
+        (lambda p: (p / "x.txt").write_text("x") and p / "x.txt", "checkpoint '{p}/x.txt' is a file"),
+    ],
+    ids=["missing", "not-a-checkpoint", "truncated", "corrupted", "incomplete", "a-file"],
+)
+def test_a_bad_checkpoint_is_one_line_and_loads_nothing(saved, clean_env, damage, message):
+    target = damage(saved)
+    a2, m2, o2, _s2, _l2 = fresh()
+    before, opt_before = params(m2), o2.state_dict()
+    with pytest.raises(CheckpointError) as err:
+        a2.load_state(target)
+    text = str(err.value)
+    expected = message.format(p=saved).replace(f"{saved}/../nope", str(saved.parent / "nope"))
+    assert expected in text and "\n" not in text, text
+    assert all(torch.equal(v, m2.state_dict()[k]) for k, v in before.items())
+    assert o2.state_dict() == opt_before and a2.optimizer_steps == 0 and a2._window.index == 0
+
+
+def edit_manifest(folder: Path, **changes: object) -> None:
+    manifest = json.loads((folder / MANIFEST).read_text())
+    for key, value in changes.items():
+        if key == "index":
+            manifest["window"]["index"] = value
+        else:
+            manifest[key] = value
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"backend": "deepspeed", "format": "deepspeed"},
+         "was saved with backend='deepspeed', whose format backend='single' cannot read; load it with backend='deepspeed'"),
+        ({"world_size": 2},
+         "was saved mid-window on 2 rank(s); its per-rank window gradients cannot be resumed on 1"),
+        ({"models": 2}, "does not fit this training: models 2 saved vs 1 here"),
+    ],
+    ids=["other-backend", "other-world-mid-window", "other-objects"],
+)
+def test_an_incompatible_checkpoint_is_refused_before_loading(saved, clean_env, changes, message):
+    edit_manifest(saved, **changes)
+    a2, m2, *_ = fresh()
+    before = params(m2)
+    with pytest.raises(CheckpointError, match="checkpoint '.*'") as err:
+        a2.load_state(saved)
+    assert message in str(err.value) and str(saved) in str(err.value)
+    assert all(torch.equal(v, m2.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_loading(saved, clean_env):
+    accel = Accelerator(backend="single", gradient_accumulation_steps=4)
+    other = torch.nn.Linear(8, 1)
+    model, _opt = accel.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    before = params(model)
+    edit_manifest(saved, schedulers=0, loaders=[])
+    with pytest.raises(CheckpointError, match="model_0.pt' does not fit the model: missing"):
+        accel.load_state(saved)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("keep_last", [0, -1, True, 1.5])
+def test_keep_last_below_one_is_a_config_error(tmp_path, clean_env, keep_last):
+    accel, *_ = trained(micro=1)
+    with pytest.raises(ConfigError, match=rf"save_state\(keep_last={keep_last!r}\) must be a whole number >= 1"):
+        accel.save_state(tmp_path / "c", keep_last=keep_last)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_path_that_is_a_file_or_a_foreign_folder_is_a_config_error(tmp_path, clean_env):
+    accel, *_ = trained(micro=1)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="that path is an existing file; a checkpoint is a folder"):
+        accel.save_state(tmp_path / "file")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(ConfigError, match="holds files that are not a gradsync checkpoint"):
+        accel.save_state(tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "x"
+
+
+def test_keep_last_deletes_only_older_complete_gradsync_checkpoints(tmp_path, clean_env):
+    accel, model, opt, _sched, loader = trained(micro=0)
+    (tmp_path / "notes").mkdir()  # not a checkpoint
+    (tmp_path / ".old.gradsync-tmp").mkdir()  # an interrupted save: left alone
+    it = iter(loader)
+    for step in range(4):
+        for _ in range(4):
+            x, y, _ = next(it)
+            with accel.accumulate(model):
+                accel.backward(F.mse_loss(model(x), y))
+                opt.step()
+        accel.save_state(tmp_path / f"s{step}", keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".old.gradsync-tmp", "notes", "s2", "s3"]
+
+
+def test_latest_is_the_most_optimizer_steps_and_skips_incomplete_ones(tmp_path, clean_env):
+    assert gradsync.latest_checkpoint(tmp_path / "none") is None
+    assert gradsync.latest_checkpoint(tmp_path) is None
+    accel, _model, _opt, *_ = trained(micro=8)  # 2 steps
+    accel.save_state(tmp_path / "zz-early")
+    accel, *_ = trained(micro=12)  # 3 steps, saved later under a name that sorts first
+    accel.save_state(tmp_path / "aa-late")
+    assert gradsync.latest_checkpoint(tmp_path) == str(tmp_path / "aa-late")
+    accel.save_state(tmp_path / "aa-late")  # saving over a checkpoint replaces it
+    (tmp_path / "aa-late" / MANIFEST).unlink()  # as if that save never finished
+    assert gradsync.latest_checkpoint(tmp_path) == str(tmp_path / "zz-early")
+
+
+def test_a_kill_during_save_leaves_the_previous_checkpoint_usable(tmp_path, clean_env):
+    code = f"""
+import os, signal, sys
+sys.path.insert(0, {str(HERE)!r})
+import gradsync.checkpoint as ck
+from test_checkpoint import trained
+accel, *_ = trained(micro=4)
+accel.save_state({str(tmp_path / 'good')!r})
+accel, *_ = trained(micro=8)
+real, calls = ck.save_file, []
+def dying(obj, path):
+    calls.append(path)
+    real(obj, path)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+ck.save_file = dying
+import gradsync.backends._plain_state as plain
+plain.save_file = dying
+accel.save_state({str(tmp_path / 'broken')!r})
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".broken.gradsync-tmp", "good"], names
+    assert gradsync.latest_checkpoint(tmp_path) == str(tmp_path / "good")
+    with pytest.raises(CheckpointError, match="is not a gradsync checkpoint"):
+        fresh()[0].load_state(tmp_path / ".broken.gradsync-tmp")
+    _accel, model, *_ = trained(micro=4)
+    a2, m2, *_ = fresh()
+    a2.load_state(tmp_path / "good")
+    assert all(torch.equal(v, m2.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_register_for_checkpointing(tmp_path, clean_env):
+    class Counter:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def state_dict(self) -> dict[str, int]:
+            return {"n": self.n}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.n = state["n"]
+
+    accel, *_ = trained(micro=1)
+    counter = Counter()
+    accel.register_for_checkpointing(counter)
+    counter.n = 7
+    accel.save_state(tmp_path / "c")
+    a2, *_ = fresh()
+    other = Counter()
+    a2.register_for_checkpointing(other)
+    a2.load_state(tmp_path / "c")
+    assert other.n == 7
+    with pytest.raises(ConfigError, match="register_for_checkpointing\\(\\) got a int, which has no state_dict"):
+        a2.register_for_checkpointing(3)
+
+
+def test_save_state_inside_the_accumulate_block_is_refused(tmp_path, clean_env):
+    accel, model, *_ = trained(micro=0)
+    with pytest.raises(RuntimeError, match="call it after the block"), accel.accumulate(model):
+        accel.save_state(tmp_path / "c")
+
+
+def test_loader_epoch_is_the_pass_in_progress_or_the_next(tmp_path, clean_env):
+    accel = Accelerator(backend="single")
+    loader = accel.prepare(DataLoader(Indexed(6), batch_size=2))
+    assert loader.epoch == 0
+    seen = []
+    for epoch in range(loader.epoch, 2):
+        for _ in loader:
+            seen.append((epoch, loader.epoch))
+    assert seen == [(0, 0)] * 3 + [(1, 1)] * 3
+    assert loader.epoch == 2
+
+
+def test_save_model_writes_tied_weights_once(tmp_path, clean_env):
+    from safetensors import safe_open
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8))
+    assert model.lm_head.weight is model.transformer.wte.weight  # GPT-2 ties them
+    accel = Accelerator(backend="single")
+    model = accel.prepare(model)
+    path = accel.save_model(model, tmp_path / "export")
+    assert path == str(tmp_path / "export" / "model.safetensors")
+    with safe_open(path, "pt") as f:
+        keys = set(f.keys())
+        tied = json.loads(f.metadata()["tied"])
+        wte = f.get_tensor("transformer.wte.weight")
+    assert tied == {"lm_head.weight": "transformer.wte.weight"}
+    assert "lm_head.weight" not in keys and torch.equal(wte, model.transformer.wte.weight)
+    assert keys | {"lm_head.weight"} == set(model.state_dict())
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="that path is an existing file; give a folder"):
+        accel.save_model(model, tmp_path / "file")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "timeout=0.0 must be a number of seconds > 0"),
+    ("soon", "GRADSYNC_TIMEOUT='soon' is not a number"),
+])
+def test_timeout_from_the_environment_is_checked(clean_env, value, message):
+    clean_env.setenv("GRADSYNC_TIMEOUT", value)
+    with pytest.raises(ConfigError, match=message):
+        Accelerator(backend="single")
+
+
+def test_timeout_from_the_environment_reaches_the_config(clean_env):
+    clean_env.setenv("GRADSYNC_TIMEOUT", "90")
+    assert Accelerator(backend="single").config.timeout == 90.0

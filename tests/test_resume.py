@@ -1,0 +1,146 @@
+"""Killed workers, restarts and resumes under `gradsync launch`, on DDP, FSDP2 and ZeRO 2.
+
+Each launch runs tests/scripts/resume_train.py on 2 gloo ranks: k=4, SGD with momentum,
+an LR schedule, dropout, shuffled data ending in partial windows. Its first attempt trains
+the uninterrupted reference, then the checkpointed run, in which a rank SIGKILLs itself
+mid-window; torchrun restarts every worker, the script resumes from latest_checkpoint,
+and the final parameters must equal the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scenarios.common import Indexed, make_model, make_optimizer, make_scheduler
+
+pytestmark = pytest.mark.multiprocess
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "scripts" / "resume_train.py"
+FAIL = HERE / "scripts" / "fail_rank.py"
+
+
+def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRADSYNC_", "TORCH_DISABLE_SHARE"))}
+    env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    return subprocess.run([sys.executable, "-m", "gradsync", "launch", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def load(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def results(out: Path, name: str) -> list[dict]:
+    return [json.loads((out / f"{name}_rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def assert_bitwise(out: Path) -> None:
+    ref, final = load(out / "reference.pt"), load(out / "final.pt")
+    assert ref.keys() == final.keys()
+    unequal = [k for k in ref if not torch.equal(ref[k], final[k])]
+    assert not unequal, {k: float((ref[k] - final[k]).abs().max()) for k in unequal}
+    # The run really trained as long as the reference, and the last step moved the weights.
+    assert [r["optimizer_steps"] for r in results(out, "final")] == [
+        r["optimizer_steps"] for r in results(out, "reference")]
+
+
+# (backend, extra flags, kills per attempt, the checkpoint each restart must resume from)
+RUNS = {
+    # Two restarts; the checkpoints the restarts resume from were saved mid-window
+    # (micro-steps 10 and 20: windows are 4, 4, 3 micro-steps per epoch).
+    "ddp": (["--max_restarts", "2"], ["--kill", "1:10,0:21"], "micro-0020"),
+    "fsdp": (["--max_restarts", "1"], ["--kill", "1:12", "--policy", "defer"], "micro-0010"),
+    # DeepSpeed saves at boundaries only (micro-step 15); the kill is mid-window.
+    "deepspeed": (["--max_restarts", "1"], ["--kill", "1:21", "--boundary-only"], "micro-0015"),
+}
+
+
+@pytest.mark.parametrize("backend", list(RUNS))
+def test_a_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, backend):
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed")
+    flags, script_flags, resumed = RUNS[backend]
+    proc = launch("--nproc_per_node", "2", "--standalone", *flags, str(SCRIPT), str(tmp_path),
+                  "--backend", backend, "--with-reference", *script_flags)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
+    final = results(tmp_path, "final")
+    kills = script_flags[1].count(":")
+    for r in final:
+        assert r["restarts"] == kills, r  # every kill was followed by a restart
+        assert Path(r["resumed_from"]).name == resumed, r
+        assert r["share_store"] == "1"  # the launcher opted out of the shared rendezvous store
+    if backend == "fsdp":
+        assert final[0]["policy"] == "defer"  # the window's gradients lived inside FSDP2
+    assert proc.stderr.count("gradsync: a worker failed; restarting every worker") == kills
+    assert_bitwise(tmp_path)
+
+
+def reference_on(windows: list[list[list[int]]]) -> dict[str, torch.Tensor]:
+    """One process on the same global windows (each loss: the mean of micro-batch means)."""
+    data = Indexed(44)
+    model = make_model()
+    opt = make_optimizer(model.parameters(), "sgd", 0.05)
+    sched = make_scheduler(opt)
+    for window in windows:
+        opt.zero_grad()
+        loss = sum(F.mse_loss(model(data.x[mb]), data.y[mb]) for mb in window) / len(window)
+        loss.backward()
+        opt.step()
+        sched.step()
+    return {f"net.{k}": v for k, v in model.state_dict().items()}
+
+
+def test_fsdp_saved_on_two_ranks_resumes_on_one(tmp_path):
+    """FSDP2 shards of 2 ranks resharded by torch.distributed.checkpoint onto 1 rank; the
+    epoch resumes after as many samples as were consumed (no dropout: the reference replays
+    the windows each run really trained on)."""
+    first = launch("--nproc-per-node", "2", str(SCRIPT), str(tmp_path), "--backend", "fsdp",
+                   "--dropout", "0", "--reshard-at", "15")
+    assert first.returncode == 0, first.stdout + first.stderr[-6000:]
+    second = launch("--nproc-per-node", "1", str(SCRIPT), str(tmp_path), "--backend", "fsdp",
+                    "--dropout", "0", "--resume-from", str(tmp_path / "reshard"))
+    assert second.returncode == 0, second.stdout + second.stderr[-6000:]
+    before = [json.loads((tmp_path / f"reshard_rank{r}.json").read_text()) for r in (0, 1)]
+    after = json.loads((tmp_path / "final_rank0.json").read_text())
+    assert after["world_size"] == 1 and after["resumed_from"] == str(tmp_path / "reshard")
+    windows = [before[0]["windows"][i] + before[1]["windows"][i] for i in range(len(before[0]["windows"]))]
+    # The restored recorder holds rank 0's windows before the save; then one rank's.
+    resumed = after["windows"][len(before[0]["windows"]):]
+    # The rest of the epoch: as many samples as were not consumed (16 of 44 were, on 2 ranks).
+    assert sum(len(mb) for w in resumed[:4] for mb in w) == 44 - 16
+    assert [len(w) for w in resumed[:4]] == [4, 4, 4, 2]
+    ref = reference_on(windows + resumed)
+    final = load(tmp_path / "final.pt")
+    diff = max(float((ref[k] - final[k]).abs().max()) for k in ref)
+    assert diff < 1e-5, diff
+    assert len(resumed) > 5  # it went on training, over whole 1-rank epochs
+
+
+def test_a_raising_worker_fails_the_launch_with_its_error(tmp_path):
+    proc = launch("--nproc-per-node", "2", str(FAIL), "raise", timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    block = proc.stderr[proc.stderr.index("gradsync: rank 1 (local rank 1) failed (exit code 1)"):]
+    assert "Traceback (most recent call last)" in block
+    assert block.count("Traceback (most recent call last)") == 1  # one block: rank 1's
+    assert 'raise ValueError("boom from rank 1: the data file is missing")' in block
+    assert "ValueError: boom from rank 1: the data file is missing" in block
+    assert "gradsync: also stopped: rank 0" in block
+    assert "runpy" not in block and "ChildFailedError" not in proc.stderr
+
+
+def test_a_hung_collective_times_out_naming_the_operation(tmp_path):
+    proc = launch("--nproc-per-node", "2", str(FAIL), "hang", timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    block = proc.stderr[proc.stderr.index("gradsync: rank 0 (local rank 0) failed (exit code 1)"):]
+    assert ("CollectiveError: wait_for_everyone() (a barrier) failed: timed out waiting for another "
+            "rank (timeout 5 s; set it with Accelerator(timeout=...) or GRADSYNC_TIMEOUT)") in block
+    assert "gradsync: also stopped: rank 1 (SIGTERM)" in block
