@@ -234,8 +234,17 @@ class Launcher:
             argv += ["-m", "gradsync.launch.worker", *(["-m"] if c.module else []), c.script]
         return argv + list(c.script_args)
 
-    def describe(self) -> str:
+    def run_env(self) -> dict[str, str]:
+        """The variables set while torchrun runs: the workers' settings and, with restarts,
+        torchrun's opt-out of its shared rendezvous store (restarted workers often hang in
+        init_process_group with it: pytorch issue 135712)."""
         env = self.worker_env()
+        if self.config.max_restarts > 0:
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        return env
+
+    def describe(self) -> str:
+        env = self.run_env()
         cmd = shlex.join([sys.executable, "-m", "torch.distributed.run", *self.torchrun_argv()])
         lines = [f"command: {cmd}", f"plan: {self.plan.describe()}", "environment:"]
         lines += [f"  {k}={v}" for k, v in sorted(env.items())]
@@ -253,13 +262,7 @@ class Launcher:
             ) from None
 
         args = parse_args(self.torchrun_argv())
-        env = self.worker_env()
-        if self.config.max_restarts > 0:
-            # Restarted workers hang in init_process_group with torchrun's shared rendezvous
-            # store (pytorch issue 135712); each worker group then makes its own.
-            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
-                           os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"))
-        with _environ(env), failures.quiet_torchrun():
+        with _environ(self.run_env()), failures.quiet_torchrun():
             try:
                 run(args)
             except ChildFailedError as err:
