@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ MANIFEST = "gradsync_checkpoint.json"
 FORMAT_VERSION = 1
 _TMP_SUFFIX = ".gradsync-tmp"
 _OLD_SUFFIX = ".gradsync-old"
+_SUM_SUFFIX = ".gradsync-sum"  # size and CRC of a file save_file wrote (removed at the commit)
 
 
 class CheckpointError(RuntimeError):
@@ -84,10 +86,38 @@ def _agree(error: BaseException | None) -> None:
 
 
 # -- files ---------------------------------------------------------------------
+class _Summing:
+    """A binary file that sums what is written through it (size and CRC-32)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.size = 0
+        self.crc = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        return int(self._f.write(view))
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
 def save_file(obj: Any, path: Path) -> None:
-    """``torch.save`` into a checkpoint folder being written (made durable by the commit)."""
+    """``torch.save`` into a checkpoint folder being written, summed as it is written (so
+    the commit need not read it back). Its flush to disk starts at once, in the background,
+    while the next files are written; the commit fsyncs every file before the marker."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        summing = _Summing(f)
+        torch.save(obj, summing)  # type: ignore[arg-type]
+    path.with_name(path.name + _SUM_SUFFIX).write_text(f"{summing.size} {summing.crc}")
+    threading.Thread(target=_fsync_quietly, args=(path,), daemon=True).start()
+
+
+def _fsync_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):  # the folder may be gone (a failed save): nothing to flush
+        _fsync(path)
 
 
 def load_file(path: Path) -> Any:
@@ -112,7 +142,18 @@ def _crc(path: Path) -> tuple[int, int]:
 
 
 def _files(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if p.is_file() and p.name != MANIFEST and not p.name.endswith(_SUM_SUFFIX))
+
+
+def _summed(path: Path) -> tuple[int, int]:
+    """(size, CRC): from save_file's note, else read back."""
+    note = path.with_name(path.name + _SUM_SUFFIX)
+    if note.is_file():
+        size, crc = (int(v) for v in note.read_text().split())
+        note.unlink()
+        return size, crc
+    return _crc(path)
 
 
 def _fsync(path: Path) -> None:
@@ -165,18 +206,27 @@ def writing(target: Path, manifest: dict[str, Any]) -> Iterator[Path]:
         yield tmp
     except BaseException as err:
         error = err
+    _barrier()  # every rank has written its files
+    names = _files(tmp) if error is None else []
+    mine: dict[str, tuple[int, int]] | None = None
     try:
-        _agree(error)
-    except BaseException:
+        # Each rank sums its share of the files that save_file did not sum as it wrote.
+        mine = {name: _summed(tmp / name) for i, name in enumerate(names) if i % world == rank}
+    except OSError as err:
+        error = error or err
+    # One exchange: whether every rank succeeded, and the sums.
+    parts = _all_gather((None if error is None else f"{type(error).__name__}: {error}", mine))
+    failed = next(((r, m) for r, (m, _) in enumerate(parts) if m is not None), None)
+    if error is not None or failed is not None:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # Every rank checksums its share of the files (reading them in parallel).
-    names = _files(tmp)
-    mine = {name: _crc(tmp / name) for i, name in enumerate(names) if i % world == rank}
+        if error is not None:
+            raise error
+        assert failed is not None
+        raise RuntimeError(f"rank {failed[0]} failed while saving the checkpoint: {failed[1]}")
     sums: dict[str, tuple[int, int]] = {}
-    for part in _all_gather(mine):
-        sums.update(part)
+    for _, part in parts:
+        sums.update(part or {})
     if rank == 0:
         try:
             _commit(tmp, target, {**manifest, "files": {n: list(sums[n]) for n in names}})
@@ -187,7 +237,7 @@ def writing(target: Path, manifest: dict[str, Any]) -> Iterator[Path]:
 
 def _commit(tmp: Path, target: Path, manifest: dict[str, Any]) -> None:
     for name in manifest["files"]:
-        _fsync(tmp / name)
+        _fsync(tmp / name)  # quick where save_file's background flush got there first
     marker = tmp / (MANIFEST + ".part")
     with open(marker, "w") as f:
         json.dump(manifest, f, indent=1)
