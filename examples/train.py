@@ -2,6 +2,12 @@
 
     gradsync launch --nproc-per-node 2 --gradient-accumulation-steps 4 examples/train.py
 
+With ``--checkpoints DIR`` it saves every 5 optimizer steps (keeping the newest 2) and
+resumes from the newest checkpoint there, so a job restarted after a failure goes on
+where it stopped:
+
+    gradsync launch --nproc-per-node 2 --max-restarts 3 examples/train.py --checkpoints ckpt
+
 Settings come from the launcher (GRADSYNC_* variables); run it with plain `python` for
 one process. It prints the loss of every optimizer step and, from gradsync's audit,
 which micro-steps synchronised gradients.
@@ -15,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import gradsync
 from gradsync import Accelerator
 
 
@@ -32,6 +39,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--checkpoints", default=None, metavar="DIR", help="save and resume here")
     args = parser.parse_args()
 
     accel = Accelerator(audit=True, seed=0)
@@ -45,7 +53,12 @@ def main() -> None:
         f"backend={accel.backend} sync_policy={accel.sync_policy} world={accel.world_size} "
         f"accumulation={accel.gradient_accumulation_steps} batches/rank/epoch={len(loader)}"
     )
-    for epoch in range(args.epochs):
+    # Resume from the newest complete checkpoint, if there is one (every rank gets the same).
+    latest = gradsync.latest_checkpoint(args.checkpoints) if args.checkpoints else None
+    if latest is not None:
+        accel.load_state(latest)
+        accel.print(f"resumed from {latest} at step {accel.optimizer_steps}")
+    for epoch in range(loader.epoch, args.epochs):  # loader.epoch: where the resume left off
         window_loss = 0.0
         for x, y in loader:
             with accel.accumulate(model):
@@ -65,6 +78,8 @@ def main() -> None:
                         f"({step.size} micro-batch{'es' if step.size > 1 else ''})"
                     )
                     window_loss = 0.0
+            if args.checkpoints and accel.sync_gradients and accel.optimizer_steps % 5 == 0:
+                accel.save_state(f"{args.checkpoints}/step-{accel.optimizer_steps}", keep_last=2)
     if accel.audit is not None:
         records = accel.audit.records
         syncs = [r for r in records if r.boundary]
