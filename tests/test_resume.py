@@ -84,6 +84,22 @@ def test_a_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, backend):
     assert_bitwise(tmp_path)
 
 
+def test_sigterm_on_one_rank_saves_on_every_rank_and_the_job_resumes(tmp_path):
+    """Only rank 1 gets SIGTERM (mid-window 2); both ranks agree, save step-2 when window 3
+    starts and exit cleanly; a new launch resumes bitwise."""
+    first = launch("--nproc-per-node", "2", str(SCRIPT), str(tmp_path), "--backend", "ddp",
+                   "--with-reference", "--save-every", "1000", "--sigterm-at", "6", "--sigterm-rank", "1")
+    assert first.returncode == 0, first.stdout + first.stderr[-6000:]
+    assert "gradsync: SIGTERM received; saved" in first.stderr
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-2"]
+    assert not (tmp_path / "final.pt").exists()
+    second = launch("--nproc-per-node", "2", str(SCRIPT), str(tmp_path), "--backend", "ddp",
+                    "--save-every", "1000", "--sigterm-rank", "1")
+    assert second.returncode == 0, second.stdout + second.stderr[-6000:]
+    assert results(tmp_path, "final")[0]["resumed_from"] == str(tmp_path / "ckpt" / "step-2")
+    assert_bitwise(tmp_path)
+
+
 def reference_on(windows: list[list[list[int]]]) -> dict[str, torch.Tensor]:
     """One process on the same global windows (each loss: the mean of micro-batch means)."""
     data = Indexed(44)

@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--kill", default=None, help="RANK:MICRO[,RANK:MICRO...], one per attempt")
     ap.add_argument("--policy", default="auto")
     ap.add_argument("--sigterm-at", type=int, default=None)
+    ap.add_argument("--sigterm-rank", type=int, default=None, help="only this rank gets SIGTERM")
     ap.add_argument("--resume-from", default=None)
     ap.add_argument("--stop", type=int, default=None)
     ap.add_argument("--reshard-at", type=int, default=None)
@@ -110,7 +111,7 @@ def train(args: argparse.Namespace, mode: str) -> None:
     options: dict[str, Any] = {}
     if args.backend == "deepspeed":
         options["deepspeed_config"] = {"zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
-    if args.sigterm_at is not None and mode == "run":
+    if (args.sigterm_at is not None or args.sigterm_rank is not None) and mode == "run":
         options["save_on_sigterm"] = str(out / "ckpt")
     accel = Accelerator(backend=args.backend, gradient_accumulation_steps=4, seed=0,
                         sync_policy=args.policy, **options)
@@ -159,7 +160,8 @@ def train(args: argparse.Namespace, mode: str) -> None:
                 accel.save_state(root / f"micro-{rec.micro:04d}", keep_last=2)
             if accel.rank == kill_rank and rec.micro == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if first_attempt and args.sigterm_at is not None and rec.micro == args.sigterm_at:
+            if (first_attempt and args.sigterm_at is not None and rec.micro == args.sigterm_at
+                    and args.sigterm_rank in (None, accel.rank)):
                 os.kill(os.getpid(), signal.SIGTERM)  # saved and stopped at the next window
             if first_attempt and args.stop is not None and rec.micro == args.stop:
                 accel.end()
