@@ -366,3 +366,19 @@ def test_timeout_from_the_environment_is_checked(clean_env, value, message):
 def test_timeout_from_the_environment_reaches_the_config(clean_env):
     clean_env.setenv("GRADSYNC_TIMEOUT", "90")
     assert Accelerator(backend="single").config.timeout == 90.0
+
+
+def test_only_a_process_group_error_becomes_a_collective_error():
+    from gradsync.errors import CollectiveError, naming_collective
+
+    def fail(message: str) -> None:
+        with naming_collective("backward()", 5):
+            raise RuntimeError(message)
+
+    with pytest.raises(CollectiveError, match=r"^backward\(\) failed: timed out waiting for another rank \(timeout 5 s"):
+        fail("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms")
+    with pytest.raises(CollectiveError, match="lost its connection to another rank"):
+        fail("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    with pytest.raises(RuntimeError) as err:
+        fail("the HTTP fetch of the next shard hit its timeout")  # the user's own error
+    assert type(err.value) is RuntimeError

@@ -15,6 +15,10 @@ _LOST = ("timed out", "timeout", "connection closed", "connection reset", "broke
          "connection refused", "peer closed")
 
 
+#: Marks of an error raised by a process group (gloo, NCCL) rather than by user code.
+_TRANSPORTS = ("gloo", "nccl", "c10d", "processgroup", "tcpstore")
+
+
 class CollectiveError(RuntimeError):
     """A collective failed because another rank stopped answering (timed out or went away)."""
 
@@ -29,7 +33,9 @@ def naming_collective(operation: str, timeout: float | None) -> Iterator[None]:
         if isinstance(err, CollectiveError):
             raise
         text = " ".join(str(err).split())
-        if not any(word in text.lower() for word in _LOST):
+        low = text.lower()
+        from_torch = type(err).__name__.startswith("Dist") or any(m in low for m in _TRANSPORTS)
+        if not (from_torch and any(word in low for word in _LOST)):
             raise
         if "timed out" in text.lower() or "timeout" in text.lower():
             limit = f"{timeout:g} s" if timeout is not None else "torch's default, 30 min"
