@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -44,7 +45,14 @@ class Config:
     mixed_precision: str = "no"
     # Backend options (each adapter reads its own; unknown to the others).
     deepspeed_config: Any = None
+    # Bytes per rank that deferring may hold on sharded backends (FSDP2, ZeRO 2/3) under
+    # sync_policy="auto"; None: a share of the free memory. fsdp_memory_budget is its old name.
+    sync_memory_budget: int | None = None
     fsdp_memory_budget: int | None = None
+    # FSDP2: keep the parameters gathered for the rest of a deferred window (None: auto
+    # decides by the budget). fsdp_reshard_after_backward is deprecated (its False keeps
+    # them only after backward).
+    fsdp_keep_params_in_window: bool | None = None
     fsdp_reshard_after_backward: bool | None = None
     fsdp_wrap: Any = None
     ddp_kwargs: dict[str, Any] | None = None  # extra DistributedDataParallel(...) arguments
@@ -75,7 +83,47 @@ class Config:
             raise ConfigError(f"audit={self.audit!r} must be True or False")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed={self.seed!r} must be an integer or None")
+        for name in ("fsdp_keep_params_in_window", "fsdp_reshard_after_backward"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{name}={value!r} must be True, False or None")
+        for name in ("sync_memory_budget", "fsdp_memory_budget"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ConfigError(
+                    f"{name}={value!r} must be a number of bytes >= 0 (or None for a share of "
+                    "the free memory)"
+                )
+        if (self.sync_memory_budget is not None and self.fsdp_memory_budget is not None
+                and self.sync_memory_budget != self.fsdp_memory_budget):
+            raise ConfigError(
+                f"fsdp_memory_budget={self.fsdp_memory_budget} contradicts sync_memory_budget="
+                f"{self.sync_memory_budget}; fsdp_memory_budget is the old name of "
+                "sync_memory_budget: set only sync_memory_budget"
+            )
+        if self.fsdp_reshard_after_backward is not None:
+            if (self.fsdp_keep_params_in_window is not None
+                    and self.fsdp_keep_params_in_window == self.fsdp_reshard_after_backward):
+                raise ConfigError(
+                    f"fsdp_reshard_after_backward={self.fsdp_reshard_after_backward} contradicts "
+                    f"fsdp_keep_params_in_window={self.fsdp_keep_params_in_window}; "
+                    "fsdp_reshard_after_backward is deprecated: set only fsdp_keep_params_in_window"
+                )
+            warnings.warn(
+                "fsdp_reshard_after_backward is deprecated; use fsdp_keep_params_in_window=True "
+                "(keeps the parameters gathered for the whole window: no all-gather after the "
+                "window's first micro-step) or False",
+                DeprecationWarning, stacklevel=4,
+            )
         return self
+
+    def memory_budget(self) -> tuple[int | None, str]:
+        """The deferral memory budget in bytes (None: not set) and the name it was set by."""
+        if self.sync_memory_budget is not None:
+            return self.sync_memory_budget, "sync_memory_budget"
+        if self.fsdp_memory_budget is not None:
+            return self.fsdp_memory_budget, "fsdp_memory_budget"
+        return None, "sync_memory_budget"
 
 
 _FIELDS = {f.name: f for f in fields(Config)}
@@ -83,7 +131,7 @@ _FIELDS = {f.name: f for f in fields(Config)}
 
 def _coerce(name: str, raw: str, source: str) -> Any:
     """Turn an environment string into the field's type."""
-    if name in ("audit", "fsdp_reshard_after_backward"):
+    if name in ("audit", "fsdp_reshard_after_backward", "fsdp_keep_params_in_window"):
         low = raw.strip().lower()
         if low in _TRUE:
             return True
@@ -91,7 +139,7 @@ def _coerce(name: str, raw: str, source: str) -> Any:
             return False
         raise ConfigError(f"{source}={raw!r} is not a boolean; set it to 1 or 0")
     if name in ("gradient_accumulation_steps", "micro_batch_size", "global_batch_size", "seed",
-                "fsdp_memory_budget"):
+                "fsdp_memory_budget", "sync_memory_budget"):
         try:
             return int(raw)
         except ValueError:

@@ -1,14 +1,18 @@
-"""DeepSpeed config handling: read it (dict, JSON/YAML path, JSON text) and fill its batch keys
-from gradsync's plan, refusing contradictions. Used by the deepspeed adapter."""
+"""DeepSpeed config handling: read it (dict, JSON/YAML path, JSON text), fill its batch keys
+from gradsync's plan (refusing contradictions), and complete it for ``deepspeed.initialize``.
+Used by the deepspeed adapter."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradsync.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gradsync.batching import BatchPlan
 
 _BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 
@@ -76,4 +80,43 @@ def fill_batch(ds: dict[str, Any], *, micro: int | None, steps: int, world: int)
                 f"({where}); set it to \"auto\" or remove it so gradsync fills it, or change "
                 "the Accelerator's batch settings to agree"
             )
+    return ds
+
+
+def build_config(
+    base: dict[str, Any], *, given_optimizer: bool, plan: BatchPlan, world: int,
+    mixed_precision: str, cpu: bool,
+) -> dict[str, Any]:
+    """The config ``deepspeed.initialize`` gets: the batch keys from the plan, clipping off
+    unless asked, the mixed-precision section, and exactly one optimizer (a torch one given
+    to prepare, or the config's section)."""
+    ds = fill_batch(dict(base), micro=plan.micro_batch_size, steps=plan.gradient_accumulation_steps,
+                    world=world)
+    # DeepSpeed clips at 1.0 by default; gradsync clips only when asked (clip_grad_norm_).
+    ds.setdefault("gradient_clipping", 0.0)
+    mp = mixed_precision
+    if mp in ("bf16", "fp16"):
+        section = ds.setdefault(mp, {})
+        if section.get("enabled", True) in (False, "false"):
+            raise ConfigError(
+                f"mixed_precision={mp!r} contradicts deepspeed_config "
+                f"{mp}.enabled=false; enable it or drop mixed_precision"
+            )
+        section["enabled"] = True
+    if not given_optimizer:
+        if "optimizer" not in ds:
+            raise ConfigError(
+                "backend='deepspeed' got no optimizer: pass a torch optimizer to "
+                "accel.prepare(model, optimizer), or give deepspeed_config an 'optimizer' section"
+            )
+        params = ds["optimizer"].setdefault("params", {})
+        if cpu and str(ds["optimizer"].get("type", "")).lower() in ("adam", "adamw"):
+            params.setdefault("torch_adam", True)  # FusedAdam would JIT-build a C++ op
+    else:
+        if "optimizer" in ds:
+            raise ConfigError(
+                "prepare() got a torch optimizer and deepspeed_config has an 'optimizer' "
+                "section; use one of them (remove the section, or do not pass the optimizer)"
+            )
+        ds.setdefault("zero_allow_untested_optimizer", True)
     return ds

@@ -3,12 +3,15 @@
 gradsync's window decides the boundary (``engine.set_gradient_accumulation_boundary``),
 scales the loss itself (``engine.backward(loss, scale_wrt_gas=False)``) and calls
 ``engine.step()`` only at the boundary. The DeepSpeed config's batch sizes are filled from
-gradsync's plan; a contradiction is a ConfigError. See docs/deepspeed.md.
+gradsync's plan; a contradiction is a ConfigError. ``sync_policy="auto"`` coalesces ZeRO 2/3's
+per-micro-step reduction into one per window when the window's gradients fit the memory
+budget. See docs/deepspeed.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -18,11 +21,14 @@ import torch
 import torch.distributed as dist
 
 from gradsync.backends import _deepspeed_compat, _dist
-from gradsync.backends._deepspeed_config import fill_batch, load_ds_config
+from gradsync.backends._deepspeed_config import build_config, load_ds_config
+from gradsync.backends._memory import agreed_budget, extra_text
 from gradsync.backends.base import RequestedPolicy, SyncPolicy
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
+
+log = logging.getLogger("gradsync")
 
 _INSTALL_HINT = "backend='deepspeed' needs DeepSpeed: pip install 'gradsync[deepspeed]'"
 
@@ -52,6 +58,7 @@ class DeepSpeedBackend:
         # boundary's backward (or end_window / abort_window) closes it.
         self._coalescing: contextlib.ExitStack | None = None
         self._clip: float | None = None  # gradient_clipping once fixed (config or first clip call)
+        self.memory: dict[str, int] = {}
 
     @property
     def device(self) -> torch.device:
@@ -67,6 +74,8 @@ class DeepSpeedBackend:
         self.stage = int(self._ds.get("zero_optimization", {}).get("stage", 0))
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"deepspeed_config zero_optimization.stage={self.stage} must be 0, 1, 2 or 3")
+        self._asked: RequestedPolicy = config.sync_policy
+        self._budget = config.memory_budget()
         self.policy = self._resolve_policy(config.sync_policy)
         if "gradient_clipping" in self._ds:
             self._clip = float(self._ds["gradient_clipping"])
@@ -74,51 +83,23 @@ class DeepSpeedBackend:
         self._device = _dist.local_device()
 
     def _resolve_policy(self, asked: RequestedPolicy) -> SyncPolicy:
-        if asked in ("auto", "native"):
-            self.policy_reason = f"{asked} -> native: DeepSpeed ZeRO {self.stage} accumulates by itself"
+        if asked == "native" or (asked == "auto" and self.stage in (0, 1)):
+            self.policy_reason = (f"{asked} -> native: DeepSpeed ZeRO {self.stage} accumulates by "
+                                  "itself" + (", reducing only at the boundary" if self.stage < 2 else ""))
+            return "native"
+        if asked == "auto":  # ZeRO 2/3: by the memory budget, once the engine exists (prepare)
+            self.policy_reason = "auto: decided at prepare by the memory budget"
             return "native"
         if asked == "defer":
+            self.policy_reason = "defer (requested): one coalesced reduction per window"
             return "defer"
+        self.policy_reason = f"every_step (requested): ZeRO {self.stage} reduces every micro-step"
         if self.stage in (2, 3):  # every_step: what ZeRO 2/3 do natively
             return "every_step"
         raise ConfigError(
             f"sync_policy='every_step' with DeepSpeed ZeRO stage {self.stage}: stages 0 and 1 "
             "reduce gradients only at the boundary; use 'native', 'auto' or 'defer' (or stage 2/3)"
         )
-
-    def _build_config(self, optimizer: torch.optim.Optimizer | None, plan: BatchPlan) -> dict[str, Any]:
-        ds = fill_batch(
-            dict(self._ds), micro=plan.micro_batch_size, steps=plan.gradient_accumulation_steps,
-            world=dist.get_world_size(),
-        )
-        # DeepSpeed clips at 1.0 by default; gradsync clips only when asked (clip_grad_norm_).
-        ds.setdefault("gradient_clipping", 0.0)
-        mp = self._mixed_precision
-        if mp in ("bf16", "fp16"):
-            section = ds.setdefault(mp, {})
-            if section.get("enabled", True) in (False, "false"):
-                raise ConfigError(
-                    f"mixed_precision={mp!r} contradicts deepspeed_config "
-                    f"{mp}.enabled=false; enable it or drop mixed_precision"
-                )
-            section["enabled"] = True
-        if optimizer is None:
-            if "optimizer" not in ds:
-                raise ConfigError(
-                    "backend='deepspeed' got no optimizer: pass a torch optimizer to "
-                    "accel.prepare(model, optimizer), or give deepspeed_config an 'optimizer' section"
-                )
-            params = ds["optimizer"].setdefault("params", {})
-            if not _dist.use_cuda() and str(ds["optimizer"].get("type", "")).lower() in ("adam", "adamw"):
-                params.setdefault("torch_adam", True)  # FusedAdam would JIT-build a C++ op
-        else:
-            if "optimizer" in ds:
-                raise ConfigError(
-                    "prepare() got a torch optimizer and deepspeed_config has an 'optimizer' "
-                    "section; use one of them (remove the section, or do not pass the optimizer)"
-                )
-            ds.setdefault("zero_allow_untested_optimizer", True)
-        return ds
 
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
@@ -128,7 +109,9 @@ class DeepSpeedBackend:
             return model, model.optimizer
         if self.engine is not None:
             raise ConfigError("backend='deepspeed' prepares one model per Accelerator; create another")
-        ds = self._build_config(optimizer, plan)
+        ds = build_config(self._ds, given_optimizer=optimizer is not None, plan=plan,
+                          world=dist.get_world_size(), mixed_precision=self._mixed_precision,
+                          cpu=not _dist.use_cuda())
         if not _dist.use_cuda() and os.environ.get("GRADSYNC_DEEPSPEED_BUILD_OPS") != "1":
             import deepspeed.ops as ds_ops
 
@@ -146,7 +129,31 @@ class DeepSpeedBackend:
             )
         self.engine = engine
         self._ds = ds
+        if self._asked == "auto" and self.stage in (2, 3):
+            self.policy, self.policy_reason = self._decide(engine, deepspeed.__version__)
+        if dist.get_rank() == 0:
+            log.info("gradsync deepspeed: sync_policy %s", self.policy_reason)
         return engine, ds_optimizer
+
+    def _decide(self, engine: Any, version: str) -> tuple[SyncPolicy, str]:
+        """auto on ZeRO 2/3: defer (one coalesced reduction per window) when the window's
+        unreduced gradients fit the memory budget and DeepSpeed can coalesce, else native."""
+        if not _deepspeed_compat.can_coalesce(engine):
+            return "native", (
+                f"auto -> native: ZeRO {self.stage} reduces on every micro-step, because deepspeed "
+                f"{version} cannot coalesce the reduction for its {type(engine.optimizer).__name__} "
+                "(coalesce_grad_reduction raises NotImplementedError for the BF16/FP16 optimizer wrappers)")
+        world = dist.get_world_size()
+        full = _deepspeed_compat.full_gradient_bytes(engine)
+        extra = full - full // world
+        budget = agreed_budget(*self._budget, self._device)
+        self.memory = {"deferral_extra_bytes": extra, "world_size": world, "budget_bytes": budget.nbytes}
+        text = extra_text(extra, "unreduced gradients", world)
+        if extra <= budget.nbytes:
+            return "defer", (f"auto -> defer (one coalesced reduction per window): {text}, which "
+                             f"fits the budget {budget.describe()}")
+        return "native", (f"auto -> native (ZeRO {self.stage} reduces on every micro-step): {text}, "
+                          f"which exceeds the budget {budget.describe()}")
 
     # -- the window -------------------------------------------------------------
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:

@@ -1,9 +1,10 @@
 """FSDP2 (``fully_shard``): defer the reduce-scatter off the boundary, or reduce every micro-step.
 
 Deferring saves communication but holds every parameter's full, unsharded gradient on each
-rank until the boundary. The policy says which: "defer", "every_step", or "auto" (defer when
-those extra bytes fit a memory budget). FSDP1 models wrapped by the user are deferred through
-their ``no_sync()``.
+rank until the boundary; keeping the parameters gathered for the window as well saves the
+all-gathers of all but the window's first micro-step. The policy says which: "defer",
+"every_step", or "auto" (the deepest level whose extra bytes fit a memory budget). FSDP1
+models wrapped by the user are deferred through their ``no_sync()``.
 """
 
 from __future__ import annotations
@@ -21,20 +22,23 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.tensor import DTensor
 
-from gradsync._util import human_bytes
 from gradsync.backends import _dist, _fsdp_compat
 from gradsync.backends._fsdp_policy import (
-    AUTO_BUDGET_FRACTION,
+    Keep,
     available_memory,
+    decide,
     deferral_cost,
     select_units,
 )
+from gradsync.backends._memory import agreed_budget
 from gradsync.backends.base import RequestedPolicy, SyncPolicy, clear_grads
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
 
 log = logging.getLogger("gradsync")
+
+__all__ = ["FSDPBackend", "available_memory", "deferral_cost"]
 
 
 class FSDPBackend:
@@ -51,8 +55,10 @@ class FSDPBackend:
         self._asked: RequestedPolicy = "auto"
         self._bf16 = False
         self._wrap: Any = None
-        self._budget: int | None = None
-        self._keep_params = False
+        self._budget: tuple[int | None, str] = (None, "sync_memory_budget")
+        self._keep_option: bool | None = None  # fsdp_keep_params_in_window
+        self._legacy_keep = False  # the deprecated fsdp_reshard_after_backward=False
+        self.keep: Keep = "no"  # resolved at prepare
 
     @property
     def device(self) -> torch.device:
@@ -72,8 +78,15 @@ class FSDPBackend:
         self._asked = config.sync_policy
         self._bf16 = config.mixed_precision == "bf16"
         self._wrap = config.fsdp_wrap
-        self._budget = config.fsdp_memory_budget
-        self._keep_params = config.fsdp_reshard_after_backward is False
+        if config.fsdp_keep_params_in_window and config.sync_policy == "every_step":
+            raise ConfigError(
+                "fsdp_keep_params_in_window=True keeps the parameters gathered through a deferred "
+                "window, and sync_policy='every_step' defers nothing; use sync_policy='defer' or "
+                "'auto', or drop fsdp_keep_params_in_window"
+            )
+        self._budget = config.memory_budget()
+        self._keep_option = config.fsdp_keep_params_in_window
+        self._legacy_keep = config.fsdp_reshard_after_backward is False
         self.policy = "every_step" if config.sync_policy == "auto" else config.sync_policy
         self.policy_reason = f"sync_policy={config.sync_policy!r} (auto decides at prepare)"
         self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
@@ -125,29 +138,19 @@ class FSDPBackend:
 
     def _decide(self, model: nn.Module) -> None:
         world = dist.get_world_size()
-        keep = self._keep_params
         grad_bytes = 4 if self._bf16 else None
-        extra = deferral_cost(model, world, grad_bytes=grad_bytes, keep_params=keep)
-        budget, source = self._budget, "fsdp_memory_budget"
-        if self._asked == "auto" and budget is None:
-            free, where = available_memory(self._device)
-            # The ranks must agree (a mixed decision would hang): take the smallest budget.
-            t = torch.tensor([int(free * AUTO_BUDGET_FRACTION)], dtype=torch.int64, device=self._device)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            budget, source = int(t.item()), f"{AUTO_BUDGET_FRACTION:.0%} of {where}, min over ranks"
+        grads = deferral_cost(model, world, grad_bytes=grad_bytes, keep_params=False)
+        full = deferral_cost(model, world, grad_bytes=grad_bytes, keep_params=True)
+        budget = agreed_budget(*self._budget, self._device) if self._asked == "auto" else None
+        keep = False if isinstance(model, FSDP1) else self._keep_option  # FSDP1: no_sync only
+        self.policy, self.keep, extra, self.policy_reason = decide(
+            self._asked, keep, self._legacy_keep and keep is not False, grads=grads, full=full,
+            budget=budget, world=world)
         self.memory = {"deferral_extra_bytes": extra, "world_size": world}
         if budget is not None:
-            self.memory["budget_bytes"] = budget
-        what = "unsharded gradients" + (" and parameters" if keep else "")
-        cost = (f"deferring holds {human_bytes(extra)} ({extra} bytes) of extra {what} per rank "
-                f"(full size minus this rank's 1/{world} shard)")
-        if self._asked == "auto":
-            assert budget is not None
-            self.policy = "defer" if extra <= budget else "every_step"
-            fits = "fits" if self.policy == "defer" else "exceeds"
-            self.policy_reason = f"auto -> {self.policy}: {cost}, which {fits} the budget {human_bytes(budget)} ({budget} bytes, {source})"
-        else:
-            self.policy_reason = f"{self.policy} (requested): {cost}"
+            self.memory["budget_bytes"] = budget.nbytes
+        if self.keep == "window":
+            _fsdp_compat.lazy_init(model)  # before any flags are saved (it resets the root's)
         if dist.get_rank() == 0:
             log.info("gradsync fsdp: sync_policy %s", self.policy_reason)
 
@@ -170,7 +173,10 @@ class FSDPBackend:
             )
         saved = _fsdp_compat.save_flags(model)
         model.set_requires_gradient_sync(reduce)
-        if not reduce and self._keep_params:
+        if self.keep == "window" and self.policy == "defer":
+            # Gathered from the window's first forward until the boundary's backward reshards.
+            _fsdp_compat.keep_gathered(model, after_forward=True, after_backward=not reduce)
+        elif not reduce and self.keep == "after_backward":
             model.set_reshard_after_backward(False)
         try:
             yield
@@ -187,6 +193,8 @@ class FSDPBackend:
         for model in models:
             if isinstance(model, FSDPModule):
                 _fsdp_compat.clear_unsharded_grads(model)
+                if self.keep != "no":  # the window kept its parameters gathered: free them
+                    _fsdp_compat.reshard(model)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
