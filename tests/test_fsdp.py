@@ -19,6 +19,9 @@ SAMPLES = 44  # 22 per rank, 11 micro-batches of 2: windows of 4, 4 and a partia
 MICRO = 2
 FITS = 10**9  # a memory budget that fits this model's gradients and parameters many times
 GRAD_BYTES = 705 * 4  # the model's fp32 gradients
+# FSDP2's own flags per group (root, block 0, block 1) once it ran: [gradient sync, reshard
+# after backward, reshard after forward]; the root never reshards after forward.
+FSDP_DEFAULT_FLAGS = [[True, True, False], [True, True, True], [True, True, True]]
 BF16_TOLERANCE = 2e-3  # max abs parameter diff, bf16 vs fp32, 6 steps; measured 2.0e-4 (docs/fsdp.md)
 RUN = {"samples": SAMPLES, "micro_batch": MICRO}
 SCENARIOS = {
@@ -35,6 +38,7 @@ SCENARIOS = {
     "k4_keep_bf16": {"fn": "train_fsdp", "steps": 4, "policy": "defer", "keep": True,
                      "mixed_precision": "bf16", **RUN},
     "restores_state_keep": {"fn": "restores_state_keep"},
+    "drop_kept_window": {"fn": "drop_kept_window"},
     "k4_keep_params": {"fn": "train_fsdp", "steps": 4, "policy": "defer", "reshard": False, **RUN},
     "k4_adam_clip": {"fn": "train_fsdp", "steps": 4, "policy": "defer", "optimizer": "adam",
                      "lr": 0.01, "clip": 0.5, **RUN},
@@ -86,7 +90,15 @@ def test_a_dropped_window_leaks_nothing(results, how, variant):
 def test_a_dropped_kept_window_ends_resharded_with_the_flags_as_they_were(results, how):
     for r in results[f"drop_{how}_keep_window"]:
         assert "parameters kept gathered in the window" in r["reason"]
-        assert r["flags_kept"] and r["unsharded_after"] == 0
+        assert r["flags_after"] == FSDP_DEFAULT_FLAGS and r["unsharded_after"] == 0
+
+
+def test_dropping_a_kept_window_frees_its_parameters_and_gradients(results):
+    for seen in results["drop_kept_window"]:
+        assert "parameters kept gathered in the window" in seen["reason"]
+        assert seen["open"]["gathered"] == 3 and seen["open"]["grads"]["unsharded"] == GRAD_BYTES
+        assert seen["dropped"] == {"gathered": 0, "grads": {"unsharded": 0, "sharded": 0},
+                                   "flags": FSDP_DEFAULT_FLAGS}
 
 
 def _median_off_boundary_bytes(rec_list):
@@ -112,7 +124,7 @@ def test_auto_keeps_parameters_and_gradients_when_both_fit(results):
             for rec in window[1:-1]:
                 assert rec["bytes"] == 0, rec
             assert window[-1]["reductions"] == window[-1]["ops"]["reduce_scatter"] == r["units"]
-        assert r["flags_kept"] and r["unsharded_after"] == 0
+        assert r["flags_after"] == FSDP_DEFAULT_FLAGS and r["unsharded_after"] == 0
 
 
 def test_keeping_parameters_in_the_window_sends_less_than_gradients_only(results):
@@ -154,7 +166,7 @@ def test_keeping_the_window_restores_fsdp_flags(results):
     for seen in results["restores_state_keep"]:
         # [gradient sync, reshard after backward, reshard after forward]; the root never
         # reshards after forward (FSDP2's own choice), the blocks do
-        assert seen["before"] == [[True, True, False], [True, True, True], [True, True, True]]
+        assert seen["before"] == FSDP_DEFAULT_FLAGS
         assert seen["user"] == [[True, True, False], [True, True, True], [True, False, True]]
         assert seen["inside_defer"] == [[False, False, False]] * 3
         assert seen["inside_sync"] == [[True, True, False], [True, True, False], [True, False, False]]

@@ -67,11 +67,10 @@ def train_fsdp(*, steps: int, policy: str = "auto", mixed_precision: str | None 
                    fsdp_reshard_after_backward=reshard, fsdp_wrap=wrap,
                    fsdp_keep_params_in_window=keep, sync_memory_budget=sync_budget)
     model = make_model()
-    before = flags(model)
     out = train(accel, model=model, **kwargs)
     out["units"] = _units(model)
     out["reason"] = accel.sync_policy_reason
-    out["flags_kept"] = flags(model) == before  # FSDP's own flags, as they were before training
+    out["flags_after"] = flags(model)  # FSDP's own flags once training is over
     out["unsharded_after"] = _unsharded_groups(model)
     return out
 
@@ -119,6 +118,29 @@ def memory(*, policy: str, budget: int | None = None) -> dict[str, Any]:
     return {"policy": accel.sync_policy, "reason": accel.sync_policy_reason,
             "memory": accel._backend.memory,  # type: ignore[attr-defined]
             "logged": logged.messages, "off_boundary": held[0], "boundary": held[1], "param_numel": params, "shard_numel": shard}
+
+
+def drop_kept_window() -> dict[str, Any]:
+    """A window that keeps its parameters gathered, dropped by an error in its 3rd micro-step:
+    what FSDP holds right after (gathered groups, flags, gradients), against the 2nd."""
+    accel = _accel(4, "auto", sync_memory_budget=10**9)
+    raw = make_model()
+    model, _ = accel.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.1))
+    seen: dict[str, Any] = {"reason": accel.sync_policy_reason}
+    x, y = torch.randn(2, 8), torch.randn(2, 1)
+    for i in range(3):
+        try:
+            with accel.accumulate(model):
+                accel.backward(F.mse_loss(model(x), y))
+                if i == 2:
+                    raise KeyError("dropped")
+        except KeyError:
+            pass
+        if i == 1:
+            seen["open"] = {"gathered": _unsharded_groups(model), "grads": grad_bytes(model)}
+    seen["dropped"] = {"gathered": _unsharded_groups(model), "grads": grad_bytes(model),
+                       "flags": flags(model)}
+    return seen
 
 
 def restores_state_keep() -> dict[str, Any]:
