@@ -148,3 +148,32 @@ def test_malformed_json_without_pyyaml_names_the_file_and_the_problem(tmp_path, 
 def test_a_directory_as_the_config_file_is_named_as_such(tmp_path, clean_env):
     with pytest.raises(ConfigError, match="is a directory; pass the path of a YAML file"):
         load_config(config_file=tmp_path)
+
+
+def test_sync_memory_budget_and_its_old_name(clean_env):
+    assert load_config(sync_memory_budget=5).memory_budget() == (5, "sync_memory_budget")
+    assert load_config(fsdp_memory_budget=7).memory_budget() == (7, "fsdp_memory_budget")
+    assert load_config().memory_budget() == (None, "sync_memory_budget")
+    clean_env.setenv("GRADSYNC_SYNC_MEMORY_BUDGET", "1024")
+    assert load_config().memory_budget() == (1024, "sync_memory_budget")
+    with pytest.raises(ConfigError, match=r"fsdp_memory_budget=3 contradicts sync_memory_budget=1024.*set only sync_memory_budget"):
+        load_config(fsdp_memory_budget=3)
+
+
+@pytest.mark.parametrize(("key", "value"), [("sync_memory_budget", -1), ("sync_memory_budget", "lots"),
+                                            ("fsdp_memory_budget", True), ("sync_memory_budget", 1.5)])
+def test_a_budget_must_be_bytes(clean_env, key, value):
+    with pytest.raises(ConfigError, match=rf"{key}={value!r} must be a number of bytes >= 0"):
+        load_config(**{key: value})
+
+
+def test_keep_params_option_and_its_deprecated_predecessor(clean_env):
+    assert load_config(fsdp_keep_params_in_window=True).fsdp_keep_params_in_window is True
+    with pytest.raises(ConfigError, match=r"fsdp_keep_params_in_window='yes' must be True, False or None"):
+        load_config(fsdp_keep_params_in_window="yes")
+    with pytest.warns(DeprecationWarning, match="fsdp_reshard_after_backward is deprecated; use fsdp_keep_params_in_window"):
+        load_config(fsdp_reshard_after_backward=False)
+    with pytest.raises(ConfigError, match=r"fsdp_reshard_after_backward=True contradicts fsdp_keep_params_in_window=True"):
+        load_config(fsdp_reshard_after_backward=True, fsdp_keep_params_in_window=True)
+    clean_env.setenv("GRADSYNC_FSDP_KEEP_PARAMS_IN_WINDOW", "0")
+    assert load_config().fsdp_keep_params_in_window is False
