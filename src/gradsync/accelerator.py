@@ -16,6 +16,7 @@ from gradsync import audit as audit_mod
 from gradsync import backends
 from gradsync.accumulation import MicroStep, Window
 from gradsync.backends import _dist
+from gradsync.backends.base import clear_grads
 from gradsync.batching import BatchPlan
 from gradsync.config import Config, SyncPolicy, load_config
 from gradsync.data import PreparedDataLoader, shard_dataloader
@@ -331,7 +332,10 @@ class Accelerator:
         step = self._window.begin()
         if step.index == 0:
             try:
-                self._clear_grads()  # every window starts from cleared gradients
+                # Every window starts from cleared gradients: the prepared optimizers' and,
+                # where no optimizer was prepared (or it holds only some of them), the models'.
+                self._clear_grads()
+                clear_grads(models)
                 self._backend.begin_window(models)
             except BaseException:
                 self._window.drop()

@@ -155,6 +155,14 @@ class Launcher:
             env[ENV_PREFIX + "CONFIG"] = str(Path(self.config.config_file).resolve())
         return env
 
+    def thread_env(self) -> dict[str, str]:
+        """OMP_NUM_THREADS for the workers when the caller's environment does not set it: the
+        CPU cores split over this node's processes (torchrun would otherwise set 1 and warn)."""
+        if "OMP_NUM_THREADS" in os.environ:
+            return {}
+        cores = os.cpu_count() or 1
+        return {"OMP_NUM_THREADS": str(max(1, cores // self.config.nproc_per_node))}
+
     def _from_file(self) -> dict[str, Any]:
         if self._file_settings is None:
             path = self.config.config_file
@@ -182,7 +190,7 @@ class Launcher:
         return argv + list(c.script_args)
 
     def describe(self) -> str:
-        env = self.worker_env()
+        env = {**self.thread_env(), **self.worker_env()}
         cmd = shlex.join([sys.executable, "-m", "torch.distributed.run", *self.torchrun_argv()])
         lines = [f"command: {cmd}", f"plan: {self.plan.describe()}", "environment:"]
         lines += [f"  {k}={v}" for k, v in sorted(env.items())]
@@ -200,7 +208,7 @@ class Launcher:
             ) from None
 
         args = parse_args(self.torchrun_argv())
-        with _environ(self.worker_env()):
+        with _environ({**self.thread_env(), **self.worker_env()}):
             try:
                 run(args)
             except ChildFailedError as err:
