@@ -36,6 +36,14 @@ def test_plan_runs_without_torch():
     assert "accumulation steps:      8" in proc.stdout
 
 
+def test_plan_estimate_runs_without_torch():
+    proc = without_torch("plan", "--gradient-accumulation-steps", "8", "--nproc-per-node", "8",
+                         "--estimate", "--params", "1e9", "--bandwidth", "400", "--latency-us", "20",
+                         "--compute-ms", "100")
+    assert proc.returncode == 0, proc.stderr
+    assert "ddp      defer" in proc.stdout and "speed-up" in proc.stdout
+
+
 def test_launch_help_and_dry_run_run_without_torch():
     help_ = without_torch("launch", "--help")
     assert help_.returncode == 0, help_.stderr

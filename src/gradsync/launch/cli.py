@@ -55,10 +55,33 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("script", help="the training script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
-    plan = sub.add_parser("plan", help="derive and check the batch sizes")
+    plan = sub.add_parser("plan", help="derive and check the batch sizes (--estimate: and the communication)")
     _add_batch_flags(plan)
     plan.add_argument("--nproc-per-node", type=_positive, default=1, metavar="N")
     plan.add_argument("--nnodes", type=_positive, default=1, metavar="N")
+    est = plan.add_argument_group("communication estimate (--estimate)")
+    est.add_argument("--estimate", action="store_true",
+                     help="print bytes sent per rank and step time, naive vs deferred, per backend")
+    est.add_argument("--params", type=float, default=None, metavar="N", help="parameters of the model, e.g. 7e9")
+    est.add_argument("--grad-bytes", type=float, default=None, metavar="B",
+                     help="gradient bytes of the model (instead of --params)")
+    est.add_argument("--dtype-bytes", type=float, default=4, metavar="B",
+                     help="bytes per gradient element (default 4: fp32; 2: bf16)")
+    est.add_argument("--param-dtype-bytes", type=float, default=None, metavar="B",
+                     help="bytes per gathered parameter element (default: --dtype-bytes)")
+    est.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",
+                     help="bus bandwidth per rank (nccl-tests busbw), GB/s")
+    est.add_argument("--latency-us", type=float, default=None, metavar="US",
+                     help="fixed cost of one collective call, microseconds")
+    est.add_argument("--compute-ms", type=float, default=None, metavar="MS",
+                     help="forward + backward of one micro-step, ms")
+    est.add_argument("--optimizer-ms", type=float, default=0.0, metavar="MS", help="one optimizer step, ms")
+    est.add_argument("--sync-ms", type=float, default=None, metavar="MS",
+                     help="measured time of one gradient sync inside a step (replaces the bandwidth model)")
+    est.add_argument("--bucket-mib", type=float, default=25.0, metavar="MIB",
+                     help="gradient bucket size: one collective call per bucket (default 25, DDP's)")
+    est.add_argument("--estimate-backends", default="ddp,fsdp,zero2,zero3", metavar="LIST",
+                     help="comma list of ddp, fsdp, zero2, zero3")
 
     sub.add_parser("env", help="print versions and the backends available here")
 
@@ -117,7 +140,33 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"micro batch size:        {plan.micro_batch_size if plan.micro_batch_size else '?'} per process")
     print(f"accumulation steps:      {plan.gradient_accumulation_steps}")
     print(f"global batch size:       {plan.global_batch_size if plan.global_batch_size else '?'} per optimizer step")
+    if args.estimate:
+        _estimate(args, world, plan.gradient_accumulation_steps)
     return 0
+
+
+def _estimate(args: argparse.Namespace, world: int, k: int) -> None:
+    from gradsync.estimate import Cluster, estimate, format_table
+
+    if (args.params is None) == (args.grad_bytes is None):
+        raise ConfigError("--estimate needs the model size: give --params N (e.g. 7e9) or --grad-bytes B, not both")
+    missing = [flag for flag, value in (("--bandwidth", args.bandwidth), ("--latency-us", args.latency_us),
+                                        ("--compute-ms", args.compute_ms)) if value is None]
+    if missing:
+        raise ConfigError(f"--estimate needs {', '.join(missing)}: the interconnect and the compute "
+                          "time per micro-step (docs/benchmark.md lists figures for common clusters)")
+    grad_bytes = args.grad_bytes if args.grad_bytes is not None else args.params * args.dtype_bytes
+    numel = grad_bytes / args.dtype_bytes
+    param_dtype = args.param_dtype_bytes if args.param_dtype_bytes is not None else args.dtype_bytes
+    cluster = Cluster(
+        grad_bytes=grad_bytes, param_bytes=numel * param_dtype, world=world, k=k,
+        bandwidth_gbs=args.bandwidth, latency_us=args.latency_us, compute_ms=args.compute_ms,
+        optimizer_ms=args.optimizer_ms, bucket_bytes=args.bucket_mib * 2**20, sync_ms=args.sync_ms,
+    )
+    backends = tuple(b.strip() for b in args.estimate_backends.split(",") if b.strip())
+    rows = estimate(cluster, backends)
+    print()
+    print(format_table(cluster, rows, nodes=args.nnodes, per_node=args.nproc_per_node))
 
 
 def _env() -> int:
