@@ -249,7 +249,7 @@ class BF16_Optimizer:  # named as DeepSpeed's wrapper, which cannot coalesce
 def test_auto_stays_native_where_deepspeed_cannot_coalesce(stage):
     """An optimizer wrapper without DeepSpeed's coalescing hook: native, and the reason names
     it (decided before any collective, so no process group is needed)."""
-    from gradsync.backends.deepspeed import DeepSpeedBackend
+    from gradsync.backends import _deepspeed_policy
 
     class Engine:
         optimizer = BF16_Optimizer()
@@ -257,9 +257,8 @@ def test_auto_stays_native_where_deepspeed_cannot_coalesce(stage):
         def coalesce_grad_reduction(self):  # pragma: no cover - never entered
             raise NotImplementedError
 
-    backend = DeepSpeedBackend()
-    backend.stage = stage
-    policy, reason = backend._decide(Engine(), "0.19.8")
+    policy, reason, _ = _deepspeed_policy.decide(Engine(), stage, (None, "sync_memory_budget"),
+                                                 torch.device("cpu"), "0.19.8")
     assert policy == "native"
     assert reason.startswith(f"auto -> native: ZeRO {stage} reduces on every micro-step")
     assert "deepspeed 0.19.8 cannot coalesce the reduction for its BF16_Optimizer" in reason

@@ -20,9 +20,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from gradsync.backends import _deepspeed_compat, _dist
+from gradsync.backends import _deepspeed_compat, _deepspeed_policy, _dist
 from gradsync.backends._deepspeed_config import build_config, load_ds_config
-from gradsync.backends._memory import agreed_budget, extra_text
 from gradsync.backends.base import RequestedPolicy, SyncPolicy
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
@@ -76,30 +75,11 @@ class DeepSpeedBackend:
             raise ConfigError(f"deepspeed_config zero_optimization.stage={self.stage} must be 0, 1, 2 or 3")
         self._asked: RequestedPolicy = config.sync_policy
         self._budget = config.memory_budget()
-        self.policy = self._resolve_policy(config.sync_policy)
+        self.policy, self.policy_reason = _deepspeed_policy.resolve(config.sync_policy, self.stage)
         if "gradient_clipping" in self._ds:
             self._clip = float(self._ds["gradient_clipping"])
         self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
         self._device = _dist.local_device()
-
-    def _resolve_policy(self, asked: RequestedPolicy) -> SyncPolicy:
-        if asked == "native" or (asked == "auto" and self.stage in (0, 1)):
-            self.policy_reason = (f"{asked} -> native: DeepSpeed ZeRO {self.stage} accumulates by "
-                                  "itself" + (", reducing only at the boundary" if self.stage < 2 else ""))
-            return "native"
-        if asked == "auto":  # ZeRO 2/3: by the memory budget, once the engine exists (prepare)
-            self.policy_reason = "auto: decided at prepare by the memory budget"
-            return "native"
-        if asked == "defer":
-            self.policy_reason = "defer (requested): one coalesced reduction per window"
-            return "defer"
-        self.policy_reason = f"every_step (requested): ZeRO {self.stage} reduces every micro-step"
-        if self.stage in (2, 3):  # every_step: what ZeRO 2/3 do natively
-            return "every_step"
-        raise ConfigError(
-            f"sync_policy='every_step' with DeepSpeed ZeRO stage {self.stage}: stages 0 and 1 "
-            "reduce gradients only at the boundary; use 'native', 'auto' or 'defer' (or stage 2/3)"
-        )
 
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
@@ -130,30 +110,11 @@ class DeepSpeedBackend:
         self.engine = engine
         self._ds = ds
         if self._asked == "auto" and self.stage in (2, 3):
-            self.policy, self.policy_reason = self._decide(engine, deepspeed.__version__)
+            self.policy, self.policy_reason, self.memory = _deepspeed_policy.decide(
+                engine, self.stage, self._budget, self._device, deepspeed.__version__)
         if dist.get_rank() == 0:
             log.info("gradsync deepspeed: sync_policy %s", self.policy_reason)
         return engine, ds_optimizer
-
-    def _decide(self, engine: Any, version: str) -> tuple[SyncPolicy, str]:
-        """auto on ZeRO 2/3: defer (one coalesced reduction per window) when the window's
-        unreduced gradients fit the memory budget and DeepSpeed can coalesce, else native."""
-        if not _deepspeed_compat.can_coalesce(engine):
-            return "native", (
-                f"auto -> native: ZeRO {self.stage} reduces on every micro-step, because deepspeed "
-                f"{version} cannot coalesce the reduction for its {type(engine.optimizer).__name__} "
-                "(coalesce_grad_reduction raises NotImplementedError for the BF16/FP16 optimizer wrappers)")
-        world = dist.get_world_size()
-        full = _deepspeed_compat.full_gradient_bytes(engine)
-        extra = full - full // world
-        budget = agreed_budget(*self._budget, self._device)
-        self.memory = {"deferral_extra_bytes": extra, "world_size": world, "budget_bytes": budget.nbytes}
-        text = extra_text(extra, "unreduced gradients", world)
-        if extra <= budget.nbytes:
-            return "defer", (f"auto -> defer (one coalesced reduction per window): {text}, which "
-                             f"fits the budget {budget.describe()}")
-        return "native", (f"auto -> native (ZeRO {self.stage} reduces on every micro-step): {text}, "
-                          f"which exceeds the budget {budget.describe()}")
 
     # -- the window -------------------------------------------------------------
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
