@@ -50,7 +50,8 @@ class Accelerator:
         seed: seeds torch on every rank and the sharded sampler.
         micro_batch_size / global_batch_size: give two of the three sizes to derive the third.
         audit: count collectives per micro-step and print a summary per optimizer step.
-        **options: backend options (``deepspeed_config``, ``fsdp_memory_budget``, ...).
+        **options: backend options (``deepspeed_config``, ``sync_memory_budget``,
+            ``fsdp_keep_params_in_window``, ...).
     """
 
     def __init__(
