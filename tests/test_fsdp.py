@@ -42,6 +42,7 @@ SCENARIOS = {
     **{f"drop_{how}_keep_params": {"fn": "train_fsdp", "steps": 4, "policy": "defer",
                                    "reshard": False, **RUN, **kw} for how, kw in DROPS.items()},
     **{f"drop_{how}_fsdp1": {"fn": "train_fsdp1", "steps": 4, **RUN, **kw} for how, kw in DROPS.items()},
+    "schedule": {"fn": "train_fsdp", "steps": "0:2 2:4", "policy": "defer", **RUN},
     "misuse": {"fn": "misuse"},
 }
 EQUIVALENT = ["k1_defer", "k4_defer", "k1_every_step", "k4_every_step", "k4_auto",
@@ -65,6 +66,12 @@ def test_equivalence_with_one_process(results, name):
 @pytest.mark.parametrize("variant", ["defer", "every_step", "keep_params", "fsdp1"])
 def test_a_dropped_window_leaks_nothing(results, how, variant):
     assert_dropped_window_leaks_nothing(results[f"drop_{how}_{variant}"], samples=SAMPLES)
+
+
+def test_an_accumulation_schedule_equals_one_process(results):
+    ranks = results["schedule"]
+    assert ranks[0]["sizes"] == [2, 2, 4, 3, 4, 4, 3]
+    assert_matches_one_process(ranks, samples=SAMPLES)
 
 
 @pytest.mark.parametrize("name", ["k4_defer", "k4_every_step"])

@@ -14,12 +14,15 @@ from torch.utils.data import DataLoader
 
 from gradsync import audit as audit_mod
 from gradsync import backends, metrics
+from gradsync._util import check_positive_int
 from gradsync.accumulation import MicroStep, Window
 from gradsync.backends import _dist
-from gradsync.batching import BatchPlan
+from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.config import Config, SyncPolicy, load_config
 from gradsync.data import LoaderContext, PreparedDataLoader, shard_dataloader
+from gradsync.data import split_batch as _split_batch
 from gradsync.errors import ConfigError
+from gradsync.planning import length_mismatch, plan_steps
 from gradsync.wrappers import PreparedOptimizer, PreparedScheduler
 
 REDUCTIONS = ("mean", "sum", "normalized")
@@ -82,7 +85,7 @@ class Accelerator:
         )
         _, world, _ = _dist.rank_info()
         name = backends.resolve_auto(self.config.backend, world)
-        self.plan = BatchPlan.solve(
+        self.plan, schedule = solve_with_schedule(
             data_parallel_size=world,
             global_batch_size=self.config.global_batch_size,
             micro_batch_size=self.config.micro_batch_size,
@@ -93,12 +96,16 @@ class Accelerator:
             torch.manual_seed(self.config.seed)
         self._backend = backends.create(name)
         self._backend.setup(self.config)
-        self._window = Window(self.plan.gradient_accumulation_steps)
+        self._window = Window(schedule, follow_data=self.config.sync_with_dataloader)
         self._view = self._window.view
         self._models: list[torch.nn.Module] = []
         self._trained: list[torch.nn.Module] = []  # prepared models with trainable parameters
         self._optimizers: list[PreparedOptimizer] = []
         self._count_items = self.config.count_items
+        self._schedulers: list[PreparedScheduler] = []
+        self._prepared_loaders: list[PreparedDataLoader] = []
+        self._planned_steps: int | None = None
+        self._length_warned: set[int] = set()
         self._loaders = LoaderContext(self._window, self._backend.device, self._on_epoch_start,
                                       self._count_items)
         self.audit: audit_mod.Recorder | None = None
@@ -154,7 +161,7 @@ class Accelerator:
         return self._window.steps
 
     @gradient_accumulation_steps.setter
-    def gradient_accumulation_steps(self, value: int) -> None:
+    def gradient_accumulation_steps(self, value: int) -> None:  # replaces a schedule
         """Change the window length; it takes effect when the next window starts."""
         self._window.steps = value
 
@@ -260,7 +267,10 @@ class Accelerator:
             if _is_scheduler(obj):
                 if old_optimizer is not None and new_optimizer is not None and obj.optimizer is old_optimizer:
                     obj.optimizer = new_optimizer
-                out[id(obj)] = PreparedScheduler(obj, self._step_counter(obj.optimizer))
+                prepared_scheduler = PreparedScheduler(obj, self._step_counter(obj.optimizer))
+                self._schedulers.append(prepared_scheduler)
+                self._check_length(prepared_scheduler)
+                out[id(obj)] = prepared_scheduler
             elif _is_dataloader(obj):
                 out[id(obj)] = self._prepare_dataloader(obj)
             else:
@@ -300,7 +310,9 @@ class Accelerator:
             )
         seed = self.config.seed if self.config.seed is not None else 0
         sharded = shard_dataloader(loader, rank=self.rank, world_size=self.world_size, seed=seed)
-        return PreparedDataLoader(sharded, self._loaders)
+        prepared = PreparedDataLoader(sharded, self._loaders)
+        self._prepared_loaders.append(prepared)
+        return prepared
 
     def _on_epoch_start(self, loader: PreparedDataLoader) -> None:
         """A loader starts a new pass. If the open window was being fed by that loader (its
@@ -376,6 +388,50 @@ class Accelerator:
             self.audit.close()
             if step.boundary:
                 self._report_audit()
+
+    def split_batch(self, batch: Any, micro_batch_size: int) -> list[Any]:
+        """Cut a loader batch into micro-batches of ``micro_batch_size`` rows (the last may be
+        smaller), for several micro-steps per loader batch: run one ``accumulate()`` block per
+        micro-batch returned. The window counts them as micro-steps and still closes at the
+        end of the data with the right size."""
+        size = check_positive_int("micro_batch_size", micro_batch_size)
+        pieces = _split_batch(batch, size)
+        self._window.split(len(pieces), size)
+        return pieces
+
+    def planned_optimizer_steps(self, num_epochs: int, loader: Any = None) -> int:
+        """The optimizer steps ``num_epochs`` passes over the prepared dataloader will give
+        (``loader``, or the first one prepared), with the accumulation schedule and the
+        partial windows at the ends of passes; warns when a prepared LR scheduler was built
+        for another number of steps."""
+        check_positive_int("num_epochs", num_epochs)
+        loader = loader if loader is not None else (self._prepared_loaders[0] if self._prepared_loaders else None)
+        if loader is None:
+            raise RuntimeError("planned_optimizer_steps() needs a prepared dataloader: "
+                               "accel.prepare(loader) first, or pass loader=...")
+        try:
+            per_epoch = len(loader)
+        except TypeError:
+            raise RuntimeError(
+                "planned_optimizer_steps() needs a dataloader with a length; this one has none "
+                "(an IterableDataset without __len__): count the steps yourself"
+            ) from None
+        schedule, done = self._window.schedule, self._window.completed_windows
+        steps = plan_steps(schedule, per_epoch, num_epochs, start=done,
+                           follow_data=self.config.sync_with_dataloader)
+        self._planned_steps = steps
+        for scheduler in self._schedulers:
+            self._check_length(scheduler)
+        return steps
+
+    def _check_length(self, scheduler: PreparedScheduler) -> None:
+        """Warn once per scheduler built for another number of steps than planned."""
+        if self._planned_steps is None or id(scheduler) in self._length_warned:
+            return
+        message = length_mismatch(scheduler, self._planned_steps)
+        if message is not None:
+            self._length_warned.add(id(scheduler))
+            log.warning(message)
 
     def _count_window_items(self, size: int) -> None:
         """Count the window's items on this rank (its batches, read ahead) and sum them over

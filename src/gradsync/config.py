@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from gradsync import schedule
 from gradsync._util import check_positive_int
 from gradsync.errors import ConfigError
 
@@ -35,7 +36,9 @@ class Config:
     """Every gradsync setting. Errors name the key, the value and the fix."""
 
     backend: str = "auto"
-    gradient_accumulation_steps: int | None = None
+    # An int, or a schedule: "0:2 100:4", {"start": 64, "increment": 64, "samples": N} (a
+    # global-batch ramp-up), or a callable optimizer_step -> k (see gradsync.schedule).
+    gradient_accumulation_steps: Any = None
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
     sync_policy: RequestedPolicy = "auto"
@@ -45,6 +48,8 @@ class Config:
     # fn(batch) -> int: items (tokens) per batch, for reduction="sum"/"normalized" in backward;
     # a callable, or "module:function" (e.g. "gradsync:count_label_tokens") from YAML / env.
     count_items: Any = None
+    # False: windows run on across the end of a pass (no end-of-data flush, no drop).
+    sync_with_dataloader: bool = True
     # Backend options (each adapter reads its own; unknown to the others).
     deepspeed_config: Any = None
     fsdp_memory_budget: int | None = None
@@ -58,8 +63,17 @@ class Config:
         self.backend = self.backend.lower()
         for name in ("gradient_accumulation_steps", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
-            if value is not None:
+            if name == "gradient_accumulation_steps" and schedule.is_schedule(value):
+                schedule.check(value)
+            elif value is not None:
                 setattr(self, name, check_positive_int(name, value))
+        if not isinstance(self.sync_with_dataloader, bool):
+            raise ConfigError(f"sync_with_dataloader={self.sync_with_dataloader!r} must be True or False")
+        if not self.sync_with_dataloader and self.count_items is not None:
+            raise ConfigError(
+                "count_items needs sync_with_dataloader=True: a window that runs on into the next "
+                "pass cannot count its items ahead; drop one of the two"
+            )
         if self.sync_policy not in SYNC_POLICIES:
             raise ConfigError(
                 f"sync_policy={self.sync_policy!r} is unknown; use one of {', '.join(SYNC_POLICIES)}"
@@ -85,7 +99,11 @@ class Config:
     @property
     def accumulation_steps(self) -> int:
         """The accumulation steps to use when none was derived from batch sizes (default 1)."""
-        return self.gradient_accumulation_steps or 1
+        value = self.gradient_accumulation_steps
+        if schedule.is_schedule(value):
+            return schedule.parse(value, micro_batch_size=self.micro_batch_size,
+                                  global_batch_size=self.global_batch_size).steps_at(0)
+        return int(value or 1)
 
 
 def _resolve_callable(name: str, value: Any) -> Any:
@@ -111,7 +129,9 @@ _FIELDS = {f.name: f for f in fields(Config)}
 
 def _coerce(name: str, raw: str, source: str) -> Any:
     """Turn an environment string into the field's type."""
-    if name in ("audit", "fsdp_reshard_after_backward"):
+    if name == "gradient_accumulation_steps" and schedule.is_schedule(raw):
+        return raw.strip()
+    if name in ("audit", "fsdp_reshard_after_backward", "sync_with_dataloader"):
         low = raw.strip().lower()
         if low in _TRUE:
             return True

@@ -118,6 +118,44 @@ class LoaderContext:
     last_pass: weakref.ref[LoaderIteration] | None = None
 
 
+def batch_length(batch: Any) -> int:
+    """Rows in a batch: the first dimension of its first tensor (nested structures allowed)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            return batch_length(value)
+    if isinstance(batch, list | tuple) and batch:
+        return batch_length(batch[0])
+    raise ConfigError(
+        f"cannot tell how many rows a {type(batch).__name__} batch holds; batches must hold "
+        "tensors (or dicts / lists / tuples of them) whose first dimension is the batch"
+    )
+
+
+def split_batch(batch: Any, size: int) -> list[Any]:
+    """``batch`` cut along the first dimension into pieces of ``size`` rows (the last may be
+    smaller); every tensor of a nested structure is cut alike, other values are repeated."""
+    rows = batch_length(batch)
+    starts = range(0, rows, size)
+
+    def cut(value: Any, start: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
+            return value[start : start + size]
+        if isinstance(value, Mapping):
+            return type(value)({k: cut(v, start) for k, v in value.items()})  # type: ignore[call-arg]
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*(cut(v, start) for v in value))
+        if isinstance(value, list | tuple):
+            plain = len(value) == rows and all(isinstance(v, int | float | str) for v in value)
+            if plain:  # one value per row (ids, texts): cut like a tensor
+                return type(value)(value[start : start + size])
+            return type(value)(cut(v, start) for v in value)
+        return value
+
+    return [cut(batch, start) for start in starts]
+
+
 def checked_count(value: Any, where: str) -> int:
     """An item count as a plain int >= 0, or a ConfigError naming the value and the batch."""
     if isinstance(value, torch.Tensor):
@@ -176,6 +214,14 @@ class LoaderIteration:
         self._fill(n)
         left = len(self.buffer) + 1
         return left if self.error is None and self.exhausted and left <= n else None
+
+    def lengths_ahead(self, n: int) -> tuple[list[int], bool]:
+        """First-dimension lengths of up to ``n`` batches after the last yielded one, and
+        whether the pass ends after them (read ahead)."""
+        self._fill(n)
+        ahead = list(self.buffer)[:n]
+        ends = self.error is None and self.exhausted and len(self.buffer) <= n
+        return [batch_length(b) for b in ahead], ends
 
     def count_items(self, n: int, count: ItemCounter) -> int:
         """Items in the last yielded batch and the ``n - 1`` batches after it (read ahead)."""
