@@ -32,6 +32,7 @@ SCENARIOS = {
     **{f"drop_{how}_{p}": {"fn": "train_ddp", "steps": 4, "policy": p, "samples": SAMPLES,
                            "micro_batch": MICRO, **kw}
        for how, kw in DROPS.items() for p in ("defer", "every_step")},
+    "schedule": {"fn": "train_ddp", "steps": "0:2 2:4", "samples": SAMPLES, "micro_batch": MICRO},
     "misuse": {"fn": "misuse"},
     "sharding": {"fn": "sharding", "samples": 45, "micro_batch": 2},
 }
@@ -53,6 +54,12 @@ def test_equivalence_with_one_process(results, name):
 @pytest.mark.parametrize("policy", ["defer", "every_step"])
 def test_a_dropped_window_leaks_nothing(results, how, policy):
     assert_dropped_window_leaks_nothing(results[f"drop_{how}_{policy}"], samples=SAMPLES)
+
+
+def test_an_accumulation_schedule_equals_one_process(results):
+    ranks = results["schedule"]
+    assert ranks[0]["sizes"] == [2, 2, 4, 3, 4, 4, 3]  # k=2 for steps 0-1, then 4; partial windows
+    assert_matches_one_process(ranks, samples=SAMPLES)
 
 
 @pytest.mark.parametrize("k", [1, 3, 4])

@@ -53,13 +53,15 @@ SCENARIOS = {
        for how, kw in DROPS.items()
        for s, p in ((0, "native"), (1, "defer"), (2, "native"), (2, "defer"), (3, "native"), (3, "defer"),
                     (2, "auto"), (3, "auto"))},
+    "s2_schedule": _run(2, "0:2 2:4"),
+    "s2_schedule_defer": _run(2, "0:2 2:4", policy="defer"),
     "config_errors": {"fn": "config_errors"},
     "clip_twice": {"fn": "clip_twice"},
     "s0_config_optimizer": {"fn": "config_optimizer", "stage": 0},
     "s3_config_optimizer": {"fn": "config_optimizer", "stage": 3},
 }
 EQUIV = [n for n in SCENARIOS if n.startswith("s") and SCENARIOS[n]["fn"] == "train_ds"
-         and "bf16" not in n and "clip" not in n and "drop" not in n]
+         and "bf16" not in n and "clip" not in n and "drop" not in n and "schedule" not in n]
 DROPPED = [n for n in SCENARIOS if "_drop_" in n]
 
 
@@ -74,6 +76,14 @@ def results():
 @pytest.mark.parametrize("name", EQUIV)
 def test_equivalence_with_one_process(results, name):
     assert_matches_one_process(results[name], samples=SAMPLES)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["s2_schedule", "s2_schedule_defer"])
+def test_an_accumulation_schedule_equals_one_process(results, name):
+    ranks = results[name]
+    assert ranks[0]["sizes"] == [2, 2, 4, 3, 4, 4, 3]
+    assert_matches_one_process(ranks, samples=SAMPLES)
 
 
 @pytest.mark.multiprocess

@@ -60,6 +60,7 @@ SCENARIOS = {
     **{f"drop_{how}_fsdp1": {"fn": "train_fsdp1", "steps": 4, **RUN, **kw} for how, kw in DROPS.items()},
     **{f"drop_{how}_keep_window": {"fn": "train_fsdp", "steps": 4, "sync_budget": FITS, **RUN, **kw}
        for how, kw in DROPS.items()},
+    "schedule": {"fn": "train_fsdp", "steps": "0:2 2:4", "policy": "defer", **RUN},
     "misuse": {"fn": "misuse"},
 }
 EQUIVALENT = ["k1_defer", "k4_defer", "k1_every_step", "k4_every_step", "k4_auto",
@@ -171,6 +172,12 @@ def test_keeping_the_window_restores_fsdp_flags(results):
         assert seen["inside_defer"] == [[False, False, False]] * 3
         assert seen["inside_sync"] == [[True, True, False], [True, True, False], [True, False, False]]
         assert seen["after_defer"] == seen["after_sync"] == seen["user"]
+
+
+def test_an_accumulation_schedule_equals_one_process(results):
+    ranks = results["schedule"]
+    assert ranks[0]["sizes"] == [2, 2, 4, 3, 4, 4, 3]
+    assert_matches_one_process(ranks, samples=SAMPLES)
 
 
 @pytest.mark.parametrize("name", ["k4_defer", "k4_every_step"])

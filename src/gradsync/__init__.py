@@ -17,12 +17,17 @@ from gradsync.errors import ConfigError
 if TYPE_CHECKING:
     from gradsync import audit
     from gradsync.accelerator import Accelerator
+    from gradsync.tokens import count_label_tokens
 
-__all__ = ["Accelerator", "BatchPlan", "Config", "ConfigError", "audit"]
+__all__ = ["Accelerator", "BatchPlan", "Config", "ConfigError", "audit", "count_label_tokens"]
 __version__ = "0.1.0"
 
 # name -> module that defines it (imported on first access: these import torch)
-_LAZY = {"Accelerator": "gradsync.accelerator", "audit": "gradsync.audit"}
+_LAZY = {
+    "Accelerator": "gradsync.accelerator",
+    "audit": "gradsync.audit",
+    "count_label_tokens": "gradsync.tokens",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -13,15 +13,20 @@ import torch
 from torch.utils.data import DataLoader
 
 from gradsync import audit as audit_mod
-from gradsync import backends
+from gradsync import backends, metrics
+from gradsync._util import check_positive_int
 from gradsync.accumulation import MicroStep, Window
 from gradsync.backends import _dist
 from gradsync.backends.base import clear_grads
-from gradsync.batching import BatchPlan
+from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.config import Config, SyncPolicy, load_config
-from gradsync.data import PreparedDataLoader, shard_dataloader
+from gradsync.data import LoaderContext, PreparedDataLoader, shard_dataloader
+from gradsync.data import split_batch as _split_batch
 from gradsync.errors import ConfigError
+from gradsync.planning import length_mismatch, plan_steps
 from gradsync.wrappers import PreparedOptimizer, PreparedScheduler
+
+REDUCTIONS = ("mean", "sum", "normalized")
 
 log = logging.getLogger("gradsync")
 
@@ -82,7 +87,7 @@ class Accelerator:
         )
         _, world, _ = _dist.rank_info()
         name = backends.resolve_auto(self.config.backend, world)
-        self.plan = BatchPlan.solve(
+        self.plan, schedule = solve_with_schedule(
             data_parallel_size=world,
             global_batch_size=self.config.global_batch_size,
             micro_batch_size=self.config.micro_batch_size,
@@ -93,10 +98,18 @@ class Accelerator:
             torch.manual_seed(self.config.seed)
         self._backend = backends.create(name)
         self._backend.setup(self.config)
-        self._window = Window(self.plan.gradient_accumulation_steps)
+        self._window = Window(schedule, follow_data=self.config.sync_with_dataloader)
         self._view = self._window.view
         self._models: list[torch.nn.Module] = []
+        self._trained: list[torch.nn.Module] = []  # prepared models with trainable parameters
         self._optimizers: list[PreparedOptimizer] = []
+        self._count_items = self.config.count_items
+        self._schedulers: list[PreparedScheduler] = []
+        self._prepared_loaders: list[PreparedDataLoader] = []
+        self._planned_steps: int | None = None
+        self._length_warned: set[int] = set()
+        self._loaders = LoaderContext(self._window, self._backend.device, self._on_epoch_start,
+                                      self._count_items)
         self.audit: audit_mod.Recorder | None = None
         if self.config.audit:
             import torch.distributed as dist
@@ -150,7 +163,7 @@ class Accelerator:
         return self._window.steps
 
     @gradient_accumulation_steps.setter
-    def gradient_accumulation_steps(self, value: int) -> None:
+    def gradient_accumulation_steps(self, value: int) -> None:  # replaces a schedule
         """Change the window length; it takes effect when the next window starts."""
         self._window.steps = value
 
@@ -241,6 +254,8 @@ class Accelerator:
                 self._check_optimizer_holds(model, old_optimizer)
             wrapped, new_optimizer = self._backend.prepare(model, old_optimizer, self.plan)
             self._models.append(wrapped)
+            if any(p.requires_grad for p in wrapped.parameters()):
+                self._trained.append(wrapped)
             out[id(model)] = wrapped
             if new_optimizer is not None:
                 # The backend may build one itself (DeepSpeed's config optimizer): see .optimizer.
@@ -254,7 +269,10 @@ class Accelerator:
             if _is_scheduler(obj):
                 if old_optimizer is not None and new_optimizer is not None and obj.optimizer is old_optimizer:
                     obj.optimizer = new_optimizer
-                out[id(obj)] = PreparedScheduler(obj, self._step_counter(obj.optimizer))
+                prepared_scheduler = PreparedScheduler(obj, self._step_counter(obj.optimizer))
+                self._schedulers.append(prepared_scheduler)
+                self._check_length(prepared_scheduler)
+                out[id(obj)] = prepared_scheduler
             elif _is_dataloader(obj):
                 out[id(obj)] = self._prepare_dataloader(obj)
             else:
@@ -294,7 +312,9 @@ class Accelerator:
             )
         seed = self.config.seed if self.config.seed is not None else 0
         sharded = shard_dataloader(loader, rank=self.rank, world_size=self.world_size, seed=seed)
-        return PreparedDataLoader(sharded, self._window, self.device, self._on_epoch_start)
+        prepared = PreparedDataLoader(sharded, self._loaders)
+        self._prepared_loaders.append(prepared)
+        return prepared
 
     def _on_epoch_start(self, loader: PreparedDataLoader) -> None:
         """A loader starts a new pass. If the open window was being fed by that loader (its
@@ -345,6 +365,8 @@ class Accelerator:
             self.audit.open(step.boundary)
         backend = self._backend
         try:
+            if step.index == 0 and self._count_items is not None:
+                self._count_window_items(step.size)
             if len(models) == 1:
                 with backend.micro_step(models[0], boundary=step.boundary):
                     yield
@@ -361,25 +383,150 @@ class Accelerator:
         self._window.end()
         if step.boundary:
             backend.end_window(models)
+            if self._window.skips_step:
+                log.warning(
+                    "gradsync: window %d holds no item (count_items gave 0 on every rank); its "
+                    "optimizer and scheduler steps are skipped", self._window.completed_windows,
+                )
+                backend.abort_window(self._models)  # drop whatever its backward left behind
         if self.audit is not None:
             self.audit.close()
             if step.boundary:
                 self._report_audit()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss / n``, n the number of micro-batches in this window."""
+    def split_batch(self, batch: Any, micro_batch_size: int) -> list[Any]:
+        """Cut a loader batch into micro-batches of ``micro_batch_size`` rows (the last may be
+        smaller), for several micro-steps per loader batch: run one ``accumulate()`` block per
+        micro-batch returned. The window counts them as micro-steps and still closes at the
+        end of the data with the right size."""
+        size = check_positive_int("micro_batch_size", micro_batch_size)
+        pieces = _split_batch(batch, size)
+        self._window.split(len(pieces), size)
+        return pieces
+
+    def planned_optimizer_steps(self, num_epochs: int, loader: Any = None) -> int:
+        """The optimizer steps ``num_epochs`` passes over the prepared dataloader will give
+        (``loader``, or the first one prepared), with the accumulation schedule and the
+        partial windows at the ends of passes; warns when a prepared LR scheduler was built
+        for another number of steps."""
+        check_positive_int("num_epochs", num_epochs)
+        loader = loader if loader is not None else (self._prepared_loaders[0] if self._prepared_loaders else None)
+        if loader is None:
+            raise RuntimeError("planned_optimizer_steps() needs a prepared dataloader: "
+                               "accel.prepare(loader) first, or pass loader=...")
+        try:
+            per_epoch = len(loader)
+        except TypeError:
+            raise RuntimeError(
+                "planned_optimizer_steps() needs a dataloader with a length; this one has none "
+                "(an IterableDataset without __len__): count the steps yourself"
+            ) from None
+        schedule, done = self._window.schedule, self._window.completed_windows
+        steps = plan_steps(schedule, per_epoch, num_epochs, start=done,
+                           follow_data=self.config.sync_with_dataloader)
+        self._planned_steps = steps
+        for scheduler in self._schedulers:
+            self._check_length(scheduler)
+        return steps
+
+    def _check_length(self, scheduler: PreparedScheduler) -> None:
+        """Warn once per scheduler built for another number of steps than planned."""
+        if self._planned_steps is None or id(scheduler) in self._length_warned:
+            return
+        message = length_mismatch(scheduler, self._planned_steps)
+        if message is not None:
+            self._length_warned.add(id(scheduler))
+            log.warning(message)
+
+    def _count_window_items(self, size: int) -> None:
+        """Count the window's items on this rank (its batches, read ahead) and sum them over
+        ranks with one small all-reduce (recorded by the audit as gradsync's own)."""
+        feed = self._window.feed
+        if feed is None:
+            return  # no prepared loader feeds the window: window_items stays unknown
+        local, error = 0, None
+        try:
+            local = feed.count_items(size, self._count_items)
+        except Exception as err:  # the other ranks must not wait for this one's count forever
+            error = err
+        world = self.plan.data_parallel_size
+        if world > 1:
+            t = torch.tensor([local, int(error is not None)], dtype=torch.int64, device=self.device)
+            with self._own_collective():
+                torch.distributed.all_reduce(t)
+            total, failed = int(t[0].item()), int(t[1].item())
+        else:
+            total, failed = local, int(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(
+                f"count_items failed on {failed} other rank(s) for this window; see their error"
+            )
+        self._window.set_items(total)
+
+    def _own_collective(self) -> contextlib.AbstractContextManager[None]:
+        return self.audit.own() if self.audit is not None else contextlib.nullcontext()
+
+    @property
+    def window_items(self) -> int:
+        """Items (e.g. tokens) in the whole global window in progress: all its micro-batches on
+        all ranks, counted by ``count_items`` when the window starts (the last window's count
+        between windows)."""
+        if self._count_items is None:
+            raise ConfigError(
+                "accel.window_items needs count_items; build the Accelerator with "
+                "count_items=gradsync.count_label_tokens (or your own fn(batch) -> int)"
+            )
+        items = self._window.items
+        if items is None:
+            raise RuntimeError(
+                "accel.window_items is known once a window fed by a prepared dataloader has "
+                "started; read it inside `with accel.accumulate(model):` and iterate a loader "
+                "returned by accel.prepare(...)"
+            )
+        return items
+
+    def backward(self, loss: torch.Tensor, reduction: str = "mean") -> None:
+        """Backward of the micro-batch's loss, scaled so the update is the window's mean.
+
+        ``reduction="mean"``: ``loss`` is the micro-batch's mean; it is divided by the number
+        of micro-batches in this window (the update is the mean of micro-batch means).
+        ``"sum"``: ``loss`` is summed over the micro-batch's items; gradsync scales it so the
+        update is the mean over every item of the global window (needs ``count_items``).
+        ``"normalized"``: ``loss`` is already divided by ``accel.window_items``; gradsync only
+        undoes the data-parallel averaging of gradients.
+        """
         step = self._window.current
-        if step is None:
-            if self._window.steps > 1:
+        if reduction == "mean":
+            if step is None and self._window.steps > 1:
                 raise RuntimeError(
                     f"accel.backward() was called outside `with accel.accumulate(model):` while "
                     f"gradient_accumulation_steps={self._window.steps}; put the forward and the "
                     "backward inside the accumulate block, which decides when gradients sync"
                 )
-            scale = 1
-        else:
-            scale = step.size
-        self._backend.backward(loss / scale if scale != 1 else loss)
+            scale = 1 if step is None else step.size
+            self._backend.backward(loss / scale if scale != 1 else loss)
+            return
+        if reduction not in REDUCTIONS:
+            raise ConfigError(f"backward(reduction={reduction!r}) is unknown; use one of {', '.join(REDUCTIONS)}")
+        if self._count_items is None:
+            raise ConfigError(
+                f"backward(reduction={reduction!r}) needs count_items to know the window's items; "
+                "build the Accelerator with count_items=gradsync.count_label_tokens (or your own "
+                "fn(batch) -> int), or use reduction='mean'"
+            )
+        if step is None:
+            raise RuntimeError(
+                f"accel.backward(reduction={reduction!r}) was called outside `with "
+                "accel.accumulate(model):`; the window's item count is known only inside it"
+            )
+        items = self.window_items
+        if items == 0:
+            return  # nothing to learn from; the boundary skips the step
+        world = self.plan.data_parallel_size  # every backend averages gradients over it
+        factor = world / items if reduction == "sum" else float(world)
+        self._backend.backward(loss * factor if factor != 1 else loss)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
@@ -387,9 +534,9 @@ class Accelerator:
         """Clip at a boundary and return the global gradient norm; off it, do nothing (None)."""
         if not self._window.boundary:
             return None
-        if not self._models:
+        if not self._trained:
             raise RuntimeError("clip_grad_norm_() before prepare(); prepare the model first")
-        return self._backend.clip_grad_norm_(self._models[-1], parameters, max_norm, norm_type)
+        return self._backend.clip_grad_norm_(self._trained[-1], parameters, max_norm, norm_type)
 
     # -- models and processes ----------------------------------------------
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -401,6 +548,60 @@ class Accelerator:
 
     def wait_for_everyone(self) -> None:
         self._backend.barrier()
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """The first process on this machine (e.g. to download or write local files)."""
+        return self.local_rank == 0
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """The main process runs the block first, the others once it is done (e.g. to build
+        a dataset cache once)."""
+        if not self.is_main_process:
+            self._backend.barrier()
+        try:
+            yield
+        finally:
+            if self.is_main_process:
+                self._backend.barrier()
+
+    # -- metrics across ranks (collectives: call them on every rank) --------
+    def gather(self, data: Any) -> Any:
+        """Each tensor of ``data`` (nested dicts / lists allowed) from every rank,
+        concatenated along the first dimension in rank order."""
+        with self._own_collective():
+            return metrics.gather(data)
+
+    def gather_for_metrics(self, data: Any) -> Any:
+        """``gather`` for evaluation: when ``data`` holds one row per sample of the batch a
+        prepared loader just yielded, the rows come back in the sampler's order (the dataset's
+        order without shuffling) and the duplicates that the sampler padded in at the end of
+        the pass are dropped, so each sample is counted exactly once."""
+        it = self._loaders.last_pass() if self._loaders.last_pass is not None else None
+        layout = it.owner.sample_layout(self.world_size) if it is not None else None
+        with self._own_collective():
+            if it is None or layout is None or self.world_size == 1:
+                return metrics.gather(data)
+            batch_size, total = layout
+            index = it.yielded - 1
+
+            def one(t: torch.Tensor) -> torch.Tensor:
+                pieces = metrics.gather_pieces(t)
+                return metrics.sampler_order(pieces, batch_index=index, batch_size=batch_size, total=total)
+
+            return metrics.apply(one, data, "gather_for_metrics")
+
+    def reduce(self, data: Any, op: str = "sum") -> Any:
+        """Each tensor of ``data`` summed (``"sum"``) or averaged (``"mean"``) over ranks."""
+        with self._own_collective():
+            return metrics.reduce(data, op)
+
+    def pad_across_processes(self, data: Any, dim: int = 0, pad_index: float = 0,
+                             pad_first: bool = False) -> Any:
+        """Each tensor of ``data`` padded along ``dim`` to the largest size on any rank."""
+        with self._own_collective():
+            return metrics.pad_across_processes(data, dim, pad_index, pad_first)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on the main process only."""

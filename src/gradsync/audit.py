@@ -14,6 +14,7 @@ creates its process group through the wrapper. Read it back from ``accel.audit``
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -48,6 +49,8 @@ class MicroStepRecord:
     index: int
     boundary: bool
     ops: list[tuple[str, int]] = field(default_factory=list)
+    #: gradsync's own collectives (item counts, metrics): never gradient traffic.
+    own: list[tuple[str, int]] = field(default_factory=list)
 
     def count(self, *names: str) -> int:
         wanted = set(names) or None
@@ -74,6 +77,7 @@ class MicroStepRecord:
             "reductions": self.reductions,
             "reduction_bytes": self.reduction_bytes,
             "bytes": self.nbytes(),
+            "own": dict(Counter(op for op, _ in self.own)),
         }
 
 
@@ -85,11 +89,27 @@ class Recorder:
         self.records: list[MicroStepRecord] = []
         self._current: MicroStepRecord | None = None
         self.outside: list[tuple[str, int]] = []  # ops issued outside any micro-step
+        self._own_depth = 0
 
     def record(self, op: str, nbytes: int) -> None:
         with self._lock:
-            target = self._current.ops if self._current is not None else self.outside
+            if self._current is None:
+                target = self.outside
+            else:
+                target = self._current.own if self._own_depth else self._current.ops
             target.append((op, nbytes))
+
+    @contextlib.contextmanager
+    def own(self) -> Iterator[None]:
+        """Collectives issued inside are gradsync's own (item counts, metrics), recorded
+        apart from the micro-step's ops so they never count as gradient reductions."""
+        with self._lock:
+            self._own_depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._own_depth -= 1
 
     def open(self, boundary: bool) -> MicroStepRecord:
         with self._lock:
@@ -123,9 +143,11 @@ class Recorder:
         per = ",".join(str(r.reductions) for r in window)
         red_bytes = sum(r.reduction_bytes for r in window)
         gathers = sum(r.count("allgather") for r in window)
+        own = sum(len(r.own) for r in window)
         return (
             f"micro-steps {len(window)}: reductions per micro-step [{per}] "
             f"({human_bytes(red_bytes)}), all-gathers {gathers}"
+            + (f"; gradsync's own collectives {own}" if own else "")
         )
 
 

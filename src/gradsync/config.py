@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from gradsync import schedule
 from gradsync._util import check_positive_int
 from gradsync.errors import ConfigError
 
@@ -36,13 +37,20 @@ class Config:
     """Every gradsync setting. Errors name the key, the value and the fix."""
 
     backend: str = "auto"
-    gradient_accumulation_steps: int | None = None
+    # An int, or a schedule: "0:2 100:4", {"start": 64, "increment": 64, "samples": N} (a
+    # global-batch ramp-up), or a callable optimizer_step -> k (see gradsync.schedule).
+    gradient_accumulation_steps: Any = None
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
     sync_policy: RequestedPolicy = "auto"
     seed: int | None = None
     audit: bool = False
     mixed_precision: str = "no"
+    # fn(batch) -> int: items (tokens) per batch, for reduction="sum"/"normalized" in backward;
+    # a callable, or "module:function" (e.g. "gradsync:count_label_tokens") from YAML / env.
+    count_items: Any = None
+    # False: windows run on across the end of a pass (no end-of-data flush, no drop).
+    sync_with_dataloader: bool = True
     # Backend options (each adapter reads its own; unknown to the others).
     deepspeed_config: Any = None
     # Bytes per rank that deferring may hold on sharded backends (FSDP2, ZeRO 2/3) under
@@ -63,8 +71,17 @@ class Config:
         self.backend = self.backend.lower()
         for name in ("gradient_accumulation_steps", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
-            if value is not None:
+            if name == "gradient_accumulation_steps" and schedule.is_schedule(value):
+                schedule.check(value)
+            elif value is not None:
                 setattr(self, name, check_positive_int(name, value))
+        if not isinstance(self.sync_with_dataloader, bool):
+            raise ConfigError(f"sync_with_dataloader={self.sync_with_dataloader!r} must be True or False")
+        if not self.sync_with_dataloader and self.count_items is not None:
+            raise ConfigError(
+                "count_items needs sync_with_dataloader=True: a window that runs on into the next "
+                "pass cannot count its items ahead; drop one of the two"
+            )
         if self.sync_policy not in SYNC_POLICIES:
             raise ConfigError(
                 f"sync_policy={self.sync_policy!r} is unknown; use one of {', '.join(SYNC_POLICIES)}"
@@ -79,6 +96,8 @@ class Config:
                 f"ddp_kwargs={self.ddp_kwargs!r} must be a dict of DistributedDataParallel "
                 "arguments, e.g. {'find_unused_parameters': True}"
             )
+        if self.count_items is not None:
+            self.count_items = _resolve_callable("count_items", self.count_items)
         if not isinstance(self.audit, bool):
             raise ConfigError(f"audit={self.audit!r} must be True or False")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
@@ -125,13 +144,43 @@ class Config:
             return self.fsdp_memory_budget, "fsdp_memory_budget"
         return None, "sync_memory_budget"
 
+    @property
+    def accumulation_steps(self) -> int:
+        """The accumulation steps to use when none was derived from batch sizes (default 1)."""
+        value = self.gradient_accumulation_steps
+        if schedule.is_schedule(value):
+            return schedule.parse(value, micro_batch_size=self.micro_batch_size,
+                                  global_batch_size=self.global_batch_size).steps_at(0)
+        return int(value or 1)
+
+
+def _resolve_callable(name: str, value: Any) -> Any:
+    """A callable as given, or the one a "module:attribute" string names."""
+    if callable(value):
+        return value
+    if isinstance(value, str) and ":" in value:
+        module_name, _, attr = value.partition(":")
+        import importlib
+
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ConfigError(f"{name}={value!r} cannot be loaded ({err}); give 'module:function'") from None
+    raise ConfigError(
+        f"{name}={value!r} must be a callable fn(batch) -> int, or 'module:function' such as "
+        "'gradsync:count_label_tokens'"
+    )
+
 
 _FIELDS = {f.name: f for f in fields(Config)}
 
 
 def _coerce(name: str, raw: str, source: str) -> Any:
     """Turn an environment string into the field's type."""
-    if name in ("audit", "fsdp_reshard_after_backward", "fsdp_keep_params_in_window"):
+    if name == "gradient_accumulation_steps" and schedule.is_schedule(raw):
+        return raw.strip()
+    if name in ("audit", "fsdp_reshard_after_backward", "fsdp_keep_params_in_window",
+                "sync_with_dataloader"):
         low = raw.strip().lower()
         if low in _TRUE:
             return True
@@ -280,6 +329,8 @@ def env_vars(settings: Mapping[str, Any]) -> dict[str, str]:
             import json
 
             text = json.dumps(value)
+        elif callable(value):  # read back by _resolve_callable
+            text = f"{value.__module__}:{value.__qualname__}"
         else:
             text = str(value)
         out[ENV_PREFIX + name.upper()] = text

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import collections
 import logging
+import numbers
+import weakref
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -100,12 +103,85 @@ def shard_dataloader(loader: DataLoader[Any], *, rank: int, world_size: int, see
     return DataLoader(loader.dataset, **kwargs)
 
 
+ItemCounter = Callable[[Any], Any]
+
+
+@dataclass
+class LoaderContext:
+    """What the Accelerator that prepared a loader gives it (one per Accelerator)."""
+
+    window: Window
+    device: torch.device
+    on_epoch_start: Callable[[PreparedDataLoader], None]
+    count_items: ItemCounter | None = None
+    #: The pass that yielded most recently, of any loader of this Accelerator (a weak reference).
+    last_pass: weakref.ref[LoaderIteration] | None = None
+
+
+def batch_length(batch: Any) -> int:
+    """Rows in a batch: the first dimension of its first tensor (nested structures allowed)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            return batch_length(value)
+    if isinstance(batch, list | tuple) and batch:
+        return batch_length(batch[0])
+    raise ConfigError(
+        f"cannot tell how many rows a {type(batch).__name__} batch holds; batches must hold "
+        "tensors (or dicts / lists / tuples of them) whose first dimension is the batch"
+    )
+
+
+def split_batch(batch: Any, size: int) -> list[Any]:
+    """``batch`` cut along the first dimension into pieces of ``size`` rows (the last may be
+    smaller); every tensor of a nested structure is cut alike, other values are repeated."""
+    rows = batch_length(batch)
+    starts = range(0, rows, size)
+
+    def cut(value: Any, start: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
+            return value[start : start + size]
+        if isinstance(value, Mapping):
+            return type(value)({k: cut(v, start) for k, v in value.items()})  # type: ignore[call-arg]
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*(cut(v, start) for v in value))
+        if isinstance(value, list | tuple):
+            plain = len(value) == rows and all(isinstance(v, int | float | str) for v in value)
+            if plain:  # one value per row (ids, texts): cut like a tensor
+                return type(value)(value[start : start + size])
+            return type(value)(cut(v, start) for v in value)
+        return value
+
+    return [cut(batch, start) for start in starts]
+
+
+def checked_count(value: Any, where: str) -> int:
+    """An item count as a plain int >= 0, or a ConfigError naming the value and the batch."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex():
+            raise ConfigError(
+                f"count_items returned {value!r} for {where}; it must return one whole number "
+                "(an int or a one-element integer tensor), the items (e.g. tokens) in the batch"
+            )
+        value = int(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(
+            f"count_items returned {value!r} ({type(value).__name__}) for {where}; it must "
+            "return a whole number >= 0, the items (e.g. tokens) in the batch"
+        )
+    if value < 0:
+        raise ConfigError(f"count_items returned {value} for {where}; a count must be >= 0")
+    return int(value)
+
+
 class LoaderIteration:
     """One pass over a prepared loader: reads one batch ahead (a window ahead on request),
     knows where the pass stands, and re-raises a loading error at the batch that caused it."""
 
     def __init__(self, owner: PreparedDataLoader, source: Iterator[Any], total: int | None) -> None:
         self.owner = owner
+        self.epoch = owner._current_epoch
         self.source = source
         self.total = total
         self.buffer: collections.deque[Any] = collections.deque()
@@ -115,8 +191,11 @@ class LoaderIteration:
         self.yielded = 0
         self.remaining: int | None = None  # batches left, the last yielded one included
         self.last = False
-        self._window = owner._window
-        self._ticket = owner._window.track(self)
+        self._context = owner._context
+        self._window = owner._context.window
+        self._ticket = self._window.track(self)
+        self._weak = weakref.ref(self)
+        self._last_batch: Any = None  # the last yielded batch as loaded (kept to count its items)
 
     def __iter__(self) -> LoaderIteration:
         return self
@@ -135,6 +214,24 @@ class LoaderIteration:
         self._fill(n)
         left = len(self.buffer) + 1
         return left if self.error is None and self.exhausted and left <= n else None
+
+    def lengths_ahead(self, n: int) -> tuple[list[int], bool]:
+        """First-dimension lengths of up to ``n`` batches after the last yielded one, and
+        whether the pass ends after them (read ahead)."""
+        self._fill(n)
+        ahead = list(self.buffer)[:n]
+        ends = self.error is None and self.exhausted and len(self.buffer) <= n
+        return [batch_length(b) for b in ahead], ends
+
+    def count_items(self, n: int, count: ItemCounter) -> int:
+        """Items in the last yielded batch and the ``n - 1`` batches after it (read ahead)."""
+        self._fill(n - 1)
+        batches = [self._last_batch, *list(self.buffer)[: n - 1]]
+        first = self.yielded - 1
+        return sum(
+            checked_count(count(b), f"batch {first + i} of epoch {self.epoch}")
+            for i, b in enumerate(batches)
+        )
 
     def __next__(self) -> Any:
         self._fill(2)  # the batch to hand out and one more, to see the end coming
@@ -155,7 +252,10 @@ class LoaderIteration:
         self.last = self.error is None and self.exhausted and not self.buffer
         self.yielded += 1
         self._window.fed(self._ticket)
-        return _to_device(batch, self.owner._device)
+        self._context.last_pass = self._weak
+        if self._context.count_items is not None:
+            self._last_batch = batch
+        return _to_device(batch, self._context.device)
 
 
 class PreparedDataLoader:
@@ -167,17 +267,9 @@ class PreparedDataLoader:
     follows the pass that fed the micro-step (see ``Window.begin``).
     """
 
-    def __init__(
-        self,
-        loader: Any,
-        window: Window,
-        device: torch.device,
-        on_epoch_start: Callable[[PreparedDataLoader], None],
-    ) -> None:
+    def __init__(self, loader: Any, context: LoaderContext) -> None:
         self.loader = loader
-        self._window = window
-        self._device = device
-        self._on_epoch_start = on_epoch_start
+        self._context = context
         self._epoch = 0
         self._epoch_set = False
         self._sampler_epoch = 0
@@ -205,6 +297,18 @@ class PreparedDataLoader:
     def sampler(self) -> Any:
         return getattr(self.loader, "sampler", None)
 
+    def sample_layout(self, world_size: int) -> tuple[int, int] | None:
+        """(batch size, dataset size) when the ranks' batches come from one
+        ``DistributedSampler`` order dealt out sample by sample over ``world_size`` ranks
+        (padded at the end to even them out); None for any other layout."""
+        sampler = self.sampler
+        batch_size = getattr(self.loader, "batch_size", None)
+        if not isinstance(sampler, DistributedSampler) or batch_size is None:
+            return None
+        if sampler.num_replicas != world_size:
+            return None
+        return int(batch_size), len(sampler.dataset)  # type: ignore[arg-type]
+
     def __len__(self) -> int:
         return len(self.loader)
 
@@ -224,7 +328,7 @@ class PreparedDataLoader:
         self._current_epoch = self._epoch
         self._epoch += 1
         self._epoch_set = False
-        self._on_epoch_start(self)
+        self._context.on_epoch_start(self)
         it = LoaderIteration(self, iter(self.loader), self._sized_len())
         self._current = it
         return it

@@ -77,7 +77,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
                 "step(closure) is not supported under gradient accumulation; "
                 "call the closure yourself inside accel.accumulate()"
             )
-        if not self._window.boundary:
+        if not self._window.boundary or self._window.skips_step:
             return
         if self._backend.step(self.optimizer):
             self.steps_applied += 1

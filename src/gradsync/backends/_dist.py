@@ -63,6 +63,13 @@ def ensure_process_group(backend_name: str, *, want_audit: bool) -> bool:
     return True
 
 
+def broadcast_from_rank0(model: torch.nn.Module) -> None:
+    """Start every rank from rank 0's parameters and buffers (what DDP does when it wraps)."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+
+
 def release_process_group() -> None:
     """Destroy the group and free what still holds it, while the interpreter is alive.
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from gradsync.batching import BatchPlan
     from gradsync.config import Config
 
-__all__ = ["Backend", "RequestedPolicy", "SyncPolicy", "clear_grads"]
+__all__ = ["Backend", "RequestedPolicy", "SyncPolicy", "clear_grads", "is_frozen"]
 
 
 class Backend(Protocol):
@@ -89,6 +89,11 @@ class Backend(Protocol):
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
+
+
+def is_frozen(model: torch.nn.Module) -> bool:
+    """No parameter of ``model`` is trained (a reference or teacher model)."""
+    return not any(p.requires_grad for p in model.parameters())
 
 
 def clear_grads(models: Iterable[torch.nn.Module]) -> None:

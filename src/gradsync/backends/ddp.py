@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync.backends import _dist
-from gradsync.backends.base import SyncPolicy, clear_grads
+from gradsync.backends.base import SyncPolicy, clear_grads, is_frozen
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
@@ -53,6 +53,10 @@ class DDPBackend:
         if isinstance(model, DDP):
             return model, optimizer
         model = model.to(self._device)
+        if is_frozen(model):
+            # Nothing to synchronise (a reference or teacher model): never wrapped in DDP.
+            _dist.broadcast_from_rank0(model)
+            return model, optimizer
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         return DDP(model, device_ids=device_ids, **self.ddp_kwargs), optimizer
 
@@ -61,7 +65,12 @@ class DDPBackend:
 
     @contextlib.contextmanager
     def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
+        cast = torch.autocast(self._device.type, dtype=torch.bfloat16) if self._bf16 else None
         if not isinstance(model, DDP):
+            if is_frozen(model):  # a prepared frozen model: it has no gradient to defer
+                with cast or contextlib.nullcontext():
+                    yield
+                return
             raise RuntimeError(
                 f"accumulate() got a {type(model).__name__}, not the DistributedDataParallel model "
                 "that accel.prepare() returned, so gradients would sync on every micro-step; "
@@ -69,7 +78,6 @@ class DDPBackend:
             )
         # no_sync() saves require_backward_grad_sync and puts the saved value back on exit.
         defer = not boundary and self.policy != "every_step"
-        cast = torch.autocast(self._device.type, dtype=torch.bfloat16) if self._bf16 else None
         with model.no_sync() if defer else contextlib.nullcontext(), cast or contextlib.nullcontext():
             yield
 

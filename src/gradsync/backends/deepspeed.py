@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from gradsync.backends import _deepspeed_compat, _deepspeed_policy, _dist
 from gradsync.backends._deepspeed_config import build_config, load_ds_config
-from gradsync.backends.base import RequestedPolicy, SyncPolicy
+from gradsync.backends.base import RequestedPolicy, SyncPolicy, is_frozen
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
@@ -87,8 +87,17 @@ class DeepSpeedBackend:
         deepspeed = import_deepspeed()
         if isinstance(model, deepspeed.DeepSpeedEngine):
             return model, model.optimizer
+        if is_frozen(model) and optimizer is None:
+            # A reference / teacher model: no engine, kept whole on every rank (see docs).
+            model = model.to(self._device)
+            _dist.broadcast_from_rank0(model)
+            return model, None
         if self.engine is not None:
-            raise ConfigError("backend='deepspeed' prepares one model per Accelerator; create another")
+            raise ConfigError(
+                "backend='deepspeed' trains one model per Accelerator (one engine); a second "
+                "model with trainable parameters was prepared: freeze it (requires_grad=False) "
+                "if it is a reference or teacher model, or train it with another backend"
+            )
         ds = build_config(self._ds, given_optimizer=optimizer is not None, plan=plan,
                           world=dist.get_world_size(), mixed_precision=self._mixed_precision,
                           cpu=not _dist.use_cuda())
@@ -126,6 +135,9 @@ class DeepSpeedBackend:
 
     @contextlib.contextmanager
     def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
+        if model is not self.engine and is_frozen(model):  # a prepared reference model
+            yield
+            return
         engine = self._engine(model)
         prior = bool(engine.is_gradient_accumulation_boundary())
         engine.set_gradient_accumulation_boundary(boundary)

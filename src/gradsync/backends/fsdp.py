@@ -31,7 +31,7 @@ from gradsync.backends._fsdp_policy import (
     select_units,
 )
 from gradsync.backends._memory import agreed_budget
-from gradsync.backends.base import RequestedPolicy, SyncPolicy, clear_grads
+from gradsync.backends.base import RequestedPolicy, SyncPolicy, clear_grads, is_frozen
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
@@ -115,7 +115,8 @@ class FSDPBackend:
                 sharded = dict(model.named_parameters())
                 for group in optimizer.param_groups:
                     group["params"] = [sharded[names[id(p)]] for p in group["params"]]
-        self._decide(model)
+        if not is_frozen(model):  # a frozen model is sharded for its forward only
+            self._decide(model)
         return model, optimizer
 
     def _shard(self, model: nn.Module) -> None:
@@ -173,7 +174,7 @@ class FSDPBackend:
             )
         saved = _fsdp_compat.save_flags(model)
         model.set_requires_gradient_sync(reduce)
-        if self.keep == "window" and self.policy == "defer":
+        if self.keep == "window" and self.policy == "defer" and not is_frozen(model):
             # Gathered from the window's first forward until the boundary's backward reshards.
             _fsdp_compat.keep_gathered(model, after_forward=True, after_backward=not reduce)
         elif not reduce and self.keep == "after_backward":

@@ -9,10 +9,28 @@ from collections.abc import Sequence
 from gradsync.errors import ConfigError
 
 
+def _steps(text: str) -> int | str:
+    """An argparse type: a number of steps, or a schedule such as '0:2 100:4'."""
+    stripped = text.strip()
+    if stripped.lstrip("+-").isdigit():
+        return int(stripped)
+    if ":" in stripped or stripped.startswith("{"):
+        return stripped
+    raise argparse.ArgumentTypeError(
+        f"invalid int value: {text!r} (give a number of steps, or a schedule such as '0:2 100:4')"
+    )
+
+
 def _add_batch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch-size", type=int, default=None, metavar="G")
     p.add_argument("--micro-batch-size", type=int, default=None, metavar="M")
-    p.add_argument("--gradient-accumulation-steps", type=int, default=None, metavar="K")
+    p.add_argument("--gradient-accumulation-steps", type=_steps, default=None, metavar="K",
+                   help="a number, or a schedule by optimizer step: '0:2 100:4 300:8'")
+
+
+def _positive_list(text: str) -> list[int]:
+    """An argparse type: whole numbers >= 1, comma-separated."""
+    return [_positive(part.strip()) for part in text.split(",") if part.strip()]
 
 
 def _positive(text: str) -> int:
@@ -55,10 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("script", help="the training script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
-    plan = sub.add_parser("plan", help="derive and check the batch sizes (--estimate: and the communication)")
+    plan = sub.add_parser("plan", help="derive and check the batch sizes, for one or several world sizes (--estimate: and the communication)")
     _add_batch_flags(plan)
-    plan.add_argument("--nproc-per-node", type=_positive, default=1, metavar="N")
-    plan.add_argument("--nnodes", type=_positive, default=1, metavar="N")
+    plan.add_argument("--nproc-per-node", type=_positive_list, default=[1], metavar="N[,N...]")
+    plan.add_argument("--nnodes", type=_positive_list, default=[1], metavar="N[,N...]")
+    plan.add_argument("--config", default=None, metavar="YAML",
+                      help="a gradsync config file (flags override its batch settings)")
     est = plan.add_argument_group("communication estimate (--estimate)")
     est.add_argument("--estimate", action="store_true",
                      help="print bytes sent per rank and step time, naive vs deferred, per backend")
@@ -122,31 +142,42 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from gradsync.batching import BatchPlan
+    from gradsync.config import from_yaml
+    from gradsync.launch import plan
 
-    world = args.nproc_per_node * args.nnodes
-    if args.global_batch_size is not None and args.micro_batch_size is None and args.gradient_accumulation_steps is None:
+    settings = from_yaml(args.config) if args.config else {}
+    for name in ("global_batch_size", "micro_batch_size", "gradient_accumulation_steps"):
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
+    if (settings.get("global_batch_size") is not None and settings.get("micro_batch_size") is None
+            and settings.get("gradient_accumulation_steps") is None):
         raise ConfigError(
-            f"--global-batch-size={args.global_batch_size} needs --micro-batch-size or "
+            f"--global-batch-size={settings['global_batch_size']} needs --micro-batch-size or "
             "--gradient-accumulation-steps to derive the other"
         )
-    plan = BatchPlan.solve(
-        data_parallel_size=world,
-        global_batch_size=args.global_batch_size,
-        micro_batch_size=args.micro_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-    )
-    print(f"data-parallel processes: {world} ({args.nnodes} node(s) x {args.nproc_per_node})")
-    print(f"micro batch size:        {plan.micro_batch_size if plan.micro_batch_size else '?'} per process")
-    print(f"accumulation steps:      {plan.gradient_accumulation_steps}")
-    print(f"global batch size:       {plan.global_batch_size if plan.global_batch_size else '?'} per optimizer step")
+    table = plan.rows(settings, args.nproc_per_node, args.nnodes)
+    if len(table) == 1:
+        if "error" in table[0]:
+            raise ConfigError(table[0]["error"])
+        print(plan.single(table[0]))
+    else:
+        print(plan.render(table))
     if args.estimate:
-        _estimate(args, world, plan.gradient_accumulation_steps)
-    return 0
+        for row in table:
+            if "error" not in row:
+                _estimate(args, row)
+    return 2 if any("error" in row for row in table) else 0
 
 
-def _estimate(args: argparse.Namespace, world: int, k: int) -> None:
+def _estimate(args: argparse.Namespace, row: dict[str, str]) -> None:
     from gradsync.estimate import Cluster, estimate, format_table
+
+    if not row["k"].isdigit():
+        raise ConfigError(
+            f"--estimate needs a constant number of accumulation steps, not the schedule "
+            f"{row['k']!r}; give --gradient-accumulation-steps K for the phase to estimate"
+        )
+    world, k = int(row["world"]), int(row["k"])
 
     if (args.params is None) == (args.grad_bytes is None):
         raise ConfigError("--estimate needs the model size: give --params N (e.g. 7e9) or --grad-bytes B, not both")
@@ -166,7 +197,7 @@ def _estimate(args: argparse.Namespace, world: int, k: int) -> None:
     backends = tuple(b.strip() for b in args.estimate_backends.split(",") if b.strip())
     rows = estimate(cluster, backends)
     print()
-    print(format_table(cluster, rows, nodes=args.nnodes, per_node=args.nproc_per_node))
+    print(format_table(cluster, rows, nodes=int(row["nodes"]), per_node=int(row["per_node"])))
 
 
 def _env() -> int:

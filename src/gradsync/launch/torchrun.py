@@ -17,9 +17,10 @@ from typing import Any
 
 from gradsync import backends
 from gradsync._util import check_positive_int
-from gradsync.batching import BatchPlan
+from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.config import ENV_PREFIX, MIXED_PRECISION, SYNC_POLICIES, Config, env_vars, from_yaml
 from gradsync.errors import ConfigError
+from gradsync.schedule import Schedule, is_schedule
 
 # LaunchConfig fields that are worker settings; None (or audit=False) means "not given".
 _SETTINGS = ("backend", "gradient_accumulation_steps", "micro_batch_size", "global_batch_size",
@@ -44,7 +45,7 @@ class LaunchConfig:
     # What the workers' Accelerator() reads from GRADSYNC_* variables. None means "not given":
     # the workers then take the value from the config file, or the default.
     backend: str | None = None
-    gradient_accumulation_steps: int | None = None
+    gradient_accumulation_steps: int | str | None = None  # an int or a schedule ("0:2 100:4")
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
     sync_policy: str | None = None
@@ -64,6 +65,7 @@ class Launcher:
     def __init__(self, config: LaunchConfig) -> None:
         self.config = config
         self._file_settings: dict[str, Any] | None = None  # the config file, read once
+        self.schedule: Schedule | None = None
         self.plan = self.validate()
 
     def validate(self) -> BatchPlan:
@@ -115,12 +117,13 @@ class Launcher:
         except ConfigError as err:
             raise ConfigError(f"config file {c.config_file!r}: {err}") from None
         merged = self._merged()
-        return BatchPlan.solve(
+        plan, self.schedule = solve_with_schedule(
             data_parallel_size=c.world_size,
             global_batch_size=merged.get("global_batch_size"),
             micro_batch_size=merged.get("micro_batch_size"),
             gradient_accumulation_steps=merged.get("gradient_accumulation_steps"),
         )
+        return plan
 
     def _given(self) -> dict[str, Any]:
         """The worker settings given on the command line (or to LaunchConfig)."""
@@ -146,7 +149,11 @@ class Launcher:
         given = {k: v for k, v in self._given().items() if k not in sizes}
         # The batch sizes go as the plan derived them from the flags and the file (the global
         # batch size follows from the other two); none go when neither gave any.
-        if any(self._merged().get(name) is not None for name in sizes):
+        merged = self._merged()
+        if is_schedule(merged.get("gradient_accumulation_steps")):
+            # A schedule goes as given (its k changes); so do the sizes it is read with.
+            given.update({k: merged[k] for k in sizes if merged.get(k) is not None})
+        elif any(merged.get(name) is not None for name in sizes):
             given["gradient_accumulation_steps"] = self.plan.gradient_accumulation_steps
             if self.plan.micro_batch_size is not None:
                 given["micro_batch_size"] = self.plan.micro_batch_size

@@ -1,0 +1,151 @@
+"""What token-weighted accumulation costs: ``reduction="sum"`` with ``count_items`` against
+the plain ``"mean"`` loop, on DDP, in one run.
+
+    python benchmarks/token_weighting.py --out bench-out          # about a minute on 2 cores
+
+Both modes train the sync-overhead benchmark's MLP (4.2 M parameters) with k micro-batches
+of 8 samples per optimizer step on 2 ranks; each sample carries a number of "tokens" (1-16)
+that weighs its loss. The only extra work of the token-weighted loop is counting a window's
+items (read ahead) and one all-reduce of two integers per window. Modes alternate step by
+step; the figure is the median over steps of (token-weighted step time / mean step time) of
+neighbouring steps, next to the time of the count all-reduce alone and its share of a step.
+Writes token_weighting.json and token_weighting.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+def worker(spec: dict[str, Any], out: Path) -> None:
+    import torch
+    from torch.utils.data import DataLoader
+
+    sys.path.insert(0, str(HERE))
+    from bench_cells import Sizes, sgd
+
+    from gradsync import Accelerator
+
+    torch.set_num_threads(1)
+    sizes = Sizes(**spec["sizes"])
+    k, steps = spec["k"], spec["steps"]
+
+    def data() -> list[dict[str, torch.Tensor]]:
+        """Samples for every rank (the prepared loader shards them), each with its tokens."""
+        g = torch.Generator().manual_seed(1000)
+        return [{"x": torch.randn(sizes.features, generator=g),
+                 "y": torch.randn(sizes.outputs, generator=g),
+                 "tokens": torch.randint(1, 17, (), generator=g)}
+                for _ in range(k * steps * sizes.micro_batch * 2)]
+
+    def per_sample(model: Any, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ((model(b["x"]) - b["y"]) ** 2).mean(dim=1)
+
+    runners = {}
+    for mode in ("mean", "sum"):
+        accel = Accelerator(backend="ddp", gradient_accumulation_steps=k, seed=0,
+                            count_items=(lambda b: b["tokens"].sum()) if mode == "sum" else None)
+        model = sizes.model()
+        model, opt = accel.prepare(model, sgd(model.parameters()))
+        loader = accel.prepare(DataLoader(data(), batch_size=sizes.micro_batch))
+        runners[mode] = (accel, model, opt, loader)
+
+    def one_step(mode: str, it: Any) -> float:
+        accel, model, opt, _ = runners[mode]
+        t0 = time.perf_counter()
+        for _ in range(k):
+            b = next(it)
+            with accel.accumulate(model):
+                if mode == "sum":
+                    accel.backward((per_sample(model, b) * b["tokens"]).sum(), reduction="sum")
+                else:
+                    accel.backward(per_sample(model, b).mean())
+                opt.step()
+                opt.zero_grad()
+        return (time.perf_counter() - t0) * 1e3
+
+    iters = {mode: iter(runners[mode][3]) for mode in runners}
+    for mode in runners:  # warm-up: DDP rebuilds its buckets after the first step
+        one_step(mode, iters[mode])
+        one_step(mode, iters[mode])
+    times: dict[str, list[float]] = {"mean": [], "sum": []}
+    for s in range(steps - 2):
+        order = ("mean", "sum") if s % 2 == 0 else ("sum", "mean")
+        for mode in order:
+            times[mode].append(one_step(mode, iters[mode]))
+    count_ms = []
+    accel = runners["sum"][0]
+    t = torch.zeros(2, dtype=torch.int64)
+    for _ in range(50):
+        t0 = time.perf_counter()
+        torch.distributed.all_reduce(t)
+        count_ms.append((time.perf_counter() - t0) * 1e3)
+    if accel.rank == 0:
+        (out / "result.json").write_text(json.dumps({"times": times, "count_allreduce_ms": count_ms}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="benchmark-results")
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--steps", type=int, default=42, help="optimizer steps per mode (2 are warm-up)")
+    p.add_argument("--quick", action="store_true", help="a tiny model and 8 steps (a smoke run)")
+    p.add_argument("--worker", nargs=2, metavar=("SPEC", "DIR"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(json.loads(Path(args.worker[0]).read_text()), Path(args.worker[1]))
+        return 0
+    sizes = ({"width": 64, "depth": 2, "features": 64, "outputs": 4, "micro_batch": 8} if args.quick
+             else {"width": 1024, "depth": 3, "features": 1024, "outputs": 16, "micro_batch": 8})
+    spec = {"sizes": sizes, "k": args.k, "steps": 8 if args.quick else args.steps}
+    work = Path(tempfile.mkdtemp(prefix="gradsync-tokens-"))
+    (work / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    print(f"token-weighting benchmark: DDP, 2 ranks, k={spec['k']}, {spec['steps']} steps per mode ...",
+          flush=True)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", str(Path(__file__).resolve()), "--worker",
+                           str(work / "spec.json"), str(work)], env=env, capture_output=True, text=True)
+    if not (work / "result.json").exists():
+        print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
+        return 1
+    raw = json.loads((work / "result.json").read_text())
+    mean_ms, sum_ms = raw["times"]["mean"], raw["times"]["sum"]
+    ratios = [s / m for s, m in zip(sum_ms, mean_ms)]
+    result = {
+        "backend": "ddp", "world_size": 2, "k": spec["k"], "sizes": sizes,
+        "mean_step_ms": statistics.median(mean_ms), "sum_step_ms": statistics.median(sum_ms),
+        "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "count_allreduce_ms": statistics.median(raw["count_allreduce_ms"]),
+        "count_allreduce_share": statistics.median(raw["count_allreduce_ms"]) / statistics.median(mean_ms),
+        "target_ratio": 1.01, "raw": raw,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "token_weighting.json").write_text(json.dumps(result, indent=1))
+    table = (
+        "| backend | k | mean loop (ms/step) | token-weighted (ms/step) | ratio (median of pairs) | "
+        "count all-reduce (ms) | its share of a step |\n|---|---|---|---|---|---|---|\n"
+        f"| ddp | {spec['k']} | {result['mean_step_ms']:.1f} | {result['sum_step_ms']:.1f} | "
+        f"{result['ratio_median']:.3f} (range {result['ratio_min']:.2f}-{result['ratio_max']:.2f}) | "
+        f"{result['count_allreduce_ms']:.3f} | {100 * result['count_allreduce_share']:.2f} % |\n"
+    )
+    (out / "token_weighting.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
