@@ -3,8 +3,9 @@ installed versions (one process, a 1-rank gloo group), and the error a missing o
 
 DeepSpeed's need a real engine; the 2-rank tests in test_deepspeed.py reach each of them:
 ``clear_window_gradients`` (test_a_dropped_window_leaks_nothing), ``set_clipping``
-(test_clipping_*), ``can_coalesce`` (the ``defer`` scenarios) and ``flat_fp32_masters``
-(test_bf16_within_tolerance on stage 0).
+(test_clipping_*), ``can_coalesce`` (the ``defer`` scenarios), ``full_gradient_bytes``
+(test_auto_coalesces_zero_2_3_when_the_gradients_fit_the_budget, ZeRO 2 and 3) and
+``flat_fp32_masters`` (test_bf16_within_tolerance on stage 0).
 """
 
 from __future__ import annotations
@@ -109,3 +110,32 @@ def test_fsdp2_flags_unsharded_grads_and_sizes(tmp_path):
                for g in groups for fp in g.fsdp_params)
     _fsdp_compat.restore_flags(before)
     assert [flags[1:3] for flags in _fsdp_compat.save_flags(model)] == [(True, True)] * 3
+
+
+def test_fsdp2_keep_gathered_lazy_init_and_reshard(tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradsync.backends import _fsdp_compat
+
+    from scenarios.common import make_model
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    model = make_model()
+    mesh = init_device_mesh("cpu", (1,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    groups = list(_fsdp_compat.param_groups(model))  # the root's first, then the blocks'
+    assert all(g.post_forward_mesh_info is not None for g in groups)
+    _fsdp_compat.lazy_init(model)  # what the first forward would do: the root stops resharding
+    saved = _fsdp_compat.save_flags(model)
+    assert [flags[4] is None for flags in saved] == [True, False, False]
+    _fsdp_compat.keep_gathered(model, after_forward=True, after_backward=True)
+    assert all(g.post_forward_mesh_info is None and not g.reshard_after_backward for g in groups)
+    model(torch.randn(2, 8)).sum().backward()
+    assert all(g.is_unsharded for g in groups), "kept gathered through forward and backward"
+    _fsdp_compat.restore_flags(saved)
+    assert _fsdp_compat.save_flags(model) == saved
+    _fsdp_compat.reshard(model)
+    assert not any(g.is_unsharded for g in groups)
