@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.backends import _deepspeed_compat, _dist
-from gradsync.backends._deepspeed_config import fill_batch, load_ds_config
+from gradsync.backends._deepspeed_config import check_batch, fill_batch, load_ds_config
 from gradsync.backends.base import RequestedPolicy, SyncPolicy, is_frozen
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
@@ -68,9 +68,20 @@ class DeepSpeedBackend:
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"deepspeed_config zero_optimization.stage={self.stage} must be 0, 1, 2 or 3")
         self.policy = self._resolve_policy(config.sync_policy)
+        # A contradicting batch key is reported now, not later at prepare.
+        world = _dist.rank_info()[1]
+        plan = BatchPlan.solve(
+            data_parallel_size=world, global_batch_size=config.global_batch_size,
+            micro_batch_size=config.micro_batch_size,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+        )
+        check_batch(self._ds, micro=plan.micro_batch_size, steps=plan.gradient_accumulation_steps,
+                    world=world)
         if "gradient_clipping" in self._ds:
             self._clip = float(self._ds["gradient_clipping"])
-        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
+        self.owns_group = _dist.ensure_process_group(
+            self.name, want_audit=config.audit, self_check=config.self_check and self.policy == "defer"
+        )
         self._device = _dist.local_device()
 
     def _resolve_policy(self, asked: RequestedPolicy) -> SyncPolicy:
