@@ -36,7 +36,7 @@ class _Captured(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-class captured_warnings:  # noqa: N801 - used as a context manager
+class captured_warnings:
     def __enter__(self) -> list[str]:
         self.handler = _Captured()
         logging.getLogger("gradsync").addHandler(self.handler)
