@@ -14,6 +14,7 @@ pytestmark = pytest.mark.multiprocess
 
 SCENARIOS = {
     "check_correct": {"fn": "self_check", "loop": "correct"},
+    "check_correct_fsdp": {"fn": "self_check", "loop": "correct", "backend": "fsdp"},
     "check_forward_outside": {"fn": "self_check", "loop": "forward_outside"},
     "check_own_no_sync": {"fn": "self_check", "loop": "own_no_sync"},
     "iterable45": {"fn": "loader_run", "kind": "iterable", "samples": 45, "micro_batch": 4},
@@ -30,8 +31,10 @@ def results():
     return run_scenarios("scenarios.pipelines", SCENARIOS)
 
 
-def test_self_check_is_silent_for_a_correct_loop_then_stops(results):
-    for r in results["check_correct"]:
+@pytest.mark.parametrize("name", ["check_correct", "check_correct_fsdp"])
+def test_self_check_is_silent_for_a_correct_loop_then_stops(results, name):
+    for r in results[name]:
+        assert r["policy"] == "defer"
         assert r["warnings"] == []
         assert r["audit_is_none"], "audit=False keeps accel.audit None"
         assert not r["checking"], "the check ends after its steps"

@@ -53,12 +53,12 @@ def _recorder_state() -> dict[str, Any]:
 
 
 # -- the self-check -----------------------------------------------------------------------
-def self_check(*, loop: str, steps: int = 4, windows: int = 5) -> dict[str, Any]:
+def self_check(*, loop: str, backend: str = "ddp", steps: int = 4, windows: int = 5) -> dict[str, Any]:
     """``loop``: "correct" (forward and backward in the block), "forward_outside" (the forward
     before the block), or "own_no_sync" (the micro-step wrapped in a no_sync() of the user's
     own, so the boundary reduces nothing)."""
     torch.manual_seed(0)
-    accel = Accelerator(backend="ddp", gradient_accumulation_steps=steps, seed=0)
+    accel = Accelerator(backend=backend, gradient_accumulation_steps=steps, seed=0, sync_policy="defer")
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     model, opt = accel.prepare(model, opt)
@@ -79,6 +79,7 @@ def self_check(*, loop: str, steps: int = 4, windows: int = 5) -> dict[str, Any]
             opt.step()
             opt.zero_grad()
     return {"warnings": [m for m in messages if "self-check" in m], "audit_is_none": accel.audit is None,
+            "policy": accel.sync_policy,
             "after": _recorder_state(), "checking": accel._self_check is not None}
 
 
