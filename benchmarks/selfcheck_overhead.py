@@ -7,8 +7,13 @@ On 2 ranks, in one run: gradsync creates the process group as it does by default
 deferring policy (through the counting wrapper, recorder off) and the Accelerator's
 self-check runs over its first steps and ends; then
 
-* per collective: a 4-byte all-reduce on the wrapped world group against the same on a
-  plain gloo group of the same ranks (alternating blocks; median per call);
+* per collective: the wrapper's own cost, a 4-byte all-reduce through the wrapper
+  (recording off) against the same on the gloo group it wraps, on a 1-rank group in one
+  process where an all-reduce takes microseconds (alternating blocks; median per call); and
+  the wrapper's Python layer alone (its flag check and extra call, around an inner group
+  that does nothing); the larger of the two is the extra cost per collective; and
+  the same all-reduce across the 2 ranks on the wrapped world group and a plain gloo group
+  (hundreds of microseconds of network and scheduling, which hide the wrapper's part);
 * per DDP step: how many collectives one optimizer step of the sync-overhead benchmark's MLP
   (k micro-batches, ``no_sync()`` on all but the last) issues, counted by the wrapper;
 * the estimate: extra time per collective x collectives per step / step time (target <= 1 %);
@@ -70,8 +75,43 @@ def worker(spec: dict[str, Any], out: Path) -> None:
     plain = dist.new_group(backend="gloo")
     assert not isinstance(plain, audit.AuditProcessGroup)
 
-    # -- per collective --------------------------------------------------------------
+    # -- per collective, the wrapper's own cost: on a 1-rank gloo group of this process,
+    # where an all-reduce costs microseconds, the wrapper (recording off) against the group
+    # it wraps ------------------------------------------------------------------------
+    from datetime import timedelta
+
+    inner = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=60))
+    off = audit.Recorder()
+    off.enabled = False
+    local = audit.AuditProcessGroup(inner, 0, 1, "local", off)
     t = torch.zeros(1)
+    local_us: dict[str, list[float]] = {"wrapped": [], "plain": []}
+    for block in range(20):
+        pair = ((local_us["wrapped"], local), (local_us["plain"], inner))
+        for times_, pg in pair if block % 2 == 0 else pair[::-1]:
+            t0 = time.perf_counter()
+            for _ in range(calls * 4):
+                pg.allreduce([t]).wait()
+            times_.append((time.perf_counter() - t0) * 1e6 / (calls * 4))
+
+    # the wrapper's Python layer alone: around an inner group that does nothing (no data
+    # moves: this times the wrapper's flag check and extra call, not a collective)
+    class Idle:
+        def allreduce(self, tensors: Any, opts: Any = None) -> None:
+            return None
+
+    idle = Idle()
+    layer = audit.AuditProcessGroup(idle, 0, 1, "layer", off)
+    layer_us: dict[str, list[float]] = {"wrapped": [], "plain": []}
+    for block in range(20):
+        pair = ((layer_us["wrapped"], layer), (layer_us["plain"], idle))
+        for times_, obj in pair if block % 2 == 0 else pair[::-1]:
+            t0 = time.perf_counter()
+            for _ in range(calls * 40):
+                obj.allreduce([t])
+            times_.append((time.perf_counter() - t0) * 1e6 / (calls * 40))
+
+    # -- per collective across the 2 ranks (network and scheduling noise included) -----
     per_call: dict[str, list[float]] = {"wrapped": [], "plain": []}
     for block in range(12):
         order = (("wrapped", wrapped), ("plain", plain)) if block % 2 == 0 else (("plain", plain), ("wrapped", wrapped))
@@ -113,7 +153,8 @@ def worker(spec: dict[str, Any], out: Path) -> None:
             times[name].append(one_step(name))
     if accel.rank == 0:
         (out / "result.json").write_text(json.dumps(
-            {"per_call_us": per_call, "collectives_per_step": collectives, "step_ms": times}))
+            {"per_call_us": per_call, "local_us": local_us, "layer_us": layer_us, "collectives_per_step": collectives,
+             "step_ms": times}))
     dist.barrier()
 
 
@@ -148,13 +189,19 @@ def main(argv: list[str] | None = None) -> int:
     raw = json.loads((work / "result.json").read_text())
     wrapped_us = statistics.median(raw["per_call_us"]["wrapped"])
     plain_us = statistics.median(raw["per_call_us"]["plain"])
-    extra_us = max(0.0, wrapped_us - plain_us)
+    local_wrapped = statistics.median(raw["local_us"]["wrapped"])
+    local_plain = statistics.median(raw["local_us"]["plain"])
+    layer_extra = statistics.median(raw["layer_us"]["wrapped"]) - statistics.median(raw["layer_us"]["plain"])
+    # the larger of the two (the 1-rank gloo difference carries timing noise): conservative
+    extra_us = max(0.0, layer_extra, local_wrapped - local_plain)
     step_ms = statistics.median(raw["step_ms"]["plain"])
     n = raw["collectives_per_step"]
     ratios = [w / p for w, p in zip(raw["step_ms"]["wrapped"], raw["step_ms"]["plain"])]
     result = {
         "backend": "ddp", "world_size": 2, "k": spec["k"], "sizes": sizes,
-        "allreduce_us_wrapped": wrapped_us, "allreduce_us_plain": plain_us, "extra_us_per_collective": extra_us,
+        "allreduce_us_wrapped": wrapped_us, "allreduce_us_plain": plain_us,
+        "local_allreduce_us_wrapped": local_wrapped, "local_allreduce_us_plain": local_plain,
+        "wrapper_layer_us": layer_extra, "extra_us_per_collective": extra_us,
         "collectives_per_step": n, "step_ms": step_ms,
         "estimated_share": extra_us * n / (step_ms * 1e3),
         "end_to_end_ratio_median": statistics.median(ratios), "end_to_end_ratio_min": min(ratios),
@@ -164,11 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "selfcheck_overhead.json").write_text(json.dumps(result, indent=1))
     table = (
-        "| backend | k | all-reduce, wrapper (us) | all-reduce, plain gloo (us) | collectives per step | "
-        "step (ms) | estimated share of a step | end to end wrapped/plain (median of pairs) |\n"
-        "|---|---|---|---|---|---|---|---|\n"
-        f"| ddp | {spec['k']} | {wrapped_us:.1f} | {plain_us:.1f} | {n} | {step_ms:.1f} | "
-        f"{100 * result['estimated_share']:.3f} % | {result['end_to_end_ratio_median']:.3f} "
+        "| backend | k | wrapper's Python layer (us) | 1-rank all-reduce: wrapper / plain gloo (us) | "
+        "extra per collective, the larger (us) | "
+        "2-rank all-reduce: wrapper / plain (us) | collectives per step | step (ms) | "
+        "estimated share of a step | end to end wrapped/plain (median of pairs) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+        f"| ddp | {spec['k']} | {layer_extra:.2f} | {local_wrapped:.2f} / {local_plain:.2f} | {extra_us:.2f} | "
+        f"{wrapped_us:.0f} / {plain_us:.0f} | {n} | {step_ms:.1f} | "
+        f"{100 * result['estimated_share']:.4f} % | {result['end_to_end_ratio_median']:.3f} "
         f"(range {result['end_to_end_ratio_min']:.2f}-{result['end_to_end_ratio_max']:.2f}) |\n"
     )
     (out / "selfcheck_overhead.md").write_text(table)
