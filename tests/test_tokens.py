@@ -169,3 +169,8 @@ def test_a_count_that_fails_on_one_rank_fails_on_every_rank(results):
     errors = [r["negative_on_one_rank"] for r in results["misuse"]]
     assert errors[1].startswith("ConfigError: count_items returned -1 for batch 0 of epoch 0")
     assert "count_items failed on 1 other rank(s)" in errors[0]
+
+
+def test_the_self_check_stays_silent(results):
+    """Every loop here is a correct one: the deferral self-check must not warn."""
+    assert "gradsync self-check" not in results.log
