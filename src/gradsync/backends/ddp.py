@@ -91,8 +91,8 @@ class DDPBackend:
             with model.no_sync() if defer else contextlib.nullcontext(), cast or contextlib.nullcontext():
                 yield
         except RuntimeError as err:
-            if not _ddp_compat.is_unfinished_reduction(err):
-                raise
+            if not _ddp_compat.is_unfinished_reduction(err) or model.find_unused_parameters:
+                raise  # with the flag on, torch's own advice is the one that applies
             raise RuntimeError(_unused_message(model, str(err))) from None
 
     def end_window(self, models: Sequence[torch.nn.Module]) -> None:
