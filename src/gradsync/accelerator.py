@@ -51,7 +51,9 @@ class Accelerator:
         seed: seeds torch on every rank and the sharded sampler.
         micro_batch_size / global_batch_size: give two of the three sizes to derive the third.
         audit: count collectives per micro-step and print a summary per optimizer step.
-        **options: backend options (``deepspeed_config``, ``fsdp_memory_budget``, ...).
+        **options: the other settings: ``self_check`` (default on), ``find_unused_parameters``,
+            ``dataset_shards_itself``, backend options (``deepspeed_config``,
+            ``fsdp_memory_budget``, ...); see docs/guide.md.
     """
 
     def __init__(
