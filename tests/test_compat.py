@@ -139,3 +139,45 @@ def test_fsdp2_keep_gathered_lazy_init_and_reshard(tmp_path):
     assert _fsdp_compat.save_flags(model) == saved
     _fsdp_compat.reshard(model)
     assert not any(g.is_unsharded for g in groups)
+
+
+def test_ddp_unfinished_reduction_message_names_the_parameters(tmp_path):
+    """torch's own error text, from a real 1-rank DDP whose `side` head got no gradient."""
+    from torch import nn
+
+    from gradsync.backends import _ddp_compat
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 1)
+            self.side = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(x))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    model = nn.parallel.DistributedDataParallel(Two())
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError) as err:
+        model(torch.randn(2, 4))
+    assert _ddp_compat.is_unfinished_reduction(err.value)
+    assert _ddp_compat.unused_parameters(str(err.value), model.module) == (0, ["side.weight", "side.bias"])
+    # the names torch gives under TORCH_DISTRIBUTED_DEBUG=INFO, and a format it no longer has
+    named = "... Parameters which did not receive grad for rank 1: side.weight, side.bias\n..."
+    assert _ddp_compat.unused_parameters(named, model.module) == (1, ["side.weight", "side.bias"])
+    assert _ddp_compat.unused_parameters("Expected to have finished reduction in the prior iteration",
+                                         model.module) == (None, None)
+    assert not _ddp_compat.is_unfinished_reduction(RuntimeError("something else"))
+
+
+def test_ddp_reducer_order_skips_frozen_ignored_and_shared():
+    from torch import nn
+
+    from gradsync.backends._ddp_compat import reducer_parameter_names
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].weight.requires_grad_(False)
+    model[2].weight = model[0].weight  # shared: counted once, where it appears first
+    assert reducer_parameter_names(model, frozenset({"2.bias"})) == ["0.weight", "0.bias", "1.bias"]

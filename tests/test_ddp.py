@@ -150,3 +150,8 @@ def test_each_rank_gets_its_own_shard_reshuffled_per_epoch(results):
         assert len(a & b) <= 1  # only the padding sample may repeat
     for r in ranks:
         assert r["epochs"][0] != r["epochs"][1], "the shard must be reshuffled each epoch"
+
+
+def test_the_self_check_stays_silent(results):
+    """Every loop here is a correct one: the deferral self-check must not warn."""
+    assert "gradsync self-check" not in results.log

@@ -371,3 +371,9 @@ def test_missing_deepspeed_says_how_to_install(monkeypatch, clean_env):
     message = str(err.value)
     assert "\n" not in message
     assert "pip install 'gradsync[deepspeed]'" in message
+
+
+@pytest.mark.multiprocess
+def test_the_self_check_stays_silent(results):
+    """Every loop here is a correct one: the deferral self-check must not warn."""
+    assert "gradsync self-check" not in results.log

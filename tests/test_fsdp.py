@@ -306,3 +306,8 @@ def test_misuse_gives_clear_errors(results):
         assert "prepare before the first optimizer step" in m["optimizer_with_state"]
         assert "fsdp_wrap=['Transformer']" in m["unknown_wrap"] and "Block" in m["unknown_wrap"]
         assert m["unprepared"].startswith("RuntimeError") and "prepared model" in m["unprepared"]
+
+
+def test_the_self_check_stays_silent(results):
+    """Every loop here is a correct one: the deferral self-check must not warn."""
+    assert "gradsync self-check" not in results.log

@@ -176,3 +176,8 @@ def test_a_count_that_fails_on_one_rank_fails_on_every_rank(results):
 def test_deepspeed_refuses_a_second_trained_model(results):
     for r in results["misuse"]:
         assert r["second_trained"].startswith("ConfigError: backend='deepspeed' trains one model")
+
+
+def test_the_self_check_stays_silent(results):
+    """Every loop here is a correct one: the deferral self-check must not warn."""
+    assert "gradsync self-check" not in results.log

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from gradsync import audit as audit_mod
-from gradsync import backends, metrics
+from gradsync import backends, metrics, selfcheck
 from gradsync._util import check_positive_int
 from gradsync.accumulation import MicroStep, Window
 from gradsync.backends import _dist
@@ -55,8 +55,10 @@ class Accelerator:
         seed: seeds torch on every rank and the sharded sampler.
         micro_batch_size / global_batch_size: give two of the three sizes to derive the third.
         audit: count collectives per micro-step and print a summary per optimizer step.
-        **options: backend options (``deepspeed_config``, ``sync_memory_budget``,
-            ``fsdp_keep_params_in_window``, ...).
+        **options: the other settings: ``count_items``, ``sync_with_dataloader``, ``self_check``
+            (default on), ``find_unused_parameters``, ``dataset_shards_itself``, backend options
+            (``deepspeed_config``, ``sync_memory_budget``, ``fsdp_keep_params_in_window``, ...);
+            see docs/guide.md.
     """
 
     def __init__(
@@ -118,9 +120,15 @@ class Accelerator:
                 # None when the group was made outside gradsync: nothing is counted, and an
                 # empty record would read as "no collectives" (ensure_process_group warned).
                 self.audit = audit_mod.recorder_of()
+                if self.audit is not None:
+                    self.audit.enabled = True  # a group made for the self-check records nothing
             else:
                 self.audit = audit_mod.Recorder()  # one process: there is nothing to count
         self._audit_window_start = len(self.audit.records) if self.audit is not None else 0
+        self._self_check = selfcheck.start(
+            enabled=self.config.self_check, audit=self.audit, policy=lambda: self._backend.policy,
+            rank=self.rank, world_size=self.world_size, backend=self.backend,
+        )
 
     # -- where we are -----------------------------------------------------
     @property
@@ -311,7 +319,8 @@ class Accelerator:
                 f"batch_size={self.plan.micro_batch_size} or change the batch plan"
             )
         seed = self.config.seed if self.config.seed is not None else 0
-        sharded = shard_dataloader(loader, rank=self.rank, world_size=self.world_size, seed=seed)
+        sharded = shard_dataloader(loader, rank=self.rank, world_size=self.world_size, seed=seed,
+                                   dataset_shards_itself=self.config.dataset_shards_itself)
         prepared = PreparedDataLoader(sharded, self._loaders)
         self._prepared_loaders.append(prepared)
         return prepared
@@ -363,6 +372,9 @@ class Accelerator:
                 raise
         if self.audit is not None:
             self.audit.open(step.boundary)
+        check = self._self_check
+        if check is not None:
+            check.begin(step.boundary)
         backend = self._backend
         try:
             if step.index == 0 and self._count_items is not None:
@@ -376,6 +388,8 @@ class Accelerator:
                         stack.enter_context(backend.micro_step(model, boundary=step.boundary))
                     yield
         except BaseException:
+            if check is not None:
+                check.abort()
             if self.audit is not None:
                 self.audit.close()
             self._drop_window()  # a stray step() after the error applies nothing
@@ -389,6 +403,10 @@ class Accelerator:
                     "optimizer and scheduler steps are skipped", self._window.completed_windows,
                 )
                 backend.abort_window(self._models)  # drop whatever its backward left behind
+        if check is not None:
+            check.end(step.boundary)
+            if check.done:
+                self._self_check = None
         if self.audit is not None:
             self.audit.close()
             if step.boundary:
@@ -466,7 +484,11 @@ class Accelerator:
         self._window.set_items(total)
 
     def _own_collective(self) -> contextlib.AbstractContextManager[None]:
-        return self.audit.own() if self.audit is not None else contextlib.nullcontext()
+        if self.audit is not None:
+            return self.audit.own()
+        if self._self_check is not None:  # never judged as gradient traffic
+            return self._self_check.recorder.own()
+        return contextlib.nullcontext()
 
     @property
     def window_items(self) -> int:
@@ -506,7 +528,7 @@ class Accelerator:
                     "backward inside the accumulate block, which decides when gradients sync"
                 )
             scale = 1 if step is None else step.size
-            self._backend.backward(loss / scale if scale != 1 else loss)
+            self._run_backward(loss / scale if scale != 1 else loss)
             return
         if reduction not in REDUCTIONS:
             raise ConfigError(f"backward(reduction={reduction!r}) is unknown; use one of {', '.join(REDUCTIONS)}")
@@ -526,7 +548,12 @@ class Accelerator:
             return  # nothing to learn from; the boundary skips the step
         world = self.plan.data_parallel_size  # every backend averages gradients over it
         factor = world / items if reduction == "sum" else float(world)
-        self._backend.backward(loss * factor if factor != 1 else loss)
+        self._run_backward(loss * factor if factor != 1 else loss)
+
+    def _run_backward(self, loss: torch.Tensor) -> None:
+        self._backend.backward(loss)
+        if self._self_check is not None:
+            self._self_check.saw_backward()
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0

@@ -5,6 +5,7 @@ Later sources win: defaults < YAML (``config_file`` / ``GRADSYNC_CONFIG``) < env
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import warnings
@@ -64,6 +65,13 @@ class Config:
     fsdp_reshard_after_backward: bool | None = None
     fsdp_wrap: Any = None
     ddp_kwargs: dict[str, Any] | None = None  # extra DistributedDataParallel(...) arguments
+    # DDP finds the parameters a backward did not reach (torch's find_unused_parameters).
+    find_unused_parameters: bool = False
+    # With a deferring policy, count the first optimizer steps' collectives and warn when a
+    # micro-step off the boundary reduced gradients, or a boundary reduced nothing.
+    self_check: bool = True
+    # An IterableDataset yields each rank's own shard itself: gradsync leaves it alone.
+    dataset_shards_itself: bool = False
 
     def validate(self) -> Config:
         if not isinstance(self.backend, str) or not self.backend:
@@ -98,8 +106,13 @@ class Config:
             )
         if self.count_items is not None:
             self.count_items = _resolve_callable("count_items", self.count_items)
-        if not isinstance(self.audit, bool):
-            raise ConfigError(f"audit={self.audit!r} must be True or False")
+        for name in _BOOLEANS:
+            value = getattr(self, name)
+            if name in _OPTIONAL:
+                if value is not None and not isinstance(value, bool):
+                    raise ConfigError(f"{name}={value!r} must be True, False or None")
+            elif not isinstance(value, bool):
+                raise ConfigError(f"{name}={value!r} must be True or False")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed={self.seed!r} must be an integer or None")
         for name in ("fsdp_keep_params_in_window", "fsdp_reshard_after_backward"):
@@ -173,14 +186,24 @@ def _resolve_callable(name: str, value: Any) -> Any:
 
 
 _FIELDS = {f.name: f for f in fields(Config)}
+_BOOLEANS = ("audit", "fsdp_reshard_after_backward", "fsdp_keep_params_in_window",
+             "find_unused_parameters", "self_check", "dataset_shards_itself", "sync_with_dataloader")
+_OPTIONAL = ("fsdp_reshard_after_backward", "fsdp_keep_params_in_window")  # None: not given
+#: GRADSYNC_* variables that are not settings (read by the launcher, the adapters, the tools).
+OTHER_VARIABLES = frozenset({"CONFIG", "DEVICE", "DEEPSPEED_BUILD_OPS", "BENCHMARK", "VENV"})
+
+
+def did_you_mean(name: str, cutoff: float = 0.6) -> str:
+    """' (did you mean X?)' for the setting closest to ``name``, or '' when none is close."""
+    close = difflib.get_close_matches(name, sorted(_FIELDS), n=1, cutoff=cutoff)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _coerce(name: str, raw: str, source: str) -> Any:
     """Turn an environment string into the field's type."""
     if name == "gradient_accumulation_steps" and schedule.is_schedule(raw):
         return raw.strip()
-    if name in ("audit", "fsdp_reshard_after_backward", "fsdp_keep_params_in_window",
-                "sync_with_dataloader"):
+    if name in _BOOLEANS:
         low = raw.strip().lower()
         if low in _TRUE:
             return True
@@ -216,7 +239,23 @@ def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         key = ENV_PREFIX + name.upper()
         if key in env:
             found[name] = _coerce(name, env[key], key)
+    _warn_unknown_variables(env)
     return found
+
+
+def _warn_unknown_variables(env: Mapping[str, str]) -> None:
+    """A GRADSYNC_* variable that is no setting but close to one is most likely a typo."""
+    known = {ENV_PREFIX + name.upper() for name in _FIELDS}
+    others = {ENV_PREFIX + name for name in OTHER_VARIABLES}
+    for key in sorted(env):
+        if not key.startswith(ENV_PREFIX) or key in known or key in others:
+            continue
+        close = difflib.get_close_matches(key[len(ENV_PREFIX):].lower(), sorted(_FIELDS), n=1, cutoff=0.75)
+        if close:
+            log.warning(
+                "gradsync: %s=%r is not a gradsync setting and is ignored (did you mean %s%s?)",
+                key, env[key], ENV_PREFIX, close[0].upper(),
+            )
 
 
 def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -260,8 +299,9 @@ def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:
         raise ConfigError(
-            f"config file {str(p)!r} has unknown key(s) {', '.join(unknown)}; "
-            f"known keys: {', '.join(sorted(_FIELDS))}"
+            f"config file {str(p)!r} has unknown key(s) "
+            f"{', '.join(f'{k}={data[k]!r}{did_you_mean(str(k))}' for k in unknown)}; "
+            f"rename or remove them (known keys: {', '.join(sorted(_FIELDS))})"
         )
     return dict(data)
 
@@ -307,7 +347,8 @@ def load_config(
             extra[key] = value
     if extra:
         raise ConfigError(
-            f"unknown setting(s) {', '.join(sorted(extra))}; known: {', '.join(sorted(_FIELDS))}"
+            f"unknown setting(s) {', '.join(f'{k}={extra[k]!r}{did_you_mean(k)}' for k in sorted(extra))}; "
+            f"rename or remove them (known: {', '.join(sorted(_FIELDS))})"
         )
     return Config(**merged).validate()
 

@@ -64,19 +64,30 @@ def fill_batch(ds: dict[str, Any], *, micro: int | None, steps: int, world: int)
             f"gradsync does not know it yet{hint}; pass the DataLoader in the same "
             "accel.prepare(model, optimizer, loader) call, or set Accelerator(micro_batch_size=...)"
         )
-    ours = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": steps,
-        "train_batch_size": micro * steps * world,
-    }
-    where = f"micro_batch_size={micro} x gradient_accumulation_steps={steps} x world_size={world}"
-    for key in _BATCH_KEYS:
+    ds = check_batch(ds, micro=micro, steps=steps, world=world)
+    ds.update({key: value for key, value in _ours(micro, steps, world).items() if _is_auto(ds.get(key))})
+    return ds
+
+
+def _ours(micro: int | None, steps: int, world: int) -> dict[str, int]:
+    """The batch keys gradsync's plan fixes (the micro batch size may be unknown yet)."""
+    ours = {"gradient_accumulation_steps": steps}
+    if micro is not None:
+        ours.update(train_micro_batch_size_per_gpu=micro, train_batch_size=micro * steps * world)
+    return ours
+
+
+def check_batch(ds: dict[str, Any], *, micro: int | None, steps: int, world: int) -> dict[str, Any]:
+    """Refuse a batch key of the DeepSpeed config that contradicts gradsync's plan (those the
+    plan knows: the accumulation steps always, the batch sizes once the micro batch is known);
+    "auto" or absent keys are fine. Returns ``ds`` unchanged."""
+    where = (f"micro_batch_size={'?' if micro is None else micro} x gradient_accumulation_steps="
+             f"{steps} x world_size={world}")
+    for key, mine in _ours(micro, steps, world).items():
         value = ds.get(key)
-        if _is_auto(value):
-            ds[key] = ours[key]
-        elif value != ours[key]:
+        if not _is_auto(value) and value != mine:
             raise ConfigError(
-                f"deepspeed_config {key}={value!r} contradicts gradsync's {key}={ours[key]} "
+                f"deepspeed_config {key}={value!r} contradicts gradsync's {key}={mine} "
                 f"({where}); set it to \"auto\" or remove it so gradsync fills it, or change "
                 "the Accelerator's batch settings to agree"
             )

@@ -32,9 +32,11 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def ensure_process_group(backend_name: str, *, want_audit: bool) -> bool:
+def ensure_process_group(backend_name: str, *, want_audit: bool, self_check: bool = False) -> bool:
     """Join the running process group, or create one from the launcher's environment.
 
+    A group gradsync creates goes through the audit's counting wrapper when ``want_audit``
+    (recording) or ``self_check`` (the deferral self-check: recording off until it checks).
     Returns True when gradsync created the group (and so should destroy it).
     """
     if dist.is_initialized():
@@ -53,12 +55,15 @@ def ensure_process_group(backend_name: str, *, want_audit: bool) -> bool:
             "torch.distributed.init_process_group() first, or use backend='single' for one process"
         )
     device = "cuda" if use_cuda() else "cpu"
-    if want_audit:
+    if want_audit or self_check:
         audit.register()
         pg_backend = audit.AUDIT_BACKEND[device]
     else:
         pg_backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend=pg_backend)
+    recorder = audit.recorder_of()
+    if recorder is not None and not want_audit:
+        recorder.enabled = False  # the self-check turns it on for the micro-steps it checks
     atexit.register(release_process_group)
     return True
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradsync.backends import _dist
+from gradsync.backends import _ddp_compat, _dist
 from gradsync.backends.base import SyncPolicy, clear_grads, is_frozen
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
@@ -44,7 +44,16 @@ class DDPBackend:
             self.policy_reason = "auto -> defer: no_sync() costs DDP no extra memory"
         self._bf16 = _dist.autocast_bf16(config, self.name)
         self.ddp_kwargs = dict(config.ddp_kwargs or {})
-        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
+        if config.find_unused_parameters:
+            if self.ddp_kwargs.get("find_unused_parameters", True) is not True:
+                raise ConfigError(
+                    "find_unused_parameters=True contradicts ddp_kwargs={'find_unused_parameters': "
+                    "False}; keep one of them"
+                )
+            self.ddp_kwargs["find_unused_parameters"] = True
+        self.owns_group = _dist.ensure_process_group(
+            self.name, want_audit=config.audit, self_check=config.self_check and self.policy == "defer"
+        )
         self._device = _dist.local_device()
 
     def prepare(
@@ -78,8 +87,13 @@ class DDPBackend:
             )
         # no_sync() saves require_backward_grad_sync and puts the saved value back on exit.
         defer = not boundary and self.policy != "every_step"
-        with model.no_sync() if defer else contextlib.nullcontext(), cast or contextlib.nullcontext():
-            yield
+        try:
+            with model.no_sync() if defer else contextlib.nullcontext(), cast or contextlib.nullcontext():
+                yield
+        except RuntimeError as err:
+            if not _ddp_compat.is_unfinished_reduction(err) or model.find_unused_parameters:
+                raise  # with the flag on, torch's own advice is the one that applies
+            raise RuntimeError(_unused_message(model, str(err))) from None
 
     def end_window(self, models: Sequence[torch.nn.Module]) -> None:
         return None
@@ -114,3 +128,21 @@ class DDPBackend:
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+def _unused_message(model: DDP, torch_message: str) -> str:
+    """One line for DDP's "Expected to have finished reduction" error: which parameters got
+    no gradient in the last synchronised backward, and the fix."""
+    ignored = frozenset(getattr(model, "parameters_to_ignore", ()) or ())
+    rank, names = _ddp_compat.unused_parameters(torch_message, model.module, ignored)
+    if names:
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        which = f"parameter(s) {shown} got no gradient"
+    else:
+        which = "some parameters got no gradient (torch did not say which)"
+    where = f" on rank {rank}" if rank is not None else ""
+    return (
+        f"DDP: {which}{where} in the last synchronised backward (used only in some micro-steps, "
+        "or not at all), so DDP could not finish reducing; pass "
+        "Accelerator(find_unused_parameters=True) or ddp_kwargs={'find_unused_parameters': True}"
+    )

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from gradsync.backends import _deepspeed_compat, _deepspeed_policy, _dist
-from gradsync.backends._deepspeed_config import build_config, load_ds_config
+from gradsync.backends._deepspeed_config import build_config, check_batch, load_ds_config
 from gradsync.backends.base import RequestedPolicy, SyncPolicy, is_frozen
-from gradsync.batching import BatchPlan
+from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.config import Config
 from gradsync.errors import ConfigError
 
@@ -76,9 +76,22 @@ class DeepSpeedBackend:
         self._asked: RequestedPolicy = config.sync_policy
         self._budget = config.memory_budget()
         self.policy, self.policy_reason = _deepspeed_policy.resolve(config.sync_policy, self.stage)
+        # A contradicting batch key is reported now, not later at prepare (the first window's
+        # k under a schedule: gradsync drives DeepSpeed's boundary itself after that).
+        world = _dist.rank_info()[1]
+        plan, _ = solve_with_schedule(
+            data_parallel_size=world, global_batch_size=config.global_batch_size,
+            micro_batch_size=config.micro_batch_size,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+        )
+        check_batch(self._ds, micro=plan.micro_batch_size, steps=plan.gradient_accumulation_steps,
+                    world=world)
         if "gradient_clipping" in self._ds:
             self._clip = float(self._ds["gradient_clipping"])
-        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
+        # auto may defer on ZeRO 2/3 (decided at prepare): let the self-check count then too.
+        self.owns_group = _dist.ensure_process_group(
+            self.name, want_audit=config.audit, self_check=config.self_check and self.policy != "every_step"
+        )
         self._device = _dist.local_device()
 
     def prepare(

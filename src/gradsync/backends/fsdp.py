@@ -89,7 +89,9 @@ class FSDPBackend:
         self._legacy_keep = config.fsdp_reshard_after_backward is False
         self.policy = "every_step" if config.sync_policy == "auto" else config.sync_policy
         self.policy_reason = f"sync_policy={config.sync_policy!r} (auto decides at prepare)"
-        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
+        self.owns_group = _dist.ensure_process_group(  # "auto" may defer: decided at prepare
+            self.name, want_audit=config.audit, self_check=config.self_check and self._asked != "every_step"
+        )
         self._device = _dist.local_device()
         self._mesh = init_device_mesh(self._device.type, (dist.get_world_size(),))
 
