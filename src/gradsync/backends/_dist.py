@@ -36,7 +36,8 @@ def ensure_process_group(backend_name: str, *, want_audit: bool, self_check: boo
     """Join the running process group, or create one from the launcher's environment.
 
     A group gradsync creates goes through the audit's counting wrapper when ``want_audit``
-    (recording) or ``self_check`` (the deferral self-check: recording off until it checks).
+    (recording) or, on gloo, ``self_check`` (the deferral self-check: recording off until it
+    checks).
     Returns True when gradsync created the group (and so should destroy it).
     """
     if dist.is_initialized():
@@ -55,7 +56,9 @@ def ensure_process_group(backend_name: str, *, want_audit: bool, self_check: boo
             "torch.distributed.init_process_group() first, or use backend='single' for one process"
         )
     device = "cuda" if use_cuda() else "cpu"
-    if want_audit or self_check:
+    # The self-check's counting wrapper is the default on gloo only: over NCCL it runs when
+    # audit=True asks for the wrapper anyway (tests/test_gpu.py exercises that path).
+    if want_audit or (self_check and device == "cpu"):
         audit.register()
         pg_backend = audit.AUDIT_BACKEND[device]
     else:
