@@ -77,3 +77,29 @@ def fill_batch(ds: dict[str, Any], *, micro: int | None, steps: int, world: int)
                 "the Accelerator's batch settings to agree"
             )
     return ds
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and section.get("enabled", False) not in (False, "false", "auto")
+
+
+def fill_precision(ds: dict[str, Any], mixed_precision: str) -> dict[str, Any]:
+    """Enable the config's ``fp16`` or ``bf16`` section for ``mixed_precision``; a config that
+    disables it or enables the other one is a ConfigError naming both values."""
+    if mixed_precision not in ("bf16", "fp16"):
+        return ds
+    other = "fp16" if mixed_precision == "bf16" else "bf16"
+    if _enabled(ds.get(other)):
+        raise ConfigError(
+            f"mixed_precision={mixed_precision!r} contradicts deepspeed_config "
+            f"{other}.enabled=true; set one of them (drop the {other} section, or use "
+            f"mixed_precision={other!r})"
+        )
+    section = ds.setdefault(mixed_precision, {})
+    if section.get("enabled", True) in (False, "false"):
+        raise ConfigError(
+            f"mixed_precision={mixed_precision!r} contradicts deepspeed_config "
+            f"{mixed_precision}.enabled=false; enable it or drop mixed_precision"
+        )
+    section["enabled"] = True
+    return ds

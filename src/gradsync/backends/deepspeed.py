@@ -17,8 +17,10 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from gradsync.backends import _deepspeed_compat, _dist
-from gradsync.backends._deepspeed_config import fill_batch, load_ds_config
+from gradsync import _torch_compat
+from gradsync.backends import _deepspeed_compat, _dist, _modules
+from gradsync.backends._amp import WindowScaler
+from gradsync.backends._deepspeed_config import fill_batch, fill_precision, load_ds_config
 from gradsync.backends.base import RequestedPolicy, SyncPolicy
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
@@ -43,8 +45,11 @@ class DeepSpeedBackend:
         self.policy: SyncPolicy = "native"
         self.policy_reason = ""
         self.owns_group = False
+        self.scaler: WindowScaler | None = None  # DeepSpeed scales fp16 losses itself (its config's fp16 section)
         self._device = torch.device("cpu")
         self._mixed_precision = "no"
+        self._checkpointing: Any = None
+        self._compile: dict[str, Any] | None = None
         self._ds: dict[str, Any] = {}
         self.stage = 0
         self.engine: Any = None
@@ -61,8 +66,19 @@ class DeepSpeedBackend:
     def setup(self, config: Config) -> None:
         if not _dist.use_cuda():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        import_deepspeed()
+        deepspeed = import_deepspeed()
         self._mixed_precision = config.mixed_precision
+        if config.mixed_precision == "fp16":
+            from deepspeed.accelerator import get_accelerator
+
+            if not get_accelerator().is_fp16_supported():
+                raise ConfigError(
+                    f"mixed_precision='fp16': DeepSpeed {deepspeed.__version__}'s "
+                    f"{get_accelerator().device_name()!r} accelerator does not support fp16 on "
+                    "this machine; use mixed_precision='bf16' or 'no'"
+                )
+        self._checkpointing = config.activation_checkpointing
+        self._compile = _modules.compile_kwargs(config)
         self._ds = load_ds_config(config.deepspeed_config)
         self.stage = int(self._ds.get("zero_optimization", {}).get("stage", 0))
         if self.stage not in (0, 1, 2, 3):
@@ -93,15 +109,7 @@ class DeepSpeedBackend:
         )
         # DeepSpeed clips at 1.0 by default; gradsync clips only when asked (clip_grad_norm_).
         ds.setdefault("gradient_clipping", 0.0)
-        mp = self._mixed_precision
-        if mp in ("bf16", "fp16"):
-            section = ds.setdefault(mp, {})
-            if section.get("enabled", True) in (False, "false"):
-                raise ConfigError(
-                    f"mixed_precision={mp!r} contradicts deepspeed_config "
-                    f"{mp}.enabled=false; enable it or drop mixed_precision"
-                )
-            section["enabled"] = True
+        fill_precision(ds, self._mixed_precision)
         if optimizer is None:
             if "optimizer" not in ds:
                 raise ConfigError(
@@ -129,6 +137,7 @@ class DeepSpeedBackend:
         if self.engine is not None:
             raise ConfigError("backend='deepspeed' prepares one model per Accelerator; create another")
         ds = self._build_config(optimizer, plan)
+        _modules.checkpoint_modules(_torch_compat.uncompiled(model), self._checkpointing)
         if not _dist.use_cuda() and os.environ.get("GRADSYNC_DEEPSPEED_BUILD_OPS") != "1":
             import deepspeed.ops as ds_ops
 
@@ -144,6 +153,10 @@ class DeepSpeedBackend:
                 "not offer (its BF16/FP16 optimizer wrappers cannot coalesce); use "
                 "sync_policy='native', or fp32 / a DeepSpeed that supports it (constraints.txt pins 0.19.8)"
             )
+        if self._compile is not None and _torch_compat.uncompiled(model) is model:
+            kwargs = dict(self._compile)
+            engine.compile(**({"backend": kwargs.pop("backend")} if "backend" in kwargs else {}),
+                           compile_kwargs=kwargs)
         self.engine = engine
         self._ds = ds
         return engine, ds_optimizer
@@ -158,7 +171,7 @@ class DeepSpeedBackend:
 
     @contextlib.contextmanager
     def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
-        engine = self._engine(model)
+        engine = self._engine(_torch_compat.uncompiled(model))
         prior = bool(engine.is_gradient_accumulation_boundary())
         engine.set_gradient_accumulation_boundary(boundary)
         try:
@@ -192,11 +205,17 @@ class DeepSpeedBackend:
             block.close()
             self.engine.set_gradient_accumulation_boundary(True)
 
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # the engine's module computes in the config's dtype
+
     def backward(self, loss: torch.Tensor) -> None:
         # gradsync already divided the loss by this window's size.
         self.engine.backward(loss, scale_wrt_gas=False)
         if self.engine.is_gradient_accumulation_boundary():
             self._flush()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        return None  # DeepSpeed unscales fp16 gradients inside step()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         # Called only at a boundary, inside the accumulate block or after it (where the
@@ -230,6 +249,15 @@ class DeepSpeedBackend:
                 total += grad.detach().double().pow(2).sum().cpu()
         return total.sqrt().float()
 
+    def clip_grad_value_(
+        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], clip_value: float
+    ) -> None:
+        raise ConfigError(
+            f"clip_grad_value_({clip_value}) with backend='deepspeed': DeepSpeed keeps the reduced "
+            "gradients in its own partitions and clips only by norm inside step(); use "
+            "accel.clip_grad_norm_(params, max_norm)"
+        )
+
     def _set_clipping(self, max_norm: float) -> None:
         if self._clip is not None and self._clip > 0 and not math.isclose(self._clip, max_norm):
             raise ConfigError(
@@ -244,7 +272,8 @@ class DeepSpeedBackend:
 
     # -- models and state ------------------------------------------------------
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.module if model is self.engine else model
+        model = _torch_compat.uncompiled(model)
+        return _torch_compat.uncompiled(model.module if model is self.engine else model)
 
     def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         """The full fp32 weights on every rank (a collective: call it on all ranks)."""
