@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradsync import Accelerator, ConfigError, _torch_compat
+from gradsync import Accelerator, ConfigError
 from gradsync.backends import _amp
 from gradsync.backends._deepspeed_config import fill_precision
 from gradsync.config import load_config
@@ -288,28 +288,3 @@ def test_deepspeed_fp16_where_the_accelerator_cannot_is_one_line(clean_env):
     with pytest.raises(ConfigError) as err:
         Accelerator(backend="deepspeed", mixed_precision="fp16")
     assert "accelerator does not support fp16 on this machine; use mixed_precision='bf16'" in _one_line(err)
-
-
-# -- the private torch attributes gradsync reaches ------------------------------------------
-def test_compat_scaler_found_inf_and_uncompiled():
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(F.mse_loss(model(DATA.x[:2]), DATA.y[:2])).backward()
-    scaler.unscale_(opt)
-    assert _torch_compat.scaler_found_inf(scaler, opt) is False
-    next(model.parameters()).grad.view(-1)[0] = float("nan")
-    scaler.update()
-    scaler.unscale_(opt)
-    assert _torch_compat.scaler_found_inf(scaler, opt) is True
-    compiled = torch.compile(model)  # wrapping only: nothing is compiled yet
-    assert _torch_compat.uncompiled(compiled) is model
-    assert _torch_compat.uncompiled(model) is model
-
-
-def test_compat_names_what_is_missing():
-    class Bare:
-        pass
-
-    with pytest.raises(RuntimeError, match=r"GradScaler's per-optimizer inf check \(Bare\._found_inf_per_device\)"):
-        _torch_compat.scaler_found_inf(Bare(), torch.optim.SGD(make_model().parameters(), lr=0.1))  # type: ignore[arg-type]

@@ -4,7 +4,8 @@ installed versions (one process, a 1-rank gloo group), and the error a missing o
 DeepSpeed's need a real engine; the 2-rank tests in test_deepspeed.py reach each of them:
 ``clear_window_gradients`` (test_a_dropped_window_leaks_nothing), ``set_clipping``
 (test_clipping_*), ``can_coalesce`` (the ``defer`` scenarios) and ``flat_fp32_masters``
-(test_bf16_within_tolerance on stage 0).
+(test_bf16_within_tolerance on stage 0). The scaler's inf check and ``torch.compile``'s
+``_orig_mod`` are reached here too, and in tests/test_amp.py and tests/test_compile.py.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils.data import RandomSampler
 
 from gradsync import _torch_compat
 from gradsync.backends import _deepspeed_compat
+
+from scenarios.common import make_model
 
 
 class Bare:
@@ -109,3 +113,24 @@ def test_fsdp2_flags_unsharded_grads_and_sizes(tmp_path):
                for g in groups for fp in g.fsdp_params)
     _fsdp_compat.restore_flags(before)
     assert [flags[1:3] for flags in _fsdp_compat.save_flags(model)] == [(True, True)] * 3
+
+
+def test_compat_scaler_found_inf_and_uncompiled():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(F.mse_loss(model(torch.randn(2, 8)), torch.randn(2, 1))).backward()
+    scaler.unscale_(opt)
+    assert _torch_compat.scaler_found_inf(scaler, opt) is False
+    next(model.parameters()).grad.view(-1)[0] = float("nan")
+    scaler.update()
+    scaler.unscale_(opt)
+    assert _torch_compat.scaler_found_inf(scaler, opt) is True
+    compiled = torch.compile(model)  # wrapping only: nothing is compiled yet
+    assert _torch_compat.uncompiled(compiled) is model
+    assert _torch_compat.uncompiled(model) is model
+
+
+def test_compat_scaler_names_what_is_missing():
+    with pytest.raises(RuntimeError, match=r"GradScaler's per-optimizer inf check \(Bare\._found_inf_per_device\)"):
+        _torch_compat.scaler_found_inf(Bare(), torch.optim.SGD(make_model().parameters(), lr=0.1))  # type: ignore[arg-type]

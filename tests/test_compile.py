@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from gradsync import Accelerator
+
 from harness import run_scenarios
 from scenarios.common import Net, assert_matches_one_process, make_model, max_diff, to_lists
 

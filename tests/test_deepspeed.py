@@ -39,6 +39,8 @@ SCENARIOS = {
     **{f"s{s}_bf16": _run(s, 4, mixed_precision="bf16") for s in STAGES},
     **{f"s{s}_clip": _run(s, 4, optimizer="adam", lr=0.01, clip=0.5) for s in STAGES},
     "s2_every_step": _run(2, 4, policy="every_step"),
+    **{f"s{s}_k4_checkpointed": _run(s, 4, checkpointing=["Block"]) for s in (0, 3)},
+    "s0_k4_compiled": _run(0, 4, compile=True),
     **{f"s{s}_{p}_after": {**_run(s, 4, policy=p), "fn": "step_after_block"}
        for s, p in ((0, "auto"), (2, "defer"), (3, "auto"), (3, "defer"))},
     "s2_clip_after": {**_run(2, 4, optimizer="adam", lr=0.01, clip=0.5), "fn": "step_after_block"},
@@ -66,6 +68,14 @@ def results():
 @pytest.mark.parametrize("name", EQUIV)
 def test_equivalence_with_one_process(results, name):
     assert_matches_one_process(results[name], samples=SAMPLES)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 3])
+def test_activation_checkpointing_changes_no_result(results, stage):
+    for plain, checkpointed in zip(results[f"s{stage}_k4"], results[f"s{stage}_k4_checkpointed"]):
+        assert checkpointed["checkpointed"] == ["Block", "Block"] and plain["checkpointed"] == []
+        assert max_diff(plain["state"], checkpointed["state"]) < 1e-6
 
 
 @pytest.mark.multiprocess

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradsync._util import human_bytes
 from gradsync.backends._fsdp_compat import unsharded_numel
+from gradsync.config import SyncPolicy
 from gradsync.errors import ConfigError
 
 #: The share of free memory (device memory, or available RAM split over local ranks) that
@@ -88,3 +90,18 @@ def deferral_cost(model: nn.Module, world: int, *, grad_bytes: int | None, keep_
     if keep_params:
         full += sum(n * size for n, size in sizes)
     return full - full // world
+
+
+def explain(asked: str, requested: SyncPolicy, extra: int, budget: int | None, source: str, *,
+            world: int, keep_params: bool) -> tuple[SyncPolicy, str]:
+    """The resolved policy and why: "auto" defers when the extra bytes fit the budget."""
+    what = "unsharded gradients" + (" and parameters" if keep_params else "")
+    cost = (f"deferring holds {human_bytes(extra)} ({extra} bytes) of extra {what} per rank "
+            f"(full size minus this rank's 1/{world} shard)")
+    if asked != "auto":
+        return requested, f"{requested} (requested): {cost}"
+    assert budget is not None
+    policy: SyncPolicy = "defer" if extra <= budget else "every_step"
+    fits = "fits" if policy == "defer" else "exceeds"
+    return policy, (f"auto -> {policy}: {cost}, which {fits} the budget {human_bytes(budget)} "
+                    f"({budget} bytes, {source})")

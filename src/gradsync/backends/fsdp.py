@@ -22,13 +22,13 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.tensor import DTensor
 
 from gradsync import _torch_compat
-from gradsync._util import human_bytes
 from gradsync.backends import _amp, _dist, _fsdp_compat, _modules
 from gradsync.backends._amp import WindowScaler
 from gradsync.backends._fsdp_policy import (
     AUTO_BUDGET_FRACTION,
     available_memory,
     deferral_cost,
+    explain,
     select_units,
 )
 from gradsync.backends.base import RequestedPolicy, SyncPolicy, clear_grads
@@ -150,16 +150,8 @@ class FSDPBackend:
         self.memory = {"deferral_extra_bytes": extra, "world_size": world}
         if budget is not None:
             self.memory["budget_bytes"] = budget
-        what = "unsharded gradients" + (" and parameters" if keep else "")
-        cost = (f"deferring holds {human_bytes(extra)} ({extra} bytes) of extra {what} per rank "
-                f"(full size minus this rank's 1/{world} shard)")
-        if self._asked == "auto":
-            assert budget is not None
-            self.policy = "defer" if extra <= budget else "every_step"
-            fits = "fits" if self.policy == "defer" else "exceeds"
-            self.policy_reason = f"auto -> {self.policy}: {cost}, which {fits} the budget {human_bytes(budget)} ({budget} bytes, {source})"
-        else:
-            self.policy_reason = f"{self.policy} (requested): {cost}"
+        self.policy, self.policy_reason = explain(self._asked, self.policy, extra, budget, source,
+                                                  world=world, keep_params=keep)
         if dist.get_rank() == 0:
             log.info("gradsync fsdp: sync_policy %s", self.policy_reason)
 
