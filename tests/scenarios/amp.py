@@ -45,8 +45,11 @@ def poison(model: nn.Module) -> None:
 def train_amp(*, backend: str, steps: int, samples: int, micro_batch: int, epochs: int = 2,
               mixed_precision: str = "fp16", policy: str = "auto", optimizer: str = "sgd",
               lr: float = 0.05, clip: float | None = None, poison_window: int | None = None,
-              poison_rank: int = 1, grad_scaler: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The user's fp16 loop; at the boundary of ``poison_window`` one rank's gradients overflow."""
+              spike_window: int | None = None, poison_rank: int = 1,
+              grad_scaler: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The user's fp16 loop. One rank overflows: at the boundary of ``poison_window`` (an inf
+    written into its reduced gradient, which only it sees), or in the 2nd micro-step of
+    ``spike_window`` (a loss spike, its backward overflows fp16, off the boundary)."""
     accel = Accelerator(backend=backend, gradient_accumulation_steps=steps, sync_policy=policy,
                         seed=0, audit=True, mixed_precision=mixed_precision, grad_scaler=grad_scaler)
     model = make_model()
@@ -65,7 +68,8 @@ def train_amp(*, backend: str, steps: int, samples: int, micro_batch: int, epoch
             with accel.accumulate(model):
                 out = model(x)
                 dtypes.add(str(out.dtype))
-                accel.backward(F.mse_loss(out, y))
+                spike = len(windows) == spike_window and len(current) == 1 and dist.get_rank() == poison_rank
+                accel.backward(F.mse_loss(out, y) * (1e9 if spike else 1.0))
                 current.append([int(i) for i in idx])
                 if accel.sync_gradients and len(windows) == poison_window and dist.get_rank() == poison_rank:
                     poison(model)
@@ -97,6 +101,7 @@ def train_amp(*, backend: str, steps: int, samples: int, micro_batch: int, epoch
 
 def reference_amp(rank_results: list[dict[str, Any]], *, samples: int, optimizer: str = "sgd",
                   lr: float = 0.05, clip: float | None = None, poison_window: int | None = None,
+                  spike_window: int | None = None, poison_rank: int = 1,
                   grad_scaler: dict[str, Any] | None = None) -> dict[str, Any]:
     """One process on the same global windows under the same fp16 autocast and GradScaler:
     each micro-batch's loss divided by the window's micro-batch count, scaled, backward;
@@ -109,10 +114,12 @@ def reference_amp(rank_results: list[dict[str, Any]], *, samples: int, optimizer
     skipped, scales, norms = [], [], []
     for w in range(len(rank_results[0]["windows"])):
         micro = [mb for r in rank_results for mb in r["windows"][w]]
+        spiked = sum(len(r["windows"][w]) for r in rank_results[:poison_rank]) + 1
         opt.zero_grad()
-        for mb in micro:
+        for i, mb in enumerate(micro):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = F.mse_loss(model(data.x[mb]), data.y[mb])
+            loss = loss * (1e9 if w == spike_window and i == spiked else 1.0)
             scaler.scale(loss / len(micro)).backward()
         if w == poison_window:
             poison(model)

@@ -56,23 +56,26 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
     return torch.autocast(device.type, dtype=dtype)
 
 
-def make_scaler(config: Config, device: torch.device, *, distributed: bool) -> WindowScaler | None:
-    """A window scaler when ``mixed_precision="fp16"``, else None."""
+def make_scaler(config: Config, device: torch.device, *, sharded: bool) -> WindowScaler | None:
+    """A window scaler when ``mixed_precision="fp16"``, else None. ``sharded``: the ranks
+    hold different gradients at the boundary (shards), so the inf/NaN check is all-reduced."""
     if config.mixed_precision != "fp16":
         return None
-    return WindowScaler(device, distributed=distributed, settings=config.grad_scaler or {})
+    return WindowScaler(device, sharded=sharded, settings=config.grad_scaler or {})
 
 
 class WindowScaler:
     """A GradScaler whose unscale, step and update follow the accumulation window.
 
-    Distributed runs use torch's ShardedGradScaler: after unscaling it all-reduces the
-    inf/NaN flag over the process group, so a rank whose gradients overflowed makes every
-    rank skip (it handles DDP's plain and FSDP2's DTensor gradients alike).
+    Where ranks hold different gradients at the boundary (FSDP's shards) it is torch's
+    ShardedGradScaler, which all-reduces the inf/NaN flag over the process group after
+    unscaling, so an overflow in one rank's shard makes every rank skip. Where every rank
+    holds the same all-reduced gradients (DDP) the plain GradScaler sees the same flag on
+    every rank: the all-reduce has already carried any rank's inf/NaN to all of them.
     """
 
-    def __init__(self, device: torch.device, *, distributed: bool, settings: dict[str, Any]) -> None:
-        if distributed:
+    def __init__(self, device: torch.device, *, sharded: bool, settings: dict[str, Any]) -> None:
+        if sharded:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.scaler: torch.amp.GradScaler = ShardedGradScaler(device.type, **settings)

@@ -53,7 +53,9 @@ class DDPBackend:
         self._dtype = _amp.autocast_dtype(config, _dist.local_device())
         self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
         self._device = _dist.local_device()
-        self.scaler = _amp.make_scaler(config, self._device, distributed=True)
+        # At the boundary every rank holds the same all-reduced gradients, which carry any
+        # rank's inf/NaN: each rank's own check sees the same overflow, no extra collective.
+        self.scaler = _amp.make_scaler(config, self._device, sharded=False)
 
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
@@ -104,7 +106,7 @@ class DDPBackend:
             self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        if self.scaler is not None:  # skips on every rank when any rank found inf/NaN
+        if self.scaler is not None:  # skips on every rank when any rank overflowed
             return self.scaler.step(optimizer)
         optimizer.step()
         return True

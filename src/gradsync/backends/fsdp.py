@@ -84,7 +84,7 @@ class FSDPBackend:
         self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit)
         self._device = _dist.local_device()
         self._mesh = init_device_mesh(self._device.type, (dist.get_world_size(),))
-        self.scaler = _amp.make_scaler(config, self._device, distributed=True)
+        self.scaler = _amp.make_scaler(config, self._device, sharded=True)
 
     # -- prepare ------------------------------------------------------------
     def prepare(

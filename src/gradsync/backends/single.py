@@ -39,7 +39,7 @@ class SingleBackend:
         self.policy = "defer" if config.sync_policy == "auto" else config.sync_policy
         self.policy_reason = "one process: nothing to synchronise"
         self._dtype = _amp.autocast_dtype(config, self._device)
-        self.scaler = _amp.make_scaler(config, self._device, distributed=False)
+        self.scaler = _amp.make_scaler(config, self._device, sharded=False)
         self._checkpointing = config.activation_checkpointing
         self._compile = _modules.compile_kwargs(config)
 
