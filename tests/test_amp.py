@@ -25,7 +25,7 @@ POISON = 2  # the window (0-based) that overflows on rank 1 only
 SCENARIOS = {
     **{f"{b}_fp16": {"fn": "train_amp", "backend": b, "steps": 4, **RUN} for b in BACKENDS},
     **{f"{b}_fp16_adam_clip": {"fn": "train_amp", "backend": b, "steps": 4, "optimizer": "adam",
-                               "lr": 0.01, "clip": 0.5, **RUN} for b in BACKENDS},
+                               "lr": 0.01, "clip": 0.5, "clip_value": 0.02, **RUN} for b in BACKENDS},
     "fsdp_fp16_every_step": {"fn": "train_amp", "backend": "fsdp", "steps": 4,
                              "policy": "every_step", **RUN},
     **{f"{b}_fp16_{how}": {"fn": "train_amp", "backend": b, "steps": 4, f"{how}_window": POISON,
@@ -51,7 +51,7 @@ def _off_boundary_reductions(records):
 def test_fp16_equals_one_process_under_the_same_scaler(results, backend, variant):
     ranks = results[f"{backend}_fp16{variant}"]
     kw = {"optimizer": "adam", "lr": 0.01, "clip": 0.5} if variant else {}
-    ref = reference_amp(ranks, samples=SAMPLES, **kw)
+    ref = reference_amp(ranks, samples=SAMPLES, **kw, **({"clip_value": 0.02} if variant else {}))
     for r in ranks:
         assert r["dtypes"] == ["torch.float16"], "the forward must run under fp16 autocast"
         assert r["eval_dtype"] == "torch.float16", "accel.autocast() is the same autocast"

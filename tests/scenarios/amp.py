@@ -44,8 +44,8 @@ def poison(model: nn.Module) -> None:
 
 def train_amp(*, backend: str, steps: int, samples: int, micro_batch: int, epochs: int = 2,
               mixed_precision: str = "fp16", policy: str = "auto", optimizer: str = "sgd",
-              lr: float = 0.05, clip: float | None = None, poison_window: int | None = None,
-              spike_window: int | None = None, poison_rank: int = 1,
+              lr: float = 0.05, clip: float | None = None, clip_value: float | None = None,
+              poison_window: int | None = None, spike_window: int | None = None, poison_rank: int = 1,
               grad_scaler: dict[str, Any] | None = None) -> dict[str, Any]:
     """The user's fp16 loop. One rank overflows: at the boundary of ``poison_window`` (an inf
     written into its reduced gradient, which only it sees), or in the 2nd micro-step of
@@ -77,6 +77,8 @@ def train_amp(*, backend: str, steps: int, samples: int, micro_batch: int, epoch
                     norm = accel.clip_grad_norm_(model.parameters(), clip)
                     if norm is not None:
                         norms.append(float(norm))
+                if clip_value is not None:
+                    accel.clip_grad_value_(model.parameters(), clip_value)
                 opt.step()
                 sched.step()
                 opt.zero_grad()
@@ -100,8 +102,8 @@ def train_amp(*, backend: str, steps: int, samples: int, micro_batch: int, epoch
 
 
 def reference_amp(rank_results: list[dict[str, Any]], *, samples: int, optimizer: str = "sgd",
-                  lr: float = 0.05, clip: float | None = None, poison_window: int | None = None,
-                  spike_window: int | None = None, poison_rank: int = 1,
+                  lr: float = 0.05, clip: float | None = None, clip_value: float | None = None,
+                  poison_window: int | None = None, spike_window: int | None = None, poison_rank: int = 1,
                   grad_scaler: dict[str, Any] | None = None) -> dict[str, Any]:
     """One process on the same global windows under the same fp16 autocast and GradScaler:
     each micro-batch's loss divided by the window's micro-batch count, scaled, backward;
@@ -126,6 +128,8 @@ def reference_amp(rank_results: list[dict[str, Any]], *, samples: int, optimizer
         scaler.unscale_(opt)
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
         before = scaler.get_scale()
         scaler.step(opt)
         scaler.update()
