@@ -129,3 +129,5 @@ def test_bad_inputs(results, backend):
         assert "Block, Linear, ModuleList, Net" in m["unknown_class"]
         assert m["user_scaler"].startswith("ConfigError: prepare() got a GradScaler")
         assert "one loss scaler per run" in m["user_scaler"]
+        assert m["wrapped"].startswith("ConfigError: activation_checkpointing and compile with a model "
+                                       f"already wrapped in {'DistributedDataParallel' if backend == 'ddp' else 'FSDPNet'}")

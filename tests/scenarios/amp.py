@@ -169,6 +169,9 @@ def errors(*, backend: str) -> dict[str, str]:
 
     catch("unknown_class", lambda: Accelerator(backend=backend, activation_checkpointing=["Transformer"])
           .prepare(make_model()))
+    wrapped = Accelerator(backend=backend).prepare(make_model())
+    catch("wrapped", lambda: Accelerator(backend=backend, activation_checkpointing=["Block"],
+                                         compile=True).prepare(wrapped))
     fp16 = Accelerator(backend=backend, mixed_precision="fp16")
     catch("user_scaler", lambda: fp16.prepare(make_model(), torch.amp.GradScaler("cpu")))
     dist.barrier()

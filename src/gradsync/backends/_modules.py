@@ -35,6 +35,20 @@ def compile_in_place(module: nn.Module, kwargs: dict[str, Any] | None) -> None:
         module.compile(**kwargs)
 
 
+def refuse_wrapped(model: nn.Module, backend: str, config_checkpointing: Any,
+                   compile_kwargs: dict[str, Any] | None) -> None:
+    """A model the user already wrapped for the backend is taken as it is; checkpointing or
+    compiling it would have to happen before that wrapping, so asking for either is an error."""
+    asked = [name for name, value in (("activation_checkpointing", config_checkpointing),
+                                      ("compile", compile_kwargs)) if value is not None]
+    if asked:
+        raise ConfigError(
+            f"{' and '.join(asked)} with a model already wrapped in {type(model).__name__}: "
+            f"backend={backend!r} applies them before wrapping; pass the unwrapped module to "
+            "prepare(), or apply them yourself before you wrap it"
+        )
+
+
 def _picker(model: nn.Module, spec: Any) -> Callable[[nn.Module], bool]:
     if callable(spec) and not isinstance(spec, type):
         return lambda m: bool(spec(m))

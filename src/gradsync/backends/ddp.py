@@ -61,13 +61,15 @@ class DDPBackend:
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
         if isinstance(_torch_compat.uncompiled(model), DDP):
+            _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
             return model, optimizer
+        compiled = _torch_compat.uncompiled(model) is not model  # by the user, before prepare
         _modules.checkpoint_modules(_torch_compat.uncompiled(model), self._checkpointing)
         model = model.to(self._device)
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         wrapped = DDP(model, device_ids=device_ids, **self.ddp_kwargs)
         # Compiling the wrapped model lets torch split the graph at DDP's buckets.
-        _modules.compile_in_place(wrapped, self._compile)
+        _modules.compile_in_place(wrapped, None if compiled else self._compile)
         return wrapped, optimizer
 
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:

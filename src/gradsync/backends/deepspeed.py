@@ -133,6 +133,7 @@ class DeepSpeedBackend:
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
         deepspeed = import_deepspeed()
         if isinstance(model, deepspeed.DeepSpeedEngine):
+            _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
             return model, model.optimizer
         if self.engine is not None:
             raise ConfigError("backend='deepspeed' prepares one model per Accelerator; create another")

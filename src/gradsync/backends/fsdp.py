@@ -104,15 +104,17 @@ class FSDPBackend:
             )
         if not isinstance(model, FSDPModule | FSDP1):
             names = {id(p): n for n, p in model.named_parameters()}
-            self._shard(model)
+            self._shard(model, compile_units=given is model)
             if optimizer is not None:
                 sharded = dict(model.named_parameters())
                 for group in optimizer.param_groups:
                     group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        else:
+            _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
         self._decide(model)
         return given, optimizer
 
-    def _shard(self, model: nn.Module) -> None:
+    def _shard(self, model: nn.Module, *, compile_units: bool) -> None:
         assert self._mesh is not None, "setup() first"
         if not any(p.is_meta for p in model.parameters()):
             # Every rank shards its own copy: start them all from rank 0's weights.
@@ -125,7 +127,7 @@ class FSDPBackend:
         # Checkpointing, then compiling, happen to the blocks before they are sharded.
         _modules.checkpoint_modules(model, self._checkpointing)
         units = select_units(model, self._wrap)
-        for unit in units or [model]:
+        for unit in (units or [model]) if compile_units else []:  # not when compiled already
             _modules.compile_in_place(unit, self._compile)
         for unit in units:
             fully_shard(unit, **kwargs)
