@@ -1,5 +1,6 @@
-"""DeepSpeed config handling: read it (dict, JSON/YAML path, JSON text) and fill its batch keys
-from gradsync's plan, refusing contradictions. Used by the deepspeed adapter."""
+"""DeepSpeed config handling: read it (dict, JSON/YAML path, JSON text), fill its batch keys
+from gradsync's plan and its precision section from ``mixed_precision``, refusing
+contradictions. Used by the deepspeed adapter."""
 
 from __future__ import annotations
 
@@ -103,3 +104,19 @@ def fill_precision(ds: dict[str, Any], mixed_precision: str) -> dict[str, Any]:
         )
     section["enabled"] = True
     return ds
+
+
+def check_precision(mixed_precision: str) -> str:
+    """``mixed_precision``, or a one-line ConfigError when DeepSpeed's accelerator on this
+    machine cannot run fp16 (its CPU accelerator, without fp16 support in oneDNN)."""
+    if mixed_precision == "fp16":
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        if not get_accelerator().is_fp16_supported():
+            raise ConfigError(
+                f"mixed_precision='fp16': DeepSpeed {deepspeed.__version__}'s "
+                f"{get_accelerator().device_name()!r} accelerator does not support fp16 on "
+                "this machine; use mixed_precision='bf16' or 'no'"
+            )
+    return mixed_precision

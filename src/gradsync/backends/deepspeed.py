@@ -20,7 +20,12 @@ import torch.distributed as dist
 from gradsync import _torch_compat
 from gradsync.backends import _deepspeed_compat, _dist, _modules
 from gradsync.backends._amp import WindowScaler
-from gradsync.backends._deepspeed_config import fill_batch, fill_precision, load_ds_config
+from gradsync.backends._deepspeed_config import (
+    check_precision,
+    fill_batch,
+    fill_precision,
+    load_ds_config,
+)
 from gradsync.backends.base import RequestedPolicy, SyncPolicy
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
@@ -66,17 +71,8 @@ class DeepSpeedBackend:
     def setup(self, config: Config) -> None:
         if not _dist.use_cuda():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        deepspeed = import_deepspeed()
-        self._mixed_precision = config.mixed_precision
-        if config.mixed_precision == "fp16":
-            from deepspeed.accelerator import get_accelerator
-
-            if not get_accelerator().is_fp16_supported():
-                raise ConfigError(
-                    f"mixed_precision='fp16': DeepSpeed {deepspeed.__version__}'s "
-                    f"{get_accelerator().device_name()!r} accelerator does not support fp16 on "
-                    "this machine; use mixed_precision='bf16' or 'no'"
-                )
+        import_deepspeed()
+        self._mixed_precision = check_precision(config.mixed_precision)
         self._checkpointing = config.activation_checkpointing
         self._compile = _modules.compile_kwargs(config)
         self._ds = load_ds_config(config.deepspeed_config)
