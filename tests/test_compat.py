@@ -5,7 +5,9 @@ DeepSpeed's need a real engine; the 2-rank tests in test_deepspeed.py reach each
 ``clear_window_gradients`` (test_a_dropped_window_leaks_nothing), ``set_clipping``
 (test_clipping_*), ``can_coalesce`` (the ``defer`` scenarios), ``full_gradient_bytes``
 (test_auto_coalesces_zero_2_3_when_the_gradients_fit_the_budget, ZeRO 2 and 3) and
-``flat_fp32_masters`` (test_bf16_within_tolerance on stage 0).
+``flat_fp32_masters`` (test_bf16_within_tolerance on stage 0). The scaler's inf check and
+``torch.compile``'s ``_orig_mod`` are reached here too, and in tests/test_amp.py and
+tests/test_compile.py.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils.data import RandomSampler
 
 from gradsync import _torch_compat
 from gradsync.backends import _deepspeed_compat
+
+from scenarios.common import make_model
 
 
 class Bare:
@@ -181,3 +186,24 @@ def test_ddp_reducer_order_skips_frozen_ignored_and_shared():
     model[1].weight.requires_grad_(False)
     model[2].weight = model[0].weight  # shared: counted once, where it appears first
     assert reducer_parameter_names(model, frozenset({"2.bias"})) == ["0.weight", "0.bias", "1.bias"]
+
+
+def test_compat_scaler_found_inf_and_uncompiled():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(F.mse_loss(model(torch.randn(2, 8)), torch.randn(2, 1))).backward()
+    scaler.unscale_(opt)
+    assert _torch_compat.scaler_found_inf(scaler, opt) is False
+    next(model.parameters()).grad.view(-1)[0] = float("nan")
+    scaler.update()
+    scaler.unscale_(opt)
+    assert _torch_compat.scaler_found_inf(scaler, opt) is True
+    compiled = torch.compile(model)  # wrapping only: nothing is compiled yet
+    assert _torch_compat.uncompiled(compiled) is model
+    assert _torch_compat.uncompiled(model) is model
+
+
+def test_compat_scaler_names_what_is_missing():
+    with pytest.raises(RuntimeError, match=r"GradScaler's per-optimizer inf check \(Bare\._found_inf_per_device\)"):
+        _torch_compat.scaler_found_inf(Bare(), torch.optim.SGD(make_model().parameters(), lr=0.1))  # type: ignore[arg-type]

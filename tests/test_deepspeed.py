@@ -41,6 +41,8 @@ SCENARIOS = {
     **{f"s{s}_bf16": _run(s, 4, mixed_precision="bf16") for s in STAGES},
     **{f"s{s}_clip": _run(s, 4, optimizer="adam", lr=0.01, clip=0.5) for s in STAGES},
     "s2_every_step": _run(2, 4, policy="every_step"),
+    **{f"s{s}_k4_checkpointed": _run(s, 4, checkpointing=["Block"]) for s in (0, 3)},
+    "s0_k4_compiled": _run(0, 4, compile=True),
     **{f"s{s}_{p}_after": {**_run(s, 4, policy=p), "fn": "step_after_block"}
        for s, p in ((0, "auto"), (2, "defer"), (3, "native"), (3, "defer"))},
     **{f"s{s}_auto": _run(s, 4, budget=FITS) for s in (2, 3)},
@@ -84,6 +86,14 @@ def test_an_accumulation_schedule_equals_one_process(results, name):
     ranks = results[name]
     assert ranks[0]["sizes"] == [2, 2, 4, 3, 4, 4, 3]
     assert_matches_one_process(ranks, samples=SAMPLES)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 3])
+def test_activation_checkpointing_changes_no_result(results, stage):
+    for plain, checkpointed in zip(results[f"s{stage}_k4"], results[f"s{stage}_k4_checkpointed"]):
+        assert checkpointed["checkpointed"] == ["Block", "Block"] and plain["checkpointed"] == []
+        assert max_diff(plain["state"], checkpointed["state"]) < 1e-6
 
 
 @pytest.mark.multiprocess

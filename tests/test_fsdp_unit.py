@@ -79,7 +79,7 @@ def test_unknown_sync_policy_is_a_config_error(clean_env):
 @pytest.mark.parametrize(
     ("setting", "match"),
     [({"sync_policy": "native"}, "sync_policy='native' is DeepSpeed's; with backend='fsdp'"),
-     ({"mixed_precision": "fp16"}, "mixed_precision='fp16' is not supported with backend='fsdp'; use 'bf16'")],
+     ({"activation_checkpointing": 3}, "activation_checkpointing=3 must be a module class name")],
 )
 def test_settings_fsdp_cannot_honour_fail_before_any_group(clean_env, setting, match):
     with pytest.raises(ConfigError, match=match):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from gradsync import Accelerator, ConfigError
+from gradsync import Accelerator
 from gradsync.data import BatchShard, shard_dataloader
 
 from scenarios.common import Indexed, make_model, max_diff, reference, train
@@ -281,13 +281,17 @@ def test_user_set_epoch_on_the_sampler_is_respected(clean_env):
     assert fifth == again != first
 
 
-def test_bf16_autocast_on_single_and_fp16_refused(clean_env):
+def test_bf16_and_fp16_autocast_on_single(clean_env):
     a = accel(mixed_precision="bf16")
     model = a.prepare(make_model())
     with a.accumulate(model):
         assert model(torch.randn(2, 8)).dtype == torch.bfloat16
-    with pytest.raises(ConfigError, match="mixed_precision='fp16' is not supported with backend='single'"):
-        accel(mixed_precision="fp16")
+    assert a.scaler is None
+    a = accel(mixed_precision="fp16")  # fp16 runs with a loss scaler (tests/test_amp_single.py)
+    model = a.prepare(make_model())
+    with a.accumulate(model):
+        assert model(torch.randn(2, 8)).dtype == torch.float16
+    assert a.scaler is not None
 
 
 def test_audit_is_off_when_the_group_cannot_be_counted(clean_env, tmp_path):

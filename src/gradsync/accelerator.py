@@ -17,6 +17,7 @@ from gradsync import backends, metrics, selfcheck
 from gradsync._util import check_positive_int
 from gradsync.accumulation import MicroStep, Window
 from gradsync.backends import _dist
+from gradsync.backends._amp import WindowScaler
 from gradsync.backends.base import clear_grads
 from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.config import Config, SyncPolicy, load_config
@@ -54,6 +55,10 @@ class Accelerator:
         sync_policy: "auto", "defer", "every_step" or "native" (see the docs).
         seed: seeds torch on every rank and the sharded sampler.
         micro_batch_size / global_batch_size: give two of the three sizes to derive the third.
+        mixed_precision: "no", "bf16" or "fp16" (autocast plus a loss scaler, see ``scaler``).
+        activation_checkpointing: module class names, classes or a callable ``module -> bool``
+            picking the modules whose forward is recomputed in backward.
+        compile: True or a dict of ``torch.compile`` arguments: compile where the backend wants it.
         audit: count collectives per micro-step and print a summary per optimizer step.
         **options: the other settings: ``count_items``, ``sync_with_dataloader``, ``self_check``
             (default on), ``find_unused_parameters``, ``dataset_shards_itself``, backend options
@@ -71,6 +76,8 @@ class Accelerator:
         micro_batch_size: int | None = None,
         global_batch_size: int | None = None,
         mixed_precision: str | None = None,
+        activation_checkpointing: Any = None,
+        compile: bool | dict[str, Any] | None = None,
         audit: bool | None = None,
         config_file: str | os.PathLike[str] | None = None,
         **options: Any,
@@ -84,6 +91,8 @@ class Accelerator:
             micro_batch_size=micro_batch_size,
             global_batch_size=global_batch_size,
             mixed_precision=mixed_precision,
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
             audit=audit,
             **options,
         )
@@ -196,6 +205,24 @@ class Accelerator:
         return self._optimizers[-1]
 
     @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when the last boundary's optimizer step was skipped (an fp16 overflow on some
+        rank: every rank skips, and the scheduler does not step)."""
+        return any(o.step_was_skipped for o in self._optimizers)
+
+    @property
+    def scaler(self) -> WindowScaler | None:
+        """The fp16 loss scaler (``get_scale``, ``state_dict``, ``load_state_dict`` for
+        checkpoints); None without ``mixed_precision="fp16"`` and on DeepSpeed, whose own
+        scaler is saved with its checkpoints."""
+        return self._backend.scaler
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The autocast ``accumulate`` runs the micro-steps under, for code outside the block
+        (evaluation, a metric): ``with accel.autocast(): model(x)``."""
+        return self._backend.autocast()
+
+    @property
     def optimizer_steps(self) -> int:
         """Optimizer steps really applied so far, all prepared optimizers together."""
         return sum(o.steps_applied for o in self._optimizers)
@@ -236,6 +263,13 @@ class Accelerator:
             raise ConfigError(
                 f"prepare() got {len(models)} models and {len(optimizers)} optimizers; "
                 "prepare one model and its optimizer per call"
+            )
+        scalers = [o for o in objects if hasattr(o, "scale") and hasattr(o, "unscale_")]
+        if scalers:
+            raise ConfigError(
+                f"prepare() got a {type(scalers[0]).__name__}: gradsync runs one loss scaler per "
+                f"run (mixed_precision={self.config.mixed_precision!r}); drop yours, set "
+                "mixed_precision='fp16' and use accel.backward(loss) (accel.scaler holds its state)"
             )
         if any(isinstance(o, PreparedOptimizer) for o in optimizers):
             raise ConfigError("prepare() got an optimizer that is already prepared; pass the original")
@@ -559,11 +593,32 @@ class Accelerator:
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor | None:
         """Clip at a boundary and return the global gradient norm; off it, do nothing (None)."""
+        params = self._unscaled(parameters, "clip_grad_norm_")
+        if params is None:
+            return None
+        return self._backend.clip_grad_norm_(self._trained[-1], params, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """Clamp each gradient element to ``[-clip_value, clip_value]`` at a boundary; off
+        it, do nothing."""
+        params = self._unscaled(parameters, "clip_grad_value_")
+        if params is not None:
+            self._backend.clip_grad_value_(self._trained[-1], params, clip_value)
+
+    def _unscaled(self, parameters: Iterable[torch.Tensor], what: str) -> list[torch.Tensor] | None:
+        """At a boundary: the parameters, with the gradients of the optimizers holding them
+        unscaled (fp16: once per window, the step then does not unscale again); else None."""
         if not self._window.boundary:
             return None
         if not self._trained:
-            raise RuntimeError("clip_grad_norm_() before prepare(); prepare the model first")
-        return self._backend.clip_grad_norm_(self._trained[-1], parameters, max_norm, norm_type)
+            raise RuntimeError(f"{what}() before prepare(); prepare the model first")
+        params = list(parameters)
+        wanted = {id(p) for p in params}
+        for prepared in self._optimizers:
+            held = (p for group in prepared.param_groups for p in group["params"])
+            if any(id(p) in wanted for p in held):
+                self._backend.unscale_(prepared.optimizer)
+        return params
 
     # -- models and processes ----------------------------------------------
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:

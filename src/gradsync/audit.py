@@ -294,6 +294,13 @@ class AuditProcessGroup(dist.ProcessGroup):
         return self.inner.recv(tensors, src, tag)
 
 
+# The collectives run eagerly even when called from inside a torch.compile'd model (DDP's
+# forward issues some): dynamo cannot trace a Python process group, and must not try.
+for _name, _method in list(vars(AuditProcessGroup).items()):
+    if callable(_method) and not _name.startswith("__") and _name != "_rec":
+        setattr(AuditProcessGroup, _name, torch.compiler.disable(_method))
+
+
 def _world_recorder() -> Recorder | None:
     """Groups made after the audited world group (DeepSpeed clones it, device meshes make
     their own) record into the world's recorder, so one recorder sees the whole process."""

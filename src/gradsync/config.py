@@ -28,6 +28,7 @@ SyncPolicy = Literal["defer", "every_step", "native"]
 RequestedPolicy = Literal["auto", "defer", "every_step", "native"]
 SYNC_POLICIES: tuple[RequestedPolicy, ...] = ("auto", "defer", "every_step", "native")
 MIXED_PRECISION = ("no", "bf16", "fp16")
+GRAD_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -52,6 +53,12 @@ class Config:
     count_items: Any = None
     # False: windows run on across the end of a pass (no end-of-data flush, no drop).
     sync_with_dataloader: bool = True
+    # GradScaler settings for fp16 (init_scale, growth_factor, backoff_factor, growth_interval).
+    grad_scaler: dict[str, Any] | None = None
+    # Modules whose forward is recomputed in backward: class names, classes or a callable.
+    activation_checkpointing: Any = None
+    # torch.compile the model where the backend wants it: True, or a dict of its kwargs.
+    compile: Any = None
     # Backend options (each adapter reads its own; unknown to the others).
     deepspeed_config: Any = None
     # Bytes per rank that deferring may hold on sharded backends (FSDP2, ZeRO 2/3) under
@@ -104,6 +111,7 @@ class Config:
                 f"ddp_kwargs={self.ddp_kwargs!r} must be a dict of DistributedDataParallel "
                 "arguments, e.g. {'find_unused_parameters': True}"
             )
+        self._validate_model_options()
         if self.count_items is not None:
             self.count_items = _resolve_callable("count_items", self.count_items)
         for name in _BOOLEANS:
@@ -166,6 +174,42 @@ class Config:
                                   global_batch_size=self.global_batch_size).steps_at(0)
         return int(value or 1)
 
+    def _validate_model_options(self) -> None:
+        scaler = self.grad_scaler
+        if scaler is not None:
+            if hasattr(scaler, "scale") and hasattr(scaler, "unscale_"):
+                raise ConfigError(
+                    f"grad_scaler={type(scaler).__name__}(...): gradsync runs one scaler per run "
+                    "and builds it itself with mixed_precision='fp16'; pass its settings as a "
+                    "dict, e.g. grad_scaler={'init_scale': 1024}, and use accel.scaler"
+                )
+            if not isinstance(scaler, dict) or set(scaler) - set(GRAD_SCALER_KEYS):
+                raise ConfigError(
+                    f"grad_scaler={scaler!r} must be a dict with keys from "
+                    f"{', '.join(GRAD_SCALER_KEYS)}"
+                )
+            if self.mixed_precision != "fp16":
+                raise ConfigError(
+                    f"grad_scaler={scaler!r} with mixed_precision={self.mixed_precision!r}: a "
+                    "loss scaler is used only with fp16; set mixed_precision='fp16' or drop grad_scaler"
+                )
+        ac = self.activation_checkpointing
+        if isinstance(ac, list | tuple) and not ac:
+            self.activation_checkpointing = ac = None
+        if ac is not None and not (
+            isinstance(ac, str | type) or callable(ac)
+            or (isinstance(ac, list | tuple) and all(isinstance(a, str | type) for a in ac))
+        ):
+            raise ConfigError(
+                f"activation_checkpointing={ac!r} must be a module class name, a class, a list "
+                "of those, or a callable module -> bool"
+            )
+        if self.compile is not None and not isinstance(self.compile, bool | dict):
+            raise ConfigError(
+                f"compile={self.compile!r} must be True, False or a dict of torch.compile "
+                "arguments, e.g. {'mode': 'max-autotune'}"
+            )
+
 
 def _resolve_callable(name: str, value: Any) -> Any:
     """A callable as given, or the one a "module:attribute" string names."""
@@ -219,9 +263,11 @@ def _coerce(name: str, raw: str, source: str) -> Any:
                 f"{source}={raw!r} is not an integer; set it to a whole number"
                 + (" >= 1" if name != "seed" else "")
             ) from None
-    if name == "fsdp_wrap":
+    if name == "compile" and raw.strip().lower() in _TRUE | _FALSE:
+        return raw.strip().lower() in _TRUE  # else a JSON object of torch.compile arguments
+    if name in ("fsdp_wrap", "activation_checkpointing"):
         return [part.strip() for part in raw.split(",") if part.strip()]
-    if name == "ddp_kwargs":
+    if name in ("ddp_kwargs", "grad_scaler", "compile"):
         import json
 
         try:

@@ -31,6 +31,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._backend = backend
         self._window = window
         self.steps_applied = 0
+        self.step_was_skipped = False  # the last boundary's step was skipped (fp16 overflow)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -79,7 +80,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
             )
         if not self._window.boundary or self._window.skips_step:
             return
-        if self._backend.step(self.optimizer):
+        applied = self._backend.step(self.optimizer)
+        self.step_was_skipped = not applied
+        if applied:
             self.steps_applied += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,6 +1,6 @@
 """DeepSpeed config handling: read it (dict, JSON/YAML path, JSON text), fill its batch keys
-from gradsync's plan (refusing contradictions), and complete it for ``deepspeed.initialize``.
-Used by the deepspeed adapter."""
+from gradsync's plan (refusing contradictions), its precision section from ``mixed_precision``,
+and complete it for ``deepspeed.initialize``. Used by the deepspeed adapter."""
 
 from __future__ import annotations
 
@@ -105,15 +105,7 @@ def build_config(
                     world=world)
     # DeepSpeed clips at 1.0 by default; gradsync clips only when asked (clip_grad_norm_).
     ds.setdefault("gradient_clipping", 0.0)
-    mp = mixed_precision
-    if mp in ("bf16", "fp16"):
-        section = ds.setdefault(mp, {})
-        if section.get("enabled", True) in (False, "false"):
-            raise ConfigError(
-                f"mixed_precision={mp!r} contradicts deepspeed_config "
-                f"{mp}.enabled=false; enable it or drop mixed_precision"
-            )
-        section["enabled"] = True
+    fill_precision(ds, mixed_precision)
     if not given_optimizer:
         if "optimizer" not in ds:
             raise ConfigError(
@@ -131,3 +123,45 @@ def build_config(
             )
         ds.setdefault("zero_allow_untested_optimizer", True)
     return ds
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and section.get("enabled", False) not in (False, "false", "auto")
+
+
+def fill_precision(ds: dict[str, Any], mixed_precision: str) -> dict[str, Any]:
+    """Enable the config's ``fp16`` or ``bf16`` section for ``mixed_precision``; a config that
+    disables it or enables the other one is a ConfigError naming both values."""
+    if mixed_precision not in ("bf16", "fp16"):
+        return ds
+    other = "fp16" if mixed_precision == "bf16" else "bf16"
+    if _enabled(ds.get(other)):
+        raise ConfigError(
+            f"mixed_precision={mixed_precision!r} contradicts deepspeed_config "
+            f"{other}.enabled=true; set one of them (drop the {other} section, or use "
+            f"mixed_precision={other!r})"
+        )
+    section = ds.setdefault(mixed_precision, {})
+    if section.get("enabled", True) in (False, "false"):
+        raise ConfigError(
+            f"mixed_precision={mixed_precision!r} contradicts deepspeed_config "
+            f"{mixed_precision}.enabled=false; enable it or drop mixed_precision"
+        )
+    section["enabled"] = True
+    return ds
+
+
+def check_precision(mixed_precision: str) -> str:
+    """``mixed_precision``, or a one-line ConfigError when DeepSpeed's accelerator on this
+    machine cannot run fp16 (its CPU accelerator, without fp16 support in oneDNN)."""
+    if mixed_precision == "fp16":
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        if not get_accelerator().is_fp16_supported():
+            raise ConfigError(
+                f"mixed_precision='fp16': DeepSpeed {deepspeed.__version__}'s "
+                f"{get_accelerator().device_name()!r} accelerator does not support fp16 on "
+                "this machine; use mixed_precision='bf16' or 'no'"
+            )
+    return mixed_precision

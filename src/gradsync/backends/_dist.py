@@ -11,8 +11,6 @@ import torch
 import torch.distributed as dist
 
 from gradsync import audit
-from gradsync.config import Config
-from gradsync.errors import ConfigError
 
 log = logging.getLogger("gradsync")
 
@@ -89,17 +87,6 @@ def release_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
-
-
-def autocast_bf16(config: Config, backend_name: str) -> bool:
-    """Whether to run forward and backward under bf16 autocast (backends without their own
-    mixed-precision machinery); fp16 needs a loss scaler, which they do not provide."""
-    if config.mixed_precision == "fp16":
-        raise ConfigError(
-            f"mixed_precision='fp16' is not supported with backend={backend_name!r} (it needs "
-            "a loss scaler); use 'bf16' (autocast, no scaler needed) or 'no'"
-        )
-    return config.mixed_precision == "bf16"
 
 
 def rank_info() -> tuple[int, int, int]:

@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradsync.backends import _ddp_compat, _dist
+from gradsync import _torch_compat
+from gradsync.backends import _amp, _ddp_compat, _dist, _modules
+from gradsync.backends._amp import WindowScaler
 from gradsync.backends.base import SyncPolicy, clear_grads, is_frozen
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
@@ -25,7 +27,10 @@ class DDPBackend:
         self.policy_reason = ""
         self._device = torch.device("cpu")
         self.owns_group = False
-        self._bf16 = False
+        self._dtype: torch.dtype | None = None  # autocast dtype
+        self.scaler: WindowScaler | None = None
+        self._checkpointing: Any = None
+        self._compile: dict[str, Any] | None = None
         self.ddp_kwargs: dict[str, Any] = {}
 
     @property
@@ -42,8 +47,10 @@ class DDPBackend:
         self.policy = "every_step" if config.sync_policy == "every_step" else "defer"
         if config.sync_policy == "auto":
             self.policy_reason = "auto -> defer: no_sync() costs DDP no extra memory"
-        self._bf16 = _dist.autocast_bf16(config, self.name)
         self.ddp_kwargs = dict(config.ddp_kwargs or {})
+        self._checkpointing = config.activation_checkpointing
+        self._compile = _modules.compile_kwargs(config)
+        self._dtype = _amp.autocast_dtype(config, _dist.local_device())
         if config.find_unused_parameters:
             if self.ddp_kwargs.get("find_unused_parameters", True) is not True:
                 raise ConfigError(
@@ -55,29 +62,38 @@ class DDPBackend:
             self.name, want_audit=config.audit, self_check=config.self_check and self.policy == "defer"
         )
         self._device = _dist.local_device()
+        # At the boundary every rank holds the same all-reduced gradients, which carry any
+        # rank's inf/NaN: each rank's own check sees the same overflow, no extra collective.
+        self.scaler = _amp.make_scaler(config, self._device, sharded=False)
 
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
-        if isinstance(model, DDP):
+        if isinstance(_torch_compat.uncompiled(model), DDP):
+            _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
             return model, optimizer
+        compiled = _torch_compat.uncompiled(model) is not model  # by the user, before prepare
+        _modules.checkpoint_modules(_torch_compat.uncompiled(model), self._checkpointing)
         model = model.to(self._device)
         if is_frozen(model):
             # Nothing to synchronise (a reference or teacher model): never wrapped in DDP.
             _dist.broadcast_from_rank0(model)
             return model, optimizer
         device_ids = [self._device.index] if self._device.type == "cuda" else None
-        return DDP(model, device_ids=device_ids, **self.ddp_kwargs), optimizer
+        wrapped = DDP(model, device_ids=device_ids, **self.ddp_kwargs)
+        # Compiling the wrapped model lets torch split the graph at DDP's buckets.
+        _modules.compile_in_place(wrapped, None if compiled else self._compile)
+        return wrapped, optimizer
 
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
         return None
 
     @contextlib.contextmanager
     def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
-        cast = torch.autocast(self._device.type, dtype=torch.bfloat16) if self._bf16 else None
+        model = _torch_compat.uncompiled(model)
         if not isinstance(model, DDP):
             if is_frozen(model):  # a prepared frozen model: it has no gradient to defer
-                with cast or contextlib.nullcontext():
+                with self.autocast():
                     yield
                 return
             raise RuntimeError(
@@ -88,12 +104,15 @@ class DDPBackend:
         # no_sync() saves require_backward_grad_sync and puts the saved value back on exit.
         defer = not boundary and self.policy != "every_step"
         try:
-            with model.no_sync() if defer else contextlib.nullcontext(), cast or contextlib.nullcontext():
+            with model.no_sync() if defer else contextlib.nullcontext(), self.autocast():
                 yield
         except RuntimeError as err:
             if not _ddp_compat.is_unfinished_reduction(err) or model.find_unused_parameters:
                 raise  # with the flag on, torch's own advice is the one that applies
             raise RuntimeError(_unused_message(model, str(err))) from None
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return _amp.autocast(self._device, self._dtype)
 
     def end_window(self, models: Sequence[torch.nn.Module]) -> None:
         return None
@@ -104,9 +123,15 @@ class DDPBackend:
         clear_grads(models)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.scaler is not None:  # skips on every rank when any rank overflowed
+            return self.scaler.step(optimizer)
         optimizer.step()
         return True
 
@@ -120,8 +145,14 @@ class DDPBackend:
         # At the boundary DDP has all-reduced the gradients: the local norm is the global one.
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
 
+    def clip_grad_value_(
+        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], clip_value: float
+    ) -> None:
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)  # reduced: equal on all ranks
+
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.module if isinstance(model, DDP) else model
+        model = _torch_compat.uncompiled(model)  # compiled after prepare, or before it
+        return _torch_compat.uncompiled(model.module if isinstance(model, DDP) else model)
 
     def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}

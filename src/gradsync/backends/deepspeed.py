@@ -20,8 +20,15 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from gradsync.backends import _deepspeed_compat, _deepspeed_policy, _dist
-from gradsync.backends._deepspeed_config import build_config, check_batch, load_ds_config
+from gradsync import _torch_compat
+from gradsync.backends import _deepspeed_compat, _deepspeed_policy, _dist, _modules
+from gradsync.backends._amp import WindowScaler
+from gradsync.backends._deepspeed_config import (
+    build_config,
+    check_batch,
+    check_precision,
+    load_ds_config,
+)
 from gradsync.backends.base import RequestedPolicy, SyncPolicy, is_frozen
 from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.config import Config
@@ -48,8 +55,11 @@ class DeepSpeedBackend:
         self.policy: SyncPolicy = "native"
         self.policy_reason = ""
         self.owns_group = False
+        self.scaler: WindowScaler | None = None  # DeepSpeed scales fp16 losses itself (its config's fp16 section)
         self._device = torch.device("cpu")
         self._mixed_precision = "no"
+        self._checkpointing: Any = None
+        self._compile: dict[str, Any] | None = None
         self._ds: dict[str, Any] = {}
         self.stage = 0
         self.engine: Any = None
@@ -68,7 +78,9 @@ class DeepSpeedBackend:
         if not _dist.use_cuda():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import_deepspeed()
-        self._mixed_precision = config.mixed_precision
+        self._mixed_precision = check_precision(config.mixed_precision)
+        self._checkpointing = config.activation_checkpointing
+        self._compile = _modules.compile_kwargs(config)
         self._ds = load_ds_config(config.deepspeed_config)
         self.stage = int(self._ds.get("zero_optimization", {}).get("stage", 0))
         if self.stage not in (0, 1, 2, 3):
@@ -99,6 +111,7 @@ class DeepSpeedBackend:
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
         deepspeed = import_deepspeed()
         if isinstance(model, deepspeed.DeepSpeedEngine):
+            _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
             return model, model.optimizer
         if is_frozen(model) and optimizer is None:
             # A reference / teacher model: no engine, kept whole on every rank (see docs).
@@ -114,6 +127,7 @@ class DeepSpeedBackend:
         ds = build_config(self._ds, given_optimizer=optimizer is not None, plan=plan,
                           world=dist.get_world_size(), mixed_precision=self._mixed_precision,
                           cpu=not _dist.use_cuda())
+        _modules.checkpoint_modules(_torch_compat.uncompiled(model), self._checkpointing)
         if not _dist.use_cuda() and os.environ.get("GRADSYNC_DEEPSPEED_BUILD_OPS") != "1":
             import deepspeed.ops as ds_ops
 
@@ -129,6 +143,10 @@ class DeepSpeedBackend:
                 "not offer (its BF16/FP16 optimizer wrappers cannot coalesce); use "
                 "sync_policy='native', or fp32 / a DeepSpeed that supports it (constraints.txt pins 0.19.8)"
             )
+        if self._compile is not None and _torch_compat.uncompiled(model) is model:
+            kwargs = dict(self._compile)
+            engine.compile(**({"backend": kwargs.pop("backend")} if "backend" in kwargs else {}),
+                           compile_kwargs=kwargs)
         self.engine = engine
         self._ds = ds
         if self._asked == "auto" and self.stage in (2, 3):
@@ -151,7 +169,7 @@ class DeepSpeedBackend:
         if model is not self.engine and is_frozen(model):  # a prepared reference model
             yield
             return
-        engine = self._engine(model)
+        engine = self._engine(_torch_compat.uncompiled(model))
         prior = bool(engine.is_gradient_accumulation_boundary())
         engine.set_gradient_accumulation_boundary(boundary)
         try:
@@ -185,11 +203,17 @@ class DeepSpeedBackend:
             block.close()
             self.engine.set_gradient_accumulation_boundary(True)
 
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # the engine's module computes in the config's dtype
+
     def backward(self, loss: torch.Tensor) -> None:
         # gradsync already divided the loss by this window's size.
         self.engine.backward(loss, scale_wrt_gas=False)
         if self.engine.is_gradient_accumulation_boundary():
             self._flush()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        return None  # DeepSpeed unscales fp16 gradients inside step()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         # Called only at a boundary, inside the accumulate block or after it (where the
@@ -223,6 +247,15 @@ class DeepSpeedBackend:
                 total += grad.detach().double().pow(2).sum().cpu()
         return total.sqrt().float()
 
+    def clip_grad_value_(
+        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], clip_value: float
+    ) -> None:
+        raise ConfigError(
+            f"clip_grad_value_({clip_value}) with backend='deepspeed': DeepSpeed keeps the reduced "
+            "gradients in its own partitions and clips only by norm inside step(); use "
+            "accel.clip_grad_norm_(params, max_norm)"
+        )
+
     def _set_clipping(self, max_norm: float) -> None:
         if self._clip is not None and self._clip > 0 and not math.isclose(self._clip, max_norm):
             raise ConfigError(
@@ -237,7 +270,8 @@ class DeepSpeedBackend:
 
     # -- models and state ------------------------------------------------------
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.module if model is self.engine else model
+        model = _torch_compat.uncompiled(model)
+        return _torch_compat.uncompiled(model.module if model is self.engine else model)
 
     def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         """The full fp32 weights on every rank (a collective: call it on all ranks)."""

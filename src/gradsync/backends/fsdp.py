@@ -22,7 +22,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.tensor import DTensor
 
-from gradsync.backends import _dist, _fsdp_compat
+from gradsync import _torch_compat
+from gradsync.backends import _amp, _dist, _fsdp_compat, _modules
+from gradsync.backends._amp import WindowScaler
 from gradsync.backends._fsdp_policy import (
     Keep,
     available_memory,
@@ -53,7 +55,11 @@ class FSDPBackend:
         self.owns_group = False
         # Copied from the Config at setup (the adapter keeps no reference to it).
         self._asked: RequestedPolicy = "auto"
-        self._bf16 = False
+        self._bf16 = False  # bf16 through FSDP2's MixedPrecisionPolicy
+        self._dtype: torch.dtype | None = None  # fp16: autocast (fp32 parameters and gradients)
+        self.scaler: WindowScaler | None = None
+        self._checkpointing: Any = None
+        self._compile: dict[str, Any] | None = None
         self._wrap: Any = None
         self._budget: tuple[int | None, str] = (None, "sync_memory_budget")
         self._keep_option: bool | None = None  # fsdp_keep_params_in_window
@@ -70,13 +76,12 @@ class FSDPBackend:
                 "sync_policy='native' is DeepSpeed's; with backend='fsdp' use 'defer', "
                 "'every_step' or 'auto'"
             )
-        if config.mixed_precision == "fp16":
-            raise ConfigError(
-                "mixed_precision='fp16' is not supported with backend='fsdp'; use 'bf16' "
-                "(bf16 compute, fp32 gradient reduction) or 'no'"
-            )
         self._asked = config.sync_policy
         self._bf16 = config.mixed_precision == "bf16"
+        if config.mixed_precision == "fp16":
+            self._dtype = _amp.check_autocast(_dist.local_device(), "fp16")
+        self._checkpointing = config.activation_checkpointing
+        self._compile = _modules.compile_kwargs(config)
         self._wrap = config.fsdp_wrap
         if config.fsdp_keep_params_in_window and config.sync_policy == "every_step":
             raise ConfigError(
@@ -94,11 +99,13 @@ class FSDPBackend:
         )
         self._device = _dist.local_device()
         self._mesh = init_device_mesh(self._device.type, (dist.get_world_size(),))
+        self.scaler = _amp.make_scaler(config, self._device, sharded=True)
 
     # -- prepare ------------------------------------------------------------
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        given, model = model, _torch_compat.uncompiled(model)  # compiled before prepare: shard inside
         if not any(True for _ in model.parameters()):
             raise ConfigError(
                 f"backend='fsdp' got a {type(model).__name__} with no parameters; there is "
@@ -112,16 +119,18 @@ class FSDPBackend:
             )
         if not isinstance(model, FSDPModule | FSDP1):
             names = {id(p): n for n, p in model.named_parameters()}
-            self._shard(model)
+            self._shard(model, compile_units=given is model)
             if optimizer is not None:
                 sharded = dict(model.named_parameters())
                 for group in optimizer.param_groups:
                     group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        else:
+            _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
         if not is_frozen(model):  # a frozen model is sharded for its forward only
             self._decide(model)
-        return model, optimizer
+        return given, optimizer
 
-    def _shard(self, model: nn.Module) -> None:
+    def _shard(self, model: nn.Module, *, compile_units: bool) -> None:
         assert self._mesh is not None, "setup() first"
         if not any(p.is_meta for p in model.parameters()):
             # Every rank shards its own copy: start them all from rank 0's weights.
@@ -131,7 +140,12 @@ class FSDPBackend:
         kwargs: dict[str, Any] = {"mesh": self._mesh}
         if self._bf16:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for unit in select_units(model, self._wrap):
+        # Checkpointing, then compiling, happen to the blocks before they are sharded.
+        _modules.checkpoint_modules(model, self._checkpointing)
+        units = select_units(model, self._wrap)
+        for unit in (units or [model]) if compile_units else []:  # not when compiled already
+            _modules.compile_in_place(unit, self._compile)
+        for unit in units:
             fully_shard(unit, **kwargs)
         if "mp_policy" in kwargs:  # the user's loss sees fp32 outputs, as without bf16
             kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -164,8 +178,9 @@ class FSDPBackend:
     @contextlib.contextmanager
     def micro_step(self, model: nn.Module, *, boundary: bool) -> Iterator[None]:
         reduce = boundary or self.policy == "every_step"
+        model = _torch_compat.uncompiled(model)
         if isinstance(model, FSDP1):
-            with contextlib.nullcontext() if reduce else model.no_sync():
+            with contextlib.nullcontext() if reduce else model.no_sync(), self.autocast():
                 yield
             return
         if not isinstance(model, FSDPModule):
@@ -182,9 +197,13 @@ class FSDPBackend:
         elif not reduce and self.keep == "after_backward":
             model.set_reshard_after_backward(False)
         try:
-            yield
+            with self.autocast():
+                yield
         finally:  # put back exactly what FSDP held before, not a value derived from `boundary`
             _fsdp_compat.restore_flags(saved)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return _amp.autocast(self._device, self._dtype)  # bf16 is FSDP2's MixedPrecisionPolicy
 
     def end_window(self, models: Sequence[nn.Module]) -> None:
         return None
@@ -193,16 +212,22 @@ class FSDPBackend:
         # Reduced gradients sit on the sharded parameters; a deferred window's gradients sit
         # unsharded inside FSDP2's own state (FSDP1's no_sync: on its flat parameters).
         clear_grads(models)
-        for model in models:
+        for model in map(_torch_compat.uncompiled, models):
             if isinstance(model, FSDPModule):
                 _fsdp_compat.clear_unsharded_grads(model)
                 if self.keep != "no":  # the window kept its parameters gathered: free them
                     _fsdp_compat.reshard(model)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.scaler is not None:  # skips on every rank when any rank's shard found inf/NaN
+            return self.scaler.step(optimizer)
         optimizer.step()
         return True
 
@@ -213,17 +238,25 @@ class FSDPBackend:
         self, model: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
         norm_type: float = 2.0,
     ) -> torch.Tensor:
+        model = _torch_compat.uncompiled(model)
         if isinstance(model, FSDP1):
             return model.clip_grad_norm_(max_norm, norm_type).detach()
         # Over DTensor gradients the norm is a DTensor of the global norm; make it plain.
         norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type)
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
 
+    def clip_grad_value_(
+        self, model: nn.Module, parameters: Iterable[torch.Tensor], clip_value: float
+    ) -> None:
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)  # elementwise: each shard alone
+
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if isinstance(model, FSDP1) else model  # FSDP2 shards in place
+        model = _torch_compat.uncompiled(model)  # FSDP2 shards in place
+        return _torch_compat.uncompiled(model.module if isinstance(model, FSDP1) else model)
 
     def state_dict(self, model: nn.Module) -> dict[str, Any]:
         """The full state dict on CPU, on every rank (each tensor gathered in turn)."""
+        model = _torch_compat.uncompiled(model)
         if isinstance(model, FSDP1):
             from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 
