@@ -48,6 +48,7 @@ class Config:
     fsdp_reshard_after_backward: bool | None = None
     fsdp_wrap: Any = None
     ddp_kwargs: dict[str, Any] | None = None  # extra DistributedDataParallel(...) arguments
+    fairscale_kwargs: dict[str, Any] | None = None  # extra ShardedDataParallel(...) arguments
 
     def validate(self) -> Config:
         if not isinstance(self.backend, str) or not self.backend:
@@ -70,6 +71,11 @@ class Config:
             raise ConfigError(
                 f"ddp_kwargs={self.ddp_kwargs!r} must be a dict of DistributedDataParallel "
                 "arguments, e.g. {'find_unused_parameters': True}"
+            )
+        if self.fairscale_kwargs is not None and not isinstance(self.fairscale_kwargs, dict):
+            raise ConfigError(
+                f"fairscale_kwargs={self.fairscale_kwargs!r} must be a dict of ShardedDataParallel "
+                "arguments, e.g. {'reduce_buffer_size': 0}"
             )
         if not isinstance(self.audit, bool):
             raise ConfigError(f"audit={self.audit!r} must be True or False")
@@ -101,7 +107,7 @@ def _coerce(name: str, raw: str, source: str) -> Any:
             ) from None
     if name == "fsdp_wrap":
         return [part.strip() for part in raw.split(",") if part.strip()]
-    if name == "ddp_kwargs":
+    if name in ("ddp_kwargs", "fairscale_kwargs"):
         import json
 
         try:
