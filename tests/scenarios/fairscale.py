@@ -118,7 +118,7 @@ def grads_stay_in_buckets(*, steps: int) -> dict[str, Any]:
     the loop), every bucketed gradient is still a view of ShardedDataParallel's reduce
     bucket: zeroing in place kept them there."""
     accel = _accel(steps)
-    out = train(accel, samples=16, micro_batch=2, epochs=1)
+    out = train(accel, samples=40, micro_batch=2, epochs=1)  # windows of 4, 4, 2
     model = accel._models[-1]
     bucket_storages = {b.buffer.untyped_storage().data_ptr() for b in model._bucket_list}
     out["bucketed"] = sum(model._should_bucket_grad)
