@@ -51,6 +51,12 @@ SCENARIOS = {
     "k4_every_step_adam_clip": _run(4, "every_step", **ADAM_CLIP),
     **{f"drop_{how}_{policy}{'_no_buckets' if not buckets else ''}": _run(4, policy, buckets=buckets, **kw)
        for how, kw in DROPS.items() for policy in ("defer", "every_step") for buckets in (True, False)},
+    # the boundary micro-step of the 2nd window (the 8th) fails inside its backward
+    **{f"drop_in_backward_{policy}{'_no_buckets' if not buckets else ''}":
+       {**_run(4, policy, buckets=buckets), "fn": "drop_in_backward", "fail_at": 8}
+       for policy in ("defer", "every_step") for buckets in (True, False)},
+    **{f"abort{'_no_buckets' if not buckets else ''}": {"fn": "abort_clears_the_window", "buckets": buckets}
+       for buckets in (True, False)},
     "optimizer_state": {"fn": "optimizer_state", "steps": 4, "samples": SAMPLES, "micro_batch": MICRO,
                         "optimizer": "adam", "lr": 0.01},
     "buckets": {"fn": "grads_stay_in_buckets", "steps": 4},
@@ -76,6 +82,13 @@ def test_equivalence_with_one_process(results, name):
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n.startswith("drop_")])
 def test_a_dropped_window_leaks_nothing(results, name):
     assert_dropped_window_leaks_nothing(results[name], samples=SAMPLES)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["abort", "abort_no_buckets"])
+def test_abort_window_clears_the_gradients(results, name):
+    for r in results[name]:
+        assert r["before"] > 0 and r["after"] == 0.0, r
 
 
 @pytest.mark.multiprocess

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from gradsync import Accelerator
 
-from scenarios.common import Indexed, make_model, make_optimizer, train
+from scenarios.common import Indexed, _Dropped, make_model, make_optimizer, train
 
 #: fairscale_kwargs that turn ShardedDataParallel's reduce buckets off: each gradient is then
 #: reduced on its own and dropped (set to None) on the ranks that do not own it.
@@ -128,3 +128,48 @@ def grads_stay_in_buckets(*, steps: int) -> dict[str, Any]:
     )
     out["params"] = len(list(model.module.parameters()))
     return out
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises on the ``fail_at``-th backward pass (1-based)."""
+
+    calls = 0
+    fail_at = 0
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _FailingBackward.calls += 1
+        if _FailingBackward.calls == _FailingBackward.fail_at:
+            raise _Dropped
+        return grad
+
+
+def drop_in_backward(*, steps: int, fail_at: int, policy: str = "auto", buckets: bool = True,
+                     **kwargs: Any) -> dict[str, Any]:
+    """The backward of the ``fail_at``-th micro-step raises half-way (after the head's and the
+    blocks' gradients, before the input layer's), on every rank: a window whose reduction
+    was only partly issued is dropped."""
+    _FailingBackward.calls, _FailingBackward.fail_at = 0, fail_at
+    model = make_model()
+    model.inp.register_forward_hook(lambda module, args, out: _FailingBackward.apply(out))
+    return train(_accel(steps, policy, buckets), model=model, **kwargs)
+
+
+def abort_clears_the_window(*, buckets: bool) -> dict[str, Any]:
+    """The adapter's abort_window alone (not the optimizer's zero_grad that follows it in
+    the Accelerator) leaves no gradient of the window behind."""
+    accel = _accel(4, "defer", buckets)
+    raw = make_model()
+    model, _ = accel.prepare(raw, make_optimizer(raw.parameters(), "sgd", 0.1))
+    loader = DataLoader(Indexed(16), batch_size=2)
+    for _, (x, y, _) in zip(range(2), loader):
+        with accel.accumulate(model):
+            accel.backward(F.mse_loss(model(x), y))
+    before = sum(float(p.grad.abs().sum()) for p in raw.parameters() if p.grad is not None)
+    accel._backend.abort_window(accel._models)
+    after = sum(float(p.grad.abs().sum()) for p in raw.parameters() if p.grad is not None)
+    return {"before": before, "after": after}
