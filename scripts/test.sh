@@ -11,8 +11,9 @@ quiet_pip() {  # pip's notes about absent local index folders are noise here
   "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither" >&2)
 }
 quiet_pip install -q --upgrade pip
-# Extras: test tools, DeepSpeed (its tests run), the benchmark's plotting and Accelerate.
-quiet_pip install -q -c constraints.txt -e ".[test,deepspeed,bench]"
+# Extras: test tools, DeepSpeed and fairscale (their tests run), the benchmark's plotting and
+# Accelerate.
+quiet_pip install -q -c constraints.txt -e ".[test,deepspeed,fairscale,bench]"
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 echo "== ruff"; "$VENV/bin/ruff" check .
 echo "== mypy"; "$VENV/bin/mypy"

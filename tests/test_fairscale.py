@@ -29,6 +29,7 @@ from scenarios.common import (
 SKIP_REASON = "fairscale is not installed: pip install 'gradsync[fairscale]'"
 SAMPLES = 44  # 22 per rank, 11 micro-batches of 2: not a multiple of 4
 MICRO = 2
+BF16_TOLERANCE = 5e-3  # bf16 autocast against the fp32 reference (measured: see docs/fairscale.md)
 GRAD_BYTES = 4 * sum(p.numel() for p in make_model().parameters())
 PARAMS = len(list(make_model().parameters()))
 
@@ -49,6 +50,7 @@ SCENARIOS = {
     "k4_to_3": _run(4, change_steps_at=[2, 3]),
     "k4_adam_clip": _run(4, **ADAM_CLIP),
     "k4_every_step_adam_clip": _run(4, "every_step", **ADAM_CLIP),
+    "k4_bf16": _run(4, mixed_precision="bf16"),
     **{f"drop_{how}_{policy}{'_no_buckets' if not buckets else ''}": _run(4, policy, buckets=buckets, **kw)
        for how, kw in DROPS.items() for policy in ("defer", "every_step") for buckets in (True, False)},
     # the boundary micro-step of the 2nd window (the 8th) fails inside its backward
@@ -117,6 +119,15 @@ def test_clipping_returns_the_global_norm(results, name):
         assert len(r["norms"]) == len(ref["norms"]) == r["optimizer_steps"]
         assert max(abs(a - b) for a, b in zip(r["norms"], ref["norms"])) < 1e-5
         assert max_diff(r["state"], ref["state"]) < 1e-5
+
+
+@pytest.mark.multiprocess
+def test_bf16_autocast_is_in_effect_and_close_to_fp32(results):
+    ranks = results["k4_bf16"]
+    ref = reference(ranks, samples=SAMPLES)
+    diff = max_diff(ranks[0]["state"], ref["state"])
+    assert 1e-6 < diff < BF16_TOLERANCE, diff
+    assert max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
 
 
 def _reductions_at_the_boundary(name: str) -> int:

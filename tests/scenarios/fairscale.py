@@ -26,8 +26,9 @@ def _accel(steps: int, policy: str = "auto", buckets: bool = True, **options: An
                        seed=0, audit=True, **options)
 
 
-def train_fs(*, steps: int, policy: str = "auto", buckets: bool = True, **kwargs: Any) -> dict[str, Any]:
-    accel = _accel(steps, policy, buckets)
+def train_fs(*, steps: int, policy: str = "auto", buckets: bool = True,
+             mixed_precision: str = "no", **kwargs: Any) -> dict[str, Any]:
+    accel = _accel(steps, policy, buckets, mixed_precision=mixed_precision)
     out = train(accel, **kwargs)
     out["reason"] = accel.sync_policy_reason
     return out
