@@ -286,3 +286,17 @@ def test_gradsync_env_lists_the_backend():
         assert "not installed (pip install 'gradsync[fairscale]')" in line
     else:
         assert "available (legacy" in line and "backend='fsdp'" in line
+
+
+def test_a_missing_private_attribute_names_the_supported_version():
+    pytest.importorskip("fairscale", reason=SKIP_REASON)
+    from gradsync.backends import _fairscale_compat
+
+    class Bare:
+        pass
+
+    with pytest.raises(RuntimeError, match=r"Bare\._should_accumulate_grads.*supports fairscale 0\.4\.13"):
+        with _fairscale_compat.no_sync(Bare()):
+            pass
+    with pytest.raises(RuntimeError, match=r"Bare\._work_handles.*supports fairscale 0\.4\.13"):
+        _fairscale_compat.finish_reductions(Bare())
