@@ -174,6 +174,29 @@ class FSDPManual:
             self.opt.zero_grad()
 
 
+class FairscaleManual:
+    """fairscale's ShardedDataParallel + OSS by hand: no_sync() off the boundary, gradients
+    zeroed in place (its reduce buckets are views of them)."""
+
+    def __init__(self, sizes: Sizes, k: int, device: torch.device) -> None:
+        from fairscale.nn.data_parallel import ShardedDataParallel
+        from fairscale.optim import OSS
+
+        model = sizes.model().to(device)
+        self.opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+        self.model = ShardedDataParallel(model, self.opt)
+        self.k = k
+        self.policy = "no_sync"
+
+    def micro(self, x: torch.Tensor, y: torch.Tensor, sync: bool) -> None:
+        with contextlib.nullcontext() if sync else self.model.no_sync():
+            loss = F.mse_loss(self.model(x), y) / self.k
+            loss.backward()
+        if sync:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=False)
+
+
 def deepspeed_config(stage: int, sizes: Sizes, k: int) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -292,6 +315,13 @@ CELLS: dict[str, BackendCells] = {
     ),
     "deepspeed-0": _deepspeed(0),
     "deepspeed-2": _deepspeed(2),
+    "fairscale": BackendCells(
+        label="fairscale", backend="fairscale", requires=("fairscale", "gradsync.backends.fairscale"),
+        manual=FairscaleManual,
+        note=("fairscale: legacy ShardedDataParallel + OSS (fairscale 0.4.13); a sync is one reduce "
+              "per owning rank (the gradients go to the rank whose optimizer shard holds them), "
+              "and each step broadcasts the updated parameters"),
+    ),
 }
 
 MODES = ("naive", "default", "gradsync", "manual", "accelerate")

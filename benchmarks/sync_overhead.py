@@ -4,7 +4,7 @@
 
 Starts its own worker group (2 ranks, gloo on CPU / nccl on GPUs, through
 ``torch.distributed.run --standalone``) and measures, per backend (ddp, fsdp, deepspeed
-ZeRO 0 and 2) and per accumulation k, five modes of the same training loop:
+ZeRO 0 and 2, fairscale) and per accumulation k, five modes of the same training loop:
 
 * naive       gradsync, ``sync_policy="every_step"``
 * default     gradsync as ``Accelerator()`` gives it (no policy, no budget)
@@ -34,7 +34,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "bench_worker.py"
-BACKENDS = ("ddp", "fsdp", "deepspeed-0", "deepspeed-2")
+BACKENDS = ("ddp", "fsdp", "deepspeed-0", "deepspeed-2", "fairscale")
 MODES = ("naive", "default", "gradsync", "manual", "accelerate")
 
 FULL = {
@@ -272,7 +272,7 @@ def checks(ratios: list[dict[str, Any]], micro: dict[str, Any],
 
     for row in ratios:
         label, k = row["backend"], row["k"]
-        if label in ("ddp", "fsdp") and k == 8 and "speedup" in row:
+        if label in ("ddp", "fsdp", "fairscale") and k == 8 and "speedup" in row:
             b = row["bytes_gradsync_over_naive"]
             add(f"{label} k=8 bytes gradsync/naive", b, "1/k +-5%", b is not None and abs(b * k - 1) <= 0.05)
             v = row["speedup_vs_expected"]

@@ -50,7 +50,7 @@ class Accelerator:
 
     Args:
         backend: "auto" (ddp when the world size is above 1, else single), "single",
-            "ddp", "fsdp" or "deepspeed".
+            "ddp", "fsdp", "deepspeed" or "fairscale" (legacy).
         gradient_accumulation_steps: micro-batches per optimizer step (default 1).
         sync_policy: "auto", "defer", "every_step" or "native" (see the docs).
         seed: seeds torch on every rank and the sharded sampler.

@@ -79,6 +79,7 @@ class Config:
     self_check: bool = True
     # An IterableDataset yields each rank's own shard itself: gradsync leaves it alone.
     dataset_shards_itself: bool = False
+    fairscale_kwargs: dict[str, Any] | None = None  # extra ShardedDataParallel(...) arguments
 
     def validate(self) -> Config:
         if not isinstance(self.backend, str) or not self.backend:
@@ -121,6 +122,11 @@ class Config:
                     raise ConfigError(f"{name}={value!r} must be True, False or None")
             elif not isinstance(value, bool):
                 raise ConfigError(f"{name}={value!r} must be True or False")
+        if self.fairscale_kwargs is not None and not isinstance(self.fairscale_kwargs, dict):
+            raise ConfigError(
+                f"fairscale_kwargs={self.fairscale_kwargs!r} must be a dict of ShardedDataParallel "
+                "arguments, e.g. {'reduce_buffer_size': 0}"
+            )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed={self.seed!r} must be an integer or None")
         for name in ("fsdp_keep_params_in_window", "fsdp_reshard_after_backward"):
@@ -267,7 +273,7 @@ def _coerce(name: str, raw: str, source: str) -> Any:
         return raw.strip().lower() in _TRUE  # else a JSON object of torch.compile arguments
     if name in ("fsdp_wrap", "activation_checkpointing"):
         return [part.strip() for part in raw.split(",") if part.strip()]
-    if name in ("ddp_kwargs", "grad_scaler", "compile"):
+    if name in ("ddp_kwargs", "grad_scaler", "compile", "fairscale_kwargs"):
         import json
 
         try:

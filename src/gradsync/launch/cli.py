@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT")
     launch.add_argument("--rdzv-id", default="gradsync", metavar="ID")
     launch.add_argument("--backend", default=None, metavar="B",
-                        help="auto, single, ddp, fsdp or deepspeed (default: the config file's, else auto)")
+                        help="auto, single, ddp, fsdp, deepspeed or fairscale (default: the config file's, else auto)")
     _add_batch_flags(launch)
     launch.add_argument("--sync-policy", default=None, metavar="P",
                         help="auto, defer, every_step or native")
@@ -201,7 +201,6 @@ def _estimate(args: argparse.Namespace, row: dict[str, str]) -> None:
 
 
 def _env() -> int:
-    import importlib.util
     import platform
 
     import gradsync
@@ -215,9 +214,7 @@ def _env() -> int:
     except ImportError:
         print("torch: not installed")
     for name in backends.available():
-        needs = {"deepspeed": "deepspeed"}.get(name)
-        ok = needs is None or importlib.util.find_spec(needs) is not None
-        print(f"backend {name}: {'available' if ok else 'not installed (pip install gradsync[' + name + '])'}")
+        print(f"backend {name}: {backends.status(name)}")
     return 0
 
 
