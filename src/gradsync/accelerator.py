@@ -18,7 +18,6 @@ from gradsync._util import check_positive_int
 from gradsync.accumulation import MicroStep, Window
 from gradsync.backends import _dist
 from gradsync.backends._amp import WindowScaler
-from gradsync.backends.base import clear_grads
 from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.config import Config, SyncPolicy, load_config
 from gradsync.data import LoaderContext, PreparedDataLoader, shard_dataloader
@@ -396,10 +395,9 @@ class Accelerator:
         step = self._window.begin()
         if step.index == 0:
             try:
-                # Every window starts from cleared gradients: the prepared optimizers' and,
-                # where no optimizer was prepared (or it holds only some of them), the models'.
+                # Every window starts from cleared gradients: the prepared optimizers' here,
+                # the models' (also where no optimizer was prepared) in begin_window.
                 self._clear_grads()
-                clear_grads(models)
                 self._backend.begin_window(models)
             except BaseException:
                 self._window.drop()

@@ -52,7 +52,8 @@ class Backend(Protocol):
         """Wrap the model (DDP / FSDP2 / engine) and return the optimizer over its parameters."""
 
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
-        """A window starts (its gradients have been cleared)."""
+        """A window starts: clear the gradients ``models`` hold, the way the backend needs
+        (the prepared optimizers' were cleared already)."""
 
     def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> AbstractContextManager[None]:
         """Around one micro-step: backward accumulates locally unless ``boundary`` (or the

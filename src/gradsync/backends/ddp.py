@@ -86,7 +86,7 @@ class DDPBackend:
         return wrapped, optimizer
 
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
-        return None
+        clear_grads(models)
 
     @contextlib.contextmanager
     def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:

@@ -29,7 +29,7 @@ from gradsync.backends._deepspeed_config import (
     check_precision,
     load_ds_config,
 )
-from gradsync.backends.base import RequestedPolicy, SyncPolicy, is_frozen
+from gradsync.backends.base import RequestedPolicy, SyncPolicy, clear_grads, is_frozen
 from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.config import Config
 from gradsync.errors import ConfigError
@@ -158,6 +158,7 @@ class DeepSpeedBackend:
 
     # -- the window -------------------------------------------------------------
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
+        clear_grads(models)  # the module's own; engine.step() cleared ZeRO's
         if self.policy == "defer" and self.stage in (2, 3):
             # One coalesce block per window: DeepSpeed's flush overwrites, so it must not split.
             stack = contextlib.ExitStack()

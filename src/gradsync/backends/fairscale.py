@@ -144,6 +144,8 @@ class FairscaleBackend:
         return self._oss[model]
 
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
+        for model in models:  # in place: a gradient set to None falls out of its reduce bucket
+            model.zero_grad(set_to_none=False)
         self._reduced.clear()
 
     @contextlib.contextmanager

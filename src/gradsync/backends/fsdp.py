@@ -173,7 +173,7 @@ class FSDPBackend:
 
     # -- the micro-step -------------------------------------------------------
     def begin_window(self, models: Sequence[nn.Module]) -> None:
-        return None
+        clear_grads(models)
 
     @contextlib.contextmanager
     def micro_step(self, model: nn.Module, *, boundary: bool) -> Iterator[None]:

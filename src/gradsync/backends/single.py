@@ -52,7 +52,7 @@ class SingleBackend:
         return model, optimizer
 
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
-        return None
+        clear_grads(models)
 
     @contextlib.contextmanager
     def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
