@@ -3,7 +3,8 @@
 A *cell definition* says, for one backend, how to build each mode's runner:
 
 * ``naive``      gradsync with ``sync_policy="every_step"`` (reduce on every micro-step);
-* ``gradsync``   gradsync with its default policy (defers where the backend can);
+* ``default``    gradsync as ``Accelerator()`` gives it: no policy, no budget, no backend option;
+* ``gradsync``   gradsync with its best policy for the backend (set explicitly);
 * ``manual``     the same loop written by hand against the backend's own API;
 * ``accelerate`` Hugging Face Accelerate's ``accumulate`` (where it applies).
 
@@ -94,7 +95,8 @@ class GradsyncRunner:
         )
         model = sizes.model()
         self.model, self.opt = self.accel.prepare(model, sgd(model.parameters()))
-        self.policy = self.accel.sync_policy
+        kept = "parameters kept gathered" in self.accel.sync_policy_reason
+        self.policy = self.accel.sync_policy + (" + params" if kept else "")
 
     def micro(self, x: torch.Tensor, y: torch.Tensor, sync: bool) -> None:
         with self.accel.accumulate(self.model):
@@ -154,18 +156,45 @@ class FSDPManual:
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        # The parameters stay gathered from a window's first forward to its boundary's
+        # backward (what gradsync's fsdp_keep_params_in_window=True does).
+        model.set_reshard_after_forward(False)
         self.model: Any = model
         self.opt = sgd(model.parameters())
         self.k = k
-        self.policy = "set_requires_gradient_sync"
+        self.policy = "set_requires_gradient_sync + kept params"
 
     def micro(self, x: torch.Tensor, y: torch.Tensor, sync: bool) -> None:
         self.model.set_requires_gradient_sync(sync)
+        self.model.set_reshard_after_backward(sync)
         loss = F.mse_loss(self.model(x), y) / self.k
         loss.backward()
         if sync:
             self.opt.step()
             self.opt.zero_grad()
+
+
+class FairscaleManual:
+    """fairscale's ShardedDataParallel + OSS by hand: no_sync() off the boundary, gradients
+    zeroed in place (its reduce buckets are views of them)."""
+
+    def __init__(self, sizes: Sizes, k: int, device: torch.device) -> None:
+        from fairscale.nn.data_parallel import ShardedDataParallel
+        from fairscale.optim import OSS
+
+        model = sizes.model().to(device)
+        self.opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+        self.model = ShardedDataParallel(model, self.opt)
+        self.k = k
+        self.policy = "no_sync"
+
+    def micro(self, x: torch.Tensor, y: torch.Tensor, sync: bool) -> None:
+        with contextlib.nullcontext() if sync else self.model.no_sync():
+            loss = F.mse_loss(self.model(x), y) / self.k
+            loss.backward()
+        if sync:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=False)
 
 
 def deepspeed_config(stage: int, sizes: Sizes, k: int) -> dict[str, Any]:
@@ -241,6 +270,7 @@ class BackendCells:
     options: Callable[[Sizes, int], dict[str, Any]] = field(default=lambda sizes, k: {})
     accelerate: bool = False  # Accelerate's accumulate on this backend (DDP path only)
     gradsync_policy: str | None = None  # the "gradsync" mode's sync_policy (None: the default)
+    best_options: dict[str, Any] = field(default_factory=dict)  # and its extra options
     process_setup: Callable[[], None] | None = None
     note: str = ""
     rep_scale: int = 1  # cheap cells get more repetitions, for tighter ratios
@@ -256,8 +286,8 @@ class BackendCells:
 
 
 def _deepspeed(stage: int) -> BackendCells:
-    # gradsync's default on DeepSpeed is "native": ZeRO 2 then reduces on every micro-step,
-    # like naive. The deferring policy there is "defer" (one coalesced reduction per step).
+    # The best policy on ZeRO 2 is "defer" (one coalesced reduction per step); the default
+    # ("auto") picks it when the window's gradients fit the memory budget.
     defer = stage >= 2
     return BackendCells(
         label=f"deepspeed-{stage}",
@@ -267,11 +297,7 @@ def _deepspeed(stage: int) -> BackendCells:
         options=lambda sizes, k: {"deepspeed_config": deepspeed_config(stage, sizes, k)},
         process_setup=deepspeed_process_setup,
         gradsync_policy="defer" if defer else None,
-        note=(
-            f"deepspeed-{stage}: the gradsync column uses sync_policy='defer' (gradsync's default on "
-            "DeepSpeed is 'native', which on ZeRO 2 reduces every micro-step like naive)"
-            if defer else ""
-        ),
+        note=(f"deepspeed-{stage}: the gradsync column uses sync_policy='defer'" if defer else ""),
     )
 
 
@@ -282,13 +308,23 @@ CELLS: dict[str, BackendCells] = {
     ),
     "fsdp": BackendCells(
         label="fsdp", backend="fsdp", requires=("gradsync.backends.fsdp",), manual=FSDPManual,
-        note="fsdp: FSDP2 (fully_shard per block, then the root); on gloo its reduce-scatter runs as a full all-reduce",
+        gradsync_policy="defer", best_options={"fsdp_keep_params_in_window": True},
+        note=("fsdp: FSDP2 (fully_shard per block, then the root); on gloo its reduce-scatter runs as a "
+              "full all-reduce; the gradsync column uses sync_policy='defer' with "
+              "fsdp_keep_params_in_window=True, the manual one the same through FSDP2's public setters"),
     ),
     "deepspeed-0": _deepspeed(0),
     "deepspeed-2": _deepspeed(2),
+    "fairscale": BackendCells(
+        label="fairscale", backend="fairscale", requires=("fairscale", "gradsync.backends.fairscale"),
+        manual=FairscaleManual,
+        note=("fairscale: legacy ShardedDataParallel + OSS (fairscale 0.4.13); a sync is one reduce "
+              "per owning rank (the gradients go to the rank whose optimizer shard holds them), "
+              "and each step broadcasts the updated parameters"),
+    ),
 }
 
-MODES = ("naive", "gradsync", "manual", "accelerate")
+MODES = ("naive", "default", "gradsync", "manual", "accelerate")
 
 
 def checksum(model: Any) -> float:
@@ -305,8 +341,11 @@ def build(cells: BackendCells, mode: str, sizes: Sizes, k: int, device: torch.de
     """The runner of one mode on one backend at accumulation ``k``."""
     if mode == "naive":
         return GradsyncRunner(cells.backend, sizes, k, "every_step", cells.options(sizes, k))
+    if mode == "default":
+        return GradsyncRunner(cells.backend, sizes, k, None, cells.options(sizes, k))
     if mode == "gradsync":
-        return GradsyncRunner(cells.backend, sizes, k, cells.gradsync_policy, cells.options(sizes, k))
+        return GradsyncRunner(cells.backend, sizes, k, cells.gradsync_policy,
+                              {**cells.options(sizes, k), **cells.best_options})
     if mode == "manual":
         return cells.manual(sizes, k, device)
     if mode == "accelerate":

@@ -4,10 +4,11 @@
 
 Starts its own worker group (2 ranks, gloo on CPU / nccl on GPUs, through
 ``torch.distributed.run --standalone``) and measures, per backend (ddp, fsdp, deepspeed
-ZeRO 0 and 2) and per accumulation k, four modes of the same training loop:
+ZeRO 0 and 2, fairscale) and per accumulation k, five modes of the same training loop:
 
 * naive       gradsync, ``sync_policy="every_step"``
-* gradsync    gradsync, default policy
+* default     gradsync as ``Accelerator()`` gives it (no policy, no budget)
+* gradsync    gradsync, the backend's best policy (set explicitly)
 * manual      the loop by hand against the backend's own API (the floor for the wrapper)
 * accelerate  Hugging Face Accelerate's ``accumulate`` (DDP path, where installed)
 
@@ -33,8 +34,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "bench_worker.py"
-BACKENDS = ("ddp", "fsdp", "deepspeed-0", "deepspeed-2")
-MODES = ("naive", "gradsync", "manual", "accelerate")
+BACKENDS = ("ddp", "fsdp", "deepspeed-0", "deepspeed-2", "fairscale")
+MODES = ("naive", "default", "gradsync", "manual", "accelerate")
 
 FULL = {
     "ks": [1, 4, 8],
@@ -239,6 +240,10 @@ def analyse(ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dic
                 "bytes_gradsync_over_naive": _ratio(red["gradsync"], red["naive"]),
                 "bytes_target": 1 / k,
             })
+        if "naive" in med and "default" in med:
+            row["speedup_default"] = med["naive"] / med["default"]
+            if "speedup" in row:
+                row["default_over_best_speedup"] = row["speedup_default"] / row["speedup"]
         for other in ("manual", "accelerate"):
             if "gradsync" in med and other in med:
                 # Each repetition ran both modes back to back: the median of the paired ratios
@@ -252,7 +257,13 @@ def analyse(ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dic
     return cells, ratios, notes
 
 
-def checks(ratios: list[dict[str, Any]], micro: dict[str, Any]) -> list[dict[str, Any]]:
+def _gathers(cells: list[dict[str, Any]], label: str, k: int, mode: str) -> float | None:
+    return next((c["allgathers_per_step"] for c in cells
+                 if c["backend"] == label and c["k"] == k and c["mode"] == mode), None)
+
+
+def checks(ratios: list[dict[str, Any]], micro: dict[str, Any],
+           cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The acceptance targets (docs/benchmark.md), evaluated on this run."""
     out = []
 
@@ -261,11 +272,15 @@ def checks(ratios: list[dict[str, Any]], micro: dict[str, Any]) -> list[dict[str
 
     for row in ratios:
         label, k = row["backend"], row["k"]
-        if label in ("ddp", "fsdp") and k == 8 and "speedup" in row:
+        if label in ("ddp", "fsdp", "fairscale") and k == 8 and "speedup" in row:
             b = row["bytes_gradsync_over_naive"]
             add(f"{label} k=8 bytes gradsync/naive", b, "1/k +-5%", b is not None and abs(b * k - 1) <= 0.05)
             v = row["speedup_vs_expected"]
-            add(f"{label} k=8 speed-up / expected", v, "within 20%", abs(v - 1) <= 0.20)
+            if _gathers(cells, label, k, "naive") == _gathers(cells, label, k, "gradsync"):
+                add(f"{label} k=8 speed-up / expected", v, "within 20%", abs(v - 1) <= 0.20)
+            else:  # the formula counts gradient reductions only, not the all-gathers saved too
+                add(f"{label} k=8 speed-up / expected (the best mode also saves all-gathers)", v,
+                    ">= 0.80", v >= 0.80)
         if label == "ddp" and k in (4, 8):
             if "gradsync_over_manual" in row:
                 v = row["gradsync_over_manual"]
@@ -273,6 +288,10 @@ def checks(ratios: list[dict[str, Any]], micro: dict[str, Any]) -> list[dict[str
             if "gradsync_over_accelerate" in row:
                 v = row["gradsync_over_accelerate"]
                 add(f"ddp k={k} gradsync/accelerate", v, "<= 1.00", v <= 1.00)
+    for row in ratios:
+        if row["k"] == 8 and "default_over_best_speedup" in row:
+            v = row["default_over_best_speedup"]
+            add(f"{row['backend']} k=8 default speed-up / best", v, ">= 0.90", v >= 0.90)
     add("wrapper overhead us per micro-step", micro["overhead_us"], "< 50", micro["overhead_us"] < 50)
     return out
 
@@ -313,8 +332,8 @@ def markdown(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| backend | k | all-reduce ms (raw / in step) | compute ms/micro | naive/gradsync | expected (floor) | bytes gradsync/naive (1/k) | gradsync/manual [rep range] | gradsync/accelerate [rep range] |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| backend | k | all-reduce ms (raw / in step) | compute ms/micro | naive/gradsync | naive/default (of best) | expected (floor) | bytes gradsync/naive (1/k) | gradsync/manual [rep range] | gradsync/accelerate [rep range] |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     def rng(r: dict[str, Any], name: str) -> str:
         if name not in r:
@@ -325,7 +344,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {r['backend']} | {r['k']} | {r['allreduce_ms']:.1f} / {_f(r.get('sync_in_step_ms'), '{:.1f}')} "
             f"| {_f(r['compute_ms'], '{:.1f}')} "
-            f"| {_f(r.get('speedup'))} | {_f(r.get('speedup_expected'))} ({_f(r.get('speedup_expected_floor'))}) "
+            f"| {_f(r.get('speedup'))} | {_f(r.get('speedup_default'))} ({_f(r.get('default_over_best_speedup'))}) "
+            f"| {_f(r.get('speedup_expected'))} ({_f(r.get('speedup_expected_floor'))}) "
             f"| {_f(r.get('bytes_gradsync_over_naive'), '{:.3f}')} ({1 / r['k']:.3f}) "
             f"| {rng(r, 'gradsync_over_manual')} | {rng(r, 'gradsync_over_accelerate')} |"
         )
@@ -483,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": ratios,
         "notes": notes,
     }
-    result["checks"] = checks(ratios, micro)
+    result["checks"] = checks(ratios, micro, cells)
     try:
         import accelerate
 

@@ -11,9 +11,9 @@ quiet_pip() {  # pip's notes about absent local index folders are noise here
   "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither" >&2)
 }
 quiet_pip install -q --upgrade pip
-# Extras: test tools, DeepSpeed (its tests run), the benchmark's plotting and Accelerate,
-# Transformers (the language-model tests and examples).
-quiet_pip install -q -c constraints.txt -e ".[test,deepspeed,bench,hf]"
+# Extras: test tools, DeepSpeed and fairscale (their tests run), the benchmark's plotting and
+# Accelerate, Transformers (the language-model tests and examples).
+quiet_pip install -q -c constraints.txt -e ".[test,deepspeed,fairscale,bench,hf]"
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 echo "== ruff"; "$VENV/bin/ruff" check .
 echo "== mypy"; "$VENV/bin/mypy"

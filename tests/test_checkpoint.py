@@ -382,3 +382,27 @@ def test_only_a_process_group_error_becomes_a_collective_error():
     with pytest.raises(RuntimeError) as err:
         fail("the HTTP fetch of the next shard hit its timeout")  # the user's own error
     assert type(err.value) is RuntimeError
+
+
+def test_the_fp16_loss_scaler_is_saved_and_restored(tmp_path, clean_env):
+    def fp16(seed: int) -> tuple[Accelerator, torch.nn.Module, object]:
+        accel = Accelerator(backend="single", gradient_accumulation_steps=2, mixed_precision="fp16",
+                            seed=seed, grad_scaler={"init_scale": 2.0**10, "growth_interval": 2})
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        model, opt = accel.prepare(model, opt)
+        return accel, model, opt
+
+    accel, model, opt = fp16(0)
+    data = Indexed(16)
+    for i in range(8):  # 4 clean steps: the scale grew twice
+        with accel.accumulate(model):
+            accel.backward(F.mse_loss(model(data.x[2 * i: 2 * i + 2]), data.y[2 * i: 2 * i + 2]))
+            opt.step()
+    assert accel.scaler is not None and accel.scaler.get_scale() == 2.0**12
+    accel.save_state(tmp_path / "c")
+    a2, _m2, _o2 = fp16(1)
+    assert a2.scaler is not None and a2.scaler.get_scale() == 2.0**10
+    a2.load_state(tmp_path / "c")
+    assert a2.scaler.get_scale() == 2.0**12
+    assert a2.scaler.state_dict() == accel.scaler.state_dict()

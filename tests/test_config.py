@@ -148,3 +148,104 @@ def test_malformed_json_without_pyyaml_names_the_file_and_the_problem(tmp_path, 
 def test_a_directory_as_the_config_file_is_named_as_such(tmp_path, clean_env):
     with pytest.raises(ConfigError, match="is a directory; pass the path of a YAML file"):
         load_config(config_file=tmp_path)
+
+
+def test_sync_memory_budget_and_its_old_name(clean_env):
+    assert load_config(sync_memory_budget=5).memory_budget() == (5, "sync_memory_budget")
+    assert load_config(fsdp_memory_budget=7).memory_budget() == (7, "fsdp_memory_budget")
+    assert load_config().memory_budget() == (None, "sync_memory_budget")
+    clean_env.setenv("GRADSYNC_SYNC_MEMORY_BUDGET", "1024")
+    assert load_config().memory_budget() == (1024, "sync_memory_budget")
+    with pytest.raises(ConfigError, match=r"fsdp_memory_budget=3 contradicts sync_memory_budget=1024.*set only sync_memory_budget"):
+        load_config(fsdp_memory_budget=3)
+
+
+@pytest.mark.parametrize(("key", "value"), [("sync_memory_budget", -1), ("sync_memory_budget", "lots"),
+                                            ("fsdp_memory_budget", True), ("sync_memory_budget", 1.5)])
+def test_a_budget_must_be_bytes(clean_env, key, value):
+    with pytest.raises(ConfigError, match=rf"{key}={value!r} must be a number of bytes >= 0"):
+        load_config(**{key: value})
+
+
+def test_keep_params_option_and_its_deprecated_predecessor(clean_env):
+    assert load_config(fsdp_keep_params_in_window=True).fsdp_keep_params_in_window is True
+    with pytest.raises(ConfigError, match=r"fsdp_keep_params_in_window='yes' must be True, False or None"):
+        load_config(fsdp_keep_params_in_window="yes")
+    with pytest.warns(DeprecationWarning, match="fsdp_reshard_after_backward is deprecated; use fsdp_keep_params_in_window"):
+        load_config(fsdp_reshard_after_backward=False)
+    with pytest.raises(ConfigError, match=r"fsdp_reshard_after_backward=True contradicts fsdp_keep_params_in_window=True"):
+        load_config(fsdp_reshard_after_backward=True, fsdp_keep_params_in_window=True)
+    clean_env.setenv("GRADSYNC_FSDP_KEEP_PARAMS_IN_WINDOW", "0")
+    assert load_config().fsdp_keep_params_in_window is False
+
+
+@pytest.mark.parametrize("key, suggestion", [
+    ("gradient_accumulation", "gradient_accumulation_steps"),
+    ("gradient_acumulation_steps", "gradient_accumulation_steps"),
+    ("sync_polcy", "sync_policy"),
+    ("find_unused_params", "find_unused_parameters"),
+])
+def test_unknown_keyword_suggests_the_closest_setting(clean_env, key, suggestion):
+    with pytest.raises(ConfigError) as err:
+        load_config(**{key: 4})
+    assert f"unknown setting(s) {key}=4 (did you mean {suggestion}?)" in str(err.value)
+
+
+def test_unknown_yaml_key_suggests_the_closest_setting(tmp_path, clean_env):
+    path = tmp_path / "g.yaml"
+    path.write_text("gradient_acumulation_steps: 8\nseed: 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(config_file=path)
+    assert "gradient_acumulation_steps=8 (did you mean gradient_accumulation_steps?)" in str(err.value)
+
+
+def test_nothing_close_gets_no_suggestion(clean_env):
+    with pytest.raises(ConfigError) as err:
+        load_config(zzz=1)
+    assert "did you mean" not in str(err.value)
+
+
+def test_a_misspelt_variable_draws_a_warning(clean_env, caplog):
+    clean_env.setenv("GRADSYNC_GRADIENT_ACUMULATION_STEPS", "4")
+    clean_env.setenv("GRADSYNC_SELFCHECK", "0")
+    clean_env.setenv("GRADSYNC_DEVICE", "cpu")  # not a setting, but gradsync's own: no warning
+    clean_env.setenv("GRADSYNC_SOMETHING_ELSE", "1")  # close to nothing: no warning
+    with caplog.at_level("WARNING", logger="gradsync"):
+        cfg = load_config()
+    assert cfg.gradient_accumulation_steps is None
+    assert ("GRADSYNC_GRADIENT_ACUMULATION_STEPS='4' is not a gradsync setting and is ignored "
+            "(did you mean GRADSYNC_GRADIENT_ACCUMULATION_STEPS?)") in caplog.text
+    assert "(did you mean GRADSYNC_SELF_CHECK?)" in caplog.text
+    assert "GRADSYNC_DEVICE" not in caplog.text and "SOMETHING_ELSE" not in caplog.text
+
+
+def test_new_switches_from_env_and_validation(clean_env):
+    clean_env.setenv("GRADSYNC_SELF_CHECK", "0")
+    clean_env.setenv("GRADSYNC_FIND_UNUSED_PARAMETERS", "1")
+    clean_env.setenv("GRADSYNC_DATASET_SHARDS_ITSELF", "yes")
+    cfg = load_config()
+    assert (cfg.self_check, cfg.find_unused_parameters, cfg.dataset_shards_itself) == (False, True, True)
+    with pytest.raises(ConfigError, match="self_check='no' must be True or False"):
+        load_config(self_check="no")
+
+
+def test_find_unused_contradicting_ddp_kwargs(clean_env):
+    from gradsync.backends.ddp import DDPBackend
+
+    cfg = load_config(find_unused_parameters=True, ddp_kwargs={"find_unused_parameters": False})
+    with pytest.raises(ConfigError, match="find_unused_parameters=True contradicts ddp_kwargs"):
+        DDPBackend().setup(cfg)
+
+
+def test_deepspeed_batch_contradiction_is_reported_when_the_accelerator_is_built(clean_env):
+    pytest.importorskip("deepspeed")
+    from gradsync import Accelerator
+
+    # no process group and no launcher variables: the check comes before either is needed
+    with pytest.raises(ConfigError) as err:
+        Accelerator(backend="deepspeed", gradient_accumulation_steps=4,
+                    deepspeed_config={"gradient_accumulation_steps": 8})
+    assert "deepspeed_config gradient_accumulation_steps=8 contradicts gradsync's gradient_accumulation_steps=4" in str(err.value)
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu=4 contradicts gradsync's train_micro_batch_size_per_gpu=2"):
+        Accelerator(backend="deepspeed", micro_batch_size=2, gradient_accumulation_steps=2,
+                    deepspeed_config={"train_micro_batch_size_per_gpu": 4})

@@ -32,26 +32,38 @@ def _run(stage: int, steps: int, **extra):
     return {"fn": "train_ds", "stage": stage, "steps": steps, "samples": SAMPLES, "micro_batch": MICRO, **extra}
 
 
+FITS = 10**9  # a memory budget any of these tiny models fits
 SCENARIOS = {
-    **{f"s{s}_k{k}": _run(s, k) for s in STAGES for k in (1, 4)},
+    # ZeRO 0/1 under the default policy; ZeRO 2/3 under "native" (auto may coalesce there)
+    **{f"s{s}_k{k}": _run(s, k, **({"policy": "native"} if s >= 2 else {})) for s in STAGES for k in (1, 4)},
     **{f"s{s}_k4_to_3": _run(s, 4, change_steps_at=[2, 3]) for s in STAGES},
     **{f"s{s}_defer": _run(s, 4, policy="defer") for s in STAGES},
     **{f"s{s}_bf16": _run(s, 4, mixed_precision="bf16") for s in STAGES},
     **{f"s{s}_clip": _run(s, 4, optimizer="adam", lr=0.01, clip=0.5) for s in STAGES},
     "s2_every_step": _run(2, 4, policy="every_step"),
+    **{f"s{s}_k4_checkpointed": _run(s, 4, checkpointing=["Block"]) for s in (0, 3)},
+    "s0_k4_compiled": _run(0, 4, compile=True),
     **{f"s{s}_{p}_after": {**_run(s, 4, policy=p), "fn": "step_after_block"}
-       for s, p in ((0, "auto"), (2, "defer"), (3, "auto"), (3, "defer"))},
-    "s2_clip_after": {**_run(2, 4, optimizer="adam", lr=0.01, clip=0.5), "fn": "step_after_block"},
+       for s, p in ((0, "auto"), (2, "defer"), (3, "native"), (3, "defer"))},
+    **{f"s{s}_auto": _run(s, 4, budget=FITS) for s in (2, 3)},
+    **{f"s{s}_auto_1_byte": _run(s, 4, budget=1) for s in (2, 3)},
+    "s2_auto_default_budget": _run(2, 4),
+    "s2_clip_after": {**_run(2, 4, policy="native", optimizer="adam", lr=0.01, clip=0.5),
+                      "fn": "step_after_block"},
     "s3_zero_grad_first": _run(3, 4, zero_grad_first=True),
-    **{f"s{s}_{p}_drop_{how}": _run(s, 4, policy=p, **kw) for how, kw in DROPS.items()
-       for s, p in ((0, "native"), (1, "defer"), (2, "native"), (2, "defer"), (3, "native"), (3, "defer"))},
+    **{f"s{s}_{p}_drop_{how}": _run(s, 4, policy=p, **kw, **({"budget": FITS} if p == "auto" else {}))
+       for how, kw in DROPS.items()
+       for s, p in ((0, "native"), (1, "defer"), (2, "native"), (2, "defer"), (3, "native"), (3, "defer"),
+                    (2, "auto"), (3, "auto"))},
+    "s2_schedule": _run(2, "0:2 2:4"),
+    "s2_schedule_defer": _run(2, "0:2 2:4", policy="defer"),
     "config_errors": {"fn": "config_errors"},
     "clip_twice": {"fn": "clip_twice"},
     "s0_config_optimizer": {"fn": "config_optimizer", "stage": 0},
     "s3_config_optimizer": {"fn": "config_optimizer", "stage": 3},
 }
 EQUIV = [n for n in SCENARIOS if n.startswith("s") and SCENARIOS[n]["fn"] == "train_ds"
-         and "bf16" not in n and "clip" not in n and "drop" not in n]
+         and "bf16" not in n and "clip" not in n and "drop" not in n and "schedule" not in n]
 DROPPED = [n for n in SCENARIOS if "_drop_" in n]
 
 
@@ -66,6 +78,22 @@ def results():
 @pytest.mark.parametrize("name", EQUIV)
 def test_equivalence_with_one_process(results, name):
     assert_matches_one_process(results[name], samples=SAMPLES)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["s2_schedule", "s2_schedule_defer"])
+def test_an_accumulation_schedule_equals_one_process(results, name):
+    ranks = results[name]
+    assert ranks[0]["sizes"] == [2, 2, 4, 3, 4, 4, 3]
+    assert_matches_one_process(ranks, samples=SAMPLES)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 3])
+def test_activation_checkpointing_changes_no_result(results, stage):
+    for plain, checkpointed in zip(results[f"s{stage}_k4"], results[f"s{stage}_k4_checkpointed"]):
+        assert checkpointed["checkpointed"] == ["Block", "Block"] and plain["checkpointed"] == []
+        assert max_diff(plain["state"], checkpointed["state"]) < 1e-6
 
 
 @pytest.mark.multiprocess
@@ -189,6 +217,74 @@ def test_zero_2_3_native_reduce_every_micro_step(results, name):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [2, 3])
+def test_auto_coalesces_zero_2_3_when_the_gradients_fit_the_budget(results, stage):
+    """No policy given, a budget that fits: no gradient collective off the boundary, one
+    reduction of all the gradients at it (equivalence: EQUIV), and the reason says why."""
+    for r in results[f"s{stage}_auto"]:
+        assert r["policy"] == "defer"
+        assert r["reason"].startswith("auto -> defer"), r["reason"]
+        assert "(1410 bytes) of extra unreduced gradients per rank" in r["reason"]
+        assert f"fits the budget 953.7 MiB ({FITS} bytes, sync_memory_budget)" in r["reason"]
+        assert any(not rec["boundary"] for rec in r["audit"])
+        for rec, ops in zip(r["audit"], r["audit_ops"]):
+            if rec["boundary"]:
+                assert_one_gradient_reduction(ops, _grad_bytes(r["state"]))
+            else:
+                assert rec["reductions"] == 0, rec
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [2, 3])
+def test_auto_stays_native_when_the_budget_is_too_small_and_says_so(results, stage):
+    for r in results[f"s{stage}_auto_1_byte"]:
+        assert r["policy"] == "native"
+        assert r["reason"].startswith(f"auto -> native (ZeRO {stage} reduces on every micro-step)")
+        assert "(1410 bytes) of extra unreduced gradients per rank" in r["reason"]
+        assert "exceeds the budget 1 B (1 bytes, sync_memory_budget)" in r["reason"]
+        for rec in r["audit"]:
+            assert rec["reductions"] >= 1, rec  # native ZeRO 2/3: every micro-step
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["s2_auto", "s3_auto_1_byte", "s2_auto_default_budget", "s0_k4"])
+def test_the_decision_is_logged_once_on_rank_0(results, name):
+    rank0, rank1 = results[name]
+    assert rank1["logged"] == []
+    assert rank0["logged"] == [f"gradsync deepspeed: sync_policy {rank0['reason']}"]
+
+
+@pytest.mark.multiprocess
+def test_auto_without_a_budget_takes_a_share_of_the_free_memory(results):
+    for r in results["s2_auto_default_budget"]:
+        assert r["policy"] == "defer", r["reason"]
+        assert "25% of available RAM / 2 local rank(s), min over ranks" in r["reason"]
+
+
+class BF16_Optimizer:  # named as DeepSpeed's wrapper, which cannot coalesce
+    pass
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_auto_stays_native_where_deepspeed_cannot_coalesce(stage):
+    """An optimizer wrapper without DeepSpeed's coalescing hook: native, and the reason names
+    it (decided before any collective, so no process group is needed)."""
+    from gradsync.backends import _deepspeed_policy
+
+    class Engine:
+        optimizer = BF16_Optimizer()
+
+        def coalesce_grad_reduction(self):  # pragma: no cover - never entered
+            raise NotImplementedError
+
+    policy, reason, _ = _deepspeed_policy.decide(Engine(), stage, (None, "sync_memory_budget"),
+                                                 torch.device("cpu"), "0.19.8")
+    assert policy == "native"
+    assert reason.startswith(f"auto -> native: ZeRO {stage} reduces on every micro-step")
+    assert "deepspeed 0.19.8 cannot coalesce the reduction for its BF16_Optimizer" in reason
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", STAGES)
 def test_clipping_returns_the_global_norm(results, stage):
     ranks = results[f"s{stage}_clip"]
@@ -285,3 +381,9 @@ def test_missing_deepspeed_says_how_to_install(monkeypatch, clean_env):
     message = str(err.value)
     assert "\n" not in message
     assert "pip install 'gradsync[deepspeed]'" in message
+
+
+@pytest.mark.multiprocess
+def test_the_self_check_stays_silent(results):
+    """Every loop here is a correct one: the deferral self-check must not warn."""
+    assert "gradsync self-check" not in results.log

@@ -17,12 +17,28 @@ pytestmark = pytest.mark.multiprocess
 
 SAMPLES = 44  # 22 per rank, 11 micro-batches of 2: windows of 4, 4 and a partial 3
 MICRO = 2
+FITS = 10**9  # a memory budget that fits this model's gradients and parameters many times
+GRAD_BYTES = 705 * 4  # the model's fp32 gradients
+# FSDP2's own flags per group (root, block 0, block 1) once it ran: [gradient sync, reshard
+# after backward, reshard after forward]; the root never reshards after forward.
+FSDP_DEFAULT_FLAGS = [[True, True, False], [True, True, True], [True, True, True]]
 BF16_TOLERANCE = 2e-3  # max abs parameter diff, bf16 vs fp32, 6 steps; measured 2.0e-4 (docs/fsdp.md)
 RUN = {"samples": SAMPLES, "micro_batch": MICRO}
 SCENARIOS = {
     **{f"k{k}_{p}": {"fn": "train_fsdp", "steps": k, "policy": p, **RUN}
        for k in (1, 4) for p in ("defer", "every_step")},
     "k4_auto": {"fn": "train_fsdp", "steps": 4, "policy": "auto", **RUN},
+    # no policy given, a budget that fits gradients and parameters: both kept for the window
+    "k4_auto_fits_all": {"fn": "train_fsdp", "steps": 4, "sync_budget": FITS, **RUN},
+    # a budget between the two: the gradients are deferred, the parameters resharded
+    "k4_auto_fits_grads": {"fn": "train_fsdp", "steps": 4, "sync_budget": 2000, **RUN},
+    "k4_keep_explicit": {"fn": "train_fsdp", "steps": 4, "policy": "defer", "keep": True, **RUN},
+    "k4_keep_adam_clip": {"fn": "train_fsdp", "steps": 4, "keep": True, "sync_budget": FITS,
+                          "optimizer": "adam", "lr": 0.01, "clip": 0.5, **RUN},
+    "k4_keep_bf16": {"fn": "train_fsdp", "steps": 4, "policy": "defer", "keep": True,
+                     "mixed_precision": "bf16", **RUN},
+    "restores_state_keep": {"fn": "restores_state_keep"},
+    "drop_kept_window": {"fn": "drop_kept_window"},
     "k4_keep_params": {"fn": "train_fsdp", "steps": 4, "policy": "defer", "reshard": False, **RUN},
     "k4_adam_clip": {"fn": "train_fsdp", "steps": 4, "policy": "defer", "optimizer": "adam",
                      "lr": 0.01, "clip": 0.5, **RUN},
@@ -42,10 +58,14 @@ SCENARIOS = {
     **{f"drop_{how}_keep_params": {"fn": "train_fsdp", "steps": 4, "policy": "defer",
                                    "reshard": False, **RUN, **kw} for how, kw in DROPS.items()},
     **{f"drop_{how}_fsdp1": {"fn": "train_fsdp1", "steps": 4, **RUN, **kw} for how, kw in DROPS.items()},
+    **{f"drop_{how}_keep_window": {"fn": "train_fsdp", "steps": 4, "sync_budget": FITS, **RUN, **kw}
+       for how, kw in DROPS.items()},
+    "schedule": {"fn": "train_fsdp", "steps": "0:2 2:4", "policy": "defer", **RUN},
     "misuse": {"fn": "misuse"},
 }
 EQUIVALENT = ["k1_defer", "k4_defer", "k1_every_step", "k4_every_step", "k4_auto",
-              "k4_keep_params", "wrap_linear", "wrap_callable", "fsdp1_k4"]
+              "k4_keep_params", "wrap_linear", "wrap_callable", "fsdp1_k4",
+              "k4_auto_fits_all", "k4_auto_fits_grads", "k4_keep_explicit"]
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +82,102 @@ def test_equivalence_with_one_process(results, name):
 
 
 @pytest.mark.parametrize("how", sorted(DROPS))
-@pytest.mark.parametrize("variant", ["defer", "every_step", "keep_params", "fsdp1"])
+@pytest.mark.parametrize("variant", ["defer", "every_step", "keep_params", "fsdp1", "keep_window"])
 def test_a_dropped_window_leaks_nothing(results, how, variant):
     assert_dropped_window_leaks_nothing(results[f"drop_{how}_{variant}"], samples=SAMPLES)
+
+
+@pytest.mark.parametrize("how", sorted(DROPS))
+def test_a_dropped_kept_window_ends_resharded_with_the_flags_as_they_were(results, how):
+    for r in results[f"drop_{how}_keep_window"]:
+        assert "parameters kept gathered in the window" in r["reason"]
+        assert r["flags_after"] == FSDP_DEFAULT_FLAGS and r["unsharded_after"] == 0
+
+
+def test_dropping_a_kept_window_frees_its_parameters_and_gradients(results):
+    for seen in results["drop_kept_window"]:
+        assert "parameters kept gathered in the window" in seen["reason"]
+        assert seen["open"]["gathered"] == 3 and seen["open"]["grads"]["unsharded"] == GRAD_BYTES
+        assert seen["dropped"] == {"gathered": 0, "grads": {"unsharded": 0, "sharded": 0},
+                                   "flags": FSDP_DEFAULT_FLAGS}
+
+
+def _median_off_boundary_bytes(rec_list):
+    off = sorted(rec["bytes"] for rec in rec_list if not rec["boundary"])
+    return off[len(off) // 2]
+
+
+def test_auto_keeps_parameters_and_gradients_when_both_fit(results):
+    """No policy given, a budget that fits both: only a window's first micro-step gathers,
+    the others send nothing until the boundary's reduce-scatter."""
+    for r in results["k4_auto_fits_all"]:
+        assert r["policy"] == "defer"
+        assert r["reason"].startswith("auto -> defer, parameters kept gathered in the window: ")
+        assert "(2820 bytes) of extra unsharded gradients and parameters per rank" in r["reason"]
+        assert f"fits the budget 953.7 MiB ({FITS} bytes, sync_memory_budget)" in r["reason"]
+        assert _median_off_boundary_bytes(r["audit"]) < 0.05 * GRAD_BYTES
+        index = 0
+        for size in r["sizes"]:
+            window, index = r["audit"][index:index + size], index + size
+            assert window[0]["ops"].get("allgather", 0) == r["units"], window[0]  # the first gathers
+            for rec in window[1:]:
+                assert rec["ops"].get("allgather", 0) == 0, rec
+            for rec in window[1:-1]:
+                assert rec["bytes"] == 0, rec
+            assert window[-1]["reductions"] == window[-1]["ops"]["reduce_scatter"] == r["units"]
+        assert r["flags_after"] == FSDP_DEFAULT_FLAGS and r["unsharded_after"] == 0
+
+
+def test_keeping_parameters_in_the_window_sends_less_than_gradients_only(results):
+    def sent(name):
+        return sum(rec["bytes"] for rec in results[name][0]["audit"])
+
+    assert sent("k4_keep_explicit") < sent("k4_keep_params") < sent("k4_defer")
+    assert sent("k4_auto_fits_all") == sent("k4_keep_explicit")
+
+
+def test_auto_defers_gradients_only_when_the_parameters_do_not_fit_too(results):
+    for r in results["k4_auto_fits_grads"]:
+        assert r["policy"] == "defer"
+        assert r["reason"].startswith("auto -> defer (gradients only): ")
+        assert "(1410 bytes) of extra unsharded gradients per rank" in r["reason"]
+        assert "keeping the parameters gathered too would hold 2.8 KiB (2820 bytes), which exceeds it" in r["reason"]
+        off = [rec for rec in r["audit"] if not rec["boundary"]]
+        assert all(rec["reductions"] == 0 and rec["ops"].get("allgather", 0) > 0 for rec in off)
+
+
+@pytest.mark.parametrize("name", ["k4_keep_adam_clip"])
+def test_a_kept_window_clips_like_one_process(results, name):
+    ranks = results[name]
+    ref = reference(ranks, samples=SAMPLES, optimizer="adam", lr=0.01, clip=0.5)
+    assert any(n > 0.5 for n in ref["norms"])
+    for r in ranks:
+        assert "parameters kept gathered in the window" in r["reason"]
+        assert max(abs(a - b) for a, b in zip(r["norms"], ref["norms"])) < 1e-5
+        assert max_diff(r["state"], ref["state"]) < 1e-5
+
+
+def test_a_kept_window_in_bf16_matches_the_gradients_only_one(results):
+    kept, plain = results["k4_keep_bf16"], results["k4_bf16"]
+    for k, p in zip(kept, plain):
+        assert max_diff(k["state"], p["state"]) == 0.0
+
+
+def test_keeping_the_window_restores_fsdp_flags(results):
+    for seen in results["restores_state_keep"]:
+        # [gradient sync, reshard after backward, reshard after forward]; the root never
+        # reshards after forward (FSDP2's own choice), the blocks do
+        assert seen["before"] == FSDP_DEFAULT_FLAGS
+        assert seen["user"] == [[True, True, False], [True, True, True], [True, False, True]]
+        assert seen["inside_defer"] == [[False, False, False]] * 3
+        assert seen["inside_sync"] == [[True, True, False], [True, True, False], [True, False, False]]
+        assert seen["after_defer"] == seen["after_sync"] == seen["user"]
+
+
+def test_an_accumulation_schedule_equals_one_process(results):
+    ranks = results["schedule"]
+    assert ranks[0]["sizes"] == [2, 2, 4, 3, 4, 4, 3]
+    assert_matches_one_process(ranks, samples=SAMPLES)
 
 
 @pytest.mark.parametrize("name", ["k4_defer", "k4_every_step"])
@@ -193,3 +306,8 @@ def test_misuse_gives_clear_errors(results):
         assert "prepare before the first optimizer step" in m["optimizer_with_state"]
         assert "fsdp_wrap=['Transformer']" in m["unknown_wrap"] and "Block" in m["unknown_wrap"]
         assert m["unprepared"].startswith("RuntimeError") and "prepared model" in m["unprepared"]
+
+
+def test_the_self_check_stays_silent(results):
+    """Every loop here is a correct one: the deferral self-check must not warn."""
+    assert "gradsync self-check" not in results.log

@@ -79,8 +79,39 @@ def test_unknown_sync_policy_is_a_config_error(clean_env):
 @pytest.mark.parametrize(
     ("setting", "match"),
     [({"sync_policy": "native"}, "sync_policy='native' is DeepSpeed's; with backend='fsdp'"),
-     ({"mixed_precision": "fp16"}, "mixed_precision='fp16' is not supported with backend='fsdp'; use 'bf16'")],
+     ({"activation_checkpointing": 3}, "activation_checkpointing=3 must be a module class name")],
 )
 def test_settings_fsdp_cannot_honour_fail_before_any_group(clean_env, setting, match):
     with pytest.raises(ConfigError, match=match):
         Accelerator(backend="fsdp", **setting)
+
+
+def test_keeping_parameters_with_every_step_is_refused_before_any_group(clean_env):
+    with pytest.raises(ConfigError, match=r"fsdp_keep_params_in_window=True .* sync_policy='every_step' defers nothing"):
+        Accelerator(backend="fsdp", sync_policy="every_step", fsdp_keep_params_in_window=True)
+
+
+def _decide(asked="auto", keep=None, legacy=False, budget=None):
+    from gradsync.backends._fsdp_policy import decide
+    from gradsync.backends._memory import Budget
+
+    b = Budget(budget, "sync_memory_budget") if budget is not None else None
+    return decide(asked, keep, legacy, grads=100, full=200, budget=b, world=2)
+
+
+@pytest.mark.parametrize(("kwargs", "policy", "keep", "extra"), [
+    ({"budget": 200}, "defer", "window", 200),
+    ({"budget": 199}, "defer", "no", 100),
+    ({"budget": 99}, "every_step", "no", 0),
+    ({"budget": 10**6, "keep": False}, "defer", "no", 100),
+    ({"budget": 150, "keep": True}, "every_step", "no", 0),  # keeping is asked: it must fit too
+    ({"budget": 10**6, "legacy": True}, "defer", "after_backward", 200),
+    ({"asked": "defer"}, "defer", "no", 100),  # an explicit policy does not consult the budget
+    ({"asked": "defer", "keep": True}, "defer", "window", 200),
+    ({"asked": "every_step"}, "every_step", "no", 0),
+])
+def test_auto_picks_the_deepest_level_that_fits(kwargs, policy, keep, extra):
+    got = _decide(**kwargs)
+    assert got[:3] == (policy, keep, extra), got[3]
+    if "budget" in kwargs:
+        assert f"({kwargs['budget']} bytes, sync_memory_budget)" in got[3]

@@ -224,3 +224,42 @@ def test_process_counts_below_one_are_rejected_by_the_parser(flag, value):
     proc = gradsync("launch", flag, value, str(SCRIPT))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"argument {flag}: {value} must be >= 1" in proc.stderr
+
+
+def test_the_launcher_sets_omp_threads_for_the_workers_when_unset(monkeypatch):
+    launcher = Launcher(LaunchConfig(script=str(SCRIPT), nproc_per_node=2))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert launcher.thread_env() == {"OMP_NUM_THREADS": "4"}
+    assert "  OMP_NUM_THREADS=4" in launcher.describe().splitlines()
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert launcher.thread_env() == {"OMP_NUM_THREADS": "1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stays
+    assert launcher.thread_env() == {}
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+
+
+@pytest.mark.multiprocess
+def test_the_readme_example_prints_no_warning_and_shows_learning():
+    """The README's first command (its launch part), with nothing set in the environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_") and k != "OMP_NUM_THREADS"}
+    proc = subprocess.run([sys.executable, "-m", "gradsync", "launch", "--nproc-per-node", "2",
+                           "--gradient-accumulation-steps", "4", str(EXAMPLE)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "warning" not in out.lower(), out
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("held-out loss ")]
+    assert len(summary) == 1, proc.stdout
+    first, last = (float(v) for v in summary[0].split()[2:5:2])
+    assert last < first / 5, summary[0]
+
+
+def test_numpy_is_a_base_dependency():
+    """torch warns at import ("Failed to initialize NumPy") where numpy is missing."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    names = [d.split(">")[0].split("=")[0].split("<")[0].strip() for d in pyproject["project"]["dependencies"]]
+    assert "numpy" in names

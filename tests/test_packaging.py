@@ -36,6 +36,14 @@ def test_plan_runs_without_torch():
     assert "accumulation steps:      8" in proc.stdout
 
 
+def test_plan_estimate_runs_without_torch():
+    proc = without_torch("plan", "--gradient-accumulation-steps", "8", "--nproc-per-node", "8",
+                         "--estimate", "--params", "1e9", "--bandwidth", "400", "--latency-us", "20",
+                         "--compute-ms", "100")
+    assert proc.returncode == 0, proc.stderr
+    assert "ddp      defer" in proc.stdout and "speed-up" in proc.stdout
+
+
 def test_launch_help_and_dry_run_run_without_torch():
     help_ = without_torch("launch", "--help")
     assert help_.returncode == 0, help_.stderr
@@ -90,3 +98,25 @@ def test_the_built_wheel_ships_py_typed(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "gradsync/py.typed" in names
     assert "gradsync/backends/_fsdp_compat.py" in names
+
+
+def test_plan_prints_one_row_per_world_size_without_torch():
+    proc = without_torch("plan", "--global-batch-size", "256", "--micro-batch-size", "8",
+                         "--nproc-per-node", "1,2,8")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
+    assert [row.split("|")[5].strip() for row in rows] == ["32", "16", "4"]
+
+
+def test_plan_shows_a_schedule_and_flags_rows_that_do_not_fit(tmp_path):
+    proc = without_torch("plan", "--micro-batch-size", "4", "--gradient-accumulation-steps",
+                         "0:2 100:4", "--nproc-per-node", "1,8")
+    assert proc.returncode == 0, proc.stderr
+    assert "| 1 | 8 | 8 | 4 | 2 (from step 0) -> 4 (from step 100) | 64 -> 128 |" in proc.stdout
+    config = tmp_path / "ramp.yaml"
+    config.write_text("micro_batch_size: 4\nglobal_batch_size: 512\n"
+                      "gradient_accumulation_steps: {start: 64, increment: 64, samples: 10000}\n")
+    proc = without_torch("plan", "--config", str(config), "--nproc-per-node", "2,32")
+    assert proc.returncode == 2
+    assert "| 1 | 2 | 2 | 4 | 8 -> 64 (ramp-up over 10000 samples) | 64 -> 512 |" in proc.stdout
+    assert "error: ramp-up start=64 is not a multiple of" in proc.stdout

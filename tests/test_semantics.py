@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from gradsync import Accelerator, ConfigError
-from gradsync.data import shard_dataloader
+from gradsync import Accelerator
+from gradsync.data import BatchShard, shard_dataloader
 
 from scenarios.common import Indexed, make_model, max_diff, reference, train
 
@@ -256,11 +256,11 @@ def test_optimizer_hooks_reach_the_wrapped_optimizer(clean_env):
     assert calls == [1]
 
 
-def test_samplers_are_sharded_kept_or_refused():
+def test_samplers_are_sharded_or_kept():
     data = Indexed(8)
     weighted = DataLoader(data, batch_size=2, sampler=WeightedRandomSampler([1.0] * 8, 8))
-    with pytest.raises(ConfigError, match="WeightedRandomSampler.*cannot shard"):
-        shard_dataloader(weighted, rank=0, world_size=2, seed=0)
+    sharded = shard_dataloader(weighted, rank=0, world_size=2, seed=0)
+    assert isinstance(sharded.batch_sampler, BatchShard) and len(sharded) == 2
     own = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=1))
     assert shard_dataloader(own, rank=1, world_size=2, seed=0) is own
     g = torch.Generator()
@@ -281,13 +281,17 @@ def test_user_set_epoch_on_the_sampler_is_respected(clean_env):
     assert fifth == again != first
 
 
-def test_bf16_autocast_on_single_and_fp16_refused(clean_env):
+def test_bf16_and_fp16_autocast_on_single(clean_env):
     a = accel(mixed_precision="bf16")
     model = a.prepare(make_model())
     with a.accumulate(model):
         assert model(torch.randn(2, 8)).dtype == torch.bfloat16
-    with pytest.raises(ConfigError, match="mixed_precision='fp16' is not supported with backend='single'"):
-        accel(mixed_precision="fp16")
+    assert a.scaler is None
+    a = accel(mixed_precision="fp16")  # fp16 runs with a loss scaler (tests/test_amp_single.py)
+    model = a.prepare(make_model())
+    with a.accumulate(model):
+        assert model(torch.randn(2, 8)).dtype == torch.float16
+    assert a.scaler is not None
 
 
 def test_audit_is_off_when_the_group_cannot_be_counted(clean_env, tmp_path):
@@ -429,10 +433,16 @@ def test_optimizer_methods_that_bypass_the_window_are_refused(clean_env):
     assert isinstance(opt.defaults, dict)
 
 
-def test_random_sampler_with_replacement_is_refused():
+def test_random_sampler_with_replacement_is_sharded_by_batch():
     from torch.utils.data import RandomSampler
 
     data = Indexed(8)
-    loader = DataLoader(data, batch_size=2, sampler=RandomSampler(data, replacement=True, num_samples=40))
-    with pytest.raises(ConfigError, match="replacement"):
-        shard_dataloader(loader, rank=0, world_size=2, seed=0)
+    ranks = []
+    for rank in range(2):
+        torch.manual_seed(100 + rank)  # the ranks' global RNGs differ: the sequence must not
+        loader = DataLoader(data, batch_size=2, sampler=RandomSampler(data, replacement=True, num_samples=40))
+        ranks.append([b[2].tolist() for b in shard_dataloader(loader, rank=rank, world_size=2, seed=0)])
+    assert len(ranks[0]) == len(ranks[1]) == 10
+    torch.manual_seed(7)
+    again = DataLoader(data, batch_size=2, sampler=RandomSampler(data, replacement=True, num_samples=40))
+    assert [b[2].tolist() for b in shard_dataloader(again, rank=0, world_size=2, seed=0)] == ranks[0]

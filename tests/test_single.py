@@ -143,3 +143,20 @@ def test_scheduler_does_not_step_when_the_optimizer_step_was_skipped():
     sched.step()
     sched.step()  # a second call for the same optimizer step does nothing
     assert sched.get_last_lr() == [0.5]
+
+
+def test_every_window_starts_from_cleared_gradients_without_a_prepared_optimizer(clean_env):
+    """Only the model is prepared (the update is the user's own): the gradients at the end of
+    window 2 are window 2's alone, as one process computing its mean loss gets them."""
+    acc = accel(clean_env, gradient_accumulation_steps=2)
+    model = acc.prepare(make_model())
+    data = Indexed(8)
+    batches = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    for ids in batches:
+        with acc.accumulate(model):
+            acc.backward(F.mse_loss(model(data.x[ids]), data.y[ids]))
+    ref = make_model()
+    loss = sum(F.mse_loss(ref(data.x[ids]), data.y[ids]) for ids in batches[2:]) / 2
+    loss.backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-7)

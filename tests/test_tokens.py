@@ -29,6 +29,8 @@ LM = {
     "ddp_sum_k4_to_3": {"fn": "lm", "backend": "ddp", "reduction": "sum", "change_steps_at": [2, 3]},
     "fsdp_sum_every_step": {"fn": "lm", "backend": "fsdp", "reduction": "sum", "sync_policy": "every_step"},
     "deepspeed_sum_defer": {"fn": "lm", "backend": "deepspeed", "reduction": "sum", "sync_policy": "defer"},
+    **{f"deepspeed{s}_sum": {"fn": "lm", "backend": "deepspeed", "reduction": "sum", "stage": s}
+       for s in (0, 1, 3)},
 }
 SCENARIOS = {
     **LM,
@@ -169,3 +171,13 @@ def test_a_count_that_fails_on_one_rank_fails_on_every_rank(results):
     errors = [r["negative_on_one_rank"] for r in results["misuse"]]
     assert errors[1].startswith("ConfigError: count_items returned -1 for batch 0 of epoch 0")
     assert "count_items failed on 1 other rank(s)" in errors[0]
+
+
+def test_deepspeed_refuses_a_second_trained_model(results):
+    for r in results["misuse"]:
+        assert r["second_trained"].startswith("ConfigError: backend='deepspeed' trains one model")
+
+
+def test_the_self_check_stays_silent(results):
+    """Every loop here is a correct one: the deferral self-check must not warn."""
+    assert "gradsync self-check" not in results.log

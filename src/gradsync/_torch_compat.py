@@ -4,12 +4,14 @@ The audit's process-group wrapper hands the single-tensor collectives on to the 
 group's ``_allgather_base`` / ``_reduce_scatter_base`` (the C++ methods that
 ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` end in), sets the NCCL options'
 timeout, and the dataloader sharding asks whether a ``RandomSampler`` was given
-``num_samples``. A torch that renamed one fails here with a message naming the supported
-versions.
+``num_samples``; the fp16 scaler asks GradScaler whether it found inf/NaN, and the adapters
+see through ``torch.compile``'s ``OptimizedModule``. A torch that renamed one fails here with
+a message naming the supported versions.
 """
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -48,3 +50,23 @@ def sampler_num_samples(sampler: torch.utils.data.RandomSampler) -> int | None:
     """The ``num_samples`` a RandomSampler was built with (None: one pass over the data)."""
     value: int | None = require(sampler, "_num_samples", "RandomSampler's own num_samples")
     return value
+
+
+def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the scaler found inf/NaN in the optimizer's gradients when it unscaled them
+    (after ``unscale_``; a ShardedGradScaler has already combined every rank's finding).
+    GradScaler keeps this per optimizer and says it only through ``step``'s skipping."""
+    per_device = require(scaler, "_found_inf_per_device", "GradScaler's per-optimizer inf check")
+    return bool(sum(float(v.item()) for v in per_device(optimizer).values()))
+
+
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside ``torch.compile(model)`` (``OptimizedModule._orig_mod``), through
+    any number of such wrappers; ``model`` itself when it is not one."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # torch._dynamo was never imported: nothing has been compiled
+        return model
+    optimized = eval_frame.OptimizedModule
+    while isinstance(model, optimized):
+        model = require(model, "_orig_mod", "the module inside torch.compile's OptimizedModule")
+    return model

@@ -13,14 +13,18 @@ import torch
 from torch.utils.data import DataLoader
 
 from gradsync import audit as audit_mod
-from gradsync import backends, checkpoint_state, metrics
+from gradsync import backends, checkpoint_state, metrics, selfcheck
+from gradsync._util import check_positive_int
 from gradsync.accumulation import MicroStep, Window
 from gradsync.backends import _dist
-from gradsync.batching import BatchPlan
+from gradsync.backends._amp import WindowScaler
+from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.checkpoint_state import CheckpointState
 from gradsync.config import Config, SyncPolicy, load_config
 from gradsync.data import LoaderContext, PreparedDataLoader, shard_dataloader
+from gradsync.data import split_batch as _split_batch
 from gradsync.errors import ConfigError, naming_collective
+from gradsync.planning import length_mismatch, plan_steps
 from gradsync.wrappers import PreparedOptimizer, PreparedScheduler
 
 REDUCTIONS = ("mean", "sum", "normalized")
@@ -46,17 +50,24 @@ class Accelerator:
 
     Args:
         backend: "auto" (ddp when the world size is above 1, else single), "single",
-            "ddp", "fsdp" or "deepspeed".
+            "ddp", "fsdp", "deepspeed" or "fairscale" (legacy).
         gradient_accumulation_steps: micro-batches per optimizer step (default 1).
         sync_policy: "auto", "defer", "every_step" or "native" (see the docs).
         seed: seeds torch on every rank and the sharded sampler.
         micro_batch_size / global_batch_size: give two of the three sizes to derive the third.
+        mixed_precision: "no", "bf16" or "fp16" (autocast plus a loss scaler, see ``scaler``).
+        activation_checkpointing: module class names, classes or a callable ``module -> bool``
+            picking the modules whose forward is recomputed in backward.
+        compile: True or a dict of ``torch.compile`` arguments: compile where the backend wants it.
         audit: count collectives per micro-step and print a summary per optimizer step.
         timeout: seconds a collective waits for the other ranks before it fails with an
             error naming the operation (``GRADSYNC_TIMEOUT``; torch's default is 30 min).
         save_on_sigterm: a folder; on SIGTERM (preemption) every rank saves a checkpoint
             there (``step-N``) when the next window starts, then exits with status 0.
-        **options: backend options (``deepspeed_config``, ``fsdp_memory_budget``, ...).
+        **options: the other settings: ``count_items``, ``sync_with_dataloader``, ``self_check``
+            (default on), ``find_unused_parameters``, ``dataset_shards_itself``, backend options
+            (``deepspeed_config``, ``sync_memory_budget``, ``fsdp_keep_params_in_window``, ...);
+            see docs/guide.md.
     """
 
     def __init__(
@@ -69,6 +80,8 @@ class Accelerator:
         micro_batch_size: int | None = None,
         global_batch_size: int | None = None,
         mixed_precision: str | None = None,
+        activation_checkpointing: Any = None,
+        compile: bool | dict[str, Any] | None = None,
         audit: bool | None = None,
         timeout: float | None = None,
         save_on_sigterm: str | os.PathLike[str] | None = None,
@@ -84,6 +97,8 @@ class Accelerator:
             micro_batch_size=micro_batch_size,
             global_batch_size=global_batch_size,
             mixed_precision=mixed_precision,
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
             audit=audit,
             timeout=timeout,
             save_on_sigterm=None if save_on_sigterm is None else os.fspath(save_on_sigterm),
@@ -91,7 +106,7 @@ class Accelerator:
         )
         _, world, _ = _dist.rank_info()
         name = backends.resolve_auto(self.config.backend, world)
-        self.plan = BatchPlan.solve(
+        self.plan, schedule = solve_with_schedule(
             data_parallel_size=world,
             global_batch_size=self.config.global_batch_size,
             micro_batch_size=self.config.micro_batch_size,
@@ -102,17 +117,19 @@ class Accelerator:
             torch.manual_seed(self.config.seed)
         self._backend = backends.create(name)
         self._backend.setup(self.config)
-        self._window = Window(self.plan.gradient_accumulation_steps)
+        self._window = Window(schedule, follow_data=self.config.sync_with_dataloader)
         self._view = self._window.view
         self._models: list[torch.nn.Module] = []
         self._model_optimizers: list[PreparedOptimizer | None] = []  # parallel to _models
-        self._schedulers: list[PreparedScheduler] = []
-        self._prepared_loaders: list[PreparedDataLoader] = []
         self._registered: list[Any] = []
         self._state = CheckpointState(self)
         self._trained: list[torch.nn.Module] = []  # prepared models with trainable parameters
         self._optimizers: list[PreparedOptimizer] = []
         self._count_items = self.config.count_items
+        self._schedulers: list[PreparedScheduler] = []
+        self._prepared_loaders: list[PreparedDataLoader] = []
+        self._planned_steps: int | None = None
+        self._length_warned: set[int] = set()
         self._loaders = LoaderContext(self._window, self._backend.device, self._on_epoch_start,
                                       self._count_items)
         self.audit: audit_mod.Recorder | None = None
@@ -123,9 +140,15 @@ class Accelerator:
                 # None when the group was made outside gradsync: nothing is counted, and an
                 # empty record would read as "no collectives" (ensure_process_group warned).
                 self.audit = audit_mod.recorder_of()
+                if self.audit is not None:
+                    self.audit.enabled = True  # a group made for the self-check records nothing
             else:
                 self.audit = audit_mod.Recorder()  # one process: there is nothing to count
         self._audit_window_start = len(self.audit.records) if self.audit is not None else 0
+        self._self_check = selfcheck.start(
+            enabled=self.config.self_check, audit=self.audit, policy=lambda: self._backend.policy,
+            rank=self.rank, world_size=self.world_size, backend=self.backend,
+        )
         self._sigterm = checkpoint_state.SigtermWatch(self.config.save_on_sigterm)
 
     # -- where we are -----------------------------------------------------
@@ -169,7 +192,7 @@ class Accelerator:
         return self._window.steps
 
     @gradient_accumulation_steps.setter
-    def gradient_accumulation_steps(self, value: int) -> None:
+    def gradient_accumulation_steps(self, value: int) -> None:  # replaces a schedule
         """Change the window length; it takes effect when the next window starts."""
         self._window.steps = value
 
@@ -192,6 +215,24 @@ class Accelerator:
                 "accel.optimizer: no optimizer was prepared; pass one to accel.prepare(model, optimizer)"
             )
         return self._optimizers[-1]
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when the last boundary's optimizer step was skipped (an fp16 overflow on some
+        rank: every rank skips, and the scheduler does not step)."""
+        return any(o.step_was_skipped for o in self._optimizers)
+
+    @property
+    def scaler(self) -> WindowScaler | None:
+        """The fp16 loss scaler (``get_scale``, ``state_dict``, ``load_state_dict`` for
+        checkpoints); None without ``mixed_precision="fp16"`` and on DeepSpeed, whose own
+        scaler is saved with its checkpoints."""
+        return self._backend.scaler
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The autocast ``accumulate`` runs the micro-steps under, for code outside the block
+        (evaluation, a metric): ``with accel.autocast(): model(x)``."""
+        return self._backend.autocast()
 
     @property
     def optimizer_steps(self) -> int:
@@ -235,6 +276,13 @@ class Accelerator:
                 f"prepare() got {len(models)} models and {len(optimizers)} optimizers; "
                 "prepare one model and its optimizer per call"
             )
+        scalers = [o for o in objects if hasattr(o, "scale") and hasattr(o, "unscale_")]
+        if scalers:
+            raise ConfigError(
+                f"prepare() got a {type(scalers[0]).__name__}: gradsync runs one loss scaler per "
+                f"run (mixed_precision={self.config.mixed_precision!r}); drop yours, set "
+                "mixed_precision='fp16' and use accel.backward(loss) (accel.scaler holds its state)"
+            )
         if any(isinstance(o, PreparedOptimizer) for o in optimizers):
             raise ConfigError("prepare() got an optimizer that is already prepared; pass the original")
         if optimizers and not models:
@@ -277,11 +325,12 @@ class Accelerator:
             if _is_scheduler(obj):
                 if old_optimizer is not None and new_optimizer is not None and obj.optimizer is old_optimizer:
                     obj.optimizer = new_optimizer
-                out[id(obj)] = PreparedScheduler(obj, self._step_counter(obj.optimizer))
-                self._schedulers.append(out[id(obj)])
+                prepared_scheduler = PreparedScheduler(obj, self._step_counter(obj.optimizer))
+                self._schedulers.append(prepared_scheduler)
+                self._check_length(prepared_scheduler)
+                out[id(obj)] = prepared_scheduler
             elif _is_dataloader(obj):
                 out[id(obj)] = self._prepare_dataloader(obj)
-                self._prepared_loaders.append(out[id(obj)])
             else:
                 raise ConfigError(
                     f"prepare() does not know what to do with a {type(obj).__name__}; pass a "
@@ -318,8 +367,11 @@ class Accelerator:
                 f"batch_size={self.plan.micro_batch_size} or change the batch plan"
             )
         seed = self.config.seed if self.config.seed is not None else 0
-        sharded = shard_dataloader(loader, rank=self.rank, world_size=self.world_size, seed=seed)
-        return PreparedDataLoader(sharded, self._loaders)
+        sharded = shard_dataloader(loader, rank=self.rank, world_size=self.world_size, seed=seed,
+                                   dataset_shards_itself=self.config.dataset_shards_itself)
+        prepared = PreparedDataLoader(sharded, self._loaders)
+        self._prepared_loaders.append(prepared)
+        return prepared
 
     def _on_epoch_start(self, loader: PreparedDataLoader) -> None:
         """A loader starts a new pass. If the open window was being fed by that loader (its
@@ -360,13 +412,18 @@ class Accelerator:
         step = self._window.begin()
         if step.index == 0:
             try:
-                self._clear_grads()  # every window starts from cleared gradients
+                # Every window starts from cleared gradients: the prepared optimizers' here,
+                # the models' (also where no optimizer was prepared) in begin_window.
+                self._clear_grads()
                 self._backend.begin_window(models)
             except BaseException:
                 self._window.drop()
                 raise
         if self.audit is not None:
             self.audit.open(step.boundary)
+        check = self._self_check
+        if check is not None:
+            check.begin(step.boundary)
         backend = self._backend
         try:
             if step.index == 0 and self._count_items is not None:
@@ -382,6 +439,8 @@ class Accelerator:
                             stack.enter_context(backend.micro_step(model, boundary=step.boundary))
                         yield
         except BaseException:
+            if check is not None:
+                check.abort()
             if self.audit is not None:
                 self.audit.close()
             self._drop_window()  # a stray step() after the error applies nothing
@@ -396,10 +455,58 @@ class Accelerator:
                     "optimizer and scheduler steps are skipped", self._window.completed_windows,
                 )
                 backend.abort_window(self._models)  # drop whatever its backward left behind
+        if check is not None:
+            check.end(step.boundary)
+            if check.done:
+                self._self_check = None
         if self.audit is not None:
             self.audit.close()
             if step.boundary:
                 self._report_audit()
+
+    def split_batch(self, batch: Any, micro_batch_size: int) -> list[Any]:
+        """Cut a loader batch into micro-batches of ``micro_batch_size`` rows (the last may be
+        smaller), for several micro-steps per loader batch: run one ``accumulate()`` block per
+        micro-batch returned. The window counts them as micro-steps and still closes at the
+        end of the data with the right size."""
+        size = check_positive_int("micro_batch_size", micro_batch_size)
+        pieces = _split_batch(batch, size)
+        self._window.split(len(pieces), size)
+        return pieces
+
+    def planned_optimizer_steps(self, num_epochs: int, loader: Any = None) -> int:
+        """The optimizer steps ``num_epochs`` passes over the prepared dataloader will give
+        (``loader``, or the first one prepared), with the accumulation schedule and the
+        partial windows at the ends of passes; warns when a prepared LR scheduler was built
+        for another number of steps."""
+        check_positive_int("num_epochs", num_epochs)
+        loader = loader if loader is not None else (self._prepared_loaders[0] if self._prepared_loaders else None)
+        if loader is None:
+            raise RuntimeError("planned_optimizer_steps() needs a prepared dataloader: "
+                               "accel.prepare(loader) first, or pass loader=...")
+        try:
+            per_epoch = len(loader)
+        except TypeError:
+            raise RuntimeError(
+                "planned_optimizer_steps() needs a dataloader with a length; this one has none "
+                "(an IterableDataset without __len__): count the steps yourself"
+            ) from None
+        schedule, done = self._window.schedule, self._window.completed_windows
+        steps = plan_steps(schedule, per_epoch, num_epochs, start=done,
+                           follow_data=self.config.sync_with_dataloader)
+        self._planned_steps = steps
+        for scheduler in self._schedulers:
+            self._check_length(scheduler)
+        return steps
+
+    def _check_length(self, scheduler: PreparedScheduler) -> None:
+        """Warn once per scheduler built for another number of steps than planned."""
+        if self._planned_steps is None or id(scheduler) in self._length_warned:
+            return
+        message = length_mismatch(scheduler, self._planned_steps)
+        if message is not None:
+            self._length_warned.add(id(scheduler))
+            log.warning(message)
 
     def _count_window_items(self, size: int) -> None:
         """Count the window's items on this rank (its batches, read ahead) and sum them over
@@ -429,7 +536,11 @@ class Accelerator:
         self._window.set_items(total)
 
     def _own_collective(self) -> contextlib.AbstractContextManager[None]:
-        return self.audit.own() if self.audit is not None else contextlib.nullcontext()
+        if self.audit is not None:
+            return self.audit.own()
+        if self._self_check is not None:  # never judged as gradient traffic
+            return self._self_check.recorder.own()
+        return contextlib.nullcontext()
 
     @property
     def window_items(self) -> int:
@@ -470,7 +581,7 @@ class Accelerator:
                 )
             scale = 1 if step is None else step.size
             with naming_collective(self._backward_name(), self._timeout):
-                self._backend.backward(loss / scale if scale != 1 else loss)
+                self._run_backward(loss / scale if scale != 1 else loss)
             return
         if reduction not in REDUCTIONS:
             raise ConfigError(f"backward(reduction={reduction!r}) is unknown; use one of {', '.join(REDUCTIONS)}")
@@ -491,7 +602,7 @@ class Accelerator:
         world = self.plan.data_parallel_size  # every backend averages gradients over it
         factor = world / items if reduction == "sum" else float(world)
         with naming_collective(self._backward_name(), self._timeout):
-            self._backend.backward(loss * factor if factor != 1 else loss)
+            self._run_backward(loss * factor if factor != 1 else loss)
 
     def _backward_name(self) -> str:
         step = self._window.current
@@ -503,16 +614,42 @@ class Accelerator:
     def _timeout(self) -> float | None:
         return self.config.timeout
 
+    def _run_backward(self, loss: torch.Tensor) -> None:
+        self._backend.backward(loss)
+        if self._self_check is not None:
+            self._self_check.saw_backward()
+
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor | None:
         """Clip at a boundary and return the global gradient norm; off it, do nothing (None)."""
+        params = self._unscaled(parameters, "clip_grad_norm_")
+        if params is None:
+            return None
+        with naming_collective("clip_grad_norm_() (the global gradient norm)", self._timeout):
+            return self._backend.clip_grad_norm_(self._trained[-1], params, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """Clamp each gradient element to ``[-clip_value, clip_value]`` at a boundary; off
+        it, do nothing."""
+        params = self._unscaled(parameters, "clip_grad_value_")
+        if params is not None:
+            self._backend.clip_grad_value_(self._trained[-1], params, clip_value)
+
+    def _unscaled(self, parameters: Iterable[torch.Tensor], what: str) -> list[torch.Tensor] | None:
+        """At a boundary: the parameters, with the gradients of the optimizers holding them
+        unscaled (fp16: once per window, the step then does not unscale again); else None."""
         if not self._window.boundary:
             return None
         if not self._trained:
-            raise RuntimeError("clip_grad_norm_() before prepare(); prepare the model first")
-        with naming_collective("clip_grad_norm_() (the global gradient norm)", self._timeout):
-            return self._backend.clip_grad_norm_(self._trained[-1], parameters, max_norm, norm_type)
+            raise RuntimeError(f"{what}() before prepare(); prepare the model first")
+        params = list(parameters)
+        wanted = {id(p) for p in params}
+        for prepared in self._optimizers:
+            held = (p for group in prepared.param_groups for p in group["params"])
+            if any(id(p) in wanted for p in held):
+                self._backend.unscale_(prepared.optimizer)
+        return params
 
     # -- checkpoints ---------------------------------------------------------
     def save_state(self, path: str | os.PathLike[str], *, keep_last: int | None = None) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gradsync._util import check_positive_int
+from gradsync.schedule import Constant, Schedule
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ class Feed(Protocol):
     def count_items(self, n: int, count: Callable[[Any], Any]) -> int:
         """Items (e.g. tokens) in the last yielded batch and the ``n - 1`` after it."""
 
+    def lengths_ahead(self, n: int) -> tuple[list[int], bool]:
+        """The first-dimension lengths of up to ``n`` batches after the last yielded one, and
+        whether the pass ends after them."""
+
 
 class FeedTicket:
     """The window's record of one tracked pass (opaque to the pass that holds it)."""
@@ -64,6 +69,16 @@ class FeedTicket:
         self.fresh = False
 
 
+@dataclass
+class _Split:
+    """A loader batch that ``split_batch`` cut into ``n`` micro-batches of ``size`` rows."""
+
+    n: int
+    size: int
+    feed: Feed | None = None
+    done: int = 0  # micro-steps of it begun so far
+
+
 class Window:
     """Counts micro-steps into windows of ``steps``; the end of the data closes a window early.
 
@@ -72,11 +87,20 @@ class Window:
     last. A window opened with fewer batches remaining than ``steps`` has ``size ==
     remaining`` (the partial last window), so loss scaling weighs every micro-batch of that
     window equally. Without a prepared loader, ``remaining`` / ``last`` may be given.
+
+    ``steps`` is an int or a ``Schedule`` of k by completed windows. With
+    ``follow_data=False`` windows ignore where the data stands: they always hold ``steps``
+    micro-batches and run on across the end of a pass.
     """
 
-    def __init__(self, steps: int) -> None:
-        self._steps = check_positive_int("gradient_accumulation_steps", steps)
+    def __init__(self, steps: int | Schedule, *, follow_data: bool = True) -> None:
+        if isinstance(steps, int) or not hasattr(steps, "steps_at"):
+            steps = Constant(check_positive_int("gradient_accumulation_steps", steps))
+        self._schedule: Schedule = steps
+        self._steps = check_positive_int("gradient_accumulation_steps", steps.steps_at(0))
         self._pending_steps: int | None = None
+        self._follow_data = follow_data
+        self._split: _Split | None = None
         self._index = 0
         self._size = self._steps
         self._current: MicroStep | None = None
@@ -93,17 +117,39 @@ class Window:
     # -- reading ------------------------------------------------------------
     @property
     def steps(self) -> int:
-        """The configured window length (a change takes effect at the next window)."""
-        return self._pending_steps if self._pending_steps is not None else self._steps
+        """k of the window in progress or, between windows, of the next one (a change takes
+        effect at the next window)."""
+        if self._pending_steps is not None:
+            return self._pending_steps
+        if self.is_open:
+            return self._steps
+        return check_positive_int("gradient_accumulation_steps", self._schedule.steps_at(self._completed))
 
     @steps.setter
     def steps(self, value: int) -> None:
+        """Use ``value`` from the next window on (it replaces a schedule)."""
         value = check_positive_int("gradient_accumulation_steps", value)
+        self._schedule = Constant(value)
         if self._index == 0 and self._current is None:
             self._steps = value
             self._pending_steps = None
         else:
             self._pending_steps = value
+
+    @property
+    def schedule(self) -> Schedule:
+        return self._schedule
+
+    def split(self, n: int, size: int) -> None:
+        """The loader batch just yielded is cut into ``n`` micro-batches of ``size`` rows: the
+        next ``n`` micro-steps come from it (``Accelerator.split_batch``)."""
+        if self._split is not None and self._split.done < self._split.n:
+            raise RuntimeError(
+                f"split_batch() was called again while {self._split.n - self._split.done} "
+                "micro-batch(es) of the previous split have not run yet; run one accumulate() "
+                "block per micro-batch it returned"
+            )
+        self._split = _Split(n, size)
 
     @property
     def current(self) -> MicroStep | None:
@@ -146,7 +192,8 @@ class Window:
         self._items = n
 
     def fed_by(self, loader: object) -> bool:
-        """The open window is being fed by a pass of ``loader``."""
+        """The open window is being fed by a pass of ``loader`` (never with follow_data=False:
+        windows then run on into the next pass)."""
         return self.is_open and self._feeder is loader
 
     @property
@@ -194,19 +241,26 @@ class Window:
                 "use one `with accel.accumulate(model):` block per micro-batch, not nested ones"
             )
         feed = self._feeding()
-        if feed is not None:
+        split = self._split_step(feed)
+        if split is not None:
+            feed = split.feed
+        if self._index == 0:  # a window starts: its k, from the schedule (or the user's change)
+            self._pending_steps = None
+            self._steps = check_positive_int(
+                "gradient_accumulation_steps", self._schedule.steps_at(self._completed))
+        if feed is not None and self._follow_data:
             remaining, last = feed.remaining, feed.last
+            if split is not None:
+                remaining, last = self._split_position(split, remaining, last)
         if self._resumed and feed is not None:
             # A window loaded mid-way: the resumed pass of its loader goes on feeding it.
             self._resumed = False
             self._feeder, self._feed = feed.owner, feed
         if self._index == 0:
-            if self._pending_steps is not None:
-                self._steps, self._pending_steps = self._pending_steps, None
-            self._feeder = feed.owner if feed is not None else None
+            self._feeder = feed.owner if feed is not None and self._follow_data else None
             self._feed = feed
             self._items = None
-            if remaining is None and feed is not None:
+            if remaining is None and feed is not None and self._follow_data and split is None:
                 remaining = feed.peek(self._steps)  # unsized: look up to a window ahead
                 last = remaining == 1
             self._size = self._steps if remaining is None else max(1, min(self._steps, remaining))
@@ -217,6 +271,39 @@ class Window:
         self._current = MicroStep(self._index, self._size, boundary)
         self._boundary = boundary
         return self._current
+
+    def _split_step(self, feed: Feed | None) -> _Split | None:
+        """The split this micro-step belongs to, if any (advancing it)."""
+        split = self._split
+        if split is None:
+            return None
+        if split.feed is None:  # the first micro-batch of the split: the batch was just fed
+            if feed is None:
+                raise RuntimeError(
+                    "split_batch() was called, but no prepared dataloader fed the batch it split; "
+                    "split batches of a loader returned by accel.prepare(...)"
+                )
+            split.feed = feed
+        elif feed is not None:
+            raise RuntimeError(
+                f"a new batch was fed while {split.n - split.done} micro-batch(es) of the "
+                "previous split_batch() had not run; run one accumulate() block per micro-batch"
+            )
+        split.done += 1
+        if split.done == split.n:
+            self._split = None
+        return split
+
+    def _split_position(self, split: _Split, remaining: int | None, last: bool) -> tuple[int | None, bool]:
+        """Micro-steps left in the pass (this one included) and whether this is its last,
+        counting every later loader batch as the micro-batches it will be split into."""
+        assert split.feed is not None
+        here = split.n - split.done + 1
+        if last:
+            return here, here == 1
+        lengths, ends = split.feed.lengths_ahead(self._steps)
+        ahead = sum(-(-n // split.size) for n in lengths)
+        return (here + ahead if ends else None), False
 
     def end(self) -> MicroStep:
         """The micro-step finished; at a boundary the window closes."""
@@ -241,6 +328,7 @@ class Window:
         self._feeder = None
         self._feed = None
         self._items = None
+        self._split = None
         self._boundary = False
         self._resumed = False
 
@@ -253,6 +341,11 @@ class Window:
                 "the accumulation window cannot be saved inside `with accel.accumulate(model):`; "
                 "call accel.save_state() after the block"
             )
+        if self._split is not None and self._split.done < self._split.n:
+            raise RuntimeError(
+                f"the accumulation window cannot be saved with {self._split.n - self._split.done} "
+                "micro-batch(es) of a split_batch() still to run; save after its last micro-batch"
+            )
         return {
             "steps": self._steps, "pending_steps": self._pending_steps, "index": self._index,
             "size": self._size, "boundary": self._boundary, "completed": self._completed,
@@ -264,8 +357,10 @@ class Window:
         next pass of a prepared loader (its resumed pass)."""
         self._steps = check_positive_int("gradient_accumulation_steps", state["steps"])
         pending = state.get("pending_steps")
-        self._pending_steps = None if pending is None else check_positive_int(
-            "gradient_accumulation_steps", pending)
+        self._pending_steps = None
+        if pending is not None:  # a change of k made during the saved window
+            self._pending_steps = check_positive_int("gradient_accumulation_steps", pending)
+            self._schedule = Constant(self._pending_steps)
         self._index = int(state["index"])
         self._size = int(state["size"])
         self._boundary = bool(state["boundary"])

@@ -9,7 +9,9 @@ process group, it sees what DDP's C++ reducer, FSDP2 and DeepSpeed issue, which
 monkeypatching ``torch.distributed`` functions cannot.
 
 Turn it on with ``Accelerator(audit=True)`` or ``GRADSYNC_AUDIT=1``; gradsync then
-creates its process group through the wrapper. Read it back from ``accel.audit``.
+creates its process group through the wrapper. Read it back from ``accel.audit``. The
+deferral self-check (``gradsync.selfcheck``) also creates the group through the wrapper,
+with its recorder off (``Recorder.enabled``) except during the micro-steps it checks.
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ class Recorder:
     """Collects op records; micro-steps are opened and closed by the Accelerator."""
 
     def __init__(self) -> None:
+        #: Off, the wrapper hands every collective on without recording it (one attribute
+        #: read per collective).
+        self.enabled = True
         self._lock = threading.Lock()
         self.records: list[MicroStepRecord] = []
         self._current: MicroStepRecord | None = None
@@ -117,8 +122,16 @@ class Recorder:
             self.records.append(self._current)
             return self._current
 
-    def close(self) -> None:
+    @property
+    def current(self) -> MicroStepRecord | None:
+        """The record of the micro-step in progress, if one is open."""
+        return self._current
+
+    def close(self, keep: bool = True) -> None:
+        """Close the open record; ``keep=False`` also removes it from ``records``."""
         with self._lock:
+            if not keep and self._current is not None and self.records and self.records[-1] is self._current:
+                self.records.pop()
             self._current = None
 
     def clear(self) -> None:
@@ -193,7 +206,8 @@ class AuditProcessGroup(dist.ProcessGroup):
 
     # -- collectives ------------------------------------------------------
     def _rec(self, op: str, payload: Any) -> None:
-        self.recorder.record(op, _nbytes(payload))
+        if self.recorder.enabled:
+            self.recorder.record(op, _nbytes(payload))
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         self._rec("allreduce", tensors)
@@ -278,6 +292,13 @@ class AuditProcessGroup(dist.ProcessGroup):
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         self._rec("recv", tensors)
         return self.inner.recv(tensors, src, tag)
+
+
+# The collectives run eagerly even when called from inside a torch.compile'd model (DDP's
+# forward issues some): dynamo cannot trace a Python process group, and must not try.
+for _name, _method in list(vars(AuditProcessGroup).items()):
+    if callable(_method) and not _name.startswith("__") and _name != "_rec":
+        setattr(AuditProcessGroup, _name, torch.compiler.disable(_method))
 
 
 def _world_recorder() -> Recorder | None:

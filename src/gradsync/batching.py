@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from gradsync._util import check_positive_int
 from gradsync.errors import ConfigError
+from gradsync.schedule import Constant, RampUp, Schedule, is_schedule, parse
 
 
 @dataclass(frozen=True)
@@ -81,3 +83,37 @@ class BatchPlan:
             f"micro_batch_size={m} x gradient_accumulation_steps={self.gradient_accumulation_steps} "
             f"x data_parallel_size={self.data_parallel_size} = global_batch_size={g}"
         )
+
+
+def solve_with_schedule(
+    *,
+    data_parallel_size: int,
+    global_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+    gradient_accumulation_steps: Any = None,
+) -> tuple[BatchPlan, Schedule]:
+    """The plan of the first window and the accumulation schedule.
+
+    With a plain number this is ``BatchPlan.solve``. With a schedule, k changes during
+    training, so ``global_batch_size`` can only be a ramp-up's target.
+    """
+    value = gradient_accumulation_steps
+    if not is_schedule(value):
+        plan = BatchPlan.solve(
+            data_parallel_size=data_parallel_size, global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size, gradient_accumulation_steps=value,
+        )
+        return plan, Constant(plan.gradient_accumulation_steps)
+    sched = parse(value, micro_batch_size=micro_batch_size, data_parallel_size=data_parallel_size,
+                  global_batch_size=global_batch_size)
+    if global_batch_size is not None and not isinstance(sched, RampUp):
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} fixes k, but gradient_accumulation_steps="
+            f"{sched.describe()!r} changes it during training; give micro_batch_size instead "
+            "(or a ramp-up {'start': ..., 'increment': ..., 'samples': ...} to reach global_batch_size)"
+        )
+    plan = BatchPlan.solve(
+        data_parallel_size=data_parallel_size, micro_batch_size=micro_batch_size,
+        gradient_accumulation_steps=check_positive_int("gradient_accumulation_steps", sched.steps_at(0)),
+    )
+    return plan, sched

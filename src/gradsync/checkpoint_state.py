@@ -3,8 +3,8 @@
 The folder's format, atomic writes and verification live in ``checkpoint``; the models
 and optimizers go through the backend's ``save`` / ``load`` hooks; this module adds the
 rest: the accumulation window, the prepared loaders' positions, the schedulers, the
-registered objects and every rank's RNG, and checks that a checkpoint fits before
-anything is loaded.
+fp16 loss scaler, the registered objects and every rank's RNG, and checks that a
+checkpoint fits before anything is loaded.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class CheckpointState:
             backend=a.backend, format=a._backend.checkpoint_format, world_size=a.world_size,
             optimizer_steps=a.optimizer_steps, steps_applied=[o.steps_applied for o in a._optimizers],
             window=a._window.state_dict(), models=len(a._models), schedulers=len(a._schedulers),
-            objects=len(a._registered),
+            objects=len(a._registered), scaler=a._backend.scaler is not None,
             loaders=[{k: p[k] for k in ("epoch", "consumed", "read")} for p in positions],
         )
         rank = a.rank
@@ -117,6 +117,8 @@ class CheckpointState:
             if rank == 0:
                 save_file([s.state_dict() for s in a._schedulers], tmp / "schedulers.pt")
                 save_file([o.state_dict() for o in a._registered], tmp / "objects.pt")
+                if a._backend.scaler is not None:
+                    save_file(a._backend.scaler.state_dict(), tmp / "scaler.pt")
             save_file({"rng": capture_rng(), "loaders": [p["rng"] for p in positions]},
                       tmp / f"rng_rank{rank}.pt")
         if keep_last is not None:
@@ -170,6 +172,8 @@ class CheckpointState:
         rng = load_file(folder / f"rng_rank{a.rank if same_world else 0}.pt")
         schedulers = load_file(folder / "schedulers.pt")
         objects = load_file(folder / "objects.pt")
+        scaler = a._backend.scaler
+        scaler_state = load_file(folder / "scaler.pt") if scaler is not None and manifest.get("scaler") else None
         if a._window.is_open:
             a._drop_window()
         a._backend.load(folder, a._models, self._optimizers(),
@@ -180,6 +184,8 @@ class CheckpointState:
             sched.load_state_dict(state)  # after the optimizers' step counts: it re-aligns to them
         for obj, state in zip(a._registered, objects):
             obj.load_state_dict(state)
+        if scaler is not None and scaler_state is not None:
+            scaler.load_state_dict(scaler_state)
         a._window.load_state_dict(manifest["window"])
 
         def now() -> None:

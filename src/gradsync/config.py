@@ -5,13 +5,16 @@ Later sources win: defaults < YAML (``config_file`` / ``GRADSYNC_CONFIG``) < env
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from gradsync import schedule
 from gradsync._util import check_positive_int
 from gradsync.errors import ConfigError
 
@@ -25,6 +28,7 @@ SyncPolicy = Literal["defer", "every_step", "native"]
 RequestedPolicy = Literal["auto", "defer", "every_step", "native"]
 SYNC_POLICIES: tuple[RequestedPolicy, ...] = ("auto", "defer", "every_step", "native")
 MIXED_PRECISION = ("no", "bf16", "fp16")
+GRAD_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -35,7 +39,9 @@ class Config:
     """Every gradsync setting. Errors name the key, the value and the fix."""
 
     backend: str = "auto"
-    gradient_accumulation_steps: int | None = None
+    # An int, or a schedule: "0:2 100:4", {"start": 64, "increment": 64, "samples": N} (a
+    # global-batch ramp-up), or a callable optimizer_step -> k (see gradsync.schedule).
+    gradient_accumulation_steps: Any = None
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
     sync_policy: RequestedPolicy = "auto"
@@ -45,12 +51,35 @@ class Config:
     # fn(batch) -> int: items (tokens) per batch, for reduction="sum"/"normalized" in backward;
     # a callable, or "module:function" (e.g. "gradsync:count_label_tokens") from YAML / env.
     count_items: Any = None
+    # False: windows run on across the end of a pass (no end-of-data flush, no drop).
+    sync_with_dataloader: bool = True
+    # GradScaler settings for fp16 (init_scale, growth_factor, backoff_factor, growth_interval).
+    grad_scaler: dict[str, Any] | None = None
+    # Modules whose forward is recomputed in backward: class names, classes or a callable.
+    activation_checkpointing: Any = None
+    # torch.compile the model where the backend wants it: True, or a dict of its kwargs.
+    compile: Any = None
     # Backend options (each adapter reads its own; unknown to the others).
     deepspeed_config: Any = None
+    # Bytes per rank that deferring may hold on sharded backends (FSDP2, ZeRO 2/3) under
+    # sync_policy="auto"; None: a share of the free memory. fsdp_memory_budget is its old name.
+    sync_memory_budget: int | None = None
     fsdp_memory_budget: int | None = None
+    # FSDP2: keep the parameters gathered for the rest of a deferred window (None: auto
+    # decides by the budget). fsdp_reshard_after_backward is deprecated (its False keeps
+    # them only after backward).
+    fsdp_keep_params_in_window: bool | None = None
     fsdp_reshard_after_backward: bool | None = None
     fsdp_wrap: Any = None
     ddp_kwargs: dict[str, Any] | None = None  # extra DistributedDataParallel(...) arguments
+    # DDP finds the parameters a backward did not reach (torch's find_unused_parameters).
+    find_unused_parameters: bool = False
+    # With a deferring policy, count the first optimizer steps' collectives and warn when a
+    # micro-step off the boundary reduced gradients, or a boundary reduced nothing.
+    self_check: bool = True
+    # An IterableDataset yields each rank's own shard itself: gradsync leaves it alone.
+    dataset_shards_itself: bool = False
+    fairscale_kwargs: dict[str, Any] | None = None  # extra ShardedDataParallel(...) arguments
     # Seconds a collective may wait for the other ranks before it fails (torch's default: 30 min).
     timeout: float | None = None
     # On SIGTERM: save a checkpoint under this folder at the next boundary, then exit.
@@ -62,8 +91,17 @@ class Config:
         self.backend = self.backend.lower()
         for name in ("gradient_accumulation_steps", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
-            if value is not None:
+            if name == "gradient_accumulation_steps" and schedule.is_schedule(value):
+                schedule.check(value)
+            elif value is not None:
                 setattr(self, name, check_positive_int(name, value))
+        if not isinstance(self.sync_with_dataloader, bool):
+            raise ConfigError(f"sync_with_dataloader={self.sync_with_dataloader!r} must be True or False")
+        if not self.sync_with_dataloader and self.count_items is not None:
+            raise ConfigError(
+                "count_items needs sync_with_dataloader=True: a window that runs on into the next "
+                "pass cannot count its items ahead; drop one of the two"
+            )
         if self.sync_policy not in SYNC_POLICIES:
             raise ConfigError(
                 f"sync_policy={self.sync_policy!r} is unknown; use one of {', '.join(SYNC_POLICIES)}"
@@ -78,10 +116,21 @@ class Config:
                 f"ddp_kwargs={self.ddp_kwargs!r} must be a dict of DistributedDataParallel "
                 "arguments, e.g. {'find_unused_parameters': True}"
             )
+        self._validate_model_options()
         if self.count_items is not None:
             self.count_items = _resolve_callable("count_items", self.count_items)
-        if not isinstance(self.audit, bool):
-            raise ConfigError(f"audit={self.audit!r} must be True or False")
+        for name in _BOOLEANS:
+            value = getattr(self, name)
+            if name in _OPTIONAL:
+                if value is not None and not isinstance(value, bool):
+                    raise ConfigError(f"{name}={value!r} must be True, False or None")
+            elif not isinstance(value, bool):
+                raise ConfigError(f"{name}={value!r} must be True or False")
+        if self.fairscale_kwargs is not None and not isinstance(self.fairscale_kwargs, dict):
+            raise ConfigError(
+                f"fairscale_kwargs={self.fairscale_kwargs!r} must be a dict of ShardedDataParallel "
+                "arguments, e.g. {'reduce_buffer_size': 0}"
+            )
         if self.timeout is not None and (
             isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or not self.timeout > 0
         ):
@@ -96,12 +145,92 @@ class Config:
             )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed={self.seed!r} must be an integer or None")
+        for name in ("fsdp_keep_params_in_window", "fsdp_reshard_after_backward"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{name}={value!r} must be True, False or None")
+        for name in ("sync_memory_budget", "fsdp_memory_budget"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ConfigError(
+                    f"{name}={value!r} must be a number of bytes >= 0 (or None for a share of "
+                    "the free memory)"
+                )
+        if (self.sync_memory_budget is not None and self.fsdp_memory_budget is not None
+                and self.sync_memory_budget != self.fsdp_memory_budget):
+            raise ConfigError(
+                f"fsdp_memory_budget={self.fsdp_memory_budget} contradicts sync_memory_budget="
+                f"{self.sync_memory_budget}; fsdp_memory_budget is the old name of "
+                "sync_memory_budget: set only sync_memory_budget"
+            )
+        if self.fsdp_reshard_after_backward is not None:
+            if (self.fsdp_keep_params_in_window is not None
+                    and self.fsdp_keep_params_in_window == self.fsdp_reshard_after_backward):
+                raise ConfigError(
+                    f"fsdp_reshard_after_backward={self.fsdp_reshard_after_backward} contradicts "
+                    f"fsdp_keep_params_in_window={self.fsdp_keep_params_in_window}; "
+                    "fsdp_reshard_after_backward is deprecated: set only fsdp_keep_params_in_window"
+                )
+            warnings.warn(
+                "fsdp_reshard_after_backward is deprecated; use fsdp_keep_params_in_window=True "
+                "(keeps the parameters gathered for the whole window: no all-gather after the "
+                "window's first micro-step) or False",
+                DeprecationWarning, stacklevel=4,
+            )
         return self
+
+    def memory_budget(self) -> tuple[int | None, str]:
+        """The deferral memory budget in bytes (None: not set) and the name it was set by."""
+        if self.sync_memory_budget is not None:
+            return self.sync_memory_budget, "sync_memory_budget"
+        if self.fsdp_memory_budget is not None:
+            return self.fsdp_memory_budget, "fsdp_memory_budget"
+        return None, "sync_memory_budget"
 
     @property
     def accumulation_steps(self) -> int:
         """The accumulation steps to use when none was derived from batch sizes (default 1)."""
-        return self.gradient_accumulation_steps or 1
+        value = self.gradient_accumulation_steps
+        if schedule.is_schedule(value):
+            return schedule.parse(value, micro_batch_size=self.micro_batch_size,
+                                  global_batch_size=self.global_batch_size).steps_at(0)
+        return int(value or 1)
+
+    def _validate_model_options(self) -> None:
+        scaler = self.grad_scaler
+        if scaler is not None:
+            if hasattr(scaler, "scale") and hasattr(scaler, "unscale_"):
+                raise ConfigError(
+                    f"grad_scaler={type(scaler).__name__}(...): gradsync runs one scaler per run "
+                    "and builds it itself with mixed_precision='fp16'; pass its settings as a "
+                    "dict, e.g. grad_scaler={'init_scale': 1024}, and use accel.scaler"
+                )
+            if not isinstance(scaler, dict) or set(scaler) - set(GRAD_SCALER_KEYS):
+                raise ConfigError(
+                    f"grad_scaler={scaler!r} must be a dict with keys from "
+                    f"{', '.join(GRAD_SCALER_KEYS)}"
+                )
+            if self.mixed_precision != "fp16":
+                raise ConfigError(
+                    f"grad_scaler={scaler!r} with mixed_precision={self.mixed_precision!r}: a "
+                    "loss scaler is used only with fp16; set mixed_precision='fp16' or drop grad_scaler"
+                )
+        ac = self.activation_checkpointing
+        if isinstance(ac, list | tuple) and not ac:
+            self.activation_checkpointing = ac = None
+        if ac is not None and not (
+            isinstance(ac, str | type) or callable(ac)
+            or (isinstance(ac, list | tuple) and all(isinstance(a, str | type) for a in ac))
+        ):
+            raise ConfigError(
+                f"activation_checkpointing={ac!r} must be a module class name, a class, a list "
+                "of those, or a callable module -> bool"
+            )
+        if self.compile is not None and not isinstance(self.compile, bool | dict):
+            raise ConfigError(
+                f"compile={self.compile!r} must be True, False or a dict of torch.compile "
+                "arguments, e.g. {'mode': 'max-autotune'}"
+            )
 
 
 def _resolve_callable(name: str, value: Any) -> Any:
@@ -123,11 +252,24 @@ def _resolve_callable(name: str, value: Any) -> Any:
 
 
 _FIELDS = {f.name: f for f in fields(Config)}
+_BOOLEANS = ("audit", "fsdp_reshard_after_backward", "fsdp_keep_params_in_window",
+             "find_unused_parameters", "self_check", "dataset_shards_itself", "sync_with_dataloader")
+_OPTIONAL = ("fsdp_reshard_after_backward", "fsdp_keep_params_in_window")  # None: not given
+#: GRADSYNC_* variables that are not settings (read by the launcher, the adapters, the tools).
+OTHER_VARIABLES = frozenset({"CONFIG", "DEVICE", "DEEPSPEED_BUILD_OPS", "BENCHMARK", "VENV"})
+
+
+def did_you_mean(name: str, cutoff: float = 0.6) -> str:
+    """' (did you mean X?)' for the setting closest to ``name``, or '' when none is close."""
+    close = difflib.get_close_matches(name, sorted(_FIELDS), n=1, cutoff=cutoff)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _coerce(name: str, raw: str, source: str) -> Any:
     """Turn an environment string into the field's type."""
-    if name in ("audit", "fsdp_reshard_after_backward"):
+    if name == "gradient_accumulation_steps" and schedule.is_schedule(raw):
+        return raw.strip()
+    if name in _BOOLEANS:
         low = raw.strip().lower()
         if low in _TRUE:
             return True
@@ -135,7 +277,7 @@ def _coerce(name: str, raw: str, source: str) -> Any:
             return False
         raise ConfigError(f"{source}={raw!r} is not a boolean; set it to 1 or 0")
     if name in ("gradient_accumulation_steps", "micro_batch_size", "global_batch_size", "seed",
-                "fsdp_memory_budget"):
+                "fsdp_memory_budget", "sync_memory_budget"):
         try:
             return int(raw)
         except ValueError:
@@ -143,14 +285,16 @@ def _coerce(name: str, raw: str, source: str) -> Any:
                 f"{source}={raw!r} is not an integer; set it to a whole number"
                 + (" >= 1" if name != "seed" else "")
             ) from None
+    if name == "compile" and raw.strip().lower() in _TRUE | _FALSE:
+        return raw.strip().lower() in _TRUE  # else a JSON object of torch.compile arguments
     if name == "timeout":
         try:
             return float(raw)
         except ValueError:
             raise ConfigError(f"{source}={raw!r} is not a number; set it to the seconds to wait, e.g. 600") from None
-    if name == "fsdp_wrap":
+    if name in ("fsdp_wrap", "activation_checkpointing"):
         return [part.strip() for part in raw.split(",") if part.strip()]
-    if name == "ddp_kwargs":
+    if name in ("ddp_kwargs", "grad_scaler", "compile", "fairscale_kwargs"):
         import json
 
         try:
@@ -168,7 +312,23 @@ def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         key = ENV_PREFIX + name.upper()
         if key in env:
             found[name] = _coerce(name, env[key], key)
+    _warn_unknown_variables(env)
     return found
+
+
+def _warn_unknown_variables(env: Mapping[str, str]) -> None:
+    """A GRADSYNC_* variable that is no setting but close to one is most likely a typo."""
+    known = {ENV_PREFIX + name.upper() for name in _FIELDS}
+    others = {ENV_PREFIX + name for name in OTHER_VARIABLES}
+    for key in sorted(env):
+        if not key.startswith(ENV_PREFIX) or key in known or key in others:
+            continue
+        close = difflib.get_close_matches(key[len(ENV_PREFIX):].lower(), sorted(_FIELDS), n=1, cutoff=0.75)
+        if close:
+            log.warning(
+                "gradsync: %s=%r is not a gradsync setting and is ignored (did you mean %s%s?)",
+                key, env[key], ENV_PREFIX, close[0].upper(),
+            )
 
 
 def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -212,8 +372,9 @@ def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:
         raise ConfigError(
-            f"config file {str(p)!r} has unknown key(s) {', '.join(unknown)}; "
-            f"known keys: {', '.join(sorted(_FIELDS))}"
+            f"config file {str(p)!r} has unknown key(s) "
+            f"{', '.join(f'{k}={data[k]!r}{did_you_mean(str(k))}' for k in unknown)}; "
+            f"rename or remove them (known keys: {', '.join(sorted(_FIELDS))})"
         )
     return dict(data)
 
@@ -259,7 +420,8 @@ def load_config(
             extra[key] = value
     if extra:
         raise ConfigError(
-            f"unknown setting(s) {', '.join(sorted(extra))}; known: {', '.join(sorted(_FIELDS))}"
+            f"unknown setting(s) {', '.join(f'{k}={extra[k]!r}{did_you_mean(k)}' for k in sorted(extra))}; "
+            f"rename or remove them (known: {', '.join(sorted(_FIELDS))})"
         )
     return Config(**merged).validate()
 

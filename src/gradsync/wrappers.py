@@ -35,6 +35,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._window = window
         self._timeout = timeout
         self.steps_applied = 0
+        self.step_was_skipped = False  # the last boundary's step was skipped (fp16 overflow)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -85,6 +86,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
             return
         with naming_collective("optimizer.step()", self._timeout):
             applied = self._backend.step(self.optimizer)
+        self.step_was_skipped = not applied
         if applied:
             self.steps_applied += 1
 

@@ -93,6 +93,7 @@ def train(
     after_block: bool = False,
     raise_at: tuple[int, int] | None = None,
     break_at: tuple[int, int] | None = None,
+    after_prepare: Any = None,
 ) -> dict[str, Any]:
     """The user's loop, written once for every backend; returns what the parent checks.
 
@@ -101,7 +102,8 @@ def train(
     ``raise_at=(window, micro)``: the block raises after that micro-step's backward (every
     rank alike); the loop catches it and goes on. ``break_at=(epoch, batch)``: the loop
     breaks out of that epoch before that batch. Either way the open window is dropped, and
-    its micro-batches are left out of ``windows``: one process never saw them."""
+    its micro-batches are left out of ``windows``: one process never saw them.
+    ``after_prepare(model)`` replaces the prepared model (e.g. compiles it)."""
     raise_at = tuple(raise_at) if raise_at is not None else None  # JSON gives lists
     break_at = tuple(break_at) if break_at is not None else None
     model = model if model is not None else make_model()
@@ -109,6 +111,8 @@ def train(
     sched = make_scheduler(opt)
     loader = DataLoader(Indexed(samples), batch_size=micro_batch, shuffle=shuffle)
     model, opt, loader, sched = accel.prepare(model, opt, loader, sched)
+    if after_prepare is not None:  # e.g. `model = torch.compile(model)` on the prepared model
+        model = after_prepare(model)
     windows: list[list[list[int]]] = []
     current: list[list[int]] = []
     norms: list[float] = []

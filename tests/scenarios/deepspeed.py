@@ -43,17 +43,42 @@ def ds_config(stage: int, **extra: Any) -> dict[str, Any]:
             **extra}
 
 
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def train_ds(*, stage: int, steps: int, policy: str = "auto", mixed_precision: str = "no",
-             ds_extra: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+             ds_extra: dict[str, Any] | None = None, budget: int | None = None,
+             checkpointing: Any = None, compile: bool | None = None,
+             **kwargs: Any) -> dict[str, Any]:
     accel = Accelerator(backend="deepspeed", gradient_accumulation_steps=steps, sync_policy=policy,
                         seed=0, audit=True, mixed_precision=mixed_precision,
-                        deepspeed_config=ds_config(stage, **(ds_extra or {})))
+                        deepspeed_config=ds_config(stage, **(ds_extra or {})),
+                        sync_memory_budget=budget, activation_checkpointing=checkpointing,
+                        compile=compile)
     if mixed_precision == "bf16":
         kwargs["model"] = CastIO(make_model())
+    model = kwargs.setdefault("model", make_model())
     assert accel.audit is not None
     start = len(accel.audit.records)
-    out = train(accel, **kwargs)
+    logger, logged = logging.getLogger("gradsync"), _Capture()
+    logger.addHandler(logged)
+    logger.setLevel(logging.INFO)
+    try:
+        out = train(accel, **kwargs)
+    finally:
+        logger.removeHandler(logged)
     out["stage"] = stage
+    out["reason"] = accel.sync_policy_reason
+    out["logged"] = [m for m in logged.messages if "sync_policy" in m]
+    # modules whose forward gradsync made recompute in backward (activation_checkpointing)
+    out["checkpointed"] = sorted(type(m).__name__ for m in model.modules()
+                                 if getattr(m, "_gradsync_checkpointed", False))
     # each collective with its payload, per micro-step (the audit dicts keep only totals)
     out["audit_ops"] = [[list(op) for op in rec.ops] for rec in accel.audit.records[start:]]
     return out

@@ -61,14 +61,31 @@ class _Capture(logging.Handler):
 
 def train_fsdp(*, steps: int, policy: str = "auto", mixed_precision: str | None = None,
                budget: int | None = None, reshard: bool | None = None, wrap: Any = None,
+               keep: bool | None = None, sync_budget: int | None = None,
                **kwargs: Any) -> dict[str, Any]:
     accel = _accel(steps, policy, mixed_precision=mixed_precision, fsdp_memory_budget=budget,
-                   fsdp_reshard_after_backward=reshard, fsdp_wrap=wrap)
+                   fsdp_reshard_after_backward=reshard, fsdp_wrap=wrap,
+                   fsdp_keep_params_in_window=keep, sync_memory_budget=sync_budget)
     model = make_model()
     out = train(accel, model=model, **kwargs)
     out["units"] = _units(model)
     out["reason"] = accel.sync_policy_reason
+    out["flags_after"] = flags(model)  # FSDP's own flags once training is over
+    out["unsharded_after"] = _unsharded_groups(model)
     return out
+
+
+def flags(model: nn.Module) -> list[list[Any]]:
+    """Per group: gradient sync, reshard after backward, reshard after forward."""
+    return [[g.reduce_grads, g.reshard_after_backward, g.post_forward_mesh_info is not None]
+            for m in model.modules() if isinstance(m, FSDPModule)
+            for g in m._get_fsdp_state()._fsdp_param_groups]
+
+
+def _unsharded_groups(model: nn.Module) -> int:
+    """Groups whose parameters are gathered right now (none once a window has ended)."""
+    return sum(1 for m in model.modules() if isinstance(m, FSDPModule)
+               for g in m._get_fsdp_state()._fsdp_param_groups if g.is_unsharded)
 
 
 def train_wrap_callable(*, steps: int, **kwargs: Any) -> dict[str, Any]:
@@ -101,6 +118,47 @@ def memory(*, policy: str, budget: int | None = None) -> dict[str, Any]:
     return {"policy": accel.sync_policy, "reason": accel.sync_policy_reason,
             "memory": accel._backend.memory,  # type: ignore[attr-defined]
             "logged": logged.messages, "off_boundary": held[0], "boundary": held[1], "param_numel": params, "shard_numel": shard}
+
+
+def drop_kept_window() -> dict[str, Any]:
+    """A window that keeps its parameters gathered, dropped by an error in its 3rd micro-step:
+    what FSDP holds right after (gathered groups, flags, gradients), against the 2nd."""
+    accel = _accel(4, "auto", sync_memory_budget=10**9)
+    raw = make_model()
+    model, _ = accel.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.1))
+    seen: dict[str, Any] = {"reason": accel.sync_policy_reason}
+    x, y = torch.randn(2, 8), torch.randn(2, 1)
+    for i in range(3):
+        try:
+            with accel.accumulate(model):
+                accel.backward(F.mse_loss(model(x), y))
+                if i == 2:
+                    raise KeyError("dropped")
+        except KeyError:
+            pass
+        if i == 1:
+            seen["open"] = {"gathered": _unsharded_groups(model), "grads": grad_bytes(model)}
+    seen["dropped"] = {"gathered": _unsharded_groups(model), "grads": grad_bytes(model),
+                       "flags": flags(model)}
+    return seen
+
+
+def restores_state_keep() -> dict[str, Any]:
+    """With the parameters kept gathered in the window: flags inside each kind of micro-step,
+    and what accumulate() puts back (a user's own setting included)."""
+    accel = _accel(2, "defer", fsdp_keep_params_in_window=True)
+    model = accel.prepare(make_model())
+    backend = accel._backend
+    seen: dict[str, Any] = {"before": flags(model)}
+    model.blocks[1].set_reshard_after_backward(False, recurse=False)  # the user's own setting
+    seen["user"] = flags(model)
+    with backend.micro_step(model, boundary=False):
+        seen["inside_defer"] = flags(model)
+    seen["after_defer"] = flags(model)
+    with backend.micro_step(model, boundary=True):
+        seen["inside_sync"] = flags(model)
+    seen["after_sync"] = flags(model)
+    return seen
 
 
 def restores_state() -> dict[str, Any]:

@@ -136,4 +136,12 @@ def misuse() -> dict[str, str]:
                 pass
     except (ValueError, RuntimeError) as err:
         messages["negative_on_one_rank"] = f"{type(err).__name__}: {err}"
+    ds = _accel("deepspeed", 2, micro_batch_size=2)
+    first = causal_lm.make_model()
+    ds.prepare(first, torch.optim.SGD(first.parameters(), lr=0.1))
+    second = causal_lm.make_model(1)
+    try:
+        ds.prepare(second, torch.optim.SGD(second.parameters(), lr=0.1))
+    except ValueError as err:
+        messages["second_trained"] = f"{type(err).__name__}: {err}"
     return messages

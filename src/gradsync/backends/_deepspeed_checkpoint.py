@@ -19,11 +19,7 @@ _TAG = "state"
 
 
 def refuse_open_window() -> None:
-    raise RuntimeError(
-        "save_state() inside an accumulation window is not supported with backend='deepspeed' "
-        "(its checkpoints cannot hold a window's gradients); call it at a boundary, when "
-        "accel.sync_gradients is True after the accumulate block"
-    )
+    _plain_state.refuse_open_window("deepspeed", "its checkpoints cannot hold a window's gradients")
 
 
 def save(path: Path, engine: Any, models: Sequence[torch.nn.Module]) -> None:

@@ -48,6 +48,15 @@ def can_coalesce(engine: Any) -> bool:
     )
 
 
+def full_gradient_bytes(engine: Any) -> int:
+    """Bytes of the full gradients of the engine's parameters, as a coalesced window holds
+    them on every rank until its flush (ZeRO 3 partitions a parameter: ``ds_numel`` is its
+    full size)."""
+    module = _require(engine, "module", "wrapped module")
+    return sum(int(getattr(p, "ds_numel", p.numel())) * p.element_size()
+               for p in module.parameters() if p.requires_grad)
+
+
 def flat_fp32_masters(engine: Any) -> dict[int, torch.Tensor]:
     """Stage 0 with bf16/fp16 (DeepSpeed's FP16_[Unfused]Optimizer) keeps fp32 masters per
     group: flat (fp32_groups_flat) or one per parameter (fp32_groups); keyed by id(param)."""

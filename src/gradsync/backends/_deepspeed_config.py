@@ -1,14 +1,18 @@
-"""DeepSpeed config handling: read it (dict, JSON/YAML path, JSON text) and fill its batch keys
-from gradsync's plan, refusing contradictions. Used by the deepspeed adapter."""
+"""DeepSpeed config handling: read it (dict, JSON/YAML path, JSON text), fill its batch keys
+from gradsync's plan (refusing contradictions), its precision section from ``mixed_precision``,
+and complete it for ``deepspeed.initialize``. Used by the deepspeed adapter."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradsync.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gradsync.batching import BatchPlan
 
 _BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 
@@ -60,20 +64,104 @@ def fill_batch(ds: dict[str, Any], *, micro: int | None, steps: int, world: int)
             f"gradsync does not know it yet{hint}; pass the DataLoader in the same "
             "accel.prepare(model, optimizer, loader) call, or set Accelerator(micro_batch_size=...)"
         )
-    ours = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": steps,
-        "train_batch_size": micro * steps * world,
-    }
-    where = f"micro_batch_size={micro} x gradient_accumulation_steps={steps} x world_size={world}"
-    for key in _BATCH_KEYS:
+    ds = check_batch(ds, micro=micro, steps=steps, world=world)
+    ds.update({key: value for key, value in _ours(micro, steps, world).items() if _is_auto(ds.get(key))})
+    return ds
+
+
+def _ours(micro: int | None, steps: int, world: int) -> dict[str, int]:
+    """The batch keys gradsync's plan fixes (the micro batch size may be unknown yet)."""
+    ours = {"gradient_accumulation_steps": steps}
+    if micro is not None:
+        ours.update(train_micro_batch_size_per_gpu=micro, train_batch_size=micro * steps * world)
+    return ours
+
+
+def check_batch(ds: dict[str, Any], *, micro: int | None, steps: int, world: int) -> dict[str, Any]:
+    """Refuse a batch key of the DeepSpeed config that contradicts gradsync's plan (those the
+    plan knows: the accumulation steps always, the batch sizes once the micro batch is known);
+    "auto" or absent keys are fine. Returns ``ds`` unchanged."""
+    where = (f"micro_batch_size={'?' if micro is None else micro} x gradient_accumulation_steps="
+             f"{steps} x world_size={world}")
+    for key, mine in _ours(micro, steps, world).items():
         value = ds.get(key)
-        if _is_auto(value):
-            ds[key] = ours[key]
-        elif value != ours[key]:
+        if not _is_auto(value) and value != mine:
             raise ConfigError(
-                f"deepspeed_config {key}={value!r} contradicts gradsync's {key}={ours[key]} "
+                f"deepspeed_config {key}={value!r} contradicts gradsync's {key}={mine} "
                 f"({where}); set it to \"auto\" or remove it so gradsync fills it, or change "
                 "the Accelerator's batch settings to agree"
             )
     return ds
+
+
+def build_config(
+    base: dict[str, Any], *, given_optimizer: bool, plan: BatchPlan, world: int,
+    mixed_precision: str, cpu: bool,
+) -> dict[str, Any]:
+    """The config ``deepspeed.initialize`` gets: the batch keys from the plan, clipping off
+    unless asked, the mixed-precision section, and exactly one optimizer (a torch one given
+    to prepare, or the config's section)."""
+    ds = fill_batch(dict(base), micro=plan.micro_batch_size, steps=plan.gradient_accumulation_steps,
+                    world=world)
+    # DeepSpeed clips at 1.0 by default; gradsync clips only when asked (clip_grad_norm_).
+    ds.setdefault("gradient_clipping", 0.0)
+    fill_precision(ds, mixed_precision)
+    if not given_optimizer:
+        if "optimizer" not in ds:
+            raise ConfigError(
+                "backend='deepspeed' got no optimizer: pass a torch optimizer to "
+                "accel.prepare(model, optimizer), or give deepspeed_config an 'optimizer' section"
+            )
+        params = ds["optimizer"].setdefault("params", {})
+        if cpu and str(ds["optimizer"].get("type", "")).lower() in ("adam", "adamw"):
+            params.setdefault("torch_adam", True)  # FusedAdam would JIT-build a C++ op
+    else:
+        if "optimizer" in ds:
+            raise ConfigError(
+                "prepare() got a torch optimizer and deepspeed_config has an 'optimizer' "
+                "section; use one of them (remove the section, or do not pass the optimizer)"
+            )
+        ds.setdefault("zero_allow_untested_optimizer", True)
+    return ds
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and section.get("enabled", False) not in (False, "false", "auto")
+
+
+def fill_precision(ds: dict[str, Any], mixed_precision: str) -> dict[str, Any]:
+    """Enable the config's ``fp16`` or ``bf16`` section for ``mixed_precision``; a config that
+    disables it or enables the other one is a ConfigError naming both values."""
+    if mixed_precision not in ("bf16", "fp16"):
+        return ds
+    other = "fp16" if mixed_precision == "bf16" else "bf16"
+    if _enabled(ds.get(other)):
+        raise ConfigError(
+            f"mixed_precision={mixed_precision!r} contradicts deepspeed_config "
+            f"{other}.enabled=true; set one of them (drop the {other} section, or use "
+            f"mixed_precision={other!r})"
+        )
+    section = ds.setdefault(mixed_precision, {})
+    if section.get("enabled", True) in (False, "false"):
+        raise ConfigError(
+            f"mixed_precision={mixed_precision!r} contradicts deepspeed_config "
+            f"{mixed_precision}.enabled=false; enable it or drop mixed_precision"
+        )
+    section["enabled"] = True
+    return ds
+
+
+def check_precision(mixed_precision: str) -> str:
+    """``mixed_precision``, or a one-line ConfigError when DeepSpeed's accelerator on this
+    machine cannot run fp16 (its CPU accelerator, without fp16 support in oneDNN)."""
+    if mixed_precision == "fp16":
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        if not get_accelerator().is_fp16_supported():
+            raise ConfigError(
+                f"mixed_precision='fp16': DeepSpeed {deepspeed.__version__}'s "
+                f"{get_accelerator().device_name()!r} accelerator does not support fp16 on "
+                "this machine; use mixed_precision='bf16' or 'no'"
+            )
+    return mixed_precision

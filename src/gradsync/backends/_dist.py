@@ -12,8 +12,6 @@ import torch
 import torch.distributed as dist
 
 from gradsync import audit
-from gradsync.config import Config
-from gradsync.errors import ConfigError
 
 log = logging.getLogger("gradsync")
 
@@ -33,9 +31,13 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def ensure_process_group(backend_name: str, *, want_audit: bool, timeout: float | None = None) -> bool:
+def ensure_process_group(backend_name: str, *, want_audit: bool, self_check: bool = False,
+                         timeout: float | None = None) -> bool:
     """Join the running process group, or create one from the launcher's environment.
 
+    A group gradsync creates goes through the audit's counting wrapper when ``want_audit``
+    (recording) or, on gloo, ``self_check`` (the deferral self-check: recording off until it
+    checks).
     Returns True when gradsync created the group (and so should destroy it).
     """
     if dist.is_initialized():
@@ -54,7 +56,9 @@ def ensure_process_group(backend_name: str, *, want_audit: bool, timeout: float 
             "torch.distributed.init_process_group() first, or use backend='single' for one process"
         )
     device = "cuda" if use_cuda() else "cpu"
-    if want_audit:
+    # The self-check's counting wrapper is the default on gloo only: over NCCL it runs when
+    # audit=True asks for the wrapper anyway (tests/test_gpu.py exercises that path).
+    if want_audit or (self_check and device == "cpu"):
         audit.register()
         pg_backend = audit.AUDIT_BACKEND[device]
     else:
@@ -63,6 +67,9 @@ def ensure_process_group(backend_name: str, *, want_audit: bool, timeout: float 
         dist.init_process_group(backend=pg_backend, timeout=timedelta(seconds=timeout))
     else:
         dist.init_process_group(backend=pg_backend)
+    recorder = audit.recorder_of()
+    if recorder is not None and not want_audit:
+        recorder.enabled = False  # the self-check turns it on for the micro-steps it checks
     atexit.register(release_process_group)
     return True
 
@@ -85,17 +92,6 @@ def release_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
-
-
-def autocast_bf16(config: Config, backend_name: str) -> bool:
-    """Whether to run forward and backward under bf16 autocast (backends without their own
-    mixed-precision machinery); fp16 needs a loss scaler, which they do not provide."""
-    if config.mixed_precision == "fp16":
-        raise ConfigError(
-            f"mixed_precision='fp16' is not supported with backend={backend_name!r} (it needs "
-            "a loss scaler); use 'bf16' (autocast, no scaler needed) or 'no'"
-        )
-    return config.mixed_precision == "bf16"
 
 
 def rank_info() -> tuple[int, int, int]:

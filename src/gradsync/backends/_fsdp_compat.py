@@ -1,9 +1,12 @@
 """The only place gradsync touches FSDP2's private state.
 
-FSDP2 (``torch.distributed.fsdp.fully_shard``) has no public API for three things gradsync
-needs: reading and restoring the per-group sync flags that ``set_requires_gradient_sync``
-and ``set_reshard_after_backward`` write, the unpadded full size of a sharded parameter,
-and the unsharded gradients that a deferred window accumulates. Each access goes through
+FSDP2 (``torch.distributed.fsdp.fully_shard``) has no public API for what gradsync needs:
+reading and restoring the per-group flags that ``set_requires_gradient_sync``,
+``set_reshard_after_backward`` and ``set_reshard_after_forward`` write (the public setter of
+the last also turns off the root's automatic choice, so gradsync sets the group's flag
+itself), running FSDP2's lazy initialisation before the first forward (it resets the root's
+flag), the unpadded full size of a sharded parameter, and the unsharded gradients that a
+deferred window accumulates. Each access goes through
 ``_require`` so that a torch that renamed one fails with a message naming the supported
 versions instead of an AttributeError from deep inside.
 """
@@ -20,8 +23,10 @@ from torch.distributed.fsdp import FSDPModule
 from gradsync._torch_compat import SUPPORTED_TORCH
 from gradsync._util import require_attr
 
-#: One group's flags: (group, reduce_grads, all_reduce_grads, reshard_after_backward).
-GroupFlags = tuple[Any, bool, bool, Any]
+#: One group's flags: (group, reduce_grads, all_reduce_grads, reshard_after_backward,
+#: post_forward_mesh_info); the last is None when the group keeps its parameters gathered
+#: after forward.
+GroupFlags = tuple[Any, bool, bool, Any, Any]
 
 
 def _require(obj: object, name: str, what: str) -> Any:
@@ -42,16 +47,43 @@ def save_flags(model: nn.Module) -> list[GroupFlags]:
     return [
         (g, _require(g, "reduce_grads", "gradient-sync flag"),
          _require(g, "all_reduce_grads", "all-reduce flag"),
-         _require(g, "reshard_after_backward", "reshard-after-backward flag"))
+         _require(g, "reshard_after_backward", "reshard-after-backward flag"),
+         _require(g, "post_forward_mesh_info", "reshard-after-forward mesh"))
         for g in param_groups(model)
     ]
 
 
 def restore_flags(saved: list[GroupFlags]) -> None:
-    for group, reduce_grads, all_reduce_grads, reshard in saved:
+    for group, reduce_grads, all_reduce_grads, reshard, post_forward in saved:
         group.reduce_grads = reduce_grads
         group.all_reduce_grads = all_reduce_grads
         group.reshard_after_backward = reshard
+        group.post_forward_mesh_info = post_forward
+
+
+def lazy_init(model: nn.Module) -> None:
+    """FSDP2's lazy initialisation of the root, which its first forward would run (it decides
+    the root and turns off the root's reshard after forward); running it before flags are
+    saved keeps it from changing them behind ``save_flags``."""
+    if isinstance(model, FSDPModule):
+        _require(_require(model, "_get_fsdp_state", "per-module state")(), "_lazy_init", "lazy init")()
+
+
+def keep_gathered(model: nn.Module, *, after_forward: bool, after_backward: bool) -> None:
+    """Keep every group's parameters unsharded after forward and/or after backward (until
+    ``restore_flags``); parameters that are already unsharded are then not all-gathered again."""
+    for group in param_groups(model):
+        if after_forward:
+            group.post_forward_mesh_info = None
+        if after_backward:
+            group.reshard_after_backward = False
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every unsharded parameter under ``model`` (FSDP2's public, per-module reshard)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def unsharded_numel(param: torch.Tensor) -> int:

@@ -1,23 +1,29 @@
-"""FSDP helpers: which submodules become sharded units, and what deferring costs in memory.
+"""FSDP helpers: which submodules become sharded units, what deferring costs in memory, and
+which level of deferral a policy and a budget pick.
 
 Used by the fsdp adapter; kept apart so the adapter reads as the sync logic alone.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Any
+from typing import Any, Literal
 
-import torch
 from torch import nn
 
+from gradsync._util import human_bytes
 from gradsync.backends._fsdp_compat import unsharded_numel
+from gradsync.backends._memory import AUTO_BUDGET_FRACTION, Budget, available_memory, extra_text
+from gradsync.config import RequestedPolicy, SyncPolicy
 from gradsync.errors import ConfigError
 
-#: The share of free memory (device memory, or available RAM split over local ranks) that
-#: "auto" lets the deferred, unsharded gradients take.
-AUTO_BUDGET_FRACTION = 0.25
+__all__ = ["AUTO_BUDGET_FRACTION", "Keep", "available_memory", "decide", "deferral_cost",
+           "select_units"]
+
+#: How long a deferred window keeps the parameters gathered: "no" (FSDP2's default: gathered
+#: for forward, again for backward), "after_backward" (the deprecated
+#: fsdp_reshard_after_backward=False: from backward to the next forward) or "window" (from the
+#: window's first forward to its boundary backward: one all-gather per window).
+Keep = Literal["no", "after_backward", "window"]
 
 
 def select_units(model: nn.Module, wrap: Any = None) -> list[nn.Module]:
@@ -58,27 +64,6 @@ def select_units(model: nn.Module, wrap: Any = None) -> list[nn.Module]:
     return units
 
 
-def available_memory(device: torch.device) -> tuple[int, str]:
-    """Free bytes this rank may count on, and where the number came from."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free), f"free memory of {device}"
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    try:
-        import psutil  # optional
-
-        avail = int(psutil.virtual_memory().available)
-    except ImportError:
-        avail = 0
-        with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-        if not avail:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return avail // local, f"available RAM / {local} local rank(s)"
-
-
 def deferral_cost(model: nn.Module, world: int, *, grad_bytes: int | None, keep_params: bool) -> int:
     """Extra bytes per rank that deferring holds: the unsharded gradients minus their shard
     (in the gradient dtype), plus the unsharded parameters when they stay gathered."""
@@ -88,3 +73,39 @@ def deferral_cost(model: nn.Module, world: int, *, grad_bytes: int | None, keep_
     if keep_params:
         full += sum(n * size for n, size in sizes)
     return full - full // world
+
+
+def decide(asked: RequestedPolicy, keep: bool | None, legacy_keep: bool, *, grads: int, full: int,
+           budget: Budget | None, world: int) -> tuple[SyncPolicy, Keep, int, str]:
+    """Pick the deferral level. ``grads`` / ``full``: extra bytes per rank that deferring
+    holds for the gradients alone / for gradients and parameters. ``keep``: the option
+    fsdp_keep_params_in_window (None: auto decides by the budget; explicit policies do not
+    consult it). ``legacy_keep``: the deprecated fsdp_reshard_after_backward=False."""
+    g_text = extra_text(grads, "unsharded gradients", world)
+    f_text = extra_text(full, "unsharded gradients and parameters", world)
+    if asked == "every_step":
+        return "every_step", "no", 0, f"every_step (requested): {g_text} when deferring"
+    if asked == "defer":
+        if keep:
+            return "defer", "window", full, f"defer (requested), parameters kept gathered in the window: {f_text}"
+        if legacy_keep:
+            return "defer", "after_backward", full, f"defer (requested): {f_text}"
+        return "defer", "no", grads, f"defer (requested): {g_text}"
+    assert budget is not None
+    b = budget.describe()
+    texts = {"window": f_text, "after_backward": f_text, "no": g_text}
+    options: list[tuple[Keep, int]] = (
+        [("after_backward", full)] if legacy_keep and keep is None
+        else [("window", full)] if keep else [("no", grads)] if keep is False
+        else [("window", full), ("no", grads)]
+    )
+    for i, (level, extra) in enumerate(options):
+        if extra <= budget.nbytes:
+            how = {"window": ", parameters kept gathered in the window",
+                   "after_backward": ", parameters kept gathered after backward",
+                   "no": " (gradients only)" if keep is None else ""}[level]
+            also = (f"; keeping the parameters gathered too would hold {human_bytes(full)} "
+                    f"({full} bytes), which exceeds it") if i > 0 else ""
+            return "defer", level, extra, f"auto -> defer{how}: {texts[level]}, which fits the budget {b}{also}"
+    level, _ = options[-1]
+    return "every_step", "no", 0, f"auto -> every_step: {texts[level]}, which exceeds the budget {b}"

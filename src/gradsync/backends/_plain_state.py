@@ -15,6 +15,13 @@ from gradsync.checkpoint import CheckpointError, load_file, save_file
 Unwrap = Callable[[torch.nn.Module], torch.nn.Module]
 
 
+def refuse_open_window(backend: str, why: str) -> None:
+    raise RuntimeError(
+        f"save_state() inside an accumulation window is not supported with backend={backend!r} "
+        f"({why}); call it at a boundary, when accel.sync_gradients is True after the accumulate block"
+    )
+
+
 def window_file(path: Path, rank: int) -> Path:
     return path / f"window_rank{rank}.pt"
 
@@ -31,13 +38,17 @@ def put_grads(module: torch.nn.Module, grads: dict[str, torch.Tensor]) -> None:
 
 
 def save(path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Any],
-         unwrap: Unwrap, rank: int, *, window_open: bool) -> None:
+         unwrap: Unwrap, rank: int, *, window_open: bool, gathered_optimizers: bool = False) -> None:
+    """``gathered_optimizers``: an optimizer's ``state_dict()`` is a collective that gathers
+    its shards (fairscale's OSS): every rank calls it, rank 0 writes it."""
+    if gathered_optimizers:
+        states = [opt.state_dict() if opt is not None else None for opt in optimizers]
     if rank == 0:
         for i, model in enumerate(models):
             save_file(unwrap(model).state_dict(), path / f"model_{i}.pt")
         for i, opt in enumerate(optimizers):
             if opt is not None:
-                save_file(opt.state_dict(), path / f"optimizer_{i}.pt")
+                save_file(states[i] if gathered_optimizers else opt.state_dict(), path / f"optimizer_{i}.pt")
     if window_open:
         save_file([local_grads(unwrap(m)) for m in models], window_file(path, rank))
 

@@ -24,6 +24,7 @@ from gradsync.config import RequestedPolicy, SyncPolicy
 if TYPE_CHECKING:
     import torch
 
+    from gradsync.backends._amp import WindowScaler
     from gradsync.batching import BatchPlan
     from gradsync.config import Config
 
@@ -41,6 +42,7 @@ class Backend(Protocol):
     policy: SyncPolicy
     policy_reason: str  # why the adapter resolved that policy, with its numbers ("" if nothing)
     owns_group: bool  # gradsync created the process group (and releases it)
+    scaler: WindowScaler | None  # the fp16 loss scaler the adapter drives (None: none / the backend's own)
 
     @property
     def device(self) -> torch.device: ...
@@ -55,7 +57,8 @@ class Backend(Protocol):
         """Wrap the model (DDP / FSDP2 / engine) and return the optimizer over its parameters."""
 
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
-        """A window starts (its gradients have been cleared)."""
+        """A window starts: clear the gradients ``models`` hold, the way the backend needs
+        (the prepared optimizers' were cleared already)."""
 
     def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> AbstractContextManager[None]:
         """Around one micro-step: backward accumulates locally unless ``boundary`` (or the
@@ -68,11 +71,20 @@ class Backend(Protocol):
         """Drop the open window: clear every gradient it accumulated. Called on every rank
         together (it may run a collective)."""
 
+    def autocast(self) -> AbstractContextManager[Any]:
+        """The autocast the micro-steps run under (a no-op context when there is none)."""
+
     def backward(self, loss: torch.Tensor) -> None:
-        """Run the backward pass of an already scaled loss."""
+        """Run the backward pass of a loss already divided by the window size (an fp16
+        adapter multiplies it by the loss scale)."""
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """At a boundary, before clipping: bring the optimizer's gradients back to their true
+        scale (fp16; once per window however often it is called; a no-op otherwise)."""
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Apply the optimizer step at a boundary; return whether it was really applied."""
+        """Apply the optimizer step at a boundary; return whether it was really applied
+        (False: skipped, e.g. an fp16 overflow on some rank)."""
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """Clear the gradients the optimizer holds."""
@@ -85,6 +97,11 @@ class Backend(Protocol):
         norm_type: float = 2.0,
     ) -> torch.Tensor:
         """Clip to ``max_norm`` and return the GLOBAL gradient norm (equal on all ranks)."""
+
+    def clip_grad_value_(
+        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], clip_value: float
+    ) -> None:
+        """Clamp every gradient element to ``[-clip_value, clip_value]`` (at a boundary)."""
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module inside whatever wrapper ``prepare`` put around it."""

@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradsync.backends import _dist, _plain_state
+from gradsync import _torch_compat
+from gradsync.backends import _amp, _ddp_compat, _dist, _modules, _plain_state
+from gradsync.backends._amp import WindowScaler
 from gradsync.backends.base import SyncPolicy, clear_grads, is_frozen
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
@@ -28,7 +30,10 @@ class DDPBackend:
         self.policy_reason = ""
         self._device = torch.device("cpu")
         self.owns_group = False
-        self._bf16 = False
+        self._dtype: torch.dtype | None = None  # autocast dtype
+        self.scaler: WindowScaler | None = None
+        self._checkpointing: Any = None
+        self._compile: dict[str, Any] | None = None
         self.ddp_kwargs: dict[str, Any] = {}
 
     @property
@@ -45,34 +50,54 @@ class DDPBackend:
         self.policy = "every_step" if config.sync_policy == "every_step" else "defer"
         if config.sync_policy == "auto":
             self.policy_reason = "auto -> defer: no_sync() costs DDP no extra memory"
-        self._bf16 = _dist.autocast_bf16(config, self.name)
         self.ddp_kwargs = dict(config.ddp_kwargs or {})
-        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit,
-                                                   timeout=config.timeout)
+        self._checkpointing = config.activation_checkpointing
+        self._compile = _modules.compile_kwargs(config)
+        self._dtype = _amp.autocast_dtype(config, _dist.local_device())
+        if config.find_unused_parameters:
+            if self.ddp_kwargs.get("find_unused_parameters", True) is not True:
+                raise ConfigError(
+                    "find_unused_parameters=True contradicts ddp_kwargs={'find_unused_parameters': "
+                    "False}; keep one of them"
+                )
+            self.ddp_kwargs["find_unused_parameters"] = True
+        self.owns_group = _dist.ensure_process_group(
+            self.name, want_audit=config.audit, self_check=config.self_check and self.policy == "defer",
+            timeout=config.timeout,
+        )
         self._device = _dist.local_device()
+        # At the boundary every rank holds the same all-reduced gradients, which carry any
+        # rank's inf/NaN: each rank's own check sees the same overflow, no extra collective.
+        self.scaler = _amp.make_scaler(config, self._device, sharded=False)
 
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
-        if isinstance(model, DDP):
+        if isinstance(_torch_compat.uncompiled(model), DDP):
+            _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
             return model, optimizer
+        compiled = _torch_compat.uncompiled(model) is not model  # by the user, before prepare
+        _modules.checkpoint_modules(_torch_compat.uncompiled(model), self._checkpointing)
         model = model.to(self._device)
         if is_frozen(model):
             # Nothing to synchronise (a reference or teacher model): never wrapped in DDP.
             _dist.broadcast_from_rank0(model)
             return model, optimizer
         device_ids = [self._device.index] if self._device.type == "cuda" else None
-        return DDP(model, device_ids=device_ids, **self.ddp_kwargs), optimizer
+        wrapped = DDP(model, device_ids=device_ids, **self.ddp_kwargs)
+        # Compiling the wrapped model lets torch split the graph at DDP's buckets.
+        _modules.compile_in_place(wrapped, None if compiled else self._compile)
+        return wrapped, optimizer
 
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
-        return None
+        clear_grads(models)
 
     @contextlib.contextmanager
     def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
-        cast = torch.autocast(self._device.type, dtype=torch.bfloat16) if self._bf16 else None
+        model = _torch_compat.uncompiled(model)
         if not isinstance(model, DDP):
             if is_frozen(model):  # a prepared frozen model: it has no gradient to defer
-                with cast or contextlib.nullcontext():
+                with self.autocast():
                     yield
                 return
             raise RuntimeError(
@@ -82,8 +107,16 @@ class DDPBackend:
             )
         # no_sync() saves require_backward_grad_sync and puts the saved value back on exit.
         defer = not boundary and self.policy != "every_step"
-        with model.no_sync() if defer else contextlib.nullcontext(), cast or contextlib.nullcontext():
-            yield
+        try:
+            with model.no_sync() if defer else contextlib.nullcontext(), self.autocast():
+                yield
+        except RuntimeError as err:
+            if not _ddp_compat.is_unfinished_reduction(err) or model.find_unused_parameters:
+                raise  # with the flag on, torch's own advice is the one that applies
+            raise RuntimeError(_unused_message(model, str(err))) from None
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return _amp.autocast(self._device, self._dtype)
 
     def end_window(self, models: Sequence[torch.nn.Module]) -> None:
         return None
@@ -94,9 +127,15 @@ class DDPBackend:
         clear_grads(models)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.scaler is not None:  # skips on every rank when any rank overflowed
+            return self.scaler.step(optimizer)
         optimizer.step()
         return True
 
@@ -110,8 +149,14 @@ class DDPBackend:
         # At the boundary DDP has all-reduced the gradients: the local norm is the global one.
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
 
+    def clip_grad_value_(
+        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], clip_value: float
+    ) -> None:
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)  # reduced: equal on all ranks
+
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.module if isinstance(model, DDP) else model
+        model = _torch_compat.uncompiled(model)  # compiled after prepare, or before it
+        return _torch_compat.uncompiled(model.module if isinstance(model, DDP) else model)
 
     def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
@@ -126,3 +171,20 @@ class DDPBackend:
     def load(self, path: Path, models: Sequence[torch.nn.Module],
              optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
         _plain_state.load(path, models, optimizers, self.unwrap, dist.get_rank(), window_open=window_open)
+
+def _unused_message(model: DDP, torch_message: str) -> str:
+    """One line for DDP's "Expected to have finished reduction" error: which parameters got
+    no gradient in the last synchronised backward, and the fix."""
+    ignored = frozenset(getattr(model, "parameters_to_ignore", ()) or ())
+    rank, names = _ddp_compat.unused_parameters(torch_message, model.module, ignored)
+    if names:
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        which = f"parameter(s) {shown} got no gradient"
+    else:
+        which = "some parameters got no gradient (torch did not say which)"
+    where = f" on rank {rank}" if rank is not None else ""
+    return (
+        f"DDP: {which}{where} in the last synchronised backward (used only in some micro-steps, "
+        "or not at all), so DDP could not finish reducing; pass "
+        "Accelerator(find_unused_parameters=True) or ddp_kwargs={'find_unused_parameters': True}"
+    )

@@ -3,12 +3,15 @@
 gradsync's window decides the boundary (``engine.set_gradient_accumulation_boundary``),
 scales the loss itself (``engine.backward(loss, scale_wrt_gas=False)``) and calls
 ``engine.step()`` only at the boundary. The DeepSpeed config's batch sizes are filled from
-gradsync's plan; a contradiction is a ConfigError. See docs/deepspeed.md.
+gradsync's plan; a contradiction is a ConfigError. ``sync_policy="auto"`` coalesces ZeRO 2/3's
+per-micro-step reduction into one per window when the window's gradients fit the memory
+budget. See docs/deepspeed.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -18,12 +21,27 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from gradsync.backends import _deepspeed_checkpoint, _deepspeed_compat, _dist
-from gradsync.backends._deepspeed_config import fill_batch, load_ds_config
-from gradsync.backends.base import RequestedPolicy, SyncPolicy, is_frozen
-from gradsync.batching import BatchPlan
+from gradsync import _torch_compat
+from gradsync.backends import (
+    _deepspeed_checkpoint,
+    _deepspeed_compat,
+    _deepspeed_policy,
+    _dist,
+    _modules,
+)
+from gradsync.backends._amp import WindowScaler
+from gradsync.backends._deepspeed_config import (
+    build_config,
+    check_batch,
+    check_precision,
+    load_ds_config,
+)
+from gradsync.backends.base import RequestedPolicy, SyncPolicy, clear_grads, is_frozen
+from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.config import Config
 from gradsync.errors import ConfigError
+
+log = logging.getLogger("gradsync")
 
 _INSTALL_HINT = "backend='deepspeed' needs DeepSpeed: pip install 'gradsync[deepspeed]'"
 
@@ -46,8 +64,11 @@ class DeepSpeedBackend:
         self.policy: SyncPolicy = "native"
         self.policy_reason = ""
         self.owns_group = False
+        self.scaler: WindowScaler | None = None  # DeepSpeed scales fp16 losses itself (its config's fp16 section)
         self._device = torch.device("cpu")
         self._mixed_precision = "no"
+        self._checkpointing: Any = None
+        self._compile: dict[str, Any] | None = None
         self._ds: dict[str, Any] = {}
         self.stage = 0
         self.engine: Any = None
@@ -55,6 +76,7 @@ class DeepSpeedBackend:
         # boundary's backward (or end_window / abort_window) closes it.
         self._coalescing: contextlib.ExitStack | None = None
         self._clip: float | None = None  # gradient_clipping once fixed (config or first clip call)
+        self.memory: dict[str, int] = {}
 
     @property
     def device(self) -> torch.device:
@@ -65,70 +87,41 @@ class DeepSpeedBackend:
         if not _dist.use_cuda():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import_deepspeed()
-        self._mixed_precision = config.mixed_precision
+        self._mixed_precision = check_precision(config.mixed_precision)
+        self._checkpointing = config.activation_checkpointing
+        self._compile = _modules.compile_kwargs(config)
         self._ds = load_ds_config(config.deepspeed_config)
         self.stage = int(self._ds.get("zero_optimization", {}).get("stage", 0))
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"deepspeed_config zero_optimization.stage={self.stage} must be 0, 1, 2 or 3")
-        self.policy = self._resolve_policy(config.sync_policy)
+        self._asked: RequestedPolicy = config.sync_policy
+        self._budget = config.memory_budget()
+        self.policy, self.policy_reason = _deepspeed_policy.resolve(config.sync_policy, self.stage)
+        # A contradicting batch key is reported now, not later at prepare (the first window's
+        # k under a schedule: gradsync drives DeepSpeed's boundary itself after that).
+        world = _dist.rank_info()[1]
+        plan, _ = solve_with_schedule(
+            data_parallel_size=world, global_batch_size=config.global_batch_size,
+            micro_batch_size=config.micro_batch_size,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+        )
+        check_batch(self._ds, micro=plan.micro_batch_size, steps=plan.gradient_accumulation_steps,
+                    world=world)
         if "gradient_clipping" in self._ds:
             self._clip = float(self._ds["gradient_clipping"])
-        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit,
-                                                   timeout=config.timeout)
+        # auto may defer on ZeRO 2/3 (decided at prepare): let the self-check count then too.
+        self.owns_group = _dist.ensure_process_group(
+            self.name, want_audit=config.audit, self_check=config.self_check and self.policy != "every_step",
+            timeout=config.timeout,
+        )
         self._device = _dist.local_device()
-
-    def _resolve_policy(self, asked: RequestedPolicy) -> SyncPolicy:
-        if asked in ("auto", "native"):
-            self.policy_reason = f"{asked} -> native: DeepSpeed ZeRO {self.stage} accumulates by itself"
-            return "native"
-        if asked == "defer":
-            return "defer"
-        if self.stage in (2, 3):  # every_step: what ZeRO 2/3 do natively
-            return "every_step"
-        raise ConfigError(
-            f"sync_policy='every_step' with DeepSpeed ZeRO stage {self.stage}: stages 0 and 1 "
-            "reduce gradients only at the boundary; use 'native', 'auto' or 'defer' (or stage 2/3)"
-        )
-
-    def _build_config(self, optimizer: torch.optim.Optimizer | None, plan: BatchPlan) -> dict[str, Any]:
-        ds = fill_batch(
-            dict(self._ds), micro=plan.micro_batch_size, steps=plan.gradient_accumulation_steps,
-            world=dist.get_world_size(),
-        )
-        # DeepSpeed clips at 1.0 by default; gradsync clips only when asked (clip_grad_norm_).
-        ds.setdefault("gradient_clipping", 0.0)
-        mp = self._mixed_precision
-        if mp in ("bf16", "fp16"):
-            section = ds.setdefault(mp, {})
-            if section.get("enabled", True) in (False, "false"):
-                raise ConfigError(
-                    f"mixed_precision={mp!r} contradicts deepspeed_config "
-                    f"{mp}.enabled=false; enable it or drop mixed_precision"
-                )
-            section["enabled"] = True
-        if optimizer is None:
-            if "optimizer" not in ds:
-                raise ConfigError(
-                    "backend='deepspeed' got no optimizer: pass a torch optimizer to "
-                    "accel.prepare(model, optimizer), or give deepspeed_config an 'optimizer' section"
-                )
-            params = ds["optimizer"].setdefault("params", {})
-            if not _dist.use_cuda() and str(ds["optimizer"].get("type", "")).lower() in ("adam", "adamw"):
-                params.setdefault("torch_adam", True)  # FusedAdam would JIT-build a C++ op
-        else:
-            if "optimizer" in ds:
-                raise ConfigError(
-                    "prepare() got a torch optimizer and deepspeed_config has an 'optimizer' "
-                    "section; use one of them (remove the section, or do not pass the optimizer)"
-                )
-            ds.setdefault("zero_allow_untested_optimizer", True)
-        return ds
 
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
         deepspeed = import_deepspeed()
         if isinstance(model, deepspeed.DeepSpeedEngine):
+            _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
             return model, model.optimizer
         if is_frozen(model) and optimizer is None:
             # A reference / teacher model: no engine, kept whole on every rank (see docs).
@@ -141,7 +134,10 @@ class DeepSpeedBackend:
                 "model with trainable parameters was prepared: freeze it (requires_grad=False) "
                 "if it is a reference or teacher model, or train it with another backend"
             )
-        ds = self._build_config(optimizer, plan)
+        ds = build_config(self._ds, given_optimizer=optimizer is not None, plan=plan,
+                          world=dist.get_world_size(), mixed_precision=self._mixed_precision,
+                          cpu=not _dist.use_cuda())
+        _modules.checkpoint_modules(_torch_compat.uncompiled(model), self._checkpointing)
         if not _dist.use_cuda() and os.environ.get("GRADSYNC_DEEPSPEED_BUILD_OPS") != "1":
             import deepspeed.ops as ds_ops
 
@@ -157,12 +153,22 @@ class DeepSpeedBackend:
                 "not offer (its BF16/FP16 optimizer wrappers cannot coalesce); use "
                 "sync_policy='native', or fp32 / a DeepSpeed that supports it (constraints.txt pins 0.19.8)"
             )
+        if self._compile is not None and _torch_compat.uncompiled(model) is model:
+            kwargs = dict(self._compile)
+            engine.compile(**({"backend": kwargs.pop("backend")} if "backend" in kwargs else {}),
+                           compile_kwargs=kwargs)
         self.engine = engine
         self._ds = ds
+        if self._asked == "auto" and self.stage in (2, 3):
+            self.policy, self.policy_reason, self.memory = _deepspeed_policy.decide(
+                engine, self.stage, self._budget, self._device, deepspeed.__version__)
+        if dist.get_rank() == 0:
+            log.info("gradsync deepspeed: sync_policy %s", self.policy_reason)
         return engine, ds_optimizer
 
     # -- the window -------------------------------------------------------------
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
+        clear_grads(models)  # the module's own; engine.step() cleared ZeRO's
         if self.policy == "defer" and self.stage in (2, 3):
             # One coalesce block per window: DeepSpeed's flush overwrites, so it must not split.
             stack = contextlib.ExitStack()
@@ -174,7 +180,7 @@ class DeepSpeedBackend:
         if model is not self.engine and is_frozen(model):  # a prepared reference model
             yield
             return
-        engine = self._engine(model)
+        engine = self._engine(_torch_compat.uncompiled(model))
         prior = bool(engine.is_gradient_accumulation_boundary())
         engine.set_gradient_accumulation_boundary(boundary)
         try:
@@ -208,11 +214,17 @@ class DeepSpeedBackend:
             block.close()
             self.engine.set_gradient_accumulation_boundary(True)
 
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # the engine's module computes in the config's dtype
+
     def backward(self, loss: torch.Tensor) -> None:
         # gradsync already divided the loss by this window's size.
         self.engine.backward(loss, scale_wrt_gas=False)
         if self.engine.is_gradient_accumulation_boundary():
             self._flush()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        return None  # DeepSpeed unscales fp16 gradients inside step()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         # Called only at a boundary, inside the accumulate block or after it (where the
@@ -246,6 +258,15 @@ class DeepSpeedBackend:
                 total += grad.detach().double().pow(2).sum().cpu()
         return total.sqrt().float()
 
+    def clip_grad_value_(
+        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], clip_value: float
+    ) -> None:
+        raise ConfigError(
+            f"clip_grad_value_({clip_value}) with backend='deepspeed': DeepSpeed keeps the reduced "
+            "gradients in its own partitions and clips only by norm inside step(); use "
+            "accel.clip_grad_norm_(params, max_norm)"
+        )
+
     def _set_clipping(self, max_norm: float) -> None:
         if self._clip is not None and self._clip > 0 and not math.isclose(self._clip, max_norm):
             raise ConfigError(
@@ -260,7 +281,8 @@ class DeepSpeedBackend:
 
     # -- models and state ------------------------------------------------------
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.module if model is self.engine else model
+        model = _torch_compat.uncompiled(model)
+        return _torch_compat.uncompiled(model.module if model is self.engine else model)
 
     def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         """The full fp32 weights on every rank (a collective: call it on all ranks)."""

@@ -1,9 +1,10 @@
 """FSDP2 (``fully_shard``): defer the reduce-scatter off the boundary, or reduce every micro-step.
 
 Deferring saves communication but holds every parameter's full, unsharded gradient on each
-rank until the boundary. The policy says which: "defer", "every_step", or "auto" (defer when
-those extra bytes fit a memory budget). FSDP1 models wrapped by the user are deferred through
-their ``no_sync()``.
+rank until the boundary; keeping the parameters gathered for the window as well saves the
+all-gathers of all but the window's first micro-step. The policy says which: "defer",
+"every_step", or "auto" (the deepest level whose extra bytes fit a memory budget). FSDP1
+models wrapped by the user are deferred through their ``no_sync()``.
 """
 
 from __future__ import annotations
@@ -22,20 +23,25 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.tensor import DTensor
 
-from gradsync._util import human_bytes
-from gradsync.backends import _dist, _fsdp_checkpoint, _fsdp_compat
+from gradsync import _torch_compat
+from gradsync.backends import _amp, _dist, _fsdp_checkpoint, _fsdp_compat, _modules
+from gradsync.backends._amp import WindowScaler
 from gradsync.backends._fsdp_policy import (
-    AUTO_BUDGET_FRACTION,
+    Keep,
     available_memory,
+    decide,
     deferral_cost,
     select_units,
 )
+from gradsync.backends._memory import agreed_budget
 from gradsync.backends.base import RequestedPolicy, SyncPolicy, clear_grads, is_frozen
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
 
 log = logging.getLogger("gradsync")
+
+__all__ = ["FSDPBackend", "available_memory", "deferral_cost"]
 
 
 class FSDPBackend:
@@ -52,10 +58,16 @@ class FSDPBackend:
         self.owns_group = False
         # Copied from the Config at setup (the adapter keeps no reference to it).
         self._asked: RequestedPolicy = "auto"
-        self._bf16 = False
+        self._bf16 = False  # bf16 through FSDP2's MixedPrecisionPolicy
+        self._dtype: torch.dtype | None = None  # fp16: autocast (fp32 parameters and gradients)
+        self.scaler: WindowScaler | None = None
+        self._checkpointing: Any = None
+        self._compile: dict[str, Any] | None = None
         self._wrap: Any = None
-        self._budget: int | None = None
-        self._keep_params = False
+        self._budget: tuple[int | None, str] = (None, "sync_memory_budget")
+        self._keep_option: bool | None = None  # fsdp_keep_params_in_window
+        self._legacy_keep = False  # the deprecated fsdp_reshard_after_backward=False
+        self.keep: Keep = "no"  # resolved at prepare
 
     @property
     def device(self) -> torch.device:
@@ -67,27 +79,37 @@ class FSDPBackend:
                 "sync_policy='native' is DeepSpeed's; with backend='fsdp' use 'defer', "
                 "'every_step' or 'auto'"
             )
-        if config.mixed_precision == "fp16":
-            raise ConfigError(
-                "mixed_precision='fp16' is not supported with backend='fsdp'; use 'bf16' "
-                "(bf16 compute, fp32 gradient reduction) or 'no'"
-            )
         self._asked = config.sync_policy
         self._bf16 = config.mixed_precision == "bf16"
+        if config.mixed_precision == "fp16":
+            self._dtype = _amp.check_autocast(_dist.local_device(), "fp16")
+        self._checkpointing = config.activation_checkpointing
+        self._compile = _modules.compile_kwargs(config)
         self._wrap = config.fsdp_wrap
-        self._budget = config.fsdp_memory_budget
-        self._keep_params = config.fsdp_reshard_after_backward is False
+        if config.fsdp_keep_params_in_window and config.sync_policy == "every_step":
+            raise ConfigError(
+                "fsdp_keep_params_in_window=True keeps the parameters gathered through a deferred "
+                "window, and sync_policy='every_step' defers nothing; use sync_policy='defer' or "
+                "'auto', or drop fsdp_keep_params_in_window"
+            )
+        self._budget = config.memory_budget()
+        self._keep_option = config.fsdp_keep_params_in_window
+        self._legacy_keep = config.fsdp_reshard_after_backward is False
         self.policy = "every_step" if config.sync_policy == "auto" else config.sync_policy
         self.policy_reason = f"sync_policy={config.sync_policy!r} (auto decides at prepare)"
-        self.owns_group = _dist.ensure_process_group(self.name, want_audit=config.audit,
-                                                   timeout=config.timeout)
+        self.owns_group = _dist.ensure_process_group(  # "auto" may defer: decided at prepare
+            self.name, want_audit=config.audit, self_check=config.self_check and self._asked != "every_step",
+            timeout=config.timeout,
+        )
         self._device = _dist.local_device()
         self._mesh = init_device_mesh(self._device.type, (dist.get_world_size(),))
+        self.scaler = _amp.make_scaler(config, self._device, sharded=True)
 
     # -- prepare ------------------------------------------------------------
     def prepare(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        given, model = model, _torch_compat.uncompiled(model)  # compiled before prepare: shard inside
         if not any(True for _ in model.parameters()):
             raise ConfigError(
                 f"backend='fsdp' got a {type(model).__name__} with no parameters; there is "
@@ -101,16 +123,18 @@ class FSDPBackend:
             )
         if not isinstance(model, FSDPModule | FSDP1):
             names = {id(p): n for n, p in model.named_parameters()}
-            self._shard(model)
+            self._shard(model, compile_units=given is model)
             if optimizer is not None:
                 sharded = dict(model.named_parameters())
                 for group in optimizer.param_groups:
                     group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        else:
+            _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
         if not is_frozen(model):  # a frozen model is sharded for its forward only
             self._decide(model)
-        return model, optimizer
+        return given, optimizer
 
-    def _shard(self, model: nn.Module) -> None:
+    def _shard(self, model: nn.Module, *, compile_units: bool) -> None:
         assert self._mesh is not None, "setup() first"
         if not any(p.is_meta for p in model.parameters()):
             # Every rank shards its own copy: start them all from rank 0's weights.
@@ -120,7 +144,12 @@ class FSDPBackend:
         kwargs: dict[str, Any] = {"mesh": self._mesh}
         if self._bf16:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for unit in select_units(model, self._wrap):
+        # Checkpointing, then compiling, happen to the blocks before they are sharded.
+        _modules.checkpoint_modules(model, self._checkpointing)
+        units = select_units(model, self._wrap)
+        for unit in (units or [model]) if compile_units else []:  # not when compiled already
+            _modules.compile_in_place(unit, self._compile)
+        for unit in units:
             fully_shard(unit, **kwargs)
         if "mp_policy" in kwargs:  # the user's loss sees fp32 outputs, as without bf16
             kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -130,41 +159,32 @@ class FSDPBackend:
 
     def _decide(self, model: nn.Module) -> None:
         world = dist.get_world_size()
-        keep = self._keep_params
         grad_bytes = 4 if self._bf16 else None
-        extra = deferral_cost(model, world, grad_bytes=grad_bytes, keep_params=keep)
-        budget, source = self._budget, "fsdp_memory_budget"
-        if self._asked == "auto" and budget is None:
-            free, where = available_memory(self._device)
-            # The ranks must agree (a mixed decision would hang): take the smallest budget.
-            t = torch.tensor([int(free * AUTO_BUDGET_FRACTION)], dtype=torch.int64, device=self._device)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            budget, source = int(t.item()), f"{AUTO_BUDGET_FRACTION:.0%} of {where}, min over ranks"
+        grads = deferral_cost(model, world, grad_bytes=grad_bytes, keep_params=False)
+        full = deferral_cost(model, world, grad_bytes=grad_bytes, keep_params=True)
+        budget = agreed_budget(*self._budget, self._device) if self._asked == "auto" else None
+        keep = False if isinstance(model, FSDP1) else self._keep_option  # FSDP1: no_sync only
+        self.policy, self.keep, extra, self.policy_reason = decide(
+            self._asked, keep, self._legacy_keep and keep is not False, grads=grads, full=full,
+            budget=budget, world=world)
         self.memory = {"deferral_extra_bytes": extra, "world_size": world}
         if budget is not None:
-            self.memory["budget_bytes"] = budget
-        what = "unsharded gradients" + (" and parameters" if keep else "")
-        cost = (f"deferring holds {human_bytes(extra)} ({extra} bytes) of extra {what} per rank "
-                f"(full size minus this rank's 1/{world} shard)")
-        if self._asked == "auto":
-            assert budget is not None
-            self.policy = "defer" if extra <= budget else "every_step"
-            fits = "fits" if self.policy == "defer" else "exceeds"
-            self.policy_reason = f"auto -> {self.policy}: {cost}, which {fits} the budget {human_bytes(budget)} ({budget} bytes, {source})"
-        else:
-            self.policy_reason = f"{self.policy} (requested): {cost}"
+            self.memory["budget_bytes"] = budget.nbytes
+        if self.keep == "window":
+            _fsdp_compat.lazy_init(model)  # before any flags are saved (it resets the root's)
         if dist.get_rank() == 0:
             log.info("gradsync fsdp: sync_policy %s", self.policy_reason)
 
     # -- the micro-step -------------------------------------------------------
     def begin_window(self, models: Sequence[nn.Module]) -> None:
-        return None
+        clear_grads(models)
 
     @contextlib.contextmanager
     def micro_step(self, model: nn.Module, *, boundary: bool) -> Iterator[None]:
         reduce = boundary or self.policy == "every_step"
+        model = _torch_compat.uncompiled(model)
         if isinstance(model, FSDP1):
-            with contextlib.nullcontext() if reduce else model.no_sync():
+            with contextlib.nullcontext() if reduce else model.no_sync(), self.autocast():
                 yield
             return
         if not isinstance(model, FSDPModule):
@@ -175,12 +195,19 @@ class FSDPBackend:
             )
         saved = _fsdp_compat.save_flags(model)
         model.set_requires_gradient_sync(reduce)
-        if not reduce and self._keep_params:
+        if self.keep == "window" and self.policy == "defer" and not is_frozen(model):
+            # Gathered from the window's first forward until the boundary's backward reshards.
+            _fsdp_compat.keep_gathered(model, after_forward=True, after_backward=not reduce)
+        elif not reduce and self.keep == "after_backward":
             model.set_reshard_after_backward(False)
         try:
-            yield
+            with self.autocast():
+                yield
         finally:  # put back exactly what FSDP held before, not a value derived from `boundary`
             _fsdp_compat.restore_flags(saved)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return _amp.autocast(self._device, self._dtype)  # bf16 is FSDP2's MixedPrecisionPolicy
 
     def end_window(self, models: Sequence[nn.Module]) -> None:
         return None
@@ -189,14 +216,22 @@ class FSDPBackend:
         # Reduced gradients sit on the sharded parameters; a deferred window's gradients sit
         # unsharded inside FSDP2's own state (FSDP1's no_sync: on its flat parameters).
         clear_grads(models)
-        for model in models:
+        for model in map(_torch_compat.uncompiled, models):
             if isinstance(model, FSDPModule):
                 _fsdp_compat.clear_unsharded_grads(model)
+                if self.keep != "no":  # the window kept its parameters gathered: free them
+                    _fsdp_compat.reshard(model)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.scaler is not None:  # skips on every rank when any rank's shard found inf/NaN
+            return self.scaler.step(optimizer)
         optimizer.step()
         return True
 
@@ -207,17 +242,25 @@ class FSDPBackend:
         self, model: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
         norm_type: float = 2.0,
     ) -> torch.Tensor:
+        model = _torch_compat.uncompiled(model)
         if isinstance(model, FSDP1):
             return model.clip_grad_norm_(max_norm, norm_type).detach()
         # Over DTensor gradients the norm is a DTensor of the global norm; make it plain.
         norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type)
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
 
+    def clip_grad_value_(
+        self, model: nn.Module, parameters: Iterable[torch.Tensor], clip_value: float
+    ) -> None:
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)  # elementwise: each shard alone
+
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if isinstance(model, FSDP1) else model  # FSDP2 shards in place
+        model = _torch_compat.uncompiled(model)  # FSDP2 shards in place
+        return _torch_compat.uncompiled(model.module if isinstance(model, FSDP1) else model)
 
     def state_dict(self, model: nn.Module) -> dict[str, Any]:
         """The full state dict on CPU, on every rank (each tensor gathered in turn)."""
+        model = _torch_compat.uncompiled(model)
         if isinstance(model, FSDP1):
             from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 

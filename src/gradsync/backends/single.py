@@ -9,7 +9,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradsync.backends import _dist, _plain_state
+from gradsync import _torch_compat
+from gradsync.backends import _amp, _dist, _modules, _plain_state
+from gradsync.backends._amp import WindowScaler
 from gradsync.backends.base import SyncPolicy, clear_grads
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
@@ -25,7 +27,10 @@ class SingleBackend:
         self.policy_reason = ""
         self.owns_group = False
         self._device = torch.device("cpu")
-        self._bf16 = False
+        self._dtype: torch.dtype | None = None  # autocast dtype
+        self.scaler: WindowScaler | None = None
+        self._checkpointing: Any = None
+        self._compile: dict[str, Any] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -36,23 +41,32 @@ class SingleBackend:
         # Nothing is synchronised; report the policy asked for ("auto" defers).
         self.policy = "defer" if config.sync_policy == "auto" else config.sync_policy
         self.policy_reason = "one process: nothing to synchronise"
-        self._bf16 = _dist.autocast_bf16(config, self.name)
+        self._dtype = _amp.autocast_dtype(config, self._device)
+        self.scaler = _amp.make_scaler(config, self._device, sharded=False)
+        self._checkpointing = config.activation_checkpointing
+        self._compile = _modules.compile_kwargs(config)
 
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
-        return model.to(self._device), optimizer
+        _modules.checkpoint_modules(_torch_compat.uncompiled(model), self._checkpointing)
+        model = model.to(self._device)
+        _modules.compile_in_place(model, self._compile)
+        return model, optimizer
 
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
-        return None
+        clear_grads(models)
 
     @contextlib.contextmanager
     def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
-        if not self._bf16:  # entering even a disabled autocast costs microseconds per step
+        if self._dtype is None:  # entering even a disabled autocast costs microseconds per step
             yield
             return
-        with torch.autocast(self._device.type, dtype=torch.bfloat16):
+        with torch.autocast(self._device.type, dtype=self._dtype):
             yield
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return _amp.autocast(self._device, self._dtype)
 
     def end_window(self, models: Sequence[torch.nn.Module]) -> None:
         return None
@@ -61,9 +75,15 @@ class SingleBackend:
         clear_grads(models)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.scaler is not None:
+            return self.scaler.step(optimizer)
         optimizer.step()
         return True
 
@@ -76,11 +96,16 @@ class SingleBackend:
     ) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
 
+    def clip_grad_value_(
+        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], clip_value: float
+    ) -> None:
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model
+        return _torch_compat.uncompiled(model)
 
     def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
 
     def barrier(self) -> None:
         return None

@@ -10,10 +10,28 @@ from typing import Any
 from gradsync.errors import ConfigError
 
 
+def _steps(text: str) -> int | str:
+    """An argparse type: a number of steps, or a schedule such as '0:2 100:4'."""
+    stripped = text.strip()
+    if stripped.lstrip("+-").isdigit():
+        return int(stripped)
+    if ":" in stripped or stripped.startswith("{"):
+        return stripped
+    raise argparse.ArgumentTypeError(
+        f"invalid int value: {text!r} (give a number of steps, or a schedule such as '0:2 100:4')"
+    )
+
+
 def _add_batch_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "--global-batch-size", type=int, default=None, metavar="G")
     _add(p, "--micro-batch-size", type=int, default=None, metavar="M")
-    _add(p, "--gradient-accumulation-steps", type=int, default=None, metavar="K")
+    _add(p, "--gradient-accumulation-steps", type=_steps, default=None, metavar="K",
+         help="a number, or a schedule by optimizer step: '0:2 100:4 300:8'")
+
+
+def _positive_list(text: str) -> list[int]:
+    """An argparse type: whole numbers >= 1, comma-separated."""
+    return [_positive(part.strip()) for part in text.split(",") if part.strip()]
 
 
 def _add(p: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
@@ -84,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run SCRIPT as a program, not with python")
     _add(launch, "--local-ranks-filter", default=None, metavar="RANKS")
     launch.add_argument("--backend", default=None, metavar="B",
-                        help="auto, single, ddp, fsdp or deepspeed (default: the config file's, else auto)")
+                        help="auto, single, ddp, fsdp, deepspeed or fairscale (default: the config file's, else auto)")
     _add_batch_flags(launch)
     _add(launch, "--sync-policy", default=None, metavar="P",
                         help="auto, defer, every_step or native")
@@ -98,10 +116,35 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("script", help="the training script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
-    plan = sub.add_parser("plan", help="derive and check the batch sizes")
+    plan = sub.add_parser("plan", help="derive and check the batch sizes, for one or several world sizes (--estimate: and the communication)")
     _add_batch_flags(plan)
-    _add(plan, "--nproc-per-node", type=_positive, default=1, metavar="N")
-    plan.add_argument("--nnodes", type=_positive, default=1, metavar="N")
+    plan.add_argument("--nproc-per-node", type=_positive_list, default=[1], metavar="N[,N...]")
+    plan.add_argument("--nnodes", type=_positive_list, default=[1], metavar="N[,N...]")
+    plan.add_argument("--config", default=None, metavar="YAML",
+                      help="a gradsync config file (flags override its batch settings)")
+    est = plan.add_argument_group("communication estimate (--estimate)")
+    est.add_argument("--estimate", action="store_true",
+                     help="print bytes sent per rank and step time, naive vs deferred, per backend")
+    est.add_argument("--params", type=float, default=None, metavar="N", help="parameters of the model, e.g. 7e9")
+    est.add_argument("--grad-bytes", type=float, default=None, metavar="B",
+                     help="gradient bytes of the model (instead of --params)")
+    est.add_argument("--dtype-bytes", type=float, default=4, metavar="B",
+                     help="bytes per gradient element (default 4: fp32; 2: bf16)")
+    est.add_argument("--param-dtype-bytes", type=float, default=None, metavar="B",
+                     help="bytes per gathered parameter element (default: --dtype-bytes)")
+    est.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",
+                     help="bus bandwidth per rank (nccl-tests busbw), GB/s")
+    est.add_argument("--latency-us", type=float, default=None, metavar="US",
+                     help="fixed cost of one collective call, microseconds")
+    est.add_argument("--compute-ms", type=float, default=None, metavar="MS",
+                     help="forward + backward of one micro-step, ms")
+    est.add_argument("--optimizer-ms", type=float, default=0.0, metavar="MS", help="one optimizer step, ms")
+    est.add_argument("--sync-ms", type=float, default=None, metavar="MS",
+                     help="measured time of one gradient sync inside a step (replaces the bandwidth model)")
+    est.add_argument("--bucket-mib", type=float, default=25.0, metavar="MIB",
+                     help="gradient bucket size: one collective call per bucket (default 25, DDP's)")
+    est.add_argument("--estimate-backends", default="ddp,fsdp,zero2,zero3", metavar="LIST",
+                     help="comma list of ddp, fsdp, zero2, zero3")
 
     sub.add_parser("env", help="print versions and the backends available here")
 
@@ -152,29 +195,65 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from gradsync.batching import BatchPlan
+    from gradsync.config import from_yaml
+    from gradsync.launch import plan
 
-    world = args.nproc_per_node * args.nnodes
-    if args.global_batch_size is not None and args.micro_batch_size is None and args.gradient_accumulation_steps is None:
+    settings = from_yaml(args.config) if args.config else {}
+    for name in ("global_batch_size", "micro_batch_size", "gradient_accumulation_steps"):
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
+    if (settings.get("global_batch_size") is not None and settings.get("micro_batch_size") is None
+            and settings.get("gradient_accumulation_steps") is None):
         raise ConfigError(
-            f"--global-batch-size={args.global_batch_size} needs --micro-batch-size or "
+            f"--global-batch-size={settings['global_batch_size']} needs --micro-batch-size or "
             "--gradient-accumulation-steps to derive the other"
         )
-    plan = BatchPlan.solve(
-        data_parallel_size=world,
-        global_batch_size=args.global_batch_size,
-        micro_batch_size=args.micro_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
+    table = plan.rows(settings, args.nproc_per_node, args.nnodes)
+    if len(table) == 1:
+        if "error" in table[0]:
+            raise ConfigError(table[0]["error"])
+        print(plan.single(table[0]))
+    else:
+        print(plan.render(table))
+    if args.estimate:
+        for row in table:
+            if "error" not in row:
+                _estimate(args, row)
+    return 2 if any("error" in row for row in table) else 0
+
+
+def _estimate(args: argparse.Namespace, row: dict[str, str]) -> None:
+    from gradsync.estimate import Cluster, estimate, format_table
+
+    if not row["k"].isdigit():
+        raise ConfigError(
+            f"--estimate needs a constant number of accumulation steps, not the schedule "
+            f"{row['k']!r}; give --gradient-accumulation-steps K for the phase to estimate"
+        )
+    world, k = int(row["world"]), int(row["k"])
+
+    if (args.params is None) == (args.grad_bytes is None):
+        raise ConfigError("--estimate needs the model size: give --params N (e.g. 7e9) or --grad-bytes B, not both")
+    missing = [flag for flag, value in (("--bandwidth", args.bandwidth), ("--latency-us", args.latency_us),
+                                        ("--compute-ms", args.compute_ms)) if value is None]
+    if missing:
+        raise ConfigError(f"--estimate needs {', '.join(missing)}: the interconnect and the compute "
+                          "time per micro-step (docs/benchmark.md lists figures for common clusters)")
+    grad_bytes = args.grad_bytes if args.grad_bytes is not None else args.params * args.dtype_bytes
+    numel = grad_bytes / args.dtype_bytes
+    param_dtype = args.param_dtype_bytes if args.param_dtype_bytes is not None else args.dtype_bytes
+    cluster = Cluster(
+        grad_bytes=grad_bytes, param_bytes=numel * param_dtype, world=world, k=k,
+        bandwidth_gbs=args.bandwidth, latency_us=args.latency_us, compute_ms=args.compute_ms,
+        optimizer_ms=args.optimizer_ms, bucket_bytes=args.bucket_mib * 2**20, sync_ms=args.sync_ms,
     )
-    print(f"data-parallel processes: {world} ({args.nnodes} node(s) x {args.nproc_per_node})")
-    print(f"micro batch size:        {plan.micro_batch_size if plan.micro_batch_size else '?'} per process")
-    print(f"accumulation steps:      {plan.gradient_accumulation_steps}")
-    print(f"global batch size:       {plan.global_batch_size if plan.global_batch_size else '?'} per optimizer step")
-    return 0
+    backends = tuple(b.strip() for b in args.estimate_backends.split(",") if b.strip())
+    rows = estimate(cluster, backends)
+    print()
+    print(format_table(cluster, rows, nodes=int(row["nodes"]), per_node=int(row["per_node"])))
 
 
 def _env() -> int:
-    import importlib.util
     import platform
 
     import gradsync
@@ -188,9 +267,7 @@ def _env() -> int:
     except ImportError:
         print("torch: not installed")
     for name in backends.available():
-        needs = {"deepspeed": "deepspeed"}.get(name)
-        ok = needs is None or importlib.util.find_spec(needs) is not None
-        print(f"backend {name}: {'available' if ok else 'not installed (pip install gradsync[' + name + '])'}")
+        print(f"backend {name}: {backends.status(name)}")
     return 0
 
 

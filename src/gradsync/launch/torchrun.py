@@ -18,10 +18,11 @@ from typing import Any
 
 from gradsync import backends
 from gradsync._util import check_positive_int
-from gradsync.batching import BatchPlan
+from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.config import ENV_PREFIX, MIXED_PRECISION, SYNC_POLICIES, Config, env_vars, from_yaml
 from gradsync.errors import ConfigError
 from gradsync.launch import failures
+from gradsync.schedule import Schedule, is_schedule
 
 # LaunchConfig fields that are worker settings; None (or audit=False) means "not given".
 _SETTINGS = ("backend", "gradient_accumulation_steps", "micro_batch_size", "global_batch_size",
@@ -55,7 +56,7 @@ class LaunchConfig:
     # What the workers' Accelerator() reads from GRADSYNC_* variables. None means "not given":
     # the workers then take the value from the config file, or the default.
     backend: str | None = None
-    gradient_accumulation_steps: int | None = None
+    gradient_accumulation_steps: int | str | None = None  # an int or a schedule ("0:2 100:4")
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
     sync_policy: str | None = None
@@ -105,6 +106,7 @@ class Launcher:
     def __init__(self, config: LaunchConfig) -> None:
         self.config = config
         self._file_settings: dict[str, Any] | None = None  # the config file, read once
+        self.schedule: Schedule | None = None
         self.plan = self.validate()
 
     def validate(self) -> BatchPlan:
@@ -157,13 +159,14 @@ class Launcher:
         except ConfigError as err:
             raise ConfigError(f"config file {c.config_file!r}: {err}") from None
         merged = self._merged()
-        plans = [BatchPlan.solve(
-            data_parallel_size=nproc * nodes,
-            global_batch_size=merged.get("global_batch_size"),
-            micro_batch_size=merged.get("micro_batch_size"),
-            gradient_accumulation_steps=merged.get("gradient_accumulation_steps"),
-        ) for nodes in sorted({max_nodes, min_nodes})]  # an elastic job: both ends must work
-        return plans[0]
+        for nodes in sorted({min_nodes, max_nodes}, reverse=True):  # elastic: both ends must work
+            plan, self.schedule = solve_with_schedule(
+                data_parallel_size=nproc * nodes,
+                global_batch_size=merged.get("global_batch_size"),
+                micro_batch_size=merged.get("micro_batch_size"),
+                gradient_accumulation_steps=merged.get("gradient_accumulation_steps"),
+            )
+        return plan
 
     def _given(self) -> dict[str, Any]:
         """The worker settings given on the command line (or to LaunchConfig)."""
@@ -189,7 +192,11 @@ class Launcher:
         given = {k: v for k, v in self._given().items() if k not in sizes}
         # The batch sizes go as the plan derived them from the flags and the file (the global
         # batch size follows from the other two); none go when neither gave any.
-        if any(self._merged().get(name) is not None for name in sizes):
+        merged = self._merged()
+        if is_schedule(merged.get("gradient_accumulation_steps")):
+            # A schedule goes as given (its k changes); so do the sizes it is read with.
+            given.update({k: merged[k] for k in sizes if merged.get(k) is not None})
+        elif any(merged.get(name) is not None for name in sizes):
             given["gradient_accumulation_steps"] = self.plan.gradient_accumulation_steps
             if self.plan.micro_batch_size is not None:
                 given["micro_batch_size"] = self.plan.micro_batch_size
@@ -197,6 +204,14 @@ class Launcher:
         if self.config.config_file:
             env[ENV_PREFIX + "CONFIG"] = str(Path(self.config.config_file).resolve())
         return env
+
+    def thread_env(self) -> dict[str, str]:
+        """OMP_NUM_THREADS for the workers when the caller's environment does not set it: the
+        CPU cores split over this node's processes (torchrun would otherwise set 1 and warn)."""
+        if "OMP_NUM_THREADS" in os.environ:
+            return {}
+        cores = os.cpu_count() or 1
+        return {"OMP_NUM_THREADS": str(max(1, cores // self.config.processes_per_node))}
 
     def _from_file(self) -> dict[str, Any]:
         if self._file_settings is None:
@@ -238,7 +253,7 @@ class Launcher:
         """The variables set while torchrun runs: the workers' settings and, with restarts,
         torchrun's opt-out of its shared rendezvous store (restarted workers often hang in
         init_process_group with it: pytorch issue 135712)."""
-        env = self.worker_env()
+        env = {**self.thread_env(), **self.worker_env()}
         if self.config.max_restarts > 0:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         return env

@@ -1,0 +1,230 @@
+"""What the deferral self-check costs once its checked steps are over: the counting wrapper
+stays the process group (recording off), so every collective pays one Python dispatch more.
+
+    python benchmarks/selfcheck_overhead.py --out bench-out          # about a minute on 2 cores
+
+On 2 ranks, in one run: gradsync creates the process group as it does by default for a
+deferring policy (through the counting wrapper, recorder off) and the Accelerator's
+self-check runs over its first steps and ends; then
+
+* per collective: the wrapper's own cost, a 4-byte all-reduce through the wrapper
+  (recording off) against the same on the gloo group it wraps, on a 1-rank group in one
+  process where an all-reduce takes microseconds (alternating blocks; median per call); and
+  the wrapper's Python layer alone (its flag check and extra call, around an inner group
+  that does nothing); the larger of the two is the extra cost per collective; and
+  the same all-reduce across the 2 ranks on the wrapped world group and a plain gloo group
+  (hundreds of microseconds of network and scheduling, which hide the wrapper's part);
+* per DDP step: how many collectives one optimizer step of the sync-overhead benchmark's MLP
+  (k micro-batches, ``no_sync()`` on all but the last) issues, counted by the wrapper;
+* the estimate: extra time per collective x collectives per step / step time (target <= 1 %);
+* end to end: the same DDP loop over the wrapped group and over the plain group, steps
+  alternating, the median over steps of (wrapped / plain) of neighbouring steps (noisy on a
+  shared machine; the estimate above is the figure to read).
+
+Writes selfcheck_overhead.json and selfcheck_overhead.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+def worker(spec: dict[str, Any], out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    sys.path.insert(0, str(HERE))
+    from bench_cells import Sizes, sgd
+
+    from gradsync import Accelerator, audit
+
+    torch.set_num_threads(1)
+    sizes = Sizes(**spec["sizes"])
+    k, steps, calls = spec["k"], spec["steps"], spec["calls"]
+
+    # The default: gradsync creates the group through the wrapper and checks the first steps.
+    accel = Accelerator(backend="ddp", gradient_accumulation_steps=k, seed=0)
+    model = sizes.model()
+    model, opt = accel.prepare(model, sgd(model.parameters()))
+    batches = sizes.batches(accel.rank, k, accel.device)
+    for _ in range(4):  # past the checked steps
+        for x, y in batches:
+            with accel.accumulate(model):
+                accel.backward(F.mse_loss(model(x), y))
+                opt.step()
+                opt.zero_grad()
+    recorder = audit.recorder_of()
+    assert recorder is not None and isinstance(dist.group.WORLD, audit.AuditProcessGroup)
+    assert not recorder.enabled and accel._self_check is None, "the check must be over"
+
+    wrapped = dist.group.WORLD
+    plain = dist.new_group(backend="gloo")
+    assert not isinstance(plain, audit.AuditProcessGroup)
+
+    # -- per collective, the wrapper's own cost: on a 1-rank gloo group of this process,
+    # where an all-reduce costs microseconds, the wrapper (recording off) against the group
+    # it wraps ------------------------------------------------------------------------
+    from datetime import timedelta
+
+    inner = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=60))
+    off = audit.Recorder()
+    off.enabled = False
+    local = audit.AuditProcessGroup(inner, 0, 1, "local", off)
+    t = torch.zeros(1)
+    local_us: dict[str, list[float]] = {"wrapped": [], "plain": []}
+    for block in range(20):
+        pair = ((local_us["wrapped"], local), (local_us["plain"], inner))
+        for times_, pg in pair if block % 2 == 0 else pair[::-1]:
+            t0 = time.perf_counter()
+            for _ in range(calls * 4):
+                pg.allreduce([t]).wait()
+            times_.append((time.perf_counter() - t0) * 1e6 / (calls * 4))
+
+    # the wrapper's Python layer alone: around an inner group that does nothing (no data
+    # moves: this times the wrapper's flag check and extra call, not a collective)
+    class Idle:
+        def allreduce(self, tensors: Any, opts: Any = None) -> None:
+            return None
+
+    idle = Idle()
+    layer = audit.AuditProcessGroup(idle, 0, 1, "layer", off)
+    layer_us: dict[str, list[float]] = {"wrapped": [], "plain": []}
+    for block in range(20):
+        pair = ((layer_us["wrapped"], layer), (layer_us["plain"], idle))
+        for times_, obj in pair if block % 2 == 0 else pair[::-1]:
+            t0 = time.perf_counter()
+            for _ in range(calls * 40):
+                obj.allreduce([t])
+            times_.append((time.perf_counter() - t0) * 1e6 / (calls * 40))
+
+    # -- per collective across the 2 ranks (network and scheduling noise included) -----
+    per_call: dict[str, list[float]] = {"wrapped": [], "plain": []}
+    for block in range(12):
+        order = (("wrapped", wrapped), ("plain", plain)) if block % 2 == 0 else (("plain", plain), ("wrapped", wrapped))
+        for name, group in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                dist.all_reduce(t, group=group)
+            per_call[name].append((time.perf_counter() - t0) * 1e6 / calls)
+
+    # -- DDP steps over each group -----------------------------------------------------
+    runners = {}
+    for name, group in (("wrapped", wrapped), ("plain", plain)):
+        m = DDP(sizes.model(), process_group=group)
+        runners[name] = (m, sgd(m.parameters()))
+
+    def one_step(name: str) -> float:
+        m, o = runners[name]
+        t0 = time.perf_counter()
+        for i, (x, y) in enumerate(batches):
+            with m.no_sync() if i < k - 1 else contextlib.nullcontext():
+                F.mse_loss(m(x), y).backward()
+        o.step()
+        o.zero_grad()
+        return (time.perf_counter() - t0) * 1e3
+
+    for name in runners:  # warm-up: DDP rebuilds its buckets after the first step
+        one_step(name)
+        one_step(name)
+    recorder.outside.clear()
+    recorder.enabled = True
+    one_step("wrapped")
+    recorder.enabled = False
+    collectives = len(recorder.outside)
+    recorder.outside.clear()
+    times: dict[str, list[float]] = {"wrapped": [], "plain": []}
+    for s in range(steps):
+        for name in (("wrapped", "plain") if s % 2 == 0 else ("plain", "wrapped")):
+            times[name].append(one_step(name))
+    if accel.rank == 0:
+        (out / "result.json").write_text(json.dumps(
+            {"per_call_us": per_call, "local_us": local_us, "layer_us": layer_us, "collectives_per_step": collectives,
+             "step_ms": times}))
+    dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="benchmark-results")
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per group")
+    p.add_argument("--calls", type=int, default=500, help="all-reduces per timed block")
+    p.add_argument("--quick", action="store_true", help="a tiny model and a few steps (a smoke run)")
+    p.add_argument("--worker", nargs=2, metavar=("SPEC", "DIR"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(json.loads(Path(args.worker[0]).read_text()), Path(args.worker[1]))
+        return 0
+    sizes = ({"width": 64, "depth": 2, "features": 64, "outputs": 4, "micro_batch": 8} if args.quick
+             else {"width": 1024, "depth": 3, "features": 1024, "outputs": 16, "micro_batch": 8})
+    spec = {"sizes": sizes, "k": args.k, "steps": 4 if args.quick else args.steps,
+            "calls": 50 if args.quick else args.calls}
+    work = Path(tempfile.mkdtemp(prefix="gradsync-selfcheck-"))
+    (work / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    print(f"self-check overhead benchmark: DDP, 2 ranks, k={spec['k']}, {spec['steps']} steps per group ...",
+          flush=True)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", str(Path(__file__).resolve()), "--worker",
+                           str(work / "spec.json"), str(work)], env=env, capture_output=True, text=True)
+    if not (work / "result.json").exists():
+        print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
+        return 1
+    raw = json.loads((work / "result.json").read_text())
+    wrapped_us = statistics.median(raw["per_call_us"]["wrapped"])
+    plain_us = statistics.median(raw["per_call_us"]["plain"])
+    local_wrapped = statistics.median(raw["local_us"]["wrapped"])
+    local_plain = statistics.median(raw["local_us"]["plain"])
+    layer_extra = statistics.median(raw["layer_us"]["wrapped"]) - statistics.median(raw["layer_us"]["plain"])
+    # the larger of the two (the 1-rank gloo difference carries timing noise): conservative
+    extra_us = max(0.0, layer_extra, local_wrapped - local_plain)
+    step_ms = statistics.median(raw["step_ms"]["plain"])
+    n = raw["collectives_per_step"]
+    ratios = [w / p for w, p in zip(raw["step_ms"]["wrapped"], raw["step_ms"]["plain"])]
+    result = {
+        "backend": "ddp", "world_size": 2, "k": spec["k"], "sizes": sizes,
+        "allreduce_us_wrapped": wrapped_us, "allreduce_us_plain": plain_us,
+        "local_allreduce_us_wrapped": local_wrapped, "local_allreduce_us_plain": local_plain,
+        "wrapper_layer_us": layer_extra, "extra_us_per_collective": extra_us,
+        "collectives_per_step": n, "step_ms": step_ms,
+        "estimated_share": extra_us * n / (step_ms * 1e3),
+        "end_to_end_ratio_median": statistics.median(ratios), "end_to_end_ratio_min": min(ratios),
+        "end_to_end_ratio_max": max(ratios), "target_share": 0.01, "raw": raw,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "selfcheck_overhead.json").write_text(json.dumps(result, indent=1))
+    table = (
+        "| backend | k | wrapper's Python layer (us) | 1-rank all-reduce: wrapper / plain gloo (us) | "
+        "extra per collective, the larger (us) | "
+        "2-rank all-reduce: wrapper / plain (us) | collectives per step | step (ms) | "
+        "estimated share of a step | end to end wrapped/plain (median of pairs) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+        f"| ddp | {spec['k']} | {layer_extra:.2f} | {local_wrapped:.2f} / {local_plain:.2f} | {extra_us:.2f} | "
+        f"{wrapped_us:.0f} / {plain_us:.0f} | {n} | {step_ms:.1f} | "
+        f"{100 * result['estimated_share']:.4f} % | {result['end_to_end_ratio_median']:.3f} "
+        f"(range {result['end_to_end_ratio_min']:.2f}-{result['end_to_end_ratio_max']:.2f}) |\n"
+    )
+    (out / "selfcheck_overhead.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""How many optimizer steps a run will take, and whether an LR scheduler was built for them."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from gradsync.schedule import Schedule
+
+
+def plan_steps(schedule: Schedule, batches_per_epoch: int, num_epochs: int, *, start: int = 0,
+               follow_data: bool = True) -> int:
+    """Optimizer steps of ``num_epochs`` passes of ``batches_per_epoch`` micro-batches, windows
+    sized by ``schedule`` from ``start`` completed windows on. With ``follow_data`` every pass
+    ends its last window early (the partial window is a step); without, windows run on across
+    passes and a last unfinished window is not a step."""
+    window = start
+    if follow_data:
+        for _ in range(num_epochs):
+            left = batches_per_epoch
+            while left > 0:
+                left -= min(schedule.steps_at(window), left)
+                window += 1
+        return window - start
+    left = batches_per_epoch * num_epochs
+    while left >= (k := schedule.steps_at(window)):
+        left -= k
+        window += 1
+    return window - start
+
+
+def declared_total(scheduler: Any) -> tuple[int, str] | None:
+    """The number of steps an LR scheduler says it was built for, and where it says so."""
+    inner = getattr(scheduler, "scheduler", scheduler)
+    if isinstance(inner, torch.optim.lr_scheduler.OneCycleLR):
+        return int(inner.total_steps), "OneCycleLR total_steps"
+    if isinstance(inner, torch.optim.lr_scheduler.PolynomialLR):
+        return int(inner.total_iters), "PolynomialLR total_iters"
+    total = getattr(inner, "total_steps", None)
+    if isinstance(total, int):
+        return total, f"{type(inner).__name__}.total_steps"
+    for fn in getattr(inner, "lr_lambdas", []):  # e.g. Transformers' get_*_schedule_with_warmup
+        if isinstance(fn, functools.partial) and isinstance(fn.keywords.get("num_training_steps"), int):
+            return int(fn.keywords["num_training_steps"]), "LambdaLR num_training_steps"
+    return None
+
+
+def length_mismatch(scheduler: Any, planned: int) -> str | None:
+    """A warning when an LR scheduler was built for another number of steps than planned."""
+    found = declared_total(scheduler)
+    if found is None or found[0] == planned:
+        return None
+    total, where = found
+    return (
+        f"gradsync: the LR scheduler was built for {total} steps ({where}), but the run will take "
+        f"{planned} optimizer steps (accel.planned_optimizer_steps); build it with {planned} so "
+        "its schedule ends with the training"
+    )

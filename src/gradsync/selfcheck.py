@@ -1,0 +1,127 @@
+"""The deferral self-check: count the first optimizer steps' collectives and say when the
+deferral does not take effect.
+
+With a deferring policy a micro-step off the boundary must issue no gradient reduction, and
+a boundary micro-step whose backward ran must issue one. Two common mistakes break that
+silently: a forward outside ``accumulate`` (DDP decides at the forward whether the next
+backward syncs, so every micro-step all-reduces), or a model wrapped again by something
+gradsync does not know. The check reads the audit's process-group wrapper during the first
+``STEPS`` optimizer steps, warns once with the fix, and then turns itself off: afterwards
+the wrapper only reads one flag per collective (see benchmarks/selfcheck_overhead.py).
+
+It needs the counting wrapper, so it works when gradsync created the process group; for a
+group created outside gradsync it says so once at debug level and does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from gradsync._util import human_bytes
+from gradsync.audit import MicroStepRecord, Recorder, recorder_of
+
+log = logging.getLogger("gradsync")
+
+#: Optimizer steps (windows) checked from the start of training.
+STEPS = 3
+
+
+class SelfCheck:
+    """Judges the micro-steps of the first ``steps`` windows (driven by the Accelerator).
+
+    ``audited``: the Accelerator's audit opens and closes the records itself (they stay in
+    ``accel.audit``); otherwise the check opens its own, with the recorder on only for the
+    micro-step, and removes them again.
+    """
+
+    def __init__(self, recorder: Recorder, *, audited: bool, policy: Callable[[], str],
+                 where: str, steps: int = STEPS) -> None:
+        self.recorder = recorder
+        self.audited = audited
+        self._policy = policy
+        self._where = where
+        self._steps = steps
+        self._windows = 0
+        self._record: MicroStepRecord | None = None
+        self._was_enabled = recorder.enabled
+        self._backward = False
+        self.done = False
+
+    def begin(self, boundary: bool) -> None:
+        """A micro-step starts (after the audit opened its record, when the audit is on)."""
+        self._backward = False
+        if self._policy() != "defer":  # e.g. FSDP's "auto" chose every_step at prepare
+            self.done = True
+            return
+        if self.audited:
+            self._record = self.recorder.current
+        elif self.recorder.current is None:
+            self._was_enabled = self.recorder.enabled
+            self.recorder.enabled = True
+            self._record = self.recorder.open(boundary)
+
+    def saw_backward(self) -> None:
+        """accel.backward ran the backend's backward in this micro-step."""
+        self._backward = True
+
+    def abort(self) -> None:
+        """The micro-step raised: nothing to judge."""
+        self._release()
+
+    def end(self, boundary: bool) -> None:
+        """The micro-step finished: judge it; ``done`` tells when the check is over."""
+        record = self._record
+        self._release()
+        if record is not None and not self.done:
+            self._judge(record, boundary)
+        if boundary:
+            self._windows += 1
+            self.done = self.done or self._windows >= self._steps
+
+    def _release(self) -> None:
+        if self._record is not None and not self.audited:
+            self.recorder.close(keep=False)
+            self.recorder.enabled = self._was_enabled
+        self._record = None
+
+    def _judge(self, record: MicroStepRecord, boundary: bool) -> None:
+        if not boundary and record.reductions:
+            self._warn(
+                f"a micro-step off the boundary issued {record.reductions} gradient "
+                f"reduction(s) ({human_bytes(record.reduction_bytes)}), so gradients are "
+                "synchronised on every micro-step; run the forward inside `with "
+                "accel.accumulate(model):` (DDP decides at the forward whether its backward "
+                "syncs), and pass accumulate() the model accel.prepare() returned, not one "
+                "wrapped again (if the reduction is your own, e.g. SyncBatchNorm or a metric, "
+                "pass self_check=False)"
+            )
+        elif boundary and self._backward and not record.reductions:
+            self._warn(
+                "a boundary micro-step ran accel.backward but reduced nothing, so the ranks' "
+                "gradients were not averaged; call the forward and accel.backward inside "
+                "`with accel.accumulate(model):` on the model accel.prepare() returned, and do "
+                "not turn the backend's gradient sync off yourself (e.g. a no_sync() of your own)"
+            )
+
+    def _warn(self, problem: str) -> None:
+        log.warning("gradsync self-check (%s): %s", self._where, problem)
+        self.done = True  # once is enough
+
+
+def start(*, enabled: bool, audit: Recorder | None, policy: Callable[[], str], rank: int,
+          world_size: int, backend: str) -> SelfCheck | None:
+    """The self-check for a new Accelerator, or None when it is off or has nothing to count
+    (one process, or a process group created outside gradsync)."""
+    if not enabled or world_size < 2 or policy() not in ("defer", "every_step"):
+        return None
+    recorder = audit if audit is not None else recorder_of()
+    where = f"rank {rank}, {backend}, defer"
+    if recorder is None:
+        if policy() == "defer":
+            log.debug(
+                "gradsync: the deferral self-check cannot count collectives: the process group was "
+                "created outside gradsync (let gradsync create it to have the first steps checked)"
+            )
+        return None
+    return SelfCheck(recorder, audited=audit is not None, policy=policy, where=where)

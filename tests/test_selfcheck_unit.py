@@ -1,0 +1,66 @@
+"""The self-check's bookkeeping in one process (what it judges is checked on a real 2-rank
+group in test_pipelines.py): when it starts, what it leaves in the recorder, when it ends."""
+
+from __future__ import annotations
+
+import logging
+
+from gradsync.audit import Recorder
+from gradsync.selfcheck import STEPS, SelfCheck, start
+
+
+def test_it_does_not_start_when_off_alone_or_native():
+    common = {"audit": Recorder(), "rank": 0, "backend": "ddp"}
+    assert start(enabled=False, policy=lambda: "defer", world_size=2, **common) is None
+    assert start(enabled=True, policy=lambda: "defer", world_size=1, **common) is None
+    assert start(enabled=True, policy=lambda: "native", world_size=2, **common) is None
+    assert start(enabled=True, policy=lambda: "defer", world_size=2, **common) is not None
+
+
+def test_without_a_counting_group_it_says_so_at_debug_level(caplog):
+    with caplog.at_level(logging.DEBUG, logger="gradsync"):
+        check = start(enabled=True, audit=None, policy=lambda: "defer", rank=0, world_size=2, backend="ddp")
+    assert check is None
+    assert "cannot count collectives" in caplog.text
+    assert all(r.levelno == logging.DEBUG for r in caplog.records)
+
+
+def _micro_step(check, recorder, boundary, ops=(), backward=True):
+    check.begin(boundary)
+    for op in ops:
+        recorder.record(op, 64)
+    if backward:
+        check.saw_backward()
+    check.end(boundary)
+
+
+def test_own_records_are_removed_and_the_recorder_left_as_found(caplog):
+    recorder = Recorder()
+    recorder.enabled = False
+    check = SelfCheck(recorder, audited=False, policy=lambda: "defer", where="rank 0, ddp, defer")
+    with caplog.at_level(logging.WARNING, logger="gradsync"):
+        for _ in range(STEPS):
+            _micro_step(check, recorder, False, ops=["broadcast"])
+            _micro_step(check, recorder, True, ops=["allreduce"])
+    assert check.done and caplog.text == ""
+    assert recorder.records == [] and not recorder.enabled and recorder.outside == []
+
+
+def test_warns_once_and_ends():
+    recorder = Recorder()
+    check = SelfCheck(recorder, audited=False, policy=lambda: "defer", where="w")
+    _micro_step(check, recorder, False, ops=["allreduce"])
+    assert check.done
+    check = SelfCheck(recorder, audited=False, policy=lambda: "defer", where="w")
+    _micro_step(check, recorder, True, ops=[])
+    assert check.done, "a boundary whose backward ran and reduced nothing"
+    check = SelfCheck(recorder, audited=False, policy=lambda: "defer", where="w")
+    _micro_step(check, recorder, True, ops=[], backward=False)
+    assert not check.done, "no backward, nothing to reduce"
+
+
+def test_a_policy_that_is_not_defer_ends_it():
+    recorder = Recorder()
+    check = SelfCheck(recorder, audited=False, policy=lambda: "every_step", where="w")
+    check.begin(False)
+    assert check.done and recorder.records == []
