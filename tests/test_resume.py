@@ -61,13 +61,15 @@ RUNS = {
     "fsdp": (["--max_restarts", "1"], ["--kill", "1:12", "--policy", "defer"], "micro-0010"),
     # DeepSpeed saves at boundaries only (micro-step 15); the kill is mid-window.
     "deepspeed": (["--max_restarts", "1"], ["--kill", "1:21", "--boundary-only"], "micro-0015"),
+    # fairscale (legacy): boundary checkpoints too, its OSS optimizer state gathered on save.
+    "fairscale": (["--max_restarts", "1"], ["--kill", "0:17", "--boundary-only"], "micro-0015"),
 }
 
 
 @pytest.mark.parametrize("backend", list(RUNS))
 def test_a_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, backend):
-    if backend == "deepspeed":
-        pytest.importorskip("deepspeed")
+    if backend in ("deepspeed", "fairscale"):
+        pytest.importorskip(backend)
     flags, script_flags, resumed = RUNS[backend]
     proc = launch("--nproc_per_node", "2", "--standalone", *flags, str(SCRIPT), str(tmp_path),
                   "--backend", backend, "--with-reference", *script_flags)
