@@ -29,16 +29,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from small_bench import QUICK_SIZES, SIZES, run_workers, write  # noqa: E402
 
 
 def worker(spec: dict[str, Any], out: Path) -> None:
@@ -170,23 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(json.loads(Path(args.worker[0]).read_text()), Path(args.worker[1]))
         return 0
-    sizes = ({"width": 64, "depth": 2, "features": 64, "outputs": 4, "micro_batch": 8} if args.quick
-             else {"width": 1024, "depth": 3, "features": 1024, "outputs": 16, "micro_batch": 8})
+    sizes = QUICK_SIZES if args.quick else SIZES
     spec = {"sizes": sizes, "k": args.k, "steps": 4 if args.quick else args.steps,
             "calls": 50 if args.quick else args.calls}
-    work = Path(tempfile.mkdtemp(prefix="gradsync-selfcheck-"))
-    (work / "spec.json").write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    print(f"self-check overhead benchmark: DDP, 2 ranks, k={spec['k']}, {spec['steps']} steps per group ...",
-          flush=True)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=2", str(Path(__file__).resolve()), "--worker",
-                           str(work / "spec.json"), str(work)], env=env, capture_output=True, text=True)
-    if not (work / "result.json").exists():
-        print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
+    raw = run_workers(__file__, spec, f"self-check overhead benchmark: DDP, 2 ranks, k={spec['k']}, "
+                      f"{spec['steps']} steps per group")
+    if raw is None:
         return 1
-    raw = json.loads((work / "result.json").read_text())
     wrapped_us = statistics.median(raw["per_call_us"]["wrapped"])
     plain_us = statistics.median(raw["per_call_us"]["plain"])
     local_wrapped = statistics.median(raw["local_us"]["wrapped"])
@@ -207,9 +197,6 @@ def main(argv: list[str] | None = None) -> int:
         "end_to_end_ratio_median": statistics.median(ratios), "end_to_end_ratio_min": min(ratios),
         "end_to_end_ratio_max": max(ratios), "target_share": 0.01, "raw": raw,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "selfcheck_overhead.json").write_text(json.dumps(result, indent=1))
     table = (
         "| backend | k | wrapper's Python layer (us) | 1-rank all-reduce: wrapper / plain gloo (us) | "
         "extra per collective, the larger (us) | "
@@ -221,8 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{100 * result['estimated_share']:.4f} % | {result['end_to_end_ratio_median']:.3f} "
         f"(range {result['end_to_end_ratio_min']:.2f}-{result['end_to_end_ratio_max']:.2f}) |\n"
     )
-    (out / "selfcheck_overhead.md").write_text(table)
-    print(table)
+    write(args.out, "selfcheck_overhead", result, table)
     return 0
 
 

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from small_bench import QUICK_SIZES, SIZES, run_workers, write  # noqa: E402
 
 
 def worker(spec: dict[str, Any], out: Path) -> None:
@@ -106,22 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(json.loads(Path(args.worker[0]).read_text()), Path(args.worker[1]))
         return 0
-    sizes = ({"width": 64, "depth": 2, "features": 64, "outputs": 4, "micro_batch": 8} if args.quick
-             else {"width": 1024, "depth": 3, "features": 1024, "outputs": 16, "micro_batch": 8})
+    sizes = QUICK_SIZES if args.quick else SIZES
     spec = {"sizes": sizes, "k": args.k, "steps": 8 if args.quick else args.steps}
-    work = Path(tempfile.mkdtemp(prefix="gradsync-tokens-"))
-    (work / "spec.json").write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    print(f"token-weighting benchmark: DDP, 2 ranks, k={spec['k']}, {spec['steps']} steps per mode ...",
-          flush=True)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=2", str(Path(__file__).resolve()), "--worker",
-                           str(work / "spec.json"), str(work)], env=env, capture_output=True, text=True)
-    if not (work / "result.json").exists():
-        print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
+    raw = run_workers(__file__, spec, f"token-weighting benchmark: DDP, 2 ranks, k={spec['k']}, "
+                      f"{spec['steps']} steps per mode")
+    if raw is None:
         return 1
-    raw = json.loads((work / "result.json").read_text())
     mean_ms, sum_ms = raw["times"]["mean"], raw["times"]["sum"]
     ratios = [s / m for s, m in zip(sum_ms, mean_ms)]
     result = {
@@ -132,9 +122,6 @@ def main(argv: list[str] | None = None) -> int:
         "count_allreduce_share": statistics.median(raw["count_allreduce_ms"]) / statistics.median(mean_ms),
         "target_ratio": 1.01, "raw": raw,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "token_weighting.json").write_text(json.dumps(result, indent=1))
     table = (
         "| backend | k | mean loop (ms/step) | token-weighted (ms/step) | ratio (median of pairs) | "
         "count all-reduce (ms) | its share of a step |\n|---|---|---|---|---|---|---|\n"
@@ -142,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['ratio_median']:.3f} (range {result['ratio_min']:.2f}-{result['ratio_max']:.2f}) | "
         f"{result['count_allreduce_ms']:.3f} | {100 * result['count_allreduce_share']:.2f} % |\n"
     )
-    (out / "token_weighting.md").write_text(table)
-    print(table)
+    write(args.out, "token_weighting", result, table)
     return 0
 
 

@@ -1,0 +1,44 @@
+"""What the small one-question benchmarks share (token_weighting.py, selfcheck_overhead.py):
+the model sizes, starting a 2-rank worker group on the script itself, and writing the result
+as JSON and a Markdown table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+#: The sync-overhead benchmark's MLP (4.2 M parameters), and a tiny one for smoke runs.
+SIZES = {"width": 1024, "depth": 3, "features": 1024, "outputs": 16, "micro_batch": 8}
+QUICK_SIZES = {"width": 64, "depth": 2, "features": 64, "outputs": 4, "micro_batch": 8}
+
+
+def run_workers(script: str, spec: dict[str, Any], title: str) -> dict[str, Any] | None:
+    """Run ``script --worker SPEC DIR`` on 2 ranks; the ``result.json`` rank 0 wrote, or None
+    (with the workers' output on stderr) when there is none."""
+    work = Path(tempfile.mkdtemp(prefix="gradsync-bench-"))
+    (work / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    print(f"{title} ...", flush=True)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", str(Path(script).resolve()), "--worker",
+                           str(work / "spec.json"), str(work)], env=env, capture_output=True, text=True)
+    if not (work / "result.json").exists():
+        print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
+        return None
+    result: dict[str, Any] = json.loads((work / "result.json").read_text())
+    return result
+
+
+def write(out_dir: str, name: str, result: dict[str, Any], table: str) -> None:
+    """``name``.json and ``name``.md in ``out_dir``; the table is printed too."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.md").write_text(table)
+    print(table)
