@@ -263,3 +263,20 @@ def test_numpy_is_a_base_dependency():
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     names = [d.split(">")[0].split("=")[0].split("<")[0].strip() for d in pyproject["project"]["dependencies"]]
     assert "numpy" in names
+
+
+def test_the_reported_rank_is_the_one_that_exited_not_the_one_the_launcher_stopped():
+    """torchrun SIGTERMs the other workers once one exits; that stop may be timestamped first."""
+    from gradsync.launch.failures import first_cause
+
+    class Failure:
+        def __init__(self, exitcode: int, timestamp: float, signal: str = "") -> None:
+            self.exitcode, self.timestamp, self.local_rank = exitcode, timestamp, 0
+            self.error_file_data = None
+            self._signal = signal
+
+        def signal_name(self) -> str:
+            return self._signal
+
+    assert first_cause({0: Failure(-15, 1.0, "SIGTERM"), 1: Failure(3, 2.0)})[0] == 1
+    assert first_cause({0: Failure(-9, 2.0, "SIGKILL"), 1: Failure(-15, 1.0, "SIGTERM")})[0] == 0

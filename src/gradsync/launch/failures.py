@@ -74,8 +74,10 @@ def first_cause(failures: dict[int, Any]) -> tuple[int, Any]:
             order = 1  # killed (SIGKILL, SIGSEGV...): the others lost it
         elif info:
             order = 2  # lost another rank, or timed out waiting for it
+        elif failure.exitcode > 0:
+            order = 3  # exited with a code of its own (sys.exit(3)), without a word
         else:
-            order = 3  # stopped by the launcher (SIGTERM), or exited without a word
+            order = 4  # stopped by the launcher (SIGTERM) once another rank failed
         return order, float(info.get("gradsync_time", failure.timestamp)), rank
 
     return min(failures.items(), key=key)
