@@ -7,8 +7,10 @@ Both modes train the sync-overhead benchmark's MLP (4.2 M parameters) with k mic
 of 8 samples per optimizer step on 2 ranks; each sample carries a number of "tokens" (1-16)
 that weighs its loss. The only extra work of the token-weighted loop is counting a window's
 items (read ahead) and one all-reduce of two integers per window. Modes alternate step by
-step; the figure is the median over steps of (token-weighted step time / mean step time) of
-neighbouring steps, next to the time of the count all-reduce alone and its share of a step.
+step with a second, identical "mean" loop as a control; the figures are the median over steps
+of (token-weighted step time / mean step time) of neighbouring steps, the same for the control
+(the noise floor of that ratio on the machine), and the time of the count all-reduce alone
+with its share of a step.
 Writes token_weighting.json and token_weighting.md to --out.
 """
 
@@ -53,7 +55,7 @@ def worker(spec: dict[str, Any], out: Path) -> None:
         return ((model(b["x"]) - b["y"]) ** 2).mean(dim=1)
 
     runners = {}
-    for mode in ("mean", "sum"):
+    for mode in ("mean", "control", "sum"):  # control: a second "mean" loop, the noise floor
         accel = Accelerator(backend="ddp", gradient_accumulation_steps=k, seed=0,
                             count_items=(lambda b: b["tokens"].sum()) if mode == "sum" else None)
         model = sizes.model()
@@ -79,9 +81,10 @@ def worker(spec: dict[str, Any], out: Path) -> None:
     for mode in runners:  # warm-up: DDP rebuilds its buckets after the first step
         one_step(mode, iters[mode])
         one_step(mode, iters[mode])
-    times: dict[str, list[float]] = {"mean": [], "sum": []}
+    times: dict[str, list[float]] = {mode: [] for mode in runners}
+    modes = list(runners)
     for s in range(steps - 2):
-        order = ("mean", "sum") if s % 2 == 0 else ("sum", "mean")
+        order = modes[s % 3:] + modes[: s % 3]  # each mode first, middle and last in turn
         for mode in order:
             times[mode].append(one_step(mode, iters[mode]))
     count_ms = []
@@ -114,19 +117,23 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     mean_ms, sum_ms = raw["times"]["mean"], raw["times"]["sum"]
     ratios = [s / m for s, m in zip(sum_ms, mean_ms)]
+    control = [c / m for c, m in zip(raw["times"]["control"], mean_ms)]
     result = {
         "backend": "ddp", "world_size": 2, "k": spec["k"], "sizes": sizes,
         "mean_step_ms": statistics.median(mean_ms), "sum_step_ms": statistics.median(sum_ms),
         "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "control_ratio_median": statistics.median(control),
         "count_allreduce_ms": statistics.median(raw["count_allreduce_ms"]),
         "count_allreduce_share": statistics.median(raw["count_allreduce_ms"]) / statistics.median(mean_ms),
         "target_ratio": 1.01, "raw": raw,
     }
     table = (
         "| backend | k | mean loop (ms/step) | token-weighted (ms/step) | ratio (median of pairs) | "
-        "count all-reduce (ms) | its share of a step |\n|---|---|---|---|---|---|---|\n"
+        "control: mean / mean | count all-reduce (ms) | its share of a step |\n"
+        "|---|---|---|---|---|---|---|---|\n"
         f"| ddp | {spec['k']} | {result['mean_step_ms']:.1f} | {result['sum_step_ms']:.1f} | "
         f"{result['ratio_median']:.3f} (range {result['ratio_min']:.2f}-{result['ratio_max']:.2f}) | "
+        f"{result['control_ratio_median']:.3f} | "
         f"{result['count_allreduce_ms']:.3f} | {100 * result['count_allreduce_share']:.2f} % |\n"
     )
     write(args.out, "token_weighting", result, table)
