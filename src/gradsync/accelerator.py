@@ -126,6 +126,7 @@ class Accelerator:
         self._trained: list[torch.nn.Module] = []  # prepared models with trainable parameters
         self._optimizers: list[PreparedOptimizer] = []
         self._count_items = self.config.count_items
+        self._pending_count: tuple[Any, torch.Tensor, BaseException | None] | None = None
         self._schedulers: list[PreparedScheduler] = []
         self._prepared_loaders: list[PreparedDataLoader] = []
         self._planned_steps: int | None = None
@@ -438,7 +439,10 @@ class Accelerator:
                         for model in models:
                             stack.enter_context(backend.micro_step(model, boundary=step.boundary))
                         yield
+                self._settle_count()
         except BaseException:
+            with contextlib.suppress(Exception):  # the block's own error is the one to raise
+                self._settle_count()
             if check is not None:
                 check.abort()
             if self.audit is not None:
@@ -519,14 +523,27 @@ class Accelerator:
             local = feed.count_items(size, self._count_items)
         except Exception as err:  # the other ranks must not wait for this one's count forever
             error = err
-        world = self.plan.data_parallel_size
-        if world > 1:
+        if self.plan.data_parallel_size > 1:
+            # Started now, waited for when the count is first needed (the first backward, or
+            # window_items): the forward runs meanwhile, so the ranks do not wait for each
+            # other at every window start.
             t = torch.tensor([local, int(error is not None)], dtype=torch.int64, device=self.device)
             with self._own_collective():
-                torch.distributed.all_reduce(t)
-            total, failed = int(t[0].item()), int(t[1].item())
-        else:
-            total, failed = local, int(error is not None)
+                work = torch.distributed.all_reduce(t, async_op=True)
+            self._pending_count = (work, t, error)
+            return
+        if error is not None:
+            raise error
+        self._window.set_items(local)
+
+    def _settle_count(self) -> None:
+        """Wait for the window's count all-reduce, if one is in flight, and record the total."""
+        pending, self._pending_count = self._pending_count, None
+        if pending is None:
+            return
+        work, t, error = pending
+        work.wait()
+        total, failed = int(t[0].item()), int(t[1].item())
         if error is not None:
             raise error
         if failed:
@@ -552,6 +569,7 @@ class Accelerator:
                 "accel.window_items needs count_items; build the Accelerator with "
                 "count_items=gradsync.count_label_tokens (or your own fn(batch) -> int)"
             )
+        self._settle_count()
         items = self._window.items
         if items is None:
             raise RuntimeError(
