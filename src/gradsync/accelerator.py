@@ -429,8 +429,8 @@ class Accelerator:
         try:
             if step.index == 0 and self._count_items is not None:
                 self._count_window_items(step.size)
-            where = f"micro-step {step.index + 1} of {step.size} (window {self._window.completed_windows + 1})"
-            with naming_collective(f"the forward/backward of {where}", self._timeout):
+            with naming_collective(lambda: f"the forward/backward of micro-step {step.index + 1} of "
+                                   f"{step.size} (window {self._window.completed_windows + 1})", self._timeout):
                 if len(models) == 1:
                     with backend.micro_step(models[0], boundary=step.boundary):
                         yield
@@ -598,7 +598,7 @@ class Accelerator:
                     "backward inside the accumulate block, which decides when gradients sync"
                 )
             scale = 1 if step is None else step.size
-            with naming_collective(self._backward_name(), self._timeout):
+            with naming_collective(self._backward_name, self._timeout):
                 self._run_backward(loss / scale if scale != 1 else loss)
             return
         if reduction not in REDUCTIONS:
@@ -619,7 +619,7 @@ class Accelerator:
             return  # nothing to learn from; the boundary skips the step
         world = self.plan.data_parallel_size  # every backend averages gradients over it
         factor = world / items if reduction == "sum" else float(world)
-        with naming_collective(self._backward_name(), self._timeout):
+        with naming_collective(self._backward_name, self._timeout):
             self._run_backward(loss * factor if factor != 1 else loss)
 
     def _backward_name(self) -> str:

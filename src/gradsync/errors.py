@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable
+from typing import Any, Literal
 
 
 class ConfigError(ValueError):
@@ -23,24 +23,34 @@ class CollectiveError(RuntimeError):
     """A collective failed because another rank stopped answering (timed out or went away)."""
 
 
-@contextlib.contextmanager
-def naming_collective(operation: str, timeout: float | None) -> Iterator[None]:
+class naming_collective:
     """Re-raise a hung or broken collective inside the block as a CollectiveError that names
-    ``operation``, the timeout and how to change it; other errors pass unchanged."""
-    try:
-        yield
-    except RuntimeError as err:
-        if isinstance(err, CollectiveError):
-            raise
+    ``operation`` (a string, or a callable giving it, formatted only on failure), the timeout
+    and how to change it; other errors pass unchanged. A plain class: it runs around every
+    micro-step, where a generator-based context manager costs measurably more."""
+
+    __slots__ = ("operation", "timeout")
+
+    def __init__(self, operation: str | Callable[[], str], timeout: float | None) -> None:
+        self.operation = operation
+        self.timeout = timeout
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> Literal[False]:
+        if not isinstance(err, RuntimeError) or isinstance(err, CollectiveError):
+            return False
         text = " ".join(str(err).split())
         low = text.lower()
         from_torch = type(err).__name__.startswith("Dist") or any(m in low for m in _TRANSPORTS)
         if not (from_torch and any(word in low for word in _LOST)):
-            raise
-        if "timed out" in text.lower() or "timeout" in text.lower():
-            limit = f"{timeout:g} s" if timeout is not None else "torch's default, 30 min"
+            return False
+        if "timed out" in low or "timeout" in low:
+            limit = f"{self.timeout:g} s" if self.timeout is not None else "torch's default, 30 min"
             why = (f"timed out waiting for another rank (timeout {limit}; set it with "
                    "Accelerator(timeout=...) or GRADSYNC_TIMEOUT)")
         else:
             why = "lost its connection to another rank (that rank exited or crashed)"
+        operation = self.operation if isinstance(self.operation, str) else self.operation()
         raise CollectiveError(f"{operation} failed: {why}: {text[:300]}") from None
