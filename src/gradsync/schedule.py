@@ -211,14 +211,3 @@ def check(value: Any) -> None:
             check_positive_int(f"gradient_accumulation_steps ramp-up {key}", value[key])
         return
     parse(value)
-
-
-def to_text(value: Any) -> str | None:
-    """The text form of a schedule for GRADSYNC_* variables (None: a callable, which cannot go)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping):
-        return json.dumps(dict(value))
-    if callable(value):
-        return None
-    return str(value)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from gradsync.config import RequestedPolicy, SyncPolicy
+from gradsync.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from gradsync.batching import BatchPlan
     from gradsync.config import Config
 
-__all__ = ["Backend", "RequestedPolicy", "SyncPolicy", "clear_grads", "is_frozen"]
+__all__ = ["Backend", "RequestedPolicy", "SyncPolicy", "clear_grads", "is_frozen", "refuse_native"]
 
 
 class Backend(Protocol):
@@ -121,6 +122,15 @@ class Backend(Protocol):
     def load(self, path: Path, models: Sequence[torch.nn.Module],
              optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
         """Read back what ``save`` wrote (collective); check before changing anything."""
+
+
+def refuse_native(policy: str, backend_name: str) -> None:
+    """"native" names DeepSpeed's own accumulation: a ConfigError on any other backend."""
+    if policy == "native":
+        raise ConfigError(
+            f"sync_policy='native' is DeepSpeed's; with backend={backend_name!r} use 'defer', "
+            "'every_step' or 'auto'"
+        )
 
 
 def is_frozen(model: torch.nn.Module) -> bool:

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradsync import _torch_compat
 from gradsync.backends import _amp, _ddp_compat, _dist, _modules, _plain_state
 from gradsync.backends._amp import WindowScaler
-from gradsync.backends.base import SyncPolicy, clear_grads, is_frozen
+from gradsync.backends.base import SyncPolicy, clear_grads, is_frozen, refuse_native
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
@@ -41,11 +41,7 @@ class DDPBackend:
         return self._device
 
     def setup(self, config: Config) -> None:
-        if config.sync_policy == "native":
-            raise ConfigError(
-                "sync_policy='native' is DeepSpeed's; with backend='ddp' use 'defer', "
-                "'every_step' or 'auto'"
-            )
+        refuse_native(config.sync_policy, self.name)
         # Deferring costs DDP no memory, so "auto" defers.
         self.policy = "every_step" if config.sync_policy == "every_step" else "defer"
         if config.sync_policy == "auto":

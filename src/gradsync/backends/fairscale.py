@@ -26,7 +26,7 @@ import torch.distributed as dist
 from gradsync.backends import _amp, _dist, _fairscale_compat, _plain_state
 from gradsync.backends._amp import WindowScaler
 from gradsync.backends._fairscale_compat import OSS, FullyShardedDataParallel, ShardedDataParallel
-from gradsync.backends.base import SyncPolicy, clear_grads, is_frozen
+from gradsync.backends.base import SyncPolicy, clear_grads, is_frozen, refuse_native
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
@@ -75,11 +75,7 @@ class FairscaleBackend:
         return self._device
 
     def setup(self, config: Config) -> None:
-        if config.sync_policy == "native":
-            raise ConfigError(
-                "sync_policy='native' is DeepSpeed's; with backend='fairscale' use 'defer', "
-                "'every_step' or 'auto'"
-            )
+        refuse_native(config.sync_policy, self.name)
         self.policy = "every_step" if config.sync_policy == "every_step" else "defer"
         if config.sync_policy == "auto":
             self.policy_reason = (

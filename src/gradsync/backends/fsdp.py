@@ -34,7 +34,13 @@ from gradsync.backends._fsdp_policy import (
     select_units,
 )
 from gradsync.backends._memory import agreed_budget
-from gradsync.backends.base import RequestedPolicy, SyncPolicy, clear_grads, is_frozen
+from gradsync.backends.base import (
+    RequestedPolicy,
+    SyncPolicy,
+    clear_grads,
+    is_frozen,
+    refuse_native,
+)
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
@@ -74,11 +80,7 @@ class FSDPBackend:
         return self._device
 
     def setup(self, config: Config) -> None:
-        if config.sync_policy == "native":
-            raise ConfigError(
-                "sync_policy='native' is DeepSpeed's; with backend='fsdp' use 'defer', "
-                "'every_step' or 'auto'"
-            )
+        refuse_native(config.sync_policy, self.name)
         self._asked = config.sync_policy
         self._bf16 = config.mixed_precision == "bf16"
         if config.mixed_precision == "fp16":
