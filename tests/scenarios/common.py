@@ -247,3 +247,15 @@ def assert_dropped_window_leaks_nothing(rank_results: list[dict[str, Any]], **re
         assert len(r["dropped"]) == 1 and len(r["dropped"][0]) >= 1, r["dropped"]
         assert r["optimizer_steps"] == len(r["windows"]) == r["scheduler_last_epoch"]
     assert_matches_one_process(rank_results, **reference_kwargs)
+
+
+def assert_clipping_matches_one_process(rank_results: list[dict[str, Any]], samples: int) -> None:
+    """The norms clip_grad_norm_ returned at each boundary, and the final parameters, equal one
+    process clipping the same windows (Adam, lr 0.01, max_norm 0.5), and really clipped."""
+    ref = reference(rank_results, samples=samples, optimizer="adam", lr=0.01, clip=0.5)
+    assert rank_results[0]["norms"] == rank_results[1]["norms"]
+    assert any(n > 0.5 for n in ref["norms"]), "the test must actually clip"
+    for r in rank_results:
+        assert len(r["norms"]) == len(ref["norms"]) == r["optimizer_steps"]
+        assert max(abs(a - b) for a, b in zip(r["norms"], ref["norms"])) < 1e-5
+        assert max_diff(r["state"], ref["state"]) < 1e-5
