@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gradsync._util import check_positive_int
@@ -74,6 +74,9 @@ class RampUp:
     samples: int
     target: int
     per_micro_step: int  # micro batch size x data-parallel world size
+    # Samples consumed before each window, extended as windows are asked for (each window
+    # start asks; recomputing from window 0 every time would grow with the run's length).
+    _consumed: list[int] = field(default_factory=lambda: [0], init=False, compare=False, repr=False)
 
     def global_batch_at(self, consumed: int) -> int:
         increments = (self.target - self.start) // self.increment
@@ -83,12 +86,12 @@ class RampUp:
         return min(self.target, self.start + self.increment * int(consumed // per_increment))
 
     def steps_at(self, window: int) -> int:
-        consumed = 0
-        for _ in range(window):
-            consumed += self.global_batch_at(consumed)
-            if consumed >= self.samples:
-                return self.target // self.per_micro_step
-        return self.global_batch_at(consumed) // self.per_micro_step
+        consumed = self._consumed
+        while len(consumed) <= window and consumed[-1] < self.samples:
+            consumed.append(consumed[-1] + self.global_batch_at(consumed[-1]))
+        if window > 0 and (window >= len(consumed) or consumed[window] >= self.samples):
+            return self.target // self.per_micro_step  # the ramp is over
+        return self.global_batch_at(consumed[window]) // self.per_micro_step
 
     def describe(self) -> str:
         return (f"ramp-up: global batch {self.start} + {self.increment} per step over "
