@@ -62,7 +62,7 @@ class SingleBackend:
         if self._dtype is None:  # entering even a disabled autocast costs microseconds per step
             yield
             return
-        with torch.autocast(self._device.type, dtype=self._dtype):
+        with self.autocast():
             yield
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
