@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -285,6 +286,111 @@ accel.save_state({str(tmp_path / 'broken')!r})
     a2, m2, *_ = fresh()
     a2.load_state(tmp_path / "good")
     assert all(torch.equal(v, m2.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+# -- background commits ------------------------------------------------------------
+@pytest.fixture
+def slow_commit(monkeypatch):
+    """Make rank 0's commit take 0.4 s, so that a background save is still pending when the
+    test looks (a test that skipped waiting would see no folder)."""
+    import gradsync.checkpoint as ck
+
+    real = ck._mark_and_rename
+
+    def slow(*args: object) -> None:
+        time.sleep(0.4)
+        real(*args)
+
+    monkeypatch.setattr(ck, "_mark_and_rename", slow)
+
+
+def test_a_background_save_commits_while_training_goes_on(tmp_path, clean_env, slow_commit):
+    accel, model, opt, _sched, loader = trained(micro=6)
+    before = params(model)
+    path = accel.save_state(tmp_path / "bg", background=True)
+    assert not (tmp_path / "bg").exists()  # not committed yet: the thread is still at it
+    assert gradsync.latest_checkpoint(tmp_path) is None
+    for x, y, _ in loader:  # training goes on meanwhile; the checkpoint keeps what was saved
+        with accel.accumulate(model):
+            accel.backward(F.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+    assert accel.wait_for_checkpoint() == path
+    assert accel.wait_for_checkpoint() is None  # nothing pending any more
+    assert gradsync.latest_checkpoint(tmp_path) == path
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bg"]  # no temporary folder left
+    a2, m2, *_ = fresh()
+    a2.load_state(path)
+    assert all(torch.equal(v, m2.state_dict()[k]) for k, v in before.items())
+    assert a2._window.index == 2
+
+
+def test_the_next_save_load_and_end_wait_for_a_background_save(tmp_path, clean_env, slow_commit):
+    accel, model, *_ = trained(micro=8)
+    accel.save_state(tmp_path / "s1", background=True)
+    accel.save_state(tmp_path / "s2", keep_last=1)  # waits for s1, then prunes it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s2"]
+    accel.save_state(tmp_path / "s3", background=True)
+    a2, m2, *_ = fresh()
+    accel.load_state(tmp_path / "s3")  # waits for s3's commit before reading it
+    accel.save_state(tmp_path / "s4", background=True, keep_last=2)
+    accel.end()  # waits too (prunes s2 after committing s4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s3", "s4"]
+    a2.load_state(tmp_path / "s4")
+    assert all(torch.equal(v, m2.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_a_failed_background_commit_is_an_error_and_keeps_the_previous(tmp_path, clean_env, monkeypatch, capsys):
+    import gradsync.checkpoint as ck
+
+    accel, *_ = trained(micro=4)
+    accel.save_state(tmp_path / "good")
+
+    def full(*_args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ck, "_mark_and_rename", full)
+    accel.save_state(tmp_path / "bad", background=True)
+    with pytest.raises(CheckpointError, match=r"background save of '.*bad' failed: OSError: .*No space left"):
+        accel.wait_for_checkpoint()
+    assert "background save" in capsys.readouterr().err  # also said when it happened
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]  # its temporary folder removed
+    assert gradsync.latest_checkpoint(tmp_path) == str(tmp_path / "good")
+    accel.save_state(tmp_path / "bad2", background=True)  # reported once: end() raises it
+    with pytest.raises(CheckpointError, match="bad2' failed"):
+        accel.end()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]
+
+
+def test_a_kill_during_a_background_commit_leaves_the_previous_checkpoint_usable(tmp_path, clean_env):
+    code = f"""
+import os, signal, sys, threading, time
+sys.path.insert(0, {str(HERE)!r})
+import gradsync.checkpoint as ck
+from test_checkpoint import trained
+accel, *_ = trained(micro=4)
+accel.save_state({str(tmp_path / 'good')!r})
+real, committing = ck._mark_and_rename, threading.Event()
+def slow(*args):
+    committing.set()
+    time.sleep(30)
+    real(*args)
+ck._mark_and_rename = slow
+accel, *_ = trained(micro=8)
+accel.save_state({str(tmp_path / 'pending')!r}, background=True)
+committing.wait(10)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".pending.gradsync-tmp", "good"]
+    assert gradsync.latest_checkpoint(tmp_path) == str(tmp_path / "good")
+    a2, *_ = fresh()
+    a2.load_state(tmp_path / "good")
+    a2.save_state(tmp_path / "pending", background=True)  # the leftover is replaced
+    assert a2.wait_for_checkpoint() == str(tmp_path / "pending")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "pending"]
 
 
 def test_register_for_checkpointing(tmp_path, clean_env):

@@ -56,10 +56,11 @@ def assert_bitwise(out: Path) -> None:
 # (backend, extra flags, kills per attempt, the checkpoint each restart must resume from)
 RUNS = {
     # Two restarts; the checkpoints the restarts resume from were saved mid-window
-    # (micro-steps 10 and 20: windows are 4, 4, 3 micro-steps per epoch).
-    "ddp": (["--max_restarts", "2"], ["--kill", "1:10,0:21"], "micro-0020"),
-    "fsdp": (["--max_restarts", "1"], ["--kill", "1:12", "--policy", "defer"], "micro-0010"),
-    # DeepSpeed saves at boundaries only (micro-step 15); the kill is mid-window.
+    # (micro-steps 5 and 20: windows are 4, 4, 3 micro-steps per epoch), the first of them
+    # committed in the background (the script saves every other checkpoint that way).
+    "ddp": (["--max_restarts", "2"], ["--kill", "1:6,0:21"], "micro-0020"),
+    "fsdp": (["--max_restarts", "1"], ["--kill", "1:7", "--policy", "defer"], "micro-0005"),
+    # DeepSpeed saves at boundaries only (micro-step 15, in the background); the kill is mid-window.
     "deepspeed": (["--max_restarts", "1"], ["--kill", "1:21", "--boundary-only"], "micro-0015"),
     # fairscale (legacy): boundary checkpoints too, its OSS optimizer state gathered on save.
     "fairscale": (["--max_restarts", "1"], ["--kill", "0:17", "--boundary-only"], "micro-0015"),

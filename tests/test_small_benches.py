@@ -35,3 +35,21 @@ def test_selfcheck_overhead(tmp_path):
     assert result["collectives_per_step"] >= 1, "the wrapper must see the step's all-reduce"
     assert result["allreduce_us_wrapped"] > 0 and result["allreduce_us_plain"] > 0
     assert result["estimated_share"] >= 0 and result["step_ms"] > 0
+
+
+def test_checkpoint_io(tmp_path):
+    """The checkpoint benchmark runs on 2 ranks and writes its medians, ratios and sizes."""
+    proc = subprocess.run([sys.executable, "-m", "gradsync", "launch", "--nproc-per-node", "2",
+                           "--backend", "ddp", str(ROOT / "benchmarks" / "checkpoint_io.py"),
+                           "--out", str(tmp_path), "--repeats", "2", "--width", "64"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "checkpoint_io_boundary.json").read_text())
+    assert result["world_size"] == 2 and result["repeats"] == 2
+    assert set(result["median_s"]) == {"torch.save", "torch.save+fsync", "save_state",
+                                       "save_state(background)", "background committed"}
+    assert all(len(v) == 2 and min(v) > 0 for v in result["times_s"].values())
+    assert result["ratio_background_vs_torch_save"] > 0
+    # The same tensors: a checkpoint holds the bare file's bytes plus small state.
+    assert result["bytes"]["save_state"] >= result["bytes"]["torch.save"] > 0
+    assert not (tmp_path / "checkpoint_io").exists()  # what it wrote is removed

@@ -670,15 +670,29 @@ class Accelerator:
         return params
 
     # -- checkpoints ---------------------------------------------------------
-    def save_state(self, path: str | os.PathLike[str], *, keep_last: int | None = None) -> str:
+    def save_state(self, path: str | os.PathLike[str], *, keep_last: int | None = None,
+                   background: bool = False) -> str:
         """Save everything training needs to go on exactly: models, optimizers, schedulers,
         the window (also mid-window, with each rank's local gradients, where the backend
         can), every rank's RNG, every prepared loader's position and the registered
         objects, into the folder ``path`` (atomically). Call it on every rank, outside the
         accumulate block. ``keep_last=N`` then keeps only the newest N checkpoints in
-        ``path``'s parent folder. Returns the folder."""
+        ``path``'s parent folder. Returns the folder.
+
+        ``background=True`` returns as soon as every rank has written its files; rank 0
+        then makes them durable (fsync), marks the folder complete and renames it into place
+        in a thread while training goes on. Until then the folder is not there
+        (``latest_checkpoint`` returns the previous one); ``wait_for_checkpoint()`` waits
+        for it, and the next ``save_state``, ``load_state`` and ``end()`` do so first."""
         with naming_collective(f"save_state({os.fspath(path)!r})", self._timeout):
-            return self._state.save(path, keep_last)
+            return self._state.save(path, keep_last, background=background)
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Wait until a ``save_state(..., background=True)`` is committed (on every rank);
+        returns its folder, or None when none was pending. A commit that failed raises
+        CheckpointError here, on every rank (the previous checkpoint is still there)."""
+        with naming_collective("wait_for_checkpoint()", self._timeout):
+            return self._state.settle()
 
     def load_state(self, path: str | os.PathLike[str]) -> None:
         """Restore a checkpoint written by ``save_state`` (on every rank, after ``prepare``).
@@ -803,10 +817,15 @@ class Accelerator:
             print(*args, **kwargs, flush=True)
 
     def end(self) -> None:
-        """Destroy the process group if gradsync created it (also done at exit)."""
+        """Wait for a background checkpoint commit, then destroy the process group if
+        gradsync created it (also done at exit). A background commit that failed raises
+        CheckpointError here (on rank 0, which committed)."""
+        failed = self._state.finish()
         if self._backend.owns_group:
             self._models.clear()
             _dist.release_process_group()
+        if failed is not None:
+            raise failed
 
     # -- audit ------------------------------------------------------------
     def _report_audit(self) -> None:

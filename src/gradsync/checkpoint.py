@@ -4,7 +4,8 @@ and ``latest_checkpoint``.
 A checkpoint is a folder. It is written under a temporary sibling name
 (``.NAME.gradsync-tmp``); once every rank has written its files, rank 0 fsyncs them,
 records each file's size and CRC-32 in ``gradsync_checkpoint.json`` (the completion
-marker, written last) and renames the folder into place. A crash before that rename
+marker, written last) and renames the folder into place; with ``background=True`` that
+commit runs in a thread of rank 0 while training goes on. A crash before that rename
 leaves the previous checkpoint untouched, and the temporary folder has no marker, so
 ``latest_checkpoint`` never picks it. What goes inside comes from the Accelerator (the
 window, the loaders, the RNG) and from the backend's ``save`` / ``load`` hooks.
@@ -19,10 +20,12 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +38,6 @@ MANIFEST = "gradsync_checkpoint.json"
 FORMAT_VERSION = 1
 _TMP_SUFFIX = ".gradsync-tmp"
 _OLD_SUFFIX = ".gradsync-old"
-_SUM_SUFFIX = ".gradsync-sum"  # size and CRC of a file save_file wrote (removed at the commit)
 
 
 class CheckpointError(RuntimeError):
@@ -75,9 +77,16 @@ def _all_gather(value: Any) -> list[Any]:
     return out
 
 
-def _agree(error: BaseException | None) -> None:
-    """Raise on every rank when any rank failed (so no rank waits for the others forever)."""
-    failed = _all_gather(None if error is None else f"{type(error).__name__}: {error}")
+def _agree(error: BaseException | None, device: torch.device | None = None) -> None:
+    """Raise on every rank when any rank failed (so no rank waits for the others forever).
+    With ``device`` (where the process group's tensors live), one all-reduce of a flag
+    decides, and the messages are gathered only when a rank failed."""
+    if device is not None and _distributed() and dist.get_world_size() > 1:
+        flag = torch.tensor([int(error is not None)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not int(flag.item()):
+            return
+    failed = _all_gather(_describe(error))
     if error is not None:
         raise error
     for rank, message in enumerate(failed):
@@ -86,38 +95,12 @@ def _agree(error: BaseException | None) -> None:
 
 
 # -- files ---------------------------------------------------------------------
-class _Summing:
-    """A binary file that sums what is written through it (size and CRC-32)."""
-
-    def __init__(self, f: Any) -> None:
-        self._f = f
-        self.size = 0
-        self.crc = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.crc = zlib.crc32(view, self.crc)
-        self.size += len(view)
-        return int(self._f.write(view))
-
-    def flush(self) -> None:
-        self._f.flush()
-
-
 def save_file(obj: Any, path: Path) -> None:
-    """``torch.save`` into a checkpoint folder being written, summed as it is written (so
-    the commit need not read it back). Its flush to disk starts at once, in the background,
-    while the next files are written; the commit fsyncs every file before the marker."""
-    with open(path, "wb") as f:
-        summing = _Summing(f)
-        torch.save(obj, summing)  # type: ignore[arg-type]
-    path.with_name(path.name + _SUM_SUFFIX).write_text(f"{summing.size} {summing.crc}")
-    threading.Thread(target=_fsync_quietly, args=(path,), daemon=True).start()
-
-
-def _fsync_quietly(path: Path) -> None:
-    with contextlib.suppress(OSError):  # the folder may be gone (a failed save): nothing to flush
-        _fsync(path)
+    """``torch.save`` into a checkpoint folder being written. The commit sums and fsyncs
+    every file of the folder afterwards, however it was written (DCP and DeepSpeed write
+    their own), off the writing ranks' way: summing or flushing while torch.save writes
+    competed with it for the cores and made the save slower, not faster."""
+    torch.save(obj, path)
 
 
 def load_file(path: Path) -> Any:
@@ -134,26 +117,33 @@ def _one_line(err: BaseException) -> str:
 
 
 def _crc(path: Path) -> tuple[int, int]:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return path.stat().st_size, crc
+    """(size, CRC-32) of a file, read back (from the page cache, just after it was written)."""
+    crc, size = 0, 0
+    chunk = bytearray(1 << 22)
+    view = memoryview(chunk)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(chunk):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return size, crc
 
 
 def _files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                  if p.is_file() and p.name != MANIFEST and not p.name.endswith(_SUM_SUFFIX))
+                  if p.is_file() and p.name != MANIFEST)
 
 
-def _summed(path: Path) -> tuple[int, int]:
-    """(size, CRC): from save_file's note, else read back."""
-    note = path.with_name(path.name + _SUM_SUFFIX)
-    if note.is_file():
-        size, crc = (int(v) for v in note.read_text().split())
-        note.unlink()
-        return size, crc
-    return _crc(path)
+def _share(folder: Path, names: list[str], rank: int, world: int) -> list[str]:
+    """The files ``rank`` sums: the largest first, each to the rank with the fewest bytes so
+    far (every rank computes the same split from the same sizes)."""
+    load = [0] * world
+    mine = []
+    for size, name in sorted((-(folder / n).stat().st_size, n) for n in names):
+        least = load.index(min(load))
+        load[least] -= size
+        if least == rank:
+            mine.append(name)
+    return mine
 
 
 def _fsync(path: Path) -> None:
@@ -162,6 +152,11 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_all(folder: Path, names: list[str]) -> None:
+    for name in names:
+        _fsync(folder / name)
 
 
 # -- saving ----------------------------------------------------------------------
@@ -186,58 +181,153 @@ def check_target(path: str | os.PathLike[str], keep_last: int | None) -> Path:
     return target
 
 
-@contextlib.contextmanager
-def writing(target: Path, manifest: dict[str, Any]) -> Iterator[Path]:
-    """Yield the temporary folder every rank writes its files into; on leaving, commit it
-    (fsync, checksums, the marker, rename) on rank 0. Collective: call on every rank."""
-    rank, world = _rank_world()
-    tmp = target.parent / f".{target.name}{_TMP_SUFFIX}"
-    error: BaseException | None = None
-    if rank == 0:
+class Committer:
+    """Writes checkpoint folders for one Accelerator and commits them (fsync, checksums,
+    the marker, rename, ``keep_last``) on rank 0: before ``writing`` returns, or with
+    ``background=True`` in a thread of rank 0 while training goes on. At most one commit
+    is pending: the next save, a load, ``settle`` and ``finish`` wait for it first."""
+
+    def __init__(self) -> None:
+        self._pending: _Commit | None = None
+
+    @contextlib.contextmanager
+    def writing(self, target: Path, manifest: dict[str, Any], *, keep_last: int | None = None,
+                background: bool = False, device: torch.device | None = None) -> Iterator[Path]:
+        """Yield the temporary folder every rank writes its files into; on leaving, commit
+        it on rank 0. Collective: call on every rank; ``device`` is where the process
+        group's tensors live (the ranks' agreement is then one all-reduce of a flag)."""
+        rank, world = _rank_world()
+        tmp = target.parent / f".{target.name}{_TMP_SUFFIX}"
+        error: BaseException | None = self.finish() if rank == 0 else None
+        if rank == 0 and error is None:
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)  # left by a save that was killed
+                tmp.mkdir()
+            except OSError as err:
+                error = err
+        _agree(error, device)
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)  # left by a save that was killed
-            tmp.mkdir()
-        except OSError as err:
+            yield tmp
+        except BaseException as err:
             error = err
-    _agree(error)
-    try:
-        yield tmp
-    except BaseException as err:
-        error = err
-    _barrier()  # every rank has written its files
-    names = _files(tmp) if error is None else []
-    mine: dict[str, tuple[int, int]] | None = None
-    try:
-        # Each rank sums its share of the files that save_file did not sum as it wrote.
-        mine = {name: _summed(tmp / name) for i, name in enumerate(names) if i % world == rank}
-    except OSError as err:
-        error = error or err
-    # One exchange: whether every rank succeeded, and the sums.
-    parts = _all_gather((None if error is None else f"{type(error).__name__}: {error}", mine))
-    failed = next(((r, m) for r, (m, _) in enumerate(parts) if m is not None), None)
-    if error is not None or failed is not None:
+        if background:
+            # Only whether every rank wrote its files; rank 0 sums and fsyncs them in its thread.
+            try:
+                _agree(error, device)
+            except BaseException:
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            if rank == 0:
+                self._pending = _Commit(tmp, target, manifest, keep_last)
+            return
+        _barrier()  # every rank has written its files
+        names = _files(tmp) if error is None else []
+        mine: dict[str, tuple[int, int]] | None = None
+        with ThreadPoolExecutor(1, thread_name_prefix="gradsync-fsync") as helper:
+            # Rank 0 fsyncs every file in a thread while each rank sums its share of them.
+            syncing = helper.submit(_fsync_all, tmp, names) if rank == 0 else None
+            try:
+                mine = {name: _crc(tmp / name) for name in _share(tmp, names, rank, world)}
+                if syncing is not None:
+                    syncing.result()
+            except OSError as err:
+                error = error or err
+        parts = _all_gather((_describe(error), mine))
+        _raise_if_failed(tmp, error, parts)
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if error is not None:
-            raise error
-        assert failed is not None
-        raise RuntimeError(f"rank {failed[0]} failed while saving the checkpoint: {failed[1]}")
-    sums: dict[str, tuple[int, int]] = {}
-    for _, part in parts:
-        sums.update(part or {})
+            sums: dict[str, tuple[int, int]] = {}
+            for _, part in parts:
+                sums.update(part or {})
+            try:
+                _mark_and_rename(tmp, target, {**manifest, "files": {n: list(sums[n]) for n in names}})
+                if keep_last is not None:
+                    prune(target, keep_last)
+            except OSError as err:
+                error = err
+        _agree(error)
+
+    def _wait(self) -> BaseException | None:
+        """Rank 0: wait for the pending commit; its error, if it failed (reported once)."""
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None else None
+
+    def settle(self) -> str | None:
+        """Wait until the pending background commit is done (collective); the folder it
+        committed, or None. Raises CheckpointError on every rank when it failed."""
+        target = str(self._pending.target) if self._pending is not None else None
+        error = self._wait()
+        answer: tuple[str | None, str | None] = broadcast((target, _describe(error)))
+        committed, message = answer
+        if message is not None:
+            raise CheckpointError(f"the background save of {committed!r} failed: {message}")
+        return committed
+
+    def finish(self) -> CheckpointError | None:
+        """At the end of training (rank 0, not collective): wait for the pending commit;
+        its failure as an error to raise once the process group is gone."""
+        target = str(self._pending.target) if self._pending is not None else None
+        error = self._wait()
+        if error is None:
+            return None
+        return CheckpointError(f"the background save of {target!r} failed: {_describe(error)}")
+
+
+def _raise_if_failed(tmp: Path, error: BaseException | None, parts: list[Any]) -> None:
+    """After every rank wrote (``parts``: each rank's (error message, sums)): on a failure
+    anywhere, remove the folder (rank 0) and raise on every rank."""
+    rank = _rank_world()[0]
+    failed = next(((r, m) for r, (m, _) in enumerate(parts) if m is not None), None)
+    if error is None and failed is None:
+        return
     if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if error is not None:
+        raise error
+    assert failed is not None
+    raise RuntimeError(f"rank {failed[0]} failed while saving the checkpoint: {failed[1]}")
+
+
+class _Commit:
+    """Rank 0's commit of one written folder, in a thread. Not a daemon: an interpreter
+    that exits without ``end()`` still finishes it (or the folder stays uncommitted)."""
+
+    def __init__(self, tmp: Path, target: Path, manifest: dict[str, Any], keep_last: int | None) -> None:
+        self.target = target
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(tmp, manifest, keep_last),
+                                        name=f"gradsync-commit-{target.name}")
+        self._thread.start()
+
+    def _run(self, tmp: Path, manifest: dict[str, Any], keep_last: int | None) -> None:
         try:
-            _commit(tmp, target, {**manifest, "files": {n: list(sums[n]) for n in names}})
-        except OSError as err:
-            error = err
-    _agree(error)
+            names = _files(tmp)
+            with ThreadPoolExecutor(1, thread_name_prefix="gradsync-fsync") as helper:
+                syncing = helper.submit(_fsync_all, tmp, names)
+                files = {name: list(_crc(tmp / name)) for name in names}
+                syncing.result()
+            _mark_and_rename(tmp, self.target, {**manifest, "files": files})
+            if keep_last is not None:
+                prune(self.target, keep_last)
+        except BaseException as err:  # reported by wait(); also said now, in case none comes
+            self._error = err
+            shutil.rmtree(tmp, ignore_errors=True)
+            print(f"gradsync: the background save of {str(self.target)!r} failed: {_describe(err)}",
+                  file=sys.stderr, flush=True)
+
+    def wait(self) -> BaseException | None:
+        self._thread.join()
+        return self._error
 
 
-def _commit(tmp: Path, target: Path, manifest: dict[str, Any]) -> None:
-    for name in manifest["files"]:
-        _fsync(tmp / name)  # quick where save_file's background flush got there first
+def _describe(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {_one_line(error)}"
+
+
+def _mark_and_rename(tmp: Path, target: Path, manifest: dict[str, Any]) -> None:
+    """Once every file of ``tmp`` is on disk: the marker (fsynced), then the rename."""
     marker = tmp / (MANIFEST + ".part")
     with open(marker, "w") as f:
         json.dump(manifest, f, indent=1)

@@ -87,11 +87,13 @@ class CheckpointState:
 
     def __init__(self, accel: Accelerator) -> None:
         self._accel = accel
+        self._committer = checkpoint.Committer()
 
     def _optimizers(self) -> list[torch.optim.Optimizer | None]:
         return [o.optimizer if o is not None else None for o in self._accel._model_optimizers]
 
-    def save(self, path: str | os.PathLike[str], keep_last: int | None, pending: int = 0) -> str:
+    def save(self, path: str | os.PathLike[str], keep_last: int | None, pending: int = 0,
+             background: bool = False) -> str:
         a = self._accel
         if a._window.current is not None:
             raise RuntimeError(
@@ -112,7 +114,8 @@ class CheckpointState:
             loaders=[{k: p[k] for k in ("epoch", "consumed", "read")} for p in positions],
         )
         rank = a.rank
-        with checkpoint.writing(target, manifest) as tmp:
+        with self._committer.writing(target, manifest, keep_last=keep_last, background=background,
+                                     device=a.device) as tmp:
             a._backend.save(tmp, a._models, self._optimizers(), window_open=a._window.is_open)
             if rank == 0:
                 save_file([s.state_dict() for s in a._schedulers], tmp / "schedulers.pt")
@@ -121,9 +124,13 @@ class CheckpointState:
                     save_file(a._backend.scaler.state_dict(), tmp / "scaler.pt")
             save_file({"rng": capture_rng(), "loaders": [p["rng"] for p in positions]},
                       tmp / f"rng_rank{rank}.pt")
-        if keep_last is not None:
-            checkpoint.prune(target, keep_last)
         return str(target)
+
+    def settle(self) -> str | None:
+        return self._committer.settle()
+
+    def finish(self) -> CheckpointError | None:
+        return self._committer.finish()
 
     def _check(self, where: str, manifest: dict[str, Any]) -> None:
         a = self._accel
@@ -163,6 +170,7 @@ class CheckpointState:
             raise RuntimeError(
                 "load_state() was called inside `with accel.accumulate(model):`; call it before the loop"
             )
+        self._committer.settle()  # a background save of this very folder may still be committing
         manifest = checkpoint.read_manifest(path)
         folder = Path(path)
         self._check(str(folder), manifest)

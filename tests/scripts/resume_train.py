@@ -8,7 +8,9 @@ k=4, SGD with momentum, an LR schedule, dropout, shuffled data whose shards end 
 windows. ``--mode reference`` (or first, with ``--with-reference``) trains without any checkpoint and writes ``reference.pt``.
 ``--mode run`` resumes from ``OUT/ckpt``'s latest checkpoint if there is one (three lines,
 as in the docs), saves every ``--save-every`` micro-steps (only at boundaries with
-``--boundary-only``), and on the first attempt (TORCHELASTIC_RESTART_COUNT=0) rank RANK
+``--boundary-only``; every other save with ``background=True``, committed while training
+goes on, and waited for just before a planned kill so that the checkpoint to resume from
+is known), and on the first attempt (TORCHELASTIC_RESTART_COUNT=0) rank RANK
 SIGKILLs itself after micro-step MICRO (``--kill``; a list: one kill per attempt), or
 every rank exits after saving at MICRO (``--stop``), or sends itself SIGTERM at MICRO
 (``--sigterm-at``, with ``save_on_sigterm``). The finished run writes ``final.pt`` (rank 0) and ``run_rank{r}.json``.
@@ -157,9 +159,12 @@ def train(args: argparse.Namespace, mode: str) -> None:
                 return
             at_boundary = accel.sync_gradients
             if rec.micro % args.save_every == 0 and (at_boundary or not args.boundary_only):
-                accel.save_state(root / f"micro-{rec.micro:04d}", keep_last=2)
-            if accel.rank == kill_rank and rec.micro == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+                background = (rec.micro // args.save_every) % 2 == 1
+                accel.save_state(root / f"micro-{rec.micro:04d}", keep_last=2, background=background)
+            if rec.micro == kill_at:
+                accel.wait_for_checkpoint()  # on every rank (collective)
+                if accel.rank == kill_rank:
+                    os.kill(os.getpid(), signal.SIGKILL)
             if (first_attempt and args.sigterm_at is not None and rec.micro == args.sigterm_at
                     and args.sigterm_rank in (None, accel.rank)):
                 os.kill(os.getpid(), signal.SIGTERM)  # saved and stopped at the next window
