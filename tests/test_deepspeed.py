@@ -58,6 +58,7 @@ SCENARIOS = {
     "s2_schedule": _run(2, "0:2 2:4"),
     "s2_schedule_defer": _run(2, "0:2 2:4", policy="defer"),
     "config_errors": {"fn": "config_errors"},
+    "mid_window_save": {"fn": "mid_window_save"},
     "clip_twice": {"fn": "clip_twice"},
     "s0_config_optimizer": {"fn": "config_optimizer", "stage": 0},
     "s3_config_optimizer": {"fn": "config_optimizer", "stage": 3},
@@ -387,3 +388,20 @@ def test_missing_deepspeed_says_how_to_install(monkeypatch, clean_env):
 def test_the_self_check_stays_silent(results):
     """Every loop here is a correct one: the deferral self-check must not warn."""
     assert "gradsync self-check" not in results.log
+
+
+def test_a_mid_window_save_is_refused_on_every_rank_and_a_boundary_save_works(results):
+    """Both kinds of save (default, background=True) two micro-steps into a window: one line
+    that says to save at a boundary, on both ranks, no folder left; at the boundary both
+    save, the background one is committed, and it loads back."""
+    for rank in results["mid_window_save"]:
+        for background in (False, True):
+            message = rank[f"mid_background_{background}"]
+            assert message.startswith("RuntimeError: save_state() inside an accumulation window is not "
+                                      "supported with backend='deepspeed'"), message
+            assert "call it at a boundary" in message and "\n" not in message
+        assert rank["left_after_refusal"] == []
+        assert [p.rsplit("/", 1)[-1] for p in rank["boundary_saves"]] == ["b-default", "b-background"]
+        assert rank["committed"].endswith("b-background")
+        assert rank["after"] == ["b-background", "b-default"]
+        assert rank["restored"] is True

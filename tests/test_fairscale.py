@@ -65,6 +65,7 @@ SCENARIOS = {
                         "optimizer": "adam", "lr": 0.01},
     "buckets": {"fn": "grads_stay_in_buckets", "steps": 4},
     "misuse": {"fn": "misuse"},
+    "mid_window_save": {"fn": "mid_window_save"},
 }
 EQUIV = ["k1", "k4", "k4_every_step", "k4_no_buckets", "k4_no_buckets_every_step",
          "k4_zero_grad_first", "k4_after_block", "k4_to_3"]
@@ -293,3 +294,20 @@ def test_a_missing_private_attribute_names_the_supported_version():
             pass
     with pytest.raises(RuntimeError, match=r"Bare\._work_handles.*supports fairscale 0\.4\.13"):
         _fairscale_compat.finish_reductions(Bare())
+
+
+def test_a_mid_window_save_is_refused_on_every_rank_and_a_boundary_save_works(results):
+    """Both kinds of save (default, background=True) two micro-steps into a window: one line
+    that says to save at a boundary, on both ranks, no folder left; at the boundary both
+    save, the background one is committed, and it loads back."""
+    for rank in results["mid_window_save"]:
+        for background in (False, True):
+            message = rank[f"mid_background_{background}"]
+            assert message.startswith("RuntimeError: save_state() inside an accumulation window is not "
+                                      "supported with backend='fairscale'"), message
+            assert "call it at a boundary" in message and "\n" not in message
+        assert rank["left_after_refusal"] == []
+        assert [p.rsplit("/", 1)[-1] for p in rank["boundary_saves"]] == ["b-default", "b-background"]
+        assert rank["committed"].endswith("b-background")
+        assert rank["after"] == ["b-background", "b-default"]
+        assert rank["restored"] is True

@@ -259,3 +259,55 @@ def assert_clipping_matches_one_process(rank_results: list[dict[str, Any]], samp
         assert len(r["norms"]) == len(ref["norms"]) == r["optimizer_steps"]
         assert max(abs(a - b) for a, b in zip(r["norms"], ref["norms"])) < 1e-5
         assert max_diff(r["state"], ref["state"]) < 1e-5
+
+
+def mid_window_save_refused(accel: Any) -> dict[str, Any]:
+    """For a backend that cannot save an open window: a save two micro-steps into a window
+    of 4 (default and background=True) must raise the same one-line error on every rank and
+    leave no folder behind; at the boundary both kinds of save then work and load back."""
+    import tempfile
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    box = [tempfile.mkdtemp(prefix="gradsync-scn-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    root = Path(str(box[0]))
+    model = make_model()
+    opt = make_optimizer(model.parameters(), "sgd", 0.05)
+    loader = DataLoader(Indexed(32), batch_size=2)  # 8 batches per rank
+    model, opt, loader = accel.prepare(model, opt, loader)
+    batches = iter(loader)
+
+    def micro() -> None:
+        x, y, _ = next(batches)
+        with accel.accumulate(model):
+            accel.backward(F.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+
+    out: dict[str, Any] = {}
+    micro(), micro()
+    for background in (False, True):
+        try:
+            accel.save_state(root / f"mid-{background}", background=background)
+            out[f"mid_background_{background}"] = "no error"
+        except Exception as err:
+            out[f"mid_background_{background}"] = f"{type(err).__name__}: {err}"
+    dist.barrier()
+    out["left_after_refusal"] = sorted(p.name for p in root.iterdir())
+    micro(), micro()  # the window closes: a boundary
+    out["boundary_saves"] = [accel.save_state(root / "b-default"),
+                             accel.save_state(root / "b-background", background=True)]
+    out["committed"] = accel.wait_for_checkpoint()
+    out["after"] = sorted(p.name for p in root.iterdir())
+    before = {k: v.clone() for k, v in accel.get_state_dict(model).items()}
+    micro()
+    accel.load_state(root / "b-background")
+    out["restored"] = all(torch.equal(v, accel.get_state_dict(model)[k]) for k, v in before.items())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        import shutil
+
+        shutil.rmtree(root)
+    return out

@@ -201,3 +201,10 @@ def config_optimizer(*, stage: int) -> dict[str, Any]:
     return {"changed": max(float((after[k] - before[k]).abs().max()) for k in after),
             "optimizer_steps": accel.optimizer_steps,
             "basic": type(model.basic_optimizer).__name__}
+
+
+def mid_window_save() -> dict[str, Any]:
+    from scenarios.common import mid_window_save_refused
+
+    return mid_window_save_refused(Accelerator(backend="deepspeed", gradient_accumulation_steps=4,
+                                               deepspeed_config=ds_config(2)))

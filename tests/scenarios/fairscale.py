@@ -174,3 +174,9 @@ def abort_clears_the_window(*, buckets: bool) -> dict[str, Any]:
     accel._backend.abort_window(accel._models)
     after = sum(float(p.grad.abs().sum()) for p in raw.parameters() if p.grad is not None)
     return {"before": before, "after": after}
+
+
+def mid_window_save() -> dict[str, Any]:
+    from scenarios.common import mid_window_save_refused
+
+    return mid_window_save_refused(_accel(4))
