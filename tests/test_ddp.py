@@ -18,6 +18,7 @@ pytestmark = pytest.mark.multiprocess
 SAMPLES = 44  # 22 per rank, 11 micro-batches of 2: not a multiple of 3 or 4
 MICRO = 2
 SCENARIOS = {
+    "export": {"fn": "export_model"},
     **{f"k{k}": {"fn": "train_ddp", "steps": k, "samples": SAMPLES, "micro_batch": MICRO} for k in (1, 3, 4)},
     "k4_adam_clip": {"fn": "train_ddp", "steps": 4, "samples": SAMPLES, "micro_batch": MICRO,
                      "optimizer": "adam", "lr": 0.01, "clip": 0.5},
@@ -155,3 +156,14 @@ def test_each_rank_gets_its_own_shard_reshuffled_per_epoch(results):
 def test_the_self_check_stays_silent(results):
     """Every loop here is a correct one: the deferral self-check must not warn."""
     assert "gradsync self-check" not in results.log
+
+
+def test_save_model_writes_the_gathered_weights_once_on_rank_0(results):
+    """``save_model`` of a tied model after one window: rank 0's safetensors file equals the
+    gathered state dict, with the tied weight written once and named in the metadata."""
+    for key in ("export",):
+        rank0 = results[key][0]
+        assert rank0["keys"] == ["embed.weight", "mid.bias", "mid.weight"], rank0
+        assert rank0["tied"] == {"head.weight": "embed.weight"}
+        assert rank0["equal_to_gathered"] is True and rank0["trained"] is True
+        assert all(r["path_name"] == "model.safetensors" for r in results[key])

@@ -58,6 +58,8 @@ SCENARIOS = {
     "s2_schedule": _run(2, "0:2 2:4"),
     "s2_schedule_defer": _run(2, "0:2 2:4", policy="defer"),
     "config_errors": {"fn": "config_errors"},
+    "export_s2": {"fn": "export_model", "stage": 2},
+    "export_s3": {"fn": "export_model", "stage": 3},
     "mid_window_save": {"fn": "mid_window_save"},
     "clip_twice": {"fn": "clip_twice"},
     "s0_config_optimizer": {"fn": "config_optimizer", "stage": 0},
@@ -405,3 +407,14 @@ def test_a_mid_window_save_is_refused_on_every_rank_and_a_boundary_save_works(re
         assert rank["committed"].endswith("b-background")
         assert rank["after"] == ["b-background", "b-default"]
         assert rank["restored"] is True
+
+
+def test_save_model_writes_the_gathered_weights_once_on_rank_0(results):
+    """``save_model`` of a tied model after one window: rank 0's safetensors file equals the
+    gathered state dict, with the tied weight written once and named in the metadata."""
+    for key in ("export_s2", "export_s3"):
+        rank0 = results[key][0]
+        assert rank0["keys"] == ["embed.weight", "mid.bias", "mid.weight"], rank0
+        assert rank0["tied"] == {"head.weight": "embed.weight"}
+        assert rank0["equal_to_gathered"] is True and rank0["trained"] is True
+        assert all(r["path_name"] == "model.safetensors" for r in results[key])

@@ -65,6 +65,7 @@ SCENARIOS = {
                         "optimizer": "adam", "lr": 0.01},
     "buckets": {"fn": "grads_stay_in_buckets", "steps": 4},
     "misuse": {"fn": "misuse"},
+    "export": {"fn": "export_model"},
     "mid_window_save": {"fn": "mid_window_save"},
 }
 EQUIV = ["k1", "k4", "k4_every_step", "k4_no_buckets", "k4_no_buckets_every_step",
@@ -311,3 +312,14 @@ def test_a_mid_window_save_is_refused_on_every_rank_and_a_boundary_save_works(re
         assert rank["committed"].endswith("b-background")
         assert rank["after"] == ["b-background", "b-default"]
         assert rank["restored"] is True
+
+
+def test_save_model_writes_the_gathered_weights_once_on_rank_0(results):
+    """``save_model`` of a tied model after one window: rank 0's safetensors file equals the
+    gathered state dict, with the tied weight written once and named in the metadata."""
+    for key in ("export",):
+        rank0 = results[key][0]
+        assert rank0["keys"] == ["embed.weight", "mid.bias", "mid.weight"], rank0
+        assert rank0["tied"] == {"head.weight": "embed.weight"}
+        assert rank0["equal_to_gathered"] is True and rank0["trained"] is True
+        assert all(r["path_name"] == "model.safetensors" for r in results[key])

@@ -26,6 +26,7 @@ FSDP_DEFAULT_FLAGS = [[True, True, False], [True, True, True], [True, True, True
 BF16_TOLERANCE = 2e-3  # max abs parameter diff, bf16 vs fp32, 6 steps; measured 2.0e-4 (docs/fsdp.md)
 RUN = {"samples": SAMPLES, "micro_batch": MICRO}
 SCENARIOS = {
+    "export": {"fn": "export_model"},
     **{f"k{k}_{p}": {"fn": "train_fsdp", "steps": k, "policy": p, **RUN}
        for k in (1, 4) for p in ("defer", "every_step")},
     "k4_auto": {"fn": "train_fsdp", "steps": 4, "policy": "auto", **RUN},
@@ -305,3 +306,14 @@ def test_misuse_gives_clear_errors(results):
 def test_the_self_check_stays_silent(results):
     """Every loop here is a correct one: the deferral self-check must not warn."""
     assert "gradsync self-check" not in results.log
+
+
+def test_save_model_writes_the_gathered_weights_once_on_rank_0(results):
+    """``save_model`` of a tied model after one window: rank 0's safetensors file equals the
+    gathered state dict, with the tied weight written once and named in the metadata."""
+    for key in ("export",):
+        rank0 = results[key][0]
+        assert rank0["keys"] == ["embed.weight", "mid.bias", "mid.weight"], rank0
+        assert rank0["tied"] == {"head.weight": "embed.weight"}
+        assert rank0["equal_to_gathered"] is True and rank0["trained"] is True
+        assert all(r["path_name"] == "model.safetensors" for r in results[key])

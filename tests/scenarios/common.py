@@ -311,3 +311,61 @@ def mid_window_save_refused(accel: Any) -> dict[str, Any]:
 
         shutil.rmtree(root)
     return out
+
+
+class TiedNet(nn.Module):
+    """A head that shares its weight with the input projection (as GPT-2 ties its embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(FEATURES, FEATURES, bias=False)
+        self.mid = nn.Linear(FEATURES, FEATURES)
+        self.head = nn.Linear(FEATURES, FEATURES, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.embed(x)))).mean(-1, keepdim=True)
+
+
+def export_model(accel: Any) -> dict[str, Any]:
+    """Train one window of a tied model, then ``save_model``: rank 0's safetensors file must
+    hold the gathered full weights (each tied weight once, named in the metadata)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    box = [tempfile.mkdtemp(prefix="gradsync-scn-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    root = Path(str(box[0]))
+    model = TiedNet()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = make_optimizer(model.parameters(), "sgd", 0.05)
+    loader = DataLoader(Indexed(16), batch_size=2)
+    model, opt, loader = accel.prepare(model, opt, loader)
+    for x, y, _ in loader:
+        with accel.accumulate(model):
+            accel.backward(F.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+    path = accel.save_model(model, root / "export")
+    full = {k: v.detach().cpu().float() for k, v in accel.get_state_dict(model).items()}
+    out: dict[str, Any] = {"path_name": Path(path).name}
+    if dist.get_rank() == 0:
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            saved = {k: f.get_tensor(k).float() for k in f.keys()}
+            meta = f.metadata()
+        out["keys"] = sorted(saved)
+        out["tied"] = json.loads(meta["tied"])
+        out["equal_to_gathered"] = all(torch.equal(saved[k], full[k]) for k in saved)
+        out["trained"] = not torch.equal(saved["mid.weight"], initial["mid.weight"].float())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        import shutil
+
+        shutil.rmtree(root)
+    return out

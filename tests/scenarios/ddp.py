@@ -51,3 +51,9 @@ def sharding(*, samples: int, micro_batch: int, epochs: int = 2) -> dict[str, An
     loader = accel.prepare(DataLoader(Indexed(samples), batch_size=micro_batch, shuffle=True))
     per_epoch = [[int(i) for _, _, idx in loader for i in idx] for _ in range(epochs)]
     return {"len": len(loader), "epochs": per_epoch}
+
+
+def export_model() -> dict[str, Any]:
+    from scenarios.common import export_model as export
+
+    return export(Accelerator(backend="ddp", gradient_accumulation_steps=4, seed=0))

@@ -208,3 +208,10 @@ def mid_window_save() -> dict[str, Any]:
 
     return mid_window_save_refused(Accelerator(backend="deepspeed", gradient_accumulation_steps=4,
                                                deepspeed_config=ds_config(2)))
+
+
+def export_model(*, stage: int) -> dict[str, Any]:
+    from scenarios.common import export_model as export
+
+    return export(Accelerator(backend="deepspeed", gradient_accumulation_steps=4,
+                              deepspeed_config=ds_config(stage)))

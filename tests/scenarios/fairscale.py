@@ -180,3 +180,9 @@ def mid_window_save() -> dict[str, Any]:
     from scenarios.common import mid_window_save_refused
 
     return mid_window_save_refused(_accel(4))
+
+
+def export_model() -> dict[str, Any]:
+    from scenarios.common import export_model as export
+
+    return export(_accel(4))

@@ -221,3 +221,9 @@ def misuse() -> dict[str, str]:
     catch("unprepared", unprepared)
     dist.barrier()
     return messages
+
+
+def export_model() -> dict[str, Any]:
+    from scenarios.common import export_model as export
+
+    return export(_accel(4, "defer"))
