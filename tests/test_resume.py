@@ -53,17 +53,22 @@ def assert_bitwise(out: Path) -> None:
         r["optimizer_steps"] for r in results(out, "reference")]
 
 
-# (backend, extra flags, kills per attempt, the checkpoint each restart must resume from)
+# (backend, extra flags, kills per attempt, the checkpoint each restart must resume from).
+# "save:M": rank 0 is SIGKILLed in the middle of the save at micro-step M, once the backend
+# has written the models and optimizers (DDP's plain files, DCP's shards, DeepSpeed's engine
+# checkpoint); the next attempt must skip that broken folder and resume from the one before.
 RUNS = {
-    # Two restarts; the checkpoints the restarts resume from were saved mid-window
+    # Three restarts; the checkpoints the restarts resume from were saved mid-window
     # (micro-steps 5 and 20: windows are 4, 4, 3 micro-steps per epoch), the first of them
-    # committed in the background (the script saves every other checkpoint that way).
-    "ddp": (["--max_restarts", "2"], ["--kill", "1:6,0:21"], "micro-0020"),
-    "fsdp": (["--max_restarts", "1"], ["--kill", "1:7", "--policy", "defer"], "micro-0005"),
-    # DeepSpeed saves at boundaries only (micro-step 15, in the background); the kill is mid-window.
-    "deepspeed": (["--max_restarts", "1"], ["--kill", "1:21", "--boundary-only"], "micro-0015"),
+    # committed in the background (the script saves every other checkpoint that way); the
+    # save at 25 dies, and the last attempt resumes from micro-step 20 again.
+    "ddp": (["--max_restarts", "3"], ["--kill", "1:6,0:21,save:25"], "micro-0020"),
+    "fsdp": (["--max_restarts", "2"], ["--kill", "1:7,save:20", "--policy", "defer"], "micro-0015"),
+    # DeepSpeed saves at boundaries only (micro-steps 15, in the background, and 30); the
+    # first kill is mid-window, the second in the save at 30.
+    "deepspeed": (["--max_restarts", "2"], ["--kill", "1:21,save:30", "--boundary-only"], "micro-0015"),
     # fairscale (legacy): boundary checkpoints too, its OSS optimizer state gathered on save.
-    "fairscale": (["--max_restarts", "1"], ["--kill", "0:17", "--boundary-only"], "micro-0015"),
+    "fairscale": (["--max_restarts", "2"], ["--kill", "0:17,save:30", "--boundary-only"], "micro-0015"),
 }
 
 

@@ -11,7 +11,9 @@ as in the docs), saves every ``--save-every`` micro-steps (only at boundaries wi
 ``--boundary-only``; every other save with ``background=True``, committed while training
 goes on, and waited for just before a planned kill so that the checkpoint to resume from
 is known), and on the first attempt (TORCHELASTIC_RESTART_COUNT=0) rank RANK
-SIGKILLs itself after micro-step MICRO (``--kill``; a list: one kill per attempt), or
+SIGKILLs itself after micro-step MICRO (``--kill``; a list: one kill per attempt;
+``save:MICRO`` makes rank 0 SIGKILL itself in the middle of the save at MICRO, after the
+backend has written the models and optimizers), or
 every rank exits after saving at MICRO (``--stop``), or sends itself SIGTERM at MICRO
 (``--sigterm-at``, with ``save_on_sigterm``). The finished run writes ``final.pt`` (rank 0) and ``run_rank{r}.json``.
 ``--reshard-at`` saves one boundary checkpoint in ``OUT/reshard`` and exits.
@@ -69,12 +71,15 @@ class Noisy(Dataset[Any]):
 class Recorder:
     """What the run saw (micro-steps, windows); registered, so it survives restarts."""
 
-    def __init__(self) -> None:
+    def __init__(self, die_in_save_at: int = -1) -> None:
+        self.die_in_save_at = die_in_save_at  # SIGKILL this process when saved at that micro-step
         self.micro = 0
         self.windows: list[list[list[int]]] = []
         self.current: list[list[int]] = []
 
     def state_dict(self) -> dict[str, Any]:
+        if self.micro == self.die_in_save_at:  # save_state calls this on rank 0 mid-save
+            os.kill(os.getpid(), signal.SIGKILL)
         return {"micro": self.micro, "windows": self.windows, "current": self.current}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -91,7 +96,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--save-every", type=int, default=5)
     ap.add_argument("--boundary-only", action="store_true")
-    ap.add_argument("--kill", default=None, help="RANK:MICRO[,RANK:MICRO...], one per attempt")
+    ap.add_argument("--kill", default=None, help="RANK:MICRO[,save:MICRO,...], one per attempt")
     ap.add_argument("--policy", default="auto")
     ap.add_argument("--sigterm-at", type=int, default=None)
     ap.add_argument("--sigterm-rank", type=int, default=None, help="only this rank gets SIGTERM")
@@ -134,8 +139,14 @@ def train(args: argparse.Namespace, mode: str) -> None:
         if ckpt is not None:
             accel.load_state(ckpt)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    kills = [tuple(int(v) for v in k.split(":")) for k in args.kill.split(",")] if args.kill else []
-    kill_rank, kill_at = kills[attempt] if attempt < len(kills) else (-1, -1)
+    kills = [k.split(":") for k in args.kill.split(",")] if args.kill else []
+    kill_rank, kill_at = (-1, -1)
+    if attempt < len(kills):
+        who, at = kills[attempt]
+        if who == "save":
+            rec.die_in_save_at = int(at)
+        else:
+            kill_rank, kill_at = int(who), int(at)
     for _epoch in range(loader.epoch, args.epochs):
         for x, y, idx in loader:
             with accel.accumulate(model):
