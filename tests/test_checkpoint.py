@@ -356,8 +356,12 @@ def test_a_failed_background_commit_is_an_error_and_keeps_the_previous(tmp_path,
     assert "background save" in capsys.readouterr().err  # also said when it happened
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]  # its temporary folder removed
     assert gradsync.latest_checkpoint(tmp_path) == str(tmp_path / "good")
-    accel.save_state(tmp_path / "bad2", background=True)  # reported once: end() raises it
+    accel.save_state(tmp_path / "bad2", background=True)  # the next save reports it, and does not save
     with pytest.raises(CheckpointError, match="bad2' failed"):
+        accel.save_state(tmp_path / "next")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]
+    accel.save_state(tmp_path / "bad3", background=True)  # reported once: end() raises it
+    with pytest.raises(CheckpointError, match="bad3' failed"):
         accel.end()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]
 

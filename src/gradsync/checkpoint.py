@@ -247,7 +247,7 @@ class Committer:
                     prune(target, keep_last)
             except OSError as err:
                 error = err
-        _agree(error)
+        _agree(error, device)
 
     def _wait(self) -> BaseException | None:
         """Rank 0: wait for the pending commit; its error, if it failed (reported once)."""
