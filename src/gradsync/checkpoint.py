@@ -25,7 +25,6 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -184,22 +183,49 @@ def check_target(path: str | os.PathLike[str], keep_last: int | None) -> Path:
 class Committer:
     """Writes checkpoint folders for one Accelerator and commits them (fsync, checksums,
     the marker, rename, ``keep_last``) on rank 0: before ``writing`` returns, or with
-    ``background=True`` in a thread of rank 0 while training goes on. At most one commit
-    is pending: the next save, a load, ``settle`` and ``finish`` wait for it first."""
+    ``background=True`` in a thread of rank 0 while training goes on. At most one
+    background commit is outstanding; every rank knows whether there is one (they all
+    started it together), so waiting for it is a collective only when there is."""
 
     def __init__(self) -> None:
-        self._pending: _Commit | None = None
+        self._outstanding: str | None = None  # the folder a background save is committing
+        self._pending: _Commit | None = None  # rank 0: the thread committing it
+
+    def settle(self) -> tuple[str | None, str | None]:
+        """Wait until the outstanding background commit is done (collective when there is
+        one): (its folder, None), (its folder, why it failed), or (None, None) when none was
+        outstanding. Each outcome is returned once."""
+        target, self._outstanding = self._outstanding, None
+        if target is None:
+            return None, None
+        error = self._wait()
+        message: str | None = broadcast(_describe(error))
+        return target, message
+
+    def finish(self) -> CheckpointError | None:
+        """At the end of training (not collective: the other ranks may be gone): rank 0
+        waits for the outstanding commit; its failure, as an error to raise once the
+        process group is torn down."""
+        target, self._outstanding = self._outstanding, None
+        error = self._wait()
+        if error is None:
+            return None
+        return CheckpointError(f"the background save of {target!r} failed: {_describe(error)}")
+
+    def _wait(self) -> BaseException | None:
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None else None
 
     @contextlib.contextmanager
     def writing(self, target: Path, manifest: dict[str, Any], *, keep_last: int | None = None,
                 background: bool = False, device: torch.device | None = None) -> Iterator[Path]:
         """Yield the temporary folder every rank writes its files into; on leaving, commit
-        it on rank 0. Collective: call on every rank; ``device`` is where the process
-        group's tensors live (the ranks' agreement is then one all-reduce of a flag)."""
+        it on rank 0. Collective: call on every rank, after ``settle``; ``device`` is where
+        the process group's tensors live (the ranks agree with one all-reduce of a flag)."""
         rank, world = _rank_world()
         tmp = target.parent / f".{target.name}{_TMP_SUFFIX}"
-        error: BaseException | None = self.finish() if rank == 0 else None
-        if rank == 0 and error is None:
+        error: BaseException | None = None
+        if rank == 0:
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 if tmp.exists():
@@ -220,59 +246,64 @@ class Committer:
                 if rank == 0:
                     shutil.rmtree(tmp, ignore_errors=True)
                 raise
+            self._outstanding = str(target)
             if rank == 0:
                 self._pending = _Commit(tmp, target, manifest, keep_last)
             return
         _barrier()  # every rank has written its files
-        names = _files(tmp) if error is None else []
+        names: list[str] = []
         mine: dict[str, tuple[int, int]] | None = None
-        with ThreadPoolExecutor(1, thread_name_prefix="gradsync-fsync") as helper:
-            # Rank 0 fsyncs every file in a thread while each rank sums its share of them.
-            syncing = helper.submit(_fsync_all, tmp, names) if rank == 0 else None
-            try:
-                mine = {name: _crc(tmp / name) for name in _share(tmp, names, rank, world)}
-                if syncing is not None:
-                    syncing.result()
-            except OSError as err:
-                error = error or err
+        try:
+            if error is None:
+                names = _files(tmp)
+                # Rank 0 fsyncs every file in a thread while each rank sums its share of them.
+                syncing = _Background(_fsync_all, tmp, names) if rank == 0 else None
+                try:
+                    mine = {name: _crc(tmp / name) for name in _share(tmp, names, rank, world)}
+                finally:
+                    if syncing is not None:
+                        syncing.result()
+        except Exception as err:
+            error = error or err
         parts = _all_gather((_describe(error), mine))
         _raise_if_failed(tmp, error, parts)
         if rank == 0:
-            sums: dict[str, tuple[int, int]] = {}
-            for _, part in parts:
-                sums.update(part or {})
             try:
-                _mark_and_rename(tmp, target, {**manifest, "files": {n: list(sums[n]) for n in names}})
+                sums: dict[str, tuple[int, int]] = {}
+                for _, part in parts:
+                    sums.update(part or {})
+                # Rank 0's listing is the checkpoint; it sums what no rank did (a rank whose
+                # view of a shared filesystem lagged).
+                files = {n: list(sums[n] if n in sums else _crc(tmp / n)) for n in names}
+                _mark_and_rename(tmp, target, {**manifest, "files": files})
                 if keep_last is not None:
                     prune(target, keep_last)
-            except OSError as err:
+            except Exception as err:
                 error = err
+                shutil.rmtree(tmp, ignore_errors=True)  # gone already where the rename was done
         _agree(error, device)
 
-    def _wait(self) -> BaseException | None:
-        """Rank 0: wait for the pending commit; its error, if it failed (reported once)."""
-        pending, self._pending = self._pending, None
-        return pending.wait() if pending is not None else None
 
-    def settle(self) -> str | None:
-        """Wait until the pending background commit is done (collective); the folder it
-        committed, or None. Raises CheckpointError on every rank when it failed."""
-        target = str(self._pending.target) if self._pending is not None else None
-        error = self._wait()
-        answer: tuple[str | None, str | None] = broadcast((target, _describe(error)))
-        committed, message = answer
-        if message is not None:
-            raise CheckpointError(f"the background save of {committed!r} failed: {message}")
-        return committed
+class _Background:
+    """``fn(*args)`` in a plain thread (a ThreadPoolExecutor refuses work once the
+    interpreter is shutting down, which is when an unfinished background commit runs)."""
 
-    def finish(self) -> CheckpointError | None:
-        """At the end of training (rank 0, not collective): wait for the pending commit;
-        its failure as an error to raise once the process group is gone."""
-        target = str(self._pending.target) if self._pending is not None else None
-        error = self._wait()
-        if error is None:
-            return None
-        return CheckpointError(f"the background save of {target!r} failed: {_describe(error)}")
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as err:
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name="gradsync-fsync")
+        self._thread.start()
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _raise_if_failed(tmp: Path, error: BaseException | None, parts: list[Any]) -> None:
@@ -304,9 +335,10 @@ class _Commit:
     def _run(self, tmp: Path, manifest: dict[str, Any], keep_last: int | None) -> None:
         try:
             names = _files(tmp)
-            with ThreadPoolExecutor(1, thread_name_prefix="gradsync-fsync") as helper:
-                syncing = helper.submit(_fsync_all, tmp, names)
+            syncing = _Background(_fsync_all, tmp, names)
+            try:
                 files = {name: list(_crc(tmp / name)) for name in names}
+            finally:
                 syncing.result()
             _mark_and_rename(tmp, self.target, {**manifest, "files": files})
             if keep_last is not None:
@@ -366,7 +398,10 @@ def _complete(root: Path) -> list[tuple[tuple[int, int, int, float], Path]]:
         except (OSError, ValueError):
             continue
         if isinstance(manifest, dict) and manifest.get("gradsync_checkpoint") == FORMAT_VERSION:
-            found.append((_order(manifest), child))
+            try:
+                found.append((_order(manifest), child))
+            except (AttributeError, TypeError, ValueError):
+                continue  # a manifest edited by hand: not one of ours to rank
     return sorted(found)
 
 

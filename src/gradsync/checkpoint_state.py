@@ -16,6 +16,7 @@ import random
 import signal
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +101,7 @@ class CheckpointState:
                 "save_state() was called inside `with accel.accumulate(model):`; call it after "
                 "the block (where optimizer.step() may also be)"
             )
+        self._settle_quietly()  # before looking at the folder: the commit may be renaming it
         target = checkpoint.check_target(path, keep_last)
         last = a._loaders.last_pass() if a._loaders.last_pass is not None else None
         positions = [
@@ -127,7 +129,20 @@ class CheckpointState:
         return str(target)
 
     def settle(self) -> str | None:
-        return self._committer.settle()
+        """Wait for an outstanding background save (collective); its folder, or None. Its
+        failure raises CheckpointError on every rank."""
+        target, failure = self._committer.settle()
+        if failure is not None:
+            raise CheckpointError(f"the background save of {target!r} failed: {failure}")
+        return target
+
+    def _settle_quietly(self) -> None:
+        """Before another save or a load: wait for an outstanding background save; a failure
+        is a warning (rank 0) and the new save or load goes on (the SIGTERM save too)."""
+        target, failure = self._committer.settle()
+        if failure is not None and self._accel.rank == 0:
+            warnings.warn(f"gradsync: the background save of {target!r} failed: {failure}; "
+                          "that checkpoint does not exist", RuntimeWarning, stacklevel=4)
 
     def finish(self) -> CheckpointError | None:
         return self._committer.finish()
@@ -170,7 +185,7 @@ class CheckpointState:
             raise RuntimeError(
                 "load_state() was called inside `with accel.accumulate(model):`; call it before the loop"
             )
-        self._committer.settle()  # a background save of this very folder may still be committing
+        self._settle_quietly()  # a background save of this very folder may still be committing
         manifest = checkpoint.read_manifest(path)
         folder = Path(path)
         self._check(str(folder), manifest)
