@@ -683,7 +683,9 @@ class Accelerator:
         then makes them durable (fsync), marks the folder complete and renames it into place
         in a thread while training goes on. Until then the folder is not there
         (``latest_checkpoint`` returns the previous one); ``wait_for_checkpoint()`` waits
-        for it, and the next ``save_state``, ``load_state`` and ``end()`` do so first."""
+        for it, and the next ``save_state``, ``load_state`` and ``end()`` do so first. A
+        failed commit raises from ``wait_for_checkpoint()`` or ``end()``; the next save or
+        load warns about it and goes on."""
         with naming_collective(f"save_state({os.fspath(path)!r})", self._timeout):
             return self._state.save(path, keep_last, background=background)
 
