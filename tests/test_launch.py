@@ -257,6 +257,22 @@ def test_the_readme_example_prints_no_warning_and_shows_learning():
     assert last < first / 5, summary[0]
 
 
+@pytest.mark.multiprocess
+def test_the_example_checkpoints_in_the_background_and_resumes(tmp_path):
+    """examples/train.py --checkpoints: the first run saves every 5 steps in the background
+    (keep_last=2); a second run resumes from the newest and finishes the same 24 steps."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    cmd = [sys.executable, "-m", "gradsync", "launch", "--nproc-per-node", "2",
+           "--gradient-accumulation-steps", "4", str(EXAMPLE), "--checkpoints", str(tmp_path)]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-15", "step-20"]
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"resumed from {tmp_path / 'step-20'} at step 20" in second.stdout, second.stdout
+    assert "done: 24 optimizer steps" in second.stdout
+
+
 def test_numpy_is_a_base_dependency():
     """torch warns at import ("Failed to initialize NumPy") where numpy is missing."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
