@@ -191,26 +191,23 @@ class Committer:
         self._outstanding: str | None = None  # the folder a background save is committing
         self._pending: _Commit | None = None  # rank 0: the thread committing it
 
-    def settle(self) -> tuple[str | None, str | None]:
+    def settle(self) -> tuple[str | None, CheckpointError | None]:
         """Wait until the outstanding background commit is done (collective when there is
-        one): (its folder, None), (its folder, why it failed), or (None, None) when none was
-        outstanding. Each outcome is returned once."""
+        one): (its folder, None), (its folder, the error saying why it failed), or
+        (None, None) when none was outstanding. Each outcome is returned once."""
         target, self._outstanding = self._outstanding, None
         if target is None:
             return None, None
-        error = self._wait()
-        message: str | None = broadcast(_describe(error))
-        return target, message
+        message: str | None = broadcast(_describe(self._wait()))
+        return target, None if message is None else _failed(target, message)
 
     def finish(self) -> CheckpointError | None:
         """At the end of training (not collective: the other ranks may be gone): rank 0
         waits for the outstanding commit; its failure, as an error to raise once the
         process group is torn down."""
         target, self._outstanding = self._outstanding, None
-        error = self._wait()
-        if error is None:
-            return None
-        return CheckpointError(f"the background save of {target!r} failed: {_describe(error)}")
+        message = _describe(self._wait())
+        return None if message is None else _failed(target, message)
 
     def _wait(self) -> BaseException | None:
         pending, self._pending = self._pending, None
@@ -256,13 +253,8 @@ class Committer:
         try:
             if error is None:
                 names = _files(tmp)
-                # Rank 0 fsyncs every file in a thread while each rank sums its share of them.
-                syncing = _Background(_fsync_all, tmp, names) if rank == 0 else None
-                try:
-                    mine = {name: _crc(tmp / name) for name in _share(tmp, names, rank, world)}
-                finally:
-                    if syncing is not None:
-                        syncing.result()
+                # Each rank sums its share of the files while rank 0 fsyncs all of them.
+                mine = _summed_while_syncing(tmp, _share(tmp, names, rank, world), names if rank == 0 else [])
         except Exception as err:
             error = error or err
         parts = _all_gather((_describe(error), mine))
@@ -274,10 +266,8 @@ class Committer:
                     sums.update(part or {})
                 # Rank 0's listing is the checkpoint; it sums what no rank did (a rank whose
                 # view of a shared filesystem lagged).
-                files = {n: list(sums[n] if n in sums else _crc(tmp / n)) for n in names}
-                _mark_and_rename(tmp, target, {**manifest, "files": files})
-                if keep_last is not None:
-                    prune(target, keep_last)
+                _install(tmp, target, manifest, {n: sums[n] if n in sums else _crc(tmp / n) for n in names},
+                         keep_last)
             except Exception as err:
                 error = err
                 shutil.rmtree(tmp, ignore_errors=True)  # gone already where the rename was done
@@ -285,10 +275,10 @@ class Committer:
 
 
 class _Background:
-    """``fn(*args)`` in a plain thread (a ThreadPoolExecutor refuses work once the
-    interpreter is shutting down, which is when an unfinished background commit runs)."""
+    """``fn(*args)`` in a plain thread, not a daemon (a ThreadPoolExecutor refuses work once
+    the interpreter is shutting down, which is when an unfinished background commit runs)."""
 
-    def __init__(self, fn: Any, *args: Any) -> None:
+    def __init__(self, name: str, fn: Any, *args: Any) -> None:
         self._error: BaseException | None = None
 
         def run() -> None:
@@ -297,13 +287,34 @@ class _Background:
             except BaseException as err:
                 self._error = err
 
-        self._thread = threading.Thread(target=run, name="gradsync-fsync")
+        self._thread = threading.Thread(target=run, name=name)
         self._thread.start()
 
-    def result(self) -> None:
+    def error(self) -> BaseException | None:
+        """Wait for it; what it raised, if anything."""
         self._thread.join()
-        if self._error is not None:
-            raise self._error
+        return self._error
+
+
+def _summed_while_syncing(folder: Path, to_sum: list[str], to_sync: list[str]) -> dict[str, tuple[int, int]]:
+    """(size, CRC-32) of each file of ``to_sum``, read back while a thread fsyncs the files
+    of ``to_sync``; raises what either failed with."""
+    syncing = _Background("gradsync-fsync", _fsync_all, folder, to_sync) if to_sync else None
+    try:
+        return {name: _crc(folder / name) for name in to_sum}
+    finally:
+        failed = syncing.error() if syncing is not None else None
+        if failed is not None:
+            raise failed
+
+
+def _install(tmp: Path, target: Path, manifest: dict[str, Any], sums: dict[str, tuple[int, int]],
+             keep_last: int | None) -> None:
+    """The last steps of a commit, once every file is summed and on disk: the marker, the
+    rename, then ``keep_last``."""
+    _mark_and_rename(tmp, target, {**manifest, "files": {name: list(sums[name]) for name in sorted(sums)}})
+    if keep_last is not None:
+        prune(target, keep_last)
 
 
 def _raise_if_failed(tmp: Path, error: BaseException | None, parts: list[Any]) -> None:
@@ -327,31 +338,23 @@ class _Commit:
 
     def __init__(self, tmp: Path, target: Path, manifest: dict[str, Any], keep_last: int | None) -> None:
         self.target = target
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(tmp, manifest, keep_last),
-                                        name=f"gradsync-commit-{target.name}")
-        self._thread.start()
+        self._job = _Background(f"gradsync-commit-{target.name}", self._run, tmp, manifest, keep_last)
 
     def _run(self, tmp: Path, manifest: dict[str, Any], keep_last: int | None) -> None:
         try:
             names = _files(tmp)
-            syncing = _Background(_fsync_all, tmp, names)
-            try:
-                files = {name: list(_crc(tmp / name)) for name in names}
-            finally:
-                syncing.result()
-            _mark_and_rename(tmp, self.target, {**manifest, "files": files})
-            if keep_last is not None:
-                prune(self.target, keep_last)
+            _install(tmp, self.target, manifest, _summed_while_syncing(tmp, names, names), keep_last)
         except BaseException as err:  # reported by wait(); also said now, in case none comes
-            self._error = err
             shutil.rmtree(tmp, ignore_errors=True)
-            print(f"gradsync: the background save of {str(self.target)!r} failed: {_describe(err)}",
-                  file=sys.stderr, flush=True)
+            print(f"gradsync: {_failed(self.target, _describe(err) or '')}", file=sys.stderr, flush=True)
+            raise
 
     def wait(self) -> BaseException | None:
-        self._thread.join()
-        return self._error
+        return self._job.error()
+
+
+def _failed(target: object, message: str) -> CheckpointError:
+    return CheckpointError(f"the background save of {str(target)!r} failed: {message}")
 
 
 def _describe(error: BaseException | None) -> str | None:

@@ -133,16 +133,15 @@ class CheckpointState:
         failure raises CheckpointError on every rank."""
         target, failure = self._committer.settle()
         if failure is not None:
-            raise CheckpointError(f"the background save of {target!r} failed: {failure}")
+            raise failure
         return target
 
     def _settle_quietly(self) -> None:
         """Before another save or a load: wait for an outstanding background save; a failure
         is a warning (rank 0) and the new save or load goes on (the SIGTERM save too)."""
-        target, failure = self._committer.settle()
+        _, failure = self._committer.settle()
         if failure is not None and self._accel.rank == 0:
-            warnings.warn(f"gradsync: the background save of {target!r} failed: {failure}; "
-                          "that checkpoint does not exist", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"gradsync: {failure}; that checkpoint does not exist", RuntimeWarning, stacklevel=4)
 
     def finish(self) -> CheckpointError | None:
         return self._committer.finish()
