@@ -16,7 +16,9 @@ from harness import run_scenarios
 from scenarios.common import (
     DROPS,
     assert_dropped_window_leaks_nothing,
+    assert_export_is_the_gathered_model,
     assert_matches_one_process,
+    assert_mid_window_save_refused,
     make_model,
     max_diff,
     reference,
@@ -393,28 +395,10 @@ def test_the_self_check_stays_silent(results):
 
 
 def test_a_mid_window_save_is_refused_on_every_rank_and_a_boundary_save_works(results):
-    """Both kinds of save (default, background=True) two micro-steps into a window: one line
-    that says to save at a boundary, on both ranks, no folder left; at the boundary both
-    save, the background one is committed, and it loads back."""
-    for rank in results["mid_window_save"]:
-        for background in (False, True):
-            message = rank[f"mid_background_{background}"]
-            assert message.startswith("RuntimeError: save_state() inside an accumulation window is not "
-                                      "supported with backend='deepspeed'"), message
-            assert "call it at a boundary" in message and "\n" not in message
-        assert rank["left_after_refusal"] == []
-        assert [p.rsplit("/", 1)[-1] for p in rank["boundary_saves"]] == ["b-default", "b-background"]
-        assert rank["committed"].endswith("b-background")
-        assert rank["after"] == ["b-background", "b-default"]
-        assert rank["restored"] is True
+    assert_mid_window_save_refused(results["mid_window_save"], "deepspeed")
 
 
 def test_save_model_writes_the_gathered_weights_once_on_rank_0(results):
-    """``save_model`` of a tied model after one window: rank 0's safetensors file equals the
-    gathered state dict, with the tied weight written once and named in the metadata."""
-    for key in ("export_s2", "export_s3"):
-        rank0 = results[key][0]
-        assert rank0["keys"] == ["embed.weight", "mid.bias", "mid.weight"], rank0
-        assert rank0["tied"] == {"head.weight": "embed.weight"}
-        assert rank0["equal_to_gathered"] is True and rank0["trained"] is True
-        assert all(r["path_name"] == "model.safetensors" for r in results[key])
+    """``save_model`` of a tied model after one window."""
+    assert_export_is_the_gathered_model(results["export_s2"])
+    assert_export_is_the_gathered_model(results["export_s3"])

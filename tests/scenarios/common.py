@@ -369,3 +369,31 @@ def export_model(accel: Any) -> dict[str, Any]:
 
         shutil.rmtree(root)
     return out
+
+
+def assert_mid_window_save_refused(rank_results: list[dict[str, Any]], backend: str) -> None:
+    """What ``mid_window_save_refused`` recorded: both kinds of save (default,
+    background=True) two micro-steps into a window are one line that says to save at a
+    boundary, on both ranks, with no folder left; at the boundary both save, the background
+    one is committed, and it loads back."""
+    for rank in rank_results:
+        for background in (False, True):
+            message = rank[f"mid_background_{background}"]
+            assert message.startswith("RuntimeError: save_state() inside an accumulation window is not "
+                                      f"supported with backend='{backend}'"), message
+            assert "call it at a boundary" in message and "\n" not in message
+        assert rank["left_after_refusal"] == []
+        assert [p.rsplit("/", 1)[-1] for p in rank["boundary_saves"]] == ["b-default", "b-background"]
+        assert rank["committed"].endswith("b-background")
+        assert rank["after"] == ["b-background", "b-default"]
+        assert rank["restored"] is True
+
+
+def assert_export_is_the_gathered_model(rank_results: list[dict[str, Any]]) -> None:
+    """What ``export_model`` recorded: rank 0's safetensors file equals the gathered state
+    dict, with the tied weight written once and named in the metadata."""
+    rank0 = rank_results[0]
+    assert rank0["keys"] == ["embed.weight", "mid.bias", "mid.weight"], rank0
+    assert rank0["tied"] == {"head.weight": "embed.weight"}
+    assert rank0["equal_to_gathered"] is True and rank0["trained"] is True
+    assert all(r["path_name"] == "model.safetensors" for r in rank_results)
