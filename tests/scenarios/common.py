@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -397,3 +400,24 @@ def assert_export_is_the_gathered_model(rank_results: list[dict[str, Any]]) -> N
     assert rank0["tied"] == {"head.weight": "embed.weight"}
     assert rank0["equal_to_gathered"] is True and rank0["trained"] is True
     assert all(r["path_name"] == "model.safetensors" for r in rank_results)
+
+
+@contextlib.contextmanager
+def captured_log(level: int = logging.INFO) -> Iterator[list[str]]:
+    """The messages gradsync logs at ``level`` or above inside the block (the "gradsync"
+    logger is let through down to ``level``)."""
+    logger = logging.getLogger("gradsync")
+    messages: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Capture(level)
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > level:
+        logger.setLevel(level)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)

@@ -15,7 +15,15 @@ from torch.utils.data import DataLoader
 
 from gradsync import Accelerator, audit
 
-from scenarios.common import Indexed, make_model, make_optimizer, make_scheduler, to_lists, train
+from scenarios.common import (
+    Indexed,
+    captured_log,
+    make_model,
+    make_optimizer,
+    make_scheduler,
+    to_lists,
+    train,
+)
 
 
 def setup_process_group() -> None:
@@ -43,15 +51,6 @@ def ds_config(stage: int, **extra: Any) -> dict[str, Any]:
             **extra}
 
 
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def train_ds(*, stage: int, steps: int, policy: str = "auto", mixed_precision: str = "no",
              ds_extra: dict[str, Any] | None = None, budget: int | None = None,
              checkpointing: Any = None, compile: bool | None = None,
@@ -66,16 +65,11 @@ def train_ds(*, stage: int, steps: int, policy: str = "auto", mixed_precision: s
     model = kwargs.setdefault("model", make_model())
     assert accel.audit is not None
     start = len(accel.audit.records)
-    logger, logged = logging.getLogger("gradsync"), _Capture()
-    logger.addHandler(logged)
-    logger.setLevel(logging.INFO)
-    try:
+    with captured_log() as logged:
         out = train(accel, **kwargs)
-    finally:
-        logger.removeHandler(logged)
     out["stage"] = stage
     out["reason"] = accel.sync_policy_reason
-    out["logged"] = [m for m in logged.messages if "sync_policy" in m]
+    out["logged"] = [m for m in logged if "sync_policy" in m]
     # modules whose forward gradsync made recompute in backward (activation_checkpointing)
     out["checkpointed"] = sorted(type(m).__name__ for m in model.modules()
                                  if getattr(m, "_gradsync_checkpointed", False))

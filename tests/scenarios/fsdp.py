@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -14,7 +13,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
 from gradsync import Accelerator
 
-from scenarios.common import Block, make_model, make_optimizer, train
+from scenarios.common import Block, captured_log, make_model, make_optimizer, train
 
 
 def _accel(steps: int, policy: str = "auto", **options: Any) -> Accelerator:
@@ -48,15 +47,6 @@ def grad_bytes(model: nn.Module) -> dict[str, int]:
                     local = g.to_local()
                     sharded += local.numel() * local.element_size()
     return {"unsharded": unsharded, "sharded": sharded}
-
-
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def train_fsdp(*, steps: int, policy: str = "auto", mixed_precision: str | None = None,
@@ -102,13 +92,8 @@ def memory(*, policy: str, budget: int | None = None) -> dict[str, Any]:
     accel = _accel(2, policy, fsdp_memory_budget=budget)
     raw = make_model()
     params = sum(p.numel() for p in raw.parameters())
-    logger, logged = logging.getLogger("gradsync"), _Capture()
-    logger.addHandler(logged)
-    logger.setLevel(logging.INFO)
-    try:
+    with captured_log() as logged:
         model, _ = accel.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.1))
-    finally:
-        logger.removeHandler(logged)
     shard = sum(p.to_local().numel() for p in model.parameters())
     held = []
     for _ in range(2):
@@ -117,7 +102,7 @@ def memory(*, policy: str, budget: int | None = None) -> dict[str, Any]:
             held.append(grad_bytes(model))
     return {"policy": accel.sync_policy, "reason": accel.sync_policy_reason,
             "memory": accel._backend.memory,  # type: ignore[attr-defined]
-            "logged": logged.messages, "off_boundary": held[0], "boundary": held[1], "param_numel": params, "shard_numel": shard}
+            "logged": logged, "off_boundary": held[0], "boundary": held[1], "param_numel": params, "shard_numel": shard}
 
 
 def drop_kept_window() -> dict[str, Any]:

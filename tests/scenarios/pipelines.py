@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler, WeightedRando
 from gradsync import Accelerator, audit
 from gradsync.backends import _dist
 
-from scenarios.common import Indexed, Net, make_scheduler, to_lists
+from scenarios.common import Indexed, Net, captured_log, make_scheduler, to_lists
 
 FEATURES = 8
 
@@ -25,25 +25,6 @@ FEATURES = 8
 def setup_process_group() -> None:
     """The group the DDP adapter creates when the self-check is on and audit is off."""
     _dist.ensure_process_group("ddp", want_audit=False, self_check=True)
-
-
-class _Captured(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-class captured_warnings:
-    def __enter__(self) -> list[str]:
-        self.handler = _Captured()
-        logging.getLogger("gradsync").addHandler(self.handler)
-        return self.handler.messages
-
-    def __exit__(self, *exc: Any) -> None:
-        logging.getLogger("gradsync").removeHandler(self.handler)
 
 
 def _recorder_state() -> dict[str, Any]:
@@ -63,7 +44,7 @@ def self_check(*, loop: str, backend: str = "ddp", steps: int = 4, windows: int 
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     model, opt = accel.prepare(model, opt)
     data = Indexed(64)
-    with captured_warnings() as messages:
+    with captured_log(logging.WARNING) as messages:
         for i in range(windows * steps):
             x, y = data.x[2 * i : 2 * i + 2], data.y[2 * i : 2 * i + 2]
             if loop == "forward_outside":
