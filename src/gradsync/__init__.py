@@ -12,23 +12,22 @@ from typing import TYPE_CHECKING, Any
 
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
-from gradsync.errors import ConfigError
+from gradsync.errors import CheckpointError, CollectiveError, ConfigError, UsageError
 
 if TYPE_CHECKING:
     from gradsync import audit
     from gradsync.accelerator import Accelerator
-    from gradsync.checkpoint import CheckpointError, latest_checkpoint
+    from gradsync.checkpoint import latest_checkpoint
     from gradsync.tokens import count_label_tokens
 
-__all__ = ["Accelerator", "BatchPlan", "CheckpointError", "Config", "ConfigError", "audit",
-           "count_label_tokens", "latest_checkpoint"]
+__all__ = ["Accelerator", "BatchPlan", "CheckpointError", "CollectiveError", "Config", "ConfigError",
+           "UsageError", "audit", "count_label_tokens", "latest_checkpoint"]
 __version__ = "0.1.0"
 
 # name -> module that defines it (imported on first access: these import torch)
 _LAZY = {
     "Accelerator": "gradsync.accelerator",
     "audit": "gradsync.audit",
-    "CheckpointError": "gradsync.checkpoint",
     "latest_checkpoint": "gradsync.checkpoint",
     "count_label_tokens": "gradsync.tokens",
 }

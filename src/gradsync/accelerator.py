@@ -16,7 +16,7 @@ from gradsync import audit as audit_mod
 from gradsync import backends, checkpoint_state, metrics, selfcheck
 from gradsync._util import check_positive_int
 from gradsync.accumulation import MicroStep, Window
-from gradsync.backends import _dist
+from gradsync.backends import _group as _dist
 from gradsync.backends._amp import WindowScaler
 from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.checkpoint_state import CheckpointState

@@ -31,16 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.errors import ConfigError
+from gradsync.errors import CheckpointError, ConfigError
 
 MANIFEST = "gradsync_checkpoint.json"
 FORMAT_VERSION = 1
 _TMP_SUFFIX = ".gradsync-tmp"
 _OLD_SUFFIX = ".gradsync-old"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be loaded: the message names the path and the problem."""
 
 
 # -- the process group, when there is one ------------------------------------

@@ -1,4 +1,12 @@
-"""The exception types: invalid settings, and a collective that another rank left hanging."""
+"""Every exception gradsync raises on purpose.
+
+* :class:`ConfigError` (a ``ValueError``): a setting or an argument is invalid.
+* :class:`UsageError` (a ``RuntimeError``): a call in the wrong place or order.
+* :class:`CheckpointError` (a ``RuntimeError``): a checkpoint cannot be saved or loaded.
+* :class:`CollectiveError` (a ``RuntimeError``): another rank stopped answering.
+
+Each message names what was wrong and the fix.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,15 @@ from typing import Any, Literal
 
 class ConfigError(ValueError):
     """An invalid gradsync setting. The message names the setting, the value and the fix."""
+
+
+class UsageError(RuntimeError):
+    """A gradsync call in the wrong place or order (e.g. ``backward`` outside ``accumulate``
+    with accumulation on). The message names the call and the fix."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded: the message names the path and the problem."""
 
 
 #: Words of torch's errors when a collective waited too long or a peer went away.

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync import _torch_compat
-from gradsync.backends import _amp, _ddp_compat, _dist, _modules, _plain_state
+from gradsync.backends import _amp, _ddp_compat, _group, _modules, _plain_state
 from gradsync.backends._amp import WindowScaler
 from gradsync.backends.base import SyncPolicy, clear_grads, is_frozen, refuse_native
 from gradsync.batching import BatchPlan
@@ -49,7 +49,7 @@ class DDPBackend:
         self.ddp_kwargs = dict(config.ddp_kwargs or {})
         self._checkpointing = config.activation_checkpointing
         self._compile = _modules.compile_kwargs(config)
-        self._dtype = _amp.autocast_dtype(config, _dist.local_device())
+        self._dtype = _amp.autocast_dtype(config, _group.local_device())
         if config.find_unused_parameters:
             if self.ddp_kwargs.get("find_unused_parameters", True) is not True:
                 raise ConfigError(
@@ -57,11 +57,11 @@ class DDPBackend:
                     "False}; keep one of them"
                 )
             self.ddp_kwargs["find_unused_parameters"] = True
-        self.owns_group = _dist.ensure_process_group(
+        self.owns_group = _group.ensure_process_group(
             self.name, want_audit=config.audit, self_check=config.self_check and self.policy == "defer",
             timeout=config.timeout,
         )
-        self._device = _dist.local_device()
+        self._device = _group.local_device()
         # At the boundary every rank holds the same all-reduced gradients, which carry any
         # rank's inf/NaN: each rank's own check sees the same overflow, no extra collective.
         self.scaler = _amp.make_scaler(config, self._device, sharded=False)
@@ -77,7 +77,7 @@ class DDPBackend:
         model = model.to(self._device)
         if is_frozen(model):
             # Nothing to synchronise (a reference or teacher model): never wrapped in DDP.
-            _dist.broadcast_from_rank0(model)
+            _group.broadcast_from_rank0(model)
             return model, optimizer
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         wrapped = DDP(model, device_ids=device_ids, **self.ddp_kwargs)

@@ -26,7 +26,7 @@ from gradsync.backends import (
     _deepspeed_checkpoint,
     _deepspeed_compat,
     _deepspeed_policy,
-    _dist,
+    _group,
     _modules,
 )
 from gradsync.backends._amp import WindowScaler
@@ -84,7 +84,7 @@ class DeepSpeedBackend:
 
     # -- setup and prepare --------------------------------------------------
     def setup(self, config: Config) -> None:
-        if not _dist.use_cuda():
+        if not _group.use_cuda():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import_deepspeed()
         self._mixed_precision = check_precision(config.mixed_precision)
@@ -99,7 +99,7 @@ class DeepSpeedBackend:
         self.policy, self.policy_reason = _deepspeed_policy.resolve(config.sync_policy, self.stage)
         # A contradicting batch key is reported now, not later at prepare (the first window's
         # k under a schedule: gradsync drives DeepSpeed's boundary itself after that).
-        world = _dist.rank_info()[1]
+        world = _group.rank_info()[1]
         plan, _ = solve_with_schedule(
             data_parallel_size=world, global_batch_size=config.global_batch_size,
             micro_batch_size=config.micro_batch_size,
@@ -110,11 +110,11 @@ class DeepSpeedBackend:
         if "gradient_clipping" in self._ds:
             self._clip = float(self._ds["gradient_clipping"])
         # auto may defer on ZeRO 2/3 (decided at prepare): let the self-check count then too.
-        self.owns_group = _dist.ensure_process_group(
+        self.owns_group = _group.ensure_process_group(
             self.name, want_audit=config.audit, self_check=config.self_check and self.policy != "every_step",
             timeout=config.timeout,
         )
-        self._device = _dist.local_device()
+        self._device = _group.local_device()
 
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
@@ -126,7 +126,7 @@ class DeepSpeedBackend:
         if is_frozen(model) and optimizer is None:
             # A reference / teacher model: no engine, kept whole on every rank (see docs).
             model = model.to(self._device)
-            _dist.broadcast_from_rank0(model)
+            _group.broadcast_from_rank0(model)
             return model, None
         if self.engine is not None:
             raise ConfigError(
@@ -136,9 +136,9 @@ class DeepSpeedBackend:
             )
         ds = build_config(self._ds, given_optimizer=optimizer is not None, plan=plan,
                           world=dist.get_world_size(), mixed_precision=self._mixed_precision,
-                          cpu=not _dist.use_cuda())
+                          cpu=not _group.use_cuda())
         _modules.checkpoint_modules(_torch_compat.uncompiled(model), self._checkpointing)
-        if not _dist.use_cuda() and os.environ.get("GRADSYNC_DEEPSPEED_BUILD_OPS") != "1":
+        if not _group.use_cuda() and os.environ.get("GRADSYNC_DEEPSPEED_BUILD_OPS") != "1":
             import deepspeed.ops as ds_ops
 
             ds_ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of shm on CPU

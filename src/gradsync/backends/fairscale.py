@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from gradsync.backends import _amp, _dist, _fairscale_compat, _plain_state
+from gradsync.backends import _amp, _group, _fairscale_compat, _plain_state
 from gradsync.backends._amp import WindowScaler
 from gradsync.backends._fairscale_compat import OSS, FullyShardedDataParallel, ShardedDataParallel
 from gradsync.backends.base import SyncPolicy, clear_grads, is_frozen, refuse_native
@@ -87,12 +87,12 @@ class FairscaleBackend:
                 "mixed_precision='fp16' is not supported with backend='fairscale' (its sharded "
                 "loss scaling is not driven by gradsync's window); use 'bf16' or 'no'"
             )
-        self._dtype = _amp.autocast_dtype(config, _dist.local_device())
+        self._dtype = _amp.autocast_dtype(config, _group.local_device())
         self.sdp_kwargs = dict(config.fairscale_kwargs or {})
-        self.owns_group = _dist.ensure_process_group(
+        self.owns_group = _group.ensure_process_group(
             self.name, want_audit=config.audit, self_check=config.self_check and self.policy == "defer"
         )
-        self._device = _dist.local_device()
+        self._device = _group.local_device()
 
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
@@ -112,7 +112,7 @@ class FairscaleBackend:
         if optimizer is None and is_frozen(model):
             # A reference / teacher model: nothing to reduce, never wrapped.
             model = model.to(self._device)
-            _dist.broadcast_from_rank0(model)
+            _group.broadcast_from_rank0(model)
             return model, None
         if optimizer is None:
             raise ConfigError(

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.tensor import DTensor
 
 from gradsync import _torch_compat
-from gradsync.backends import _amp, _dist, _fsdp_checkpoint, _fsdp_compat, _modules
+from gradsync.backends import _amp, _group, _fsdp_checkpoint, _fsdp_compat, _modules
 from gradsync.backends._amp import WindowScaler
 from gradsync.backends._fsdp_policy import (
     Keep,
@@ -84,7 +84,7 @@ class FSDPBackend:
         self._asked = config.sync_policy
         self._bf16 = config.mixed_precision == "bf16"
         if config.mixed_precision == "fp16":
-            self._dtype = _amp.check_autocast(_dist.local_device(), "fp16")
+            self._dtype = _amp.check_autocast(_group.local_device(), "fp16")
         self._checkpointing = config.activation_checkpointing
         self._compile = _modules.compile_kwargs(config)
         self._wrap = config.fsdp_wrap
@@ -99,11 +99,11 @@ class FSDPBackend:
         self._legacy_keep = config.fsdp_reshard_after_backward is False
         self.policy = "every_step" if config.sync_policy == "auto" else config.sync_policy
         self.policy_reason = f"sync_policy={config.sync_policy!r} (auto decides at prepare)"
-        self.owns_group = _dist.ensure_process_group(  # "auto" may defer: decided at prepare
+        self.owns_group = _group.ensure_process_group(  # "auto" may defer: decided at prepare
             self.name, want_audit=config.audit, self_check=config.self_check and self._asked != "every_step",
             timeout=config.timeout,
         )
-        self._device = _dist.local_device()
+        self._device = _group.local_device()
         self._mesh = init_device_mesh(self._device.type, (dist.get_world_size(),))
         self.scaler = _amp.make_scaler(config, self._device, sharded=True)
 

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 
 from gradsync import _torch_compat
-from gradsync.backends import _amp, _dist, _modules, _plain_state
+from gradsync.backends import _amp, _group, _modules, _plain_state
 from gradsync.backends._amp import WindowScaler
 from gradsync.backends.base import SyncPolicy, clear_grads
 from gradsync.batching import BatchPlan
@@ -37,7 +37,7 @@ class SingleBackend:
         return self._device
 
     def setup(self, config: Config) -> None:
-        self._device = _dist.local_device()
+        self._device = _group.local_device()
         # Nothing is synchronised; report the policy asked for ("auto" defers).
         self.policy = "defer" if config.sync_policy == "auto" else config.sync_policy
         self.policy_reason = "one process: nothing to synchronise"

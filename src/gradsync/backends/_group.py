@@ -1,4 +1,4 @@
-"""Process-group helpers shared by the distributed adapters (no backend logic here)."""
+"""Creating and releasing the process group for the distributed adapters (no backend logic here)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ import torch
 import torch.distributed as dist
 
 from gradsync import audit
+from gradsync.dist import is_distributed, rank_info
+
+__all__ = ["broadcast_from_rank0", "ensure_process_group", "local_device", "rank_info",
+           "release_process_group", "use_cuda"]
 
 log = logging.getLogger("gradsync")
 
@@ -89,15 +93,6 @@ def release_process_group() -> None:
     abort the process ("terminate called without an active exception") after all work is
     done. Collecting the cycles here joins those threads cleanly.
     """
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.destroy_process_group()
     gc.collect()
-
-
-def rank_info() -> tuple[int, int, int]:
-    """(rank, world size, local rank) of this process."""
-    if dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    return rank, world, int(os.environ.get("LOCAL_RANK", str(rank)))

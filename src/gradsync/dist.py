@@ -1,0 +1,86 @@
+"""Rank, world and the few collectives gradsync itself needs, with or without a process group.
+
+Every module that asks "is there a group?", "which rank am I?" or needs rank 0's value on
+every rank asks here. Rank and world come from one function, :func:`rank_info`: where no
+group exists yet it reads the launch environment.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    """A process group exists in this process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def is_multiprocess() -> bool:
+    """A process group of more than one rank exists."""
+    return is_distributed() and dist.get_world_size() > 1
+
+
+def rank_info() -> tuple[int, int, int]:
+    """(rank, world size, local rank) of this process: the group's where there is one, else
+    what the launcher's environment says (one process when it says nothing)."""
+    if is_distributed():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return rank, world, int(os.environ.get("LOCAL_RANK", str(rank)))
+
+
+def rank() -> int:
+    """This process's rank (0 without a group)."""
+    return rank_info()[0]
+
+
+def world_size() -> int:
+    """The number of processes (1 without a group)."""
+    return rank_info()[1]
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for without a group)."""
+    if is_distributed():
+        dist.barrier()
+
+
+def broadcast_object(value: Any) -> Any:
+    """Rank 0's ``value`` (a picklable object) on every rank."""
+    if not is_multiprocess():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather_object(value: Any) -> list[Any]:
+    """Every rank's ``value`` (a picklable object), in rank order."""
+    if not is_multiprocess():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when ``flag`` is true on any rank (one small all-reduce)."""
+    if not is_multiprocess():
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The smallest ``value`` over the ranks (one small all-reduce)."""
+    if not is_multiprocess():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
