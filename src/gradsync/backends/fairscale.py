@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from gradsync.backends import _amp, _group, _fairscale_compat, _plain_state
+from gradsync.backends import _amp, _fairscale_compat, _group, _plain_state
 from gradsync.backends._amp import WindowScaler
 from gradsync.backends._fairscale_compat import OSS, FullyShardedDataParallel, ShardedDataParallel
 from gradsync.backends.base import SyncPolicy, clear_grads, is_frozen, refuse_native

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.tensor import DTensor
 
 from gradsync import _torch_compat
-from gradsync.backends import _amp, _group, _fsdp_checkpoint, _fsdp_compat, _modules
+from gradsync.backends import _amp, _fsdp_checkpoint, _fsdp_compat, _group, _modules
 from gradsync.backends._amp import WindowScaler
 from gradsync.backends._fsdp_policy import (
     Keep,
