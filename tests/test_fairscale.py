@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import socket
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from gradsync import Accelerator, ConfigError
+from gradsync import Accelerator, ConfigError, audit
 
 from harness import run_scenarios
 from scenarios.common import (
@@ -203,7 +206,7 @@ def test_window_clears_keep_gradients_inside_the_reduce_buckets(results):
 @pytest.mark.multiprocess
 def test_misuse_gives_clear_errors(results):
     for m in results["misuse"]:
-        assert m["unprepared"].startswith("RuntimeError") and "not the ShardedDataParallel model" in m["unprepared"]
+        assert m["unprepared"].startswith("UsageError") and "not the ShardedDataParallel model" in m["unprepared"]
         assert m["clip_subset"].startswith("ConfigError") and "pass model.parameters()" in m["clip_subset"]
         assert m["no_optimizer"].startswith("ConfigError") and "needs the optimizer" in m["no_optimizer"]
         for key in ("oss", "sdp"):
@@ -283,6 +286,27 @@ def test_gradsync_env_lists_the_backend():
         assert "not installed (pip install 'gradsync[fairscale]')" in line
     else:
         assert "available (legacy" in line and "backend='fsdp'" in line
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("backend", ["fairscale", "ddp", "fsdp", "deepspeed"])
+def test_the_group_gradsync_creates_has_the_configured_timeout(clean_env, backend):
+    """``timeout=`` reaches the process group gradsync creates on every backend (fairscale
+    once created its group with torch's default and ignored it). One rank, in this process."""
+    if backend in ("fairscale", "deepspeed"):
+        pytest.importorskip(backend)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(_free_port())}.items():
+        clean_env.setenv(key, value)
+    Accelerator(backend=backend, timeout=7)
+    group = dist.group.WORLD
+    assert isinstance(group, audit.AuditProcessGroup)  # gloo under the self-check's counting wrapper
+    assert group.inner.options._timeout == timedelta(seconds=7)
 
 
 def test_a_missing_private_attribute_names_the_supported_version():

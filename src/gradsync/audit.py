@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from gradsync import _torch_compat
 from gradsync._util import human_bytes
+from gradsync.dist import is_distributed
 
 #: Ops that reduce data (the gradient synchronisation of every backend is one of these).
 REDUCTIONS = frozenset({"allreduce", "reduce_scatter", "reduce"})
@@ -303,8 +304,9 @@ for _name, _method in list(vars(AuditProcessGroup).items()):
 
 def _world_recorder() -> Recorder | None:
     """Groups made after the audited world group (DeepSpeed clones it, device meshes make
-    their own) record into the world's recorder, so one recorder sees the whole process."""
-    return recorder_of() if dist.is_initialized() else None
+    their own) record into the world's recorder, so one recorder sees the whole process
+    (None while the world group itself is being made)."""
+    return recorder_of()
 
 
 def _make_gloo(store: Any, rank: int, world_size: int, timeout: timedelta) -> AuditProcessGroup:
@@ -329,7 +331,7 @@ def register() -> None:
 
 def recorder_of(group: Any = None) -> Recorder | None:
     """The recorder of ``group`` (default: the world group), or None when it is not audited."""
-    if not dist.is_available() or not dist.is_initialized():
+    if not is_distributed():
         return None
     pg = group if group is not None else dist.group.WORLD
     return pg.recorder if isinstance(pg, AuditProcessGroup) else None

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gradsync.errors import naming_collective
+from gradsync.errors import ConfigError, naming_collective
 
 if TYPE_CHECKING:
     from gradsync.accumulation import WindowView
@@ -78,7 +78,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         if closure is not None:
-            raise ValueError(
+            raise ConfigError(
                 "step(closure) is not supported under gradient accumulation; "
                 "call the closure yourself inside accel.accumulate()"
             )

@@ -17,7 +17,7 @@ import torch
 
 from gradsync import _torch_compat
 from gradsync.config import Config
-from gradsync.errors import ConfigError
+from gradsync.errors import ConfigError, UsageError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -97,7 +97,7 @@ class WindowScaler:
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step unless a rank found inf/NaN; return whether the step was applied."""
         if id(optimizer) in self._stepped:
-            raise RuntimeError(
+            raise UsageError(
                 "optimizer.step() was called twice in one accumulation window with "
                 "mixed_precision='fp16'; the gradients were already unscaled and applied: "
                 "call step() once per window"

@@ -1,5 +1,6 @@
 """DeepSpeed checkpoints: the engine's own ``save_checkpoint`` / ``load_checkpoint`` (every
-rank writes its ZeRO partitions), plus frozen models (no engine) as plain files from rank 0.
+rank writes its ZeRO partitions), plus frozen models (no engine) as plain files from rank 0;
+and the full fp32 weights that ``save_model`` exports.
 Only at a boundary: DeepSpeed keeps a window's gradients in its optimizer's private
 buffers, which its checkpoints do not hold."""
 
@@ -10,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from gradsync.backends import _plain_state
-from gradsync.checkpoint import CheckpointError, load_file, save_file
+from gradsync import dist
+from gradsync.backends import _deepspeed_compat, _plain_state
+from gradsync.checkpoint.folder import load_file, save_file
+from gradsync.errors import CheckpointError
 
 _TAG = "state"
 
@@ -24,7 +26,7 @@ def refuse_open_window() -> None:
 
 def save(path: Path, engine: Any, models: Sequence[torch.nn.Module]) -> None:
     engine.save_checkpoint(str(path / "deepspeed"), tag=_TAG, save_latest=False)
-    if dist.get_rank() == 0:
+    if dist.rank() == 0:
         for i, model in enumerate(models):
             if model is not engine:
                 save_file(model.state_dict(), path / f"model_{i}.pt")
@@ -46,3 +48,21 @@ def load(path: Path, engine: Any, models: Sequence[torch.nn.Module]) -> None:
         raise CheckpointError(f"checkpoint {str(folder)!r}: DeepSpeed could not load it (see its log)")
     for i, state in frozen.items():
         models[i].load_state_dict(state)
+
+
+def full_weights(engine: Any, module: torch.nn.Module) -> dict[str, Any]:
+    """The full fp32 weights of ``module`` (the engine's, unwrapped) on every rank, on the CPU
+    (a collective: call it on all ranks)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    params = dict(module.named_parameters())
+    masters = _deepspeed_compat.flat_fp32_masters(engine)
+    out: dict[str, Any] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if key in params:
+            full = safe_get_full_fp32_param(params[key])
+            full = masters.get(id(params[key])) if full is None else full
+            out[key] = (full if full is not None else params[key]).detach().float().cpu().clone()
+        else:
+            out[key] = value.detach().cpu().clone()
+    return out

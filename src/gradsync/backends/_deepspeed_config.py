@@ -9,10 +9,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gradsync.batching import solve_with_schedule
 from gradsync.errors import ConfigError
 
 if TYPE_CHECKING:
     from gradsync.batching import BatchPlan
+    from gradsync.config import Config
 
 _BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 
@@ -92,6 +94,18 @@ def check_batch(ds: dict[str, Any], *, micro: int | None, steps: int, world: int
                 "the Accelerator's batch settings to agree"
             )
     return ds
+
+
+def check_setup_batch(ds: dict[str, Any], config: Config, world: int) -> None:
+    """Report a batch key that contradicts gradsync's settings at setup, not later at prepare
+    (under a schedule, against the first window's k: gradsync drives DeepSpeed's boundary
+    itself after that)."""
+    plan, _ = solve_with_schedule(
+        data_parallel_size=world, global_batch_size=config.global_batch_size,
+        micro_batch_size=config.micro_batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+    )
+    check_batch(ds, micro=plan.micro_batch_size, steps=plan.gradient_accumulation_steps, world=world)
 
 
 def build_config(

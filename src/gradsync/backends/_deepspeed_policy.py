@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from gradsync import dist
 from gradsync.backends import _deepspeed_compat
 from gradsync.backends._memory import agreed_budget, extra_text
 from gradsync.config import RequestedPolicy, SyncPolicy
@@ -43,7 +43,7 @@ def decide(engine: Any, stage: int, budget: tuple[int | None, str], device: torc
             f"{version} cannot coalesce the reduction for its {type(engine.optimizer).__name__} "
             "(coalesce_grad_reduction raises NotImplementedError for the BF16/FP16 optimizer "
             "wrappers)"), {}
-    world = dist.get_world_size()
+    world = dist.world_size()
     full = _deepspeed_compat.full_gradient_bytes(engine)
     extra = full - full // world
     b = agreed_budget(*budget, device)

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -18,8 +17,10 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from gradsync import dist
 from gradsync.backends import _fsdp_compat
-from gradsync.checkpoint import CheckpointError, load_file, save_file
+from gradsync.checkpoint.folder import load_file, save_file
+from gradsync.errors import CheckpointError
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -58,12 +59,12 @@ def save(path: Path, models: Sequence[nn.Module], optimizers: Sequence[Any], *,
         window = [{"sharded": _sharded_grads(m),
                    "unsharded": _fsdp_compat.window_grads(m) if isinstance(m, FSDPModule) else []}
                   for m in models]
-        save_file(window, path / f"window_rank{dist.get_rank()}.pt")
+        save_file(window, path / f"window_rank{dist.rank()}.pt")
 
 
 def load(path: Path, models: Sequence[nn.Module], optimizers: Sequence[Any], *,
          window_open: bool, device: torch.device) -> None:
-    window = load_file(path / f"window_rank{dist.get_rank()}.pt") if window_open else None
+    window = load_file(path / f"window_rank{dist.rank()}.pt") if window_open else None
     for i, (model, opt) in enumerate(zip(models, optimizers)):
         folder = path / f"dcp_{i}"
         if not folder.is_dir():

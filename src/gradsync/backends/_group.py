@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from gradsync import audit
 from gradsync.dist import is_distributed, rank_info
+from gradsync.errors import UsageError
 
 __all__ = ["broadcast_from_rank0", "ensure_process_group", "local_device", "rank_info",
            "release_process_group", "use_cuda"]
@@ -44,7 +45,7 @@ def ensure_process_group(backend_name: str, *, want_audit: bool, self_check: boo
     checks).
     Returns True when gradsync created the group (and so should destroy it).
     """
-    if dist.is_initialized():
+    if is_distributed():
         if want_audit and audit.recorder_of() is None:
             log.warning(
                 "gradsync: audit=True, but the process group was created outside gradsync and "
@@ -53,7 +54,7 @@ def ensure_process_group(backend_name: str, *, want_audit: bool, self_check: boo
         return False
     missing = [v for v in _LAUNCH_VARS if v not in os.environ]
     if missing:
-        raise RuntimeError(
+        raise UsageError(
             f"backend={backend_name!r} needs a process group, but there is none and "
             f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; launch with "
             "`gradsync launch --nproc-per-node N script.py` (or torchrun), call "

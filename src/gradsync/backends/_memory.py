@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from gradsync import dist
 from gradsync._util import human_bytes
 
 #: The share of free memory (device memory, or available RAM split over local ranks) that
@@ -61,10 +61,8 @@ def agreed_budget(given: int | None, name: str, device: torch.device) -> Budget:
     if given is not None:
         return Budget(given, name)
     free, where = available_memory(device)
-    t = torch.tensor([int(free * AUTO_BUDGET_FRACTION)], dtype=torch.int64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return Budget(int(t.item()), f"{AUTO_BUDGET_FRACTION:.0%} of {where}, min over ranks")
+    share = dist.min_over_ranks(int(free * AUTO_BUDGET_FRACTION), device)
+    return Budget(share, f"{AUTO_BUDGET_FRACTION:.0%} of {where}, min over ranks")
 
 
 def extra_text(extra: int, what: str, world: int) -> str:

@@ -10,13 +10,15 @@ from typing import Any
 
 import torch
 
-from gradsync.checkpoint import CheckpointError, load_file, save_file
+from gradsync.checkpoint.folder import load_file, save_file
+from gradsync.errors import CheckpointError, UsageError
 
 Unwrap = Callable[[torch.nn.Module], torch.nn.Module]
 
 
 def refuse_open_window(backend: str, why: str) -> None:
-    raise RuntimeError(
+    """A UsageError: ``save_state()`` inside a window, on a backend that cannot save one."""
+    raise UsageError(
         f"save_state() inside an accumulation window is not supported with backend={backend!r} "
         f"({why}); call it at a boundary, when accel.sync_gradients is True after the accumulate block"
     )

@@ -10,6 +10,10 @@ The Accelerator drives one accumulation window at a time through four hooks:
   so nothing of it reaches a later update.
 
 What an adapter does in each hook is its own business.
+
+``AdapterDefaults`` holds what most adapters do the same way (plain autograd gradients, a
+``WindowScaler`` for fp16, ``torch.nn.utils`` clipping); each adapter derives from it once
+and overrides only what differs. No adapter derives from another.
 """
 
 from __future__ import annotations
@@ -19,17 +23,20 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+import torch
+
+from gradsync import _torch_compat, dist
+from gradsync.backends import _amp
 from gradsync.config import RequestedPolicy, SyncPolicy
-from gradsync.errors import ConfigError
+from gradsync.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
-    import torch
-
     from gradsync.backends._amp import WindowScaler
     from gradsync.batching import BatchPlan
     from gradsync.config import Config
 
-__all__ = ["Backend", "RequestedPolicy", "SyncPolicy", "clear_grads", "is_frozen", "refuse_native"]
+__all__ = ["AdapterDefaults", "Backend", "RequestedPolicy", "SyncPolicy", "clear_grads", "is_frozen",
+           "not_prepared", "refuse_native"]
 
 
 class Backend(Protocol):
@@ -122,6 +129,102 @@ class Backend(Protocol):
     def load(self, path: Path, models: Sequence[torch.nn.Module],
              optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
         """Read back what ``save`` wrote (collective); check before changing anything."""
+
+
+class AdapterDefaults:
+    """The hooks most adapters share. An adapter derives from this class once, sets what it
+    needs in ``__init__`` and ``setup``, and overrides only the hooks that differ.
+
+    The defaults are those of a backend whose gradients live on the parameters (plain
+    autograd, nothing sharded): a window starts and is dropped by clearing them, the
+    micro-steps run under ``autocast()`` of ``_dtype``, fp16 goes through ``scaler`` (a
+    :class:`~gradsync.backends._amp.WindowScaler`, or None), clipping is
+    ``torch.nn.utils``' on the local (already reduced) gradients, and the state dict is the
+    unwrapped module's, on the CPU.
+    """
+
+    policy: SyncPolicy
+    policy_reason: str  # why the adapter resolved that policy, with its numbers ("" if nothing)
+    owns_group: bool  # gradsync created the process group (and releases it)
+    scaler: WindowScaler | None
+
+    def __init__(self) -> None:
+        self.policy = "defer"
+        self.policy_reason = ""
+        self.owns_group = False
+        self.scaler = None
+        self._device = torch.device("cpu")
+        self._dtype: torch.dtype | None = None  # the micro-steps' autocast dtype (None: none)
+        # What prepare does to the modules, copied from the Config at setup by the adapters
+        # that do it: activation_checkpointing, and torch.compile's arguments (None: off).
+        self._checkpointing: Any = None
+        self._compile: dict[str, Any] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
+        clear_grads(models)
+
+    def end_window(self, models: Sequence[torch.nn.Module]) -> None:
+        return None
+
+    def abort_window(self, models: Sequence[torch.nn.Module]) -> None:
+        # The window's gradients live on the parameters: clearing them drops the window.
+        clear_grads(models)
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        return _amp.autocast(self._device, self._dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.scaler is not None:  # skips on every rank when any rank found inf/NaN
+            return self.scaler.step(optimizer)
+        optimizer.step()
+        return True
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        optimizer.zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_norm_(
+        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
+        norm_type: float = 2.0,
+    ) -> torch.Tensor:
+        # At a boundary the gradients are reduced: the local norm is the global one.
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def clip_grad_value_(
+        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], clip_value: float
+    ) -> None:
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)  # element-wise
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return _torch_compat.uncompiled(model)
+
+    def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+def not_prepared(model: torch.nn.Module, expected: str, *, why: str = "",
+                 fix: str = "`model = accel.prepare(model)`") -> UsageError:
+    """The UsageError for ``accumulate()`` given a model other than the one ``prepare``
+    returned: what it got, what it expected (``expected``), what would go wrong (``why``)
+    and the fix."""
+    so = f", so {why}" if why else ""
+    return UsageError(
+        f"accumulate() got a {type(model).__name__}, not the {expected} that accel.prepare() "
+        f"returned{so}; pass the prepared model: {fix}"
+    )
 
 
 def refuse_native(policy: str, backend_name: str) -> None:

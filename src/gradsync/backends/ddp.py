@@ -3,42 +3,33 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradsync import _torch_compat
+from gradsync import _torch_compat, dist
 from gradsync.backends import _amp, _ddp_compat, _group, _modules, _plain_state
-from gradsync.backends._amp import WindowScaler
-from gradsync.backends.base import SyncPolicy, clear_grads, is_frozen, refuse_native
+from gradsync.backends.base import AdapterDefaults, is_frozen, not_prepared, refuse_native
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
 
 
-class DDPBackend:
+class DDPBackend(AdapterDefaults):
+    """Deferred gradients live on the parameters (DDP's reducer keeps no copy between
+    backward passes), so the defaults clear and clip them; what differs is the wrapping
+    and ``no_sync()``."""
+
     name: ClassVar[str] = "ddp"
     checkpoint_format: ClassVar[str] = "plain"
     reshardable: ClassVar[bool] = True  # every rank holds everything
 
     def __init__(self) -> None:
-        self.policy: SyncPolicy = "defer"
-        self.policy_reason = ""
-        self._device = torch.device("cpu")
-        self.owns_group = False
-        self._dtype: torch.dtype | None = None  # autocast dtype
-        self.scaler: WindowScaler | None = None
-        self._checkpointing: Any = None
-        self._compile: dict[str, Any] | None = None
+        super().__init__()
         self.ddp_kwargs: dict[str, Any] = {}
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     def setup(self, config: Config) -> None:
         refuse_native(config.sync_policy, self.name)
@@ -85,9 +76,6 @@ class DDPBackend:
         _modules.compile_in_place(wrapped, None if compiled else self._compile)
         return wrapped, optimizer
 
-    def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
-        clear_grads(models)
-
     @contextlib.contextmanager
     def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
         model = _torch_compat.uncompiled(model)
@@ -96,11 +84,8 @@ class DDPBackend:
                 with self.autocast():
                     yield
                 return
-            raise RuntimeError(
-                f"accumulate() got a {type(model).__name__}, not the DistributedDataParallel model "
-                "that accel.prepare() returned, so gradients would sync on every micro-step; "
-                "pass the prepared model: `model = accel.prepare(model)`"
-            )
+            raise not_prepared(model, "DistributedDataParallel model",
+                               why="gradients would sync on every micro-step")
         # no_sync() saves require_backward_grad_sync and puts the saved value back on exit.
         defer = not boundary and self.policy != "every_step"
         try:
@@ -111,62 +96,18 @@ class DDPBackend:
                 raise  # with the flag on, torch's own advice is the one that applies
             raise RuntimeError(_unused_message(model, str(err))) from None
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return _amp.autocast(self._device, self._dtype)
-
-    def end_window(self, models: Sequence[torch.nn.Module]) -> None:
-        return None
-
-    def abort_window(self, models: Sequence[torch.nn.Module]) -> None:
-        # Deferred gradients live on the parameters (DDP's reducer keeps no copy between
-        # backward passes), so clearing them drops the window.
-        clear_grads(models)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
-
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        if self.scaler is not None:  # skips on every rank when any rank overflowed
-            return self.scaler.step(optimizer)
-        optimizer.step()
-        return True
-
-    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        optimizer.zero_grad(set_to_none=set_to_none)
-
-    def clip_grad_norm_(
-        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
-        norm_type: float = 2.0,
-    ) -> torch.Tensor:
-        # At the boundary DDP has all-reduced the gradients: the local norm is the global one.
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
-
-    def clip_grad_value_(
-        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], clip_value: float
-    ) -> None:
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)  # reduced: equal on all ranks
-
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         model = _torch_compat.uncompiled(model)  # compiled after prepare, or before it
         return _torch_compat.uncompiled(model.module if isinstance(model, DDP) else model)
 
-    def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
-        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
-
-    def barrier(self) -> None:
-        dist.barrier()
-
     def save(self, path: Path, models: Sequence[torch.nn.Module],
              optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
-        _plain_state.save(path, models, optimizers, self.unwrap, dist.get_rank(), window_open=window_open)
+        _plain_state.save(path, models, optimizers, self.unwrap, dist.rank(), window_open=window_open)
 
     def load(self, path: Path, models: Sequence[torch.nn.Module],
              optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
-        _plain_state.load(path, models, optimizers, self.unwrap, dist.get_rank(), window_open=window_open)
+        _plain_state.load(path, models, optimizers, self.unwrap, dist.rank(), window_open=window_open)
+
 
 def _unused_message(model: DDP, torch_message: str) -> str:
     """One line for DDP's "Expected to have finished reduction" error: which parameters got

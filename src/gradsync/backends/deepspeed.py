@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 
-from gradsync import _torch_compat
+from gradsync import _torch_compat, dist
 from gradsync.backends import (
     _deepspeed_checkpoint,
     _deepspeed_compat,
@@ -29,15 +27,21 @@ from gradsync.backends import (
     _group,
     _modules,
 )
-from gradsync.backends._amp import WindowScaler
+from gradsync.backends._deepspeed_clip import Clipping, global_norm, refuse_clip_by_value
 from gradsync.backends._deepspeed_config import (
     build_config,
-    check_batch,
     check_precision,
+    check_setup_batch,
     load_ds_config,
 )
-from gradsync.backends.base import RequestedPolicy, SyncPolicy, clear_grads, is_frozen
-from gradsync.batching import BatchPlan, solve_with_schedule
+from gradsync.backends.base import (
+    AdapterDefaults,
+    RequestedPolicy,
+    clear_grads,
+    is_frozen,
+    not_prepared,
+)
+from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
 
@@ -55,32 +59,27 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
-class DeepSpeedBackend:
+class DeepSpeedBackend(AdapterDefaults):
+    """The engine owns gradients, loss scaling and clipping: ``scaler`` stays None (DeepSpeed
+    scales fp16 losses itself, from its config's fp16 section, and unscales them inside
+    ``step()``), so the defaults' ``unscale_`` does nothing; ``barrier`` is the default."""
+
     name: ClassVar[str] = "deepspeed"
     checkpoint_format: ClassVar[str] = "deepspeed"  # the engine's own checkpoints
     reshardable: ClassVar[bool] = False
 
     def __init__(self) -> None:
-        self.policy: SyncPolicy = "native"
-        self.policy_reason = ""
-        self.owns_group = False
-        self.scaler: WindowScaler | None = None  # DeepSpeed scales fp16 losses itself (its config's fp16 section)
-        self._device = torch.device("cpu")
+        super().__init__()
+        self.policy = "native"
         self._mixed_precision = "no"
-        self._checkpointing: Any = None
-        self._compile: dict[str, Any] | None = None
         self._ds: dict[str, Any] = {}
         self.stage = 0
         self.engine: Any = None
         # The window's coalesce_grad_reduction() block, open from begin_window until the
         # boundary's backward (or end_window / abort_window) closes it.
         self._coalescing: contextlib.ExitStack | None = None
-        self._clip: float | None = None  # gradient_clipping once fixed (config or first clip call)
+        self._clipping = Clipping({})  # gradient_clipping: the config's, or the first clip call's
         self.memory: dict[str, int] = {}
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     # -- setup and prepare --------------------------------------------------
     def setup(self, config: Config) -> None:
@@ -97,18 +96,8 @@ class DeepSpeedBackend:
         self._asked: RequestedPolicy = config.sync_policy
         self._budget = config.memory_budget()
         self.policy, self.policy_reason = _deepspeed_policy.resolve(config.sync_policy, self.stage)
-        # A contradicting batch key is reported now, not later at prepare (the first window's
-        # k under a schedule: gradsync drives DeepSpeed's boundary itself after that).
-        world = _group.rank_info()[1]
-        plan, _ = solve_with_schedule(
-            data_parallel_size=world, global_batch_size=config.global_batch_size,
-            micro_batch_size=config.micro_batch_size,
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-        )
-        check_batch(self._ds, micro=plan.micro_batch_size, steps=plan.gradient_accumulation_steps,
-                    world=world)
-        if "gradient_clipping" in self._ds:
-            self._clip = float(self._ds["gradient_clipping"])
+        check_setup_batch(self._ds, config, dist.world_size())
+        self._clipping = Clipping(self._ds)
         # auto may defer on ZeRO 2/3 (decided at prepare): let the self-check count then too.
         self.owns_group = _group.ensure_process_group(
             self.name, want_audit=config.audit, self_check=config.self_check and self.policy != "every_step",
@@ -135,7 +124,7 @@ class DeepSpeedBackend:
                 "if it is a reference or teacher model, or train it with another backend"
             )
         ds = build_config(self._ds, given_optimizer=optimizer is not None, plan=plan,
-                          world=dist.get_world_size(), mixed_precision=self._mixed_precision,
+                          world=dist.world_size(), mixed_precision=self._mixed_precision,
                           cpu=not _group.use_cuda())
         _modules.checkpoint_modules(_torch_compat.uncompiled(model), self._checkpointing)
         if not _group.use_cuda() and os.environ.get("GRADSYNC_DEEPSPEED_BUILD_OPS") != "1":
@@ -162,7 +151,7 @@ class DeepSpeedBackend:
         if self._asked == "auto" and self.stage in (2, 3):
             self.policy, self.policy_reason, self.memory = _deepspeed_policy.decide(
                 engine, self.stage, self._budget, self._device, deepspeed.__version__)
-        if dist.get_rank() == 0:
+        if dist.rank() == 0:
             log.info("gradsync deepspeed: sync_policy %s", self.policy_reason)
         return engine, ds_optimizer
 
@@ -201,10 +190,7 @@ class DeepSpeedBackend:
 
     def _engine(self, model: torch.nn.Module) -> Any:
         if self.engine is None or model is not self.engine:
-            raise RuntimeError(
-                f"accumulate() got a {type(model).__name__}, not the DeepSpeed engine that "
-                "accel.prepare() returned; pass the prepared model: `model = accel.prepare(model, ...)`"
-            )
+            raise not_prepared(model, "DeepSpeed engine", fix="`model = accel.prepare(model, ...)`")
         return self.engine
 
     def _flush(self) -> None:
@@ -223,9 +209,6 @@ class DeepSpeedBackend:
         if self.engine.is_gradient_accumulation_boundary():
             self._flush()
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        return None  # DeepSpeed unscales fp16 gradients inside step()
-
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         # Called only at a boundary, inside the accumulate block or after it (where the
         # engine's flag is back to its prior value), so the step sets the boundary itself.
@@ -242,42 +225,13 @@ class DeepSpeedBackend:
         self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
         norm_type: float = 2.0,
     ) -> torch.Tensor:
-        if float(norm_type) != 2.0:
-            raise ConfigError(
-                f"clip_grad_norm_(norm_type={norm_type}) with backend='deepspeed': DeepSpeed "
-                "clips by the 2-norm inside step(); use norm_type=2.0"
-            )
-        self._set_clipping(float(max_norm))
-        from deepspeed.utils import safe_get_full_grad
-
-        # The reduced gradients as DeepSpeed holds them before step(); step() clips by this norm.
-        total = torch.zeros((), dtype=torch.float64)
-        for p in parameters:
-            grad = safe_get_full_grad(p)
-            if grad is not None:
-                total += grad.detach().double().pow(2).sum().cpu()
-        return total.sqrt().float()
+        self._clipping.set(self.engine, max_norm, norm_type)
+        return global_norm(parameters)  # the norm step() clips by
 
     def clip_grad_value_(
         self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], clip_value: float
     ) -> None:
-        raise ConfigError(
-            f"clip_grad_value_({clip_value}) with backend='deepspeed': DeepSpeed keeps the reduced "
-            "gradients in its own partitions and clips only by norm inside step(); use "
-            "accel.clip_grad_norm_(params, max_norm)"
-        )
-
-    def _set_clipping(self, max_norm: float) -> None:
-        if self._clip is not None and self._clip > 0 and not math.isclose(self._clip, max_norm):
-            raise ConfigError(
-                f"clip_grad_norm_(max_norm={max_norm}) contradicts DeepSpeed gradient_clipping="
-                f"{self._clip} set earlier; DeepSpeed clips inside step() with one value, so "
-                "use the same max_norm every time (or the value in deepspeed_config)"
-            )
-        if self._clip == max_norm:
-            return
-        self._clip = max_norm
-        _deepspeed_compat.set_clipping(self.engine, max_norm)
+        raise refuse_clip_by_value(clip_value)
 
     # -- models and state ------------------------------------------------------
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -286,23 +240,7 @@ class DeepSpeedBackend:
 
     def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         """The full fp32 weights on every rank (a collective: call it on all ranks)."""
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        module = self.unwrap(model)
-        params = dict(module.named_parameters())
-        masters = _deepspeed_compat.flat_fp32_masters(self.engine)
-        out: dict[str, Any] = {}
-        for key, value in module.state_dict(keep_vars=True).items():
-            if key in params:
-                full = safe_get_full_fp32_param(params[key])
-                full = masters.get(id(params[key])) if full is None else full
-                out[key] = (full if full is not None else params[key]).detach().float().cpu().clone()
-            else:
-                out[key] = value.detach().cpu().clone()
-        return out
-
-    def barrier(self) -> None:
-        dist.barrier()
+        return _deepspeed_checkpoint.full_weights(self.engine, self.unwrap(model))
 
     def save(self, path: Path, models: Sequence[torch.nn.Module],
              optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:

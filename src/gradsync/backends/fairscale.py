@@ -21,12 +21,17 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 
+from gradsync import dist
 from gradsync.backends import _amp, _fairscale_compat, _group, _plain_state
-from gradsync.backends._amp import WindowScaler
 from gradsync.backends._fairscale_compat import OSS, FullyShardedDataParallel, ShardedDataParallel
-from gradsync.backends.base import SyncPolicy, clear_grads, is_frozen, refuse_native
+from gradsync.backends.base import (
+    AdapterDefaults,
+    clear_grads,
+    is_frozen,
+    not_prepared,
+    refuse_native,
+)
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
@@ -53,26 +58,23 @@ def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
-class FairscaleBackend:
+class FairscaleBackend(AdapterDefaults):
+    """fp16 is refused, so ``scaler`` stays None: the defaults' backward and step are the
+    plain ones (OSS's step updates this rank's shard, then broadcasts the parameters), and
+    the defaults' ``clip_grad_value_`` clamps the owners' reduced gradients (the other
+    ranks' stale copies are not used by their step). Gradients are zeroed in place, never
+    set to None (see the module's docstring)."""
+
     #: Plain files from rank 0, the OSS optimizer state gathered first (its own layout).
     checkpoint_format: ClassVar[str] = "plain-oss"
     reshardable: ClassVar[bool] = False
     name: ClassVar[str] = "fairscale"
 
     def __init__(self) -> None:
-        self.policy: SyncPolicy = "defer"
-        self.policy_reason = ""
-        self.owns_group = False
-        self._device = torch.device("cpu")
-        self._dtype: torch.dtype | None = None  # autocast dtype (bf16 or none)
-        self.scaler: WindowScaler | None = None  # fp16 is refused here
+        super().__init__()
         self.sdp_kwargs: dict[str, Any] = {}
         self._oss: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
         self._reduced: set[int] = set()  # ids of the models that reduced in the open window
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     def setup(self, config: Config) -> None:
         refuse_native(config.sync_policy, self.name)
@@ -90,7 +92,8 @@ class FairscaleBackend:
         self._dtype = _amp.autocast_dtype(config, _group.local_device())
         self.sdp_kwargs = dict(config.fairscale_kwargs or {})
         self.owns_group = _group.ensure_process_group(
-            self.name, want_audit=config.audit, self_check=config.self_check and self.policy == "defer"
+            self.name, want_audit=config.audit, self_check=config.self_check and self.policy == "defer",
+            timeout=config.timeout,
         )
         self._device = _group.local_device()
 
@@ -136,11 +139,9 @@ class FairscaleBackend:
 
     def _sharded_optimizer(self, model: torch.nn.Module) -> Any:
         if not isinstance(model, ShardedDataParallel) or model not in self._oss:
-            raise RuntimeError(
-                f"accumulate() got a {type(model).__name__}, not the ShardedDataParallel model "
-                "that accel.prepare() returned, so gradients cannot be deferred or reduced "
-                "correctly; pass the prepared model: `model, optimizer = accel.prepare(model, optimizer)`"
-            )
+            raise not_prepared(model, "ShardedDataParallel model",
+                               why="gradients cannot be deferred or reduced correctly",
+                               fix="`model, optimizer = accel.prepare(model, optimizer)`")
         return self._oss[model]
 
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
@@ -183,12 +184,6 @@ class FairscaleBackend:
                 else:
                     p.grad.zero_()
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return _amp.autocast(self._device, self._dtype)
-
-    def end_window(self, models: Sequence[torch.nn.Module]) -> None:
-        return None
-
     def abort_window(self, models: Sequence[torch.nn.Module]) -> None:
         for model in models:
             if isinstance(model, ShardedDataParallel):
@@ -197,16 +192,6 @@ class FairscaleBackend:
             else:
                 clear_grads([model])
         self._reduced.clear()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        return None  # no loss scaler on this backend
-
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        optimizer.step()  # OSS: this rank's shard, then broadcast of the updated parameters
-        return True
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         # Always in place: a gradient set to None falls out of its reduce bucket (see above).
@@ -230,13 +215,6 @@ class FairscaleBackend:
         norm: torch.Tensor = oss.clip_grad_norm(max_norm, norm_type)
         return norm.detach()
 
-    def clip_grad_value_(
-        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], clip_value: float
-    ) -> None:
-        # Element-wise: the owners' reduced gradients are clamped; the stale copies of the
-        # other ranks are not used by their step.
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)
-
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.module if isinstance(model, ShardedDataParallel) else model
 
@@ -244,16 +222,13 @@ class FairscaleBackend:
         # A copy: OSS keeps the parameters as views of its flat broadcast buffers.
         return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrap(model).state_dict().items()}
 
-    def barrier(self) -> None:
-        dist.barrier()
-
     def save(self, path: Path, models: Sequence[torch.nn.Module],
              optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
         if window_open:  # ShardedDataParallel's reduce buckets are views of the window's gradients
             _plain_state.refuse_open_window(self.name, "its window gradients live in its reduce buckets")
-        _plain_state.save(path, models, optimizers, self.unwrap, dist.get_rank(), window_open=False,
+        _plain_state.save(path, models, optimizers, self.unwrap, dist.rank(), window_open=False,
                           gathered_optimizers=True)
 
     def load(self, path: Path, models: Sequence[torch.nn.Module],
              optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
-        _plain_state.load(path, models, optimizers, self.unwrap, dist.get_rank(), window_open=False)
+        _plain_state.load(path, models, optimizers, self.unwrap, dist.rank(), window_open=False)

@@ -16,16 +16,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.tensor import DTensor
 
-from gradsync import _torch_compat
+from gradsync import _torch_compat, dist
 from gradsync.backends import _amp, _fsdp_checkpoint, _fsdp_compat, _group, _modules
-from gradsync.backends._amp import WindowScaler
 from gradsync.backends._fsdp_policy import (
     Keep,
     available_memory,
@@ -35,10 +33,11 @@ from gradsync.backends._fsdp_policy import (
 )
 from gradsync.backends._memory import agreed_budget
 from gradsync.backends.base import (
+    AdapterDefaults,
     RequestedPolicy,
-    SyncPolicy,
     clear_grads,
     is_frozen,
+    not_prepared,
     refuse_native,
 )
 from gradsync.batching import BatchPlan
@@ -50,34 +49,26 @@ log = logging.getLogger("gradsync")
 __all__ = ["FSDPBackend", "available_memory", "deferral_cost"]
 
 
-class FSDPBackend:
+class FSDPBackend(AdapterDefaults):
+    """bf16 is FSDP2's MixedPrecisionPolicy; ``_dtype`` (the defaults' autocast) is fp16's
+    only, with fp32 parameters and gradients."""
+
     name: ClassVar[str] = "fsdp"
     checkpoint_format: ClassVar[str] = "dcp"  # torch.distributed.checkpoint, sharded
     reshardable: ClassVar[bool] = True
 
     def __init__(self) -> None:
-        self.policy: SyncPolicy = "defer"
-        self.policy_reason = ""
+        super().__init__()
         self.memory: dict[str, int] = {}
-        self._device = torch.device("cpu")
         self._mesh: DeviceMesh | None = None
-        self.owns_group = False
         # Copied from the Config at setup (the adapter keeps no reference to it).
         self._asked: RequestedPolicy = "auto"
         self._bf16 = False  # bf16 through FSDP2's MixedPrecisionPolicy
-        self._dtype: torch.dtype | None = None  # fp16: autocast (fp32 parameters and gradients)
-        self.scaler: WindowScaler | None = None
-        self._checkpointing: Any = None
-        self._compile: dict[str, Any] | None = None
         self._wrap: Any = None
         self._budget: tuple[int | None, str] = (None, "sync_memory_budget")
         self._keep_option: bool | None = None  # fsdp_keep_params_in_window
         self._legacy_keep = False  # the deprecated fsdp_reshard_after_backward=False
         self.keep: Keep = "no"  # resolved at prepare
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     def setup(self, config: Config) -> None:
         refuse_native(config.sync_policy, self.name)
@@ -104,7 +95,7 @@ class FSDPBackend:
             timeout=config.timeout,
         )
         self._device = _group.local_device()
-        self._mesh = init_device_mesh(self._device.type, (dist.get_world_size(),))
+        self._mesh = init_device_mesh(self._device.type, (dist.world_size(),))
         self.scaler = _amp.make_scaler(config, self._device, sharded=True)
 
     # -- prepare ------------------------------------------------------------
@@ -141,8 +132,7 @@ class FSDPBackend:
         if not any(p.is_meta for p in model.parameters()):
             # Every rank shards its own copy: start them all from rank 0's weights.
             model.to(self._device)
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t.data, src=0)
+            _group.broadcast_from_rank0(model)
         kwargs: dict[str, Any] = {"mesh": self._mesh}
         if self._bf16:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -160,7 +150,7 @@ class FSDPBackend:
         fully_shard(model, **kwargs)
 
     def _decide(self, model: nn.Module) -> None:
-        world = dist.get_world_size()
+        world = dist.world_size()
         grad_bytes = 4 if self._bf16 else None
         grads = deferral_cost(model, world, grad_bytes=grad_bytes, keep_params=False)
         full = deferral_cost(model, world, grad_bytes=grad_bytes, keep_params=True)
@@ -174,13 +164,10 @@ class FSDPBackend:
             self.memory["budget_bytes"] = budget.nbytes
         if self.keep == "window":
             _fsdp_compat.lazy_init(model)  # before any flags are saved (it resets the root's)
-        if dist.get_rank() == 0:
+        if dist.rank() == 0:
             log.info("gradsync fsdp: sync_policy %s", self.policy_reason)
 
     # -- the micro-step -------------------------------------------------------
-    def begin_window(self, models: Sequence[nn.Module]) -> None:
-        clear_grads(models)
-
     @contextlib.contextmanager
     def micro_step(self, model: nn.Module, *, boundary: bool) -> Iterator[None]:
         reduce = boundary or self.policy == "every_step"
@@ -190,11 +177,7 @@ class FSDPBackend:
                 yield
             return
         if not isinstance(model, FSDPModule):
-            raise RuntimeError(
-                f"accumulate() got a {type(model).__name__}, not the sharded model that "
-                "accel.prepare() returned, so gradient sync cannot be controlled; pass the "
-                "prepared model: `model = accel.prepare(model)`"
-            )
+            raise not_prepared(model, "sharded model", why="gradient sync cannot be controlled")
         saved = _fsdp_compat.save_flags(model)
         model.set_requires_gradient_sync(reduce)
         if self.keep == "window" and self.policy == "defer" and not is_frozen(model):
@@ -208,12 +191,6 @@ class FSDPBackend:
         finally:  # put back exactly what FSDP held before, not a value derived from `boundary`
             _fsdp_compat.restore_flags(saved)
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return _amp.autocast(self._device, self._dtype)  # bf16 is FSDP2's MixedPrecisionPolicy
-
-    def end_window(self, models: Sequence[nn.Module]) -> None:
-        return None
-
     def abort_window(self, models: Sequence[nn.Module]) -> None:
         # Reduced gradients sit on the sharded parameters; a deferred window's gradients sit
         # unsharded inside FSDP2's own state (FSDP1's no_sync: on its flat parameters).
@@ -223,22 +200,6 @@ class FSDPBackend:
                 _fsdp_compat.clear_unsharded_grads(model)
                 if self.keep != "no":  # the window kept its parameters gathered: free them
                     _fsdp_compat.reshard(model)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
-
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        if self.scaler is not None:  # skips on every rank when any rank's shard found inf/NaN
-            return self.scaler.step(optimizer)
-        optimizer.step()
-        return True
-
-    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        optimizer.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(
         self, model: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
@@ -250,11 +211,6 @@ class FSDPBackend:
         # Over DTensor gradients the norm is a DTensor of the global norm; make it plain.
         norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type)
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
-
-    def clip_grad_value_(
-        self, model: nn.Module, parameters: Iterable[torch.Tensor], clip_value: float
-    ) -> None:
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)  # elementwise: each shard alone
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         model = _torch_compat.uncompiled(model)  # FSDP2 shards in place
@@ -275,10 +231,6 @@ class FSDPBackend:
             full = value.full_tensor() if isinstance(value, DTensor) else value
             out[key] = full.detach().cpu()
         return out
-
-    def barrier(self) -> None:
-        dist.barrier()
-
 
     def save(self, path: Path, models: Sequence[nn.Module],
              optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
