@@ -1,0 +1,213 @@
+"""MkDocs hooks: generate the settings reference and the CLI reference from the code.
+
+Two pages hold a placeholder comment that is replaced when the site is built:
+
+* ``<!-- gradsync:settings -->`` (docs/reference/settings.md): the settings table, from
+  ``gradsync.settings.reference_markdown()`` (the one declaration per setting);
+* ``<!-- gradsync:cli -->`` (docs/reference/cli.md): every ``gradsync`` subcommand and
+  flag, from ``gradsync.launch.cli.build_parser()``.
+
+Both import without torch. A page that still holds its placeholder after the build step
+(or a placeholder on a page it does not belong to) fails the build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+if str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))  # document this checkout, installed or not
+
+SETTINGS_MARK = "<!-- gradsync:settings -->"
+CLI_MARK = "<!-- gradsync:cli -->"
+
+
+def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
+    """Fill the placeholders of the settings and CLI pages."""
+    if SETTINGS_MARK in markdown:
+        markdown = markdown.replace(SETTINGS_MARK, settings_markdown())
+    if CLI_MARK in markdown:
+        markdown = markdown.replace(CLI_MARK, cli_markdown())
+    return markdown
+
+
+# -- the settings ---------------------------------------------------------------------------
+def settings_markdown() -> str:
+    """The settings reference: from gradsync.settings when it offers one, else the
+    temporary table derived from the Config dataclass."""
+    try:
+        settings = importlib.import_module("gradsync.settings")
+    except ModuleNotFoundError as err:
+        if err.name != "gradsync.settings":
+            raise
+        return _settings_from_config()
+    reference = getattr(settings, "reference_markdown", None)
+    if reference is None:
+        return _settings_from_config()
+    text = reference()
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("gradsync.settings.reference_markdown() returned no Markdown")
+    return text
+
+
+def _settings_from_config() -> str:
+    """TEMPORARY: the table from ``dataclasses.fields(Config)`` and the comments above each
+    field, until gradsync.settings declares every setting once."""
+    from gradsync.config import ENV_PREFIX, Config
+
+    comments = _field_comments(Config)
+    flags = _launch_flags()
+    rows = [
+        "!!! note \"Temporary table\"",
+        "    Derived from the fields of `gradsync.Config`; it becomes the table generated from",
+        "    the settings declarations once they exist.",
+        "",
+        "| setting | type | default | variable | `gradsync launch` flag | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in dataclasses.fields(Config):
+        default = "—" if f.default is None else f"`{f.default!r}`"
+        flag = f"`{flags[f.name]}`" if f.name in flags else "—"
+        rows.append(
+            f"| `{f.name}` | `{_cell(str(f.type))}` | {default} | `{ENV_PREFIX}{f.name.upper()}` "
+            f"| {flag} | {_cell(comments.get(f.name, ''))} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The ``#`` comments above (and after) each field of a dataclass, by field name."""
+    out: dict[str, str] = {}
+    pending: list[str] = []
+    field = re.compile(r"^\s{4}(\w+)\s*:[^=]*(=.*)?$")
+    for line in inspect.getsource(cls).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(stripped.lstrip("#").strip())
+            continue
+        match = field.match(line.split("  #")[0])
+        if match and not stripped.startswith("def "):
+            inline = line.split("  # ", 1)[1].strip() if "  # " in line else ""
+            out[match.group(1)] = " ".join([*pending, inline]).strip()
+        if stripped.startswith("def "):
+            break
+        pending = []
+    return out
+
+
+def _launch_flags() -> dict[str, str]:
+    """Setting name -> the ``gradsync launch`` flag that sets it."""
+    from gradsync.config import Config
+
+    names = {f.name for f in dataclasses.fields(Config)}
+    launch = _subcommands(_parser())["launch"]
+    return {
+        action.dest: action.option_strings[0]
+        for action in launch._actions
+        if action.dest in names and action.option_strings and action.help != argparse.SUPPRESS
+    }
+
+
+# -- the command line -----------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    from gradsync.launch.cli import build_parser
+
+    return build_parser()
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise ValueError("gradsync's parser has no subcommands")
+
+
+def cli_markdown() -> str:
+    """Every subcommand of ``gradsync``: its summary, usage and flags."""
+    parser = _parser()
+    helps = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
+    out: list[str] = []
+    for name, sub in _subcommands(parser).items():
+        out += [f"## `gradsync {name}`", "", _sentence(helps.get(name, "")), ""]
+        out += ["```text", _usage(sub), "```", ""]
+        out += _arguments(sub)
+    return "\n".join(out) + "\n"
+
+
+def _usage(parser: argparse.ArgumentParser) -> str:
+    """The usage lines without argparse's "usage: " (continuation lines shifted to match)."""
+    prefix = "usage: "
+    formatter = argparse.HelpFormatter(parser.prog, width=96)  # not the terminal's width
+    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups)
+    lines = formatter.format_help().rstrip().splitlines()
+    return "\n".join([lines[0].removeprefix(prefix)] + [line[len(prefix):] for line in lines[1:]])
+
+
+def _arguments(parser: argparse.ArgumentParser) -> list[str]:
+    """One table per argument group (positional arguments, options, named groups)."""
+    hidden = {a.dest: a for a in parser._actions if a.help == argparse.SUPPRESS}
+    out: list[str] = []
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions
+                   if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
+        if not actions:
+            continue
+        out += [f"**{group.title}**", "", "| argument | value | default | meaning |",
+                "|---|---|---|---|"]
+        for action in actions:
+            names = [f"`{s}`" for s in action.option_strings] or [f"`{action.metavar or action.dest}`"]
+            alias = hidden.get(action.dest)
+            if alias is not None and alias is not action:
+                names += [f"`{s}`" for s in alias.option_strings]
+            out.append(
+                f"| {', '.join(names)} | {_value(action)} | {_default(action)} "
+                f"| {_cell(_meaning(action))} |"
+            )
+        out.append("")
+    return out
+
+
+def _value(action: argparse.Action) -> str:
+    if action.nargs == 0:
+        return "—"
+    if action.nargs == argparse.REMAINDER:
+        return "… (the rest of the command line)"
+    metavar = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
+    return f"`{_cell(metavar)}`"
+
+
+def _default(action: argparse.Action) -> str:
+    if action.nargs == 0 or action.default is None or action.default == argparse.SUPPRESS:
+        return "—"
+    if action.nargs == argparse.REMAINDER or not action.option_strings:
+        return "—"
+    default = action.default
+    if isinstance(default, list):
+        default = ",".join(str(v) for v in default)
+    return f"`{_cell(str(default))}`"
+
+
+def _meaning(action: argparse.Action) -> str:
+    text = str(action.help or "")
+    return text.replace("%%", "%")
+
+
+def _sentence(text: str) -> str:
+    text = text.strip()
+    return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".") if text else ""
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell."""
+    return " ".join(text.split()).replace("|", "\\|")
