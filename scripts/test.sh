@@ -12,11 +12,15 @@ quiet_pip() {  # pip's notes about absent local index folders are noise here
 }
 quiet_pip install -q --upgrade pip
 # Extras: test tools, DeepSpeed and fairscale (their tests run), the benchmark's plotting and
-# Accelerate, Transformers (the language-model tests and examples).
-quiet_pip install -q -c constraints.txt -e ".[test,deepspeed,fairscale,bench,hf]"
+# Accelerate, Transformers (the language-model tests and examples), MkDocs (the docs site).
+quiet_pip install -q -c constraints.txt -e ".[test,deepspeed,fairscale,bench,hf,docs]"
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 echo "== ruff"; "$VENV/bin/ruff" check .
 echo "== mypy"; "$VENV/bin/mypy"
+echo "== docs"  # a broken link, anchor or snippet, or a page missing from the nav, fails it
+SITE=$(mktemp -d)
+trap 'rm -rf "$SITE"' EXIT
+NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --quiet --site-dir "$SITE"
 echo "== pytest"
 set +e
 "$VENV/bin/python" -m pytest -n 2 --dist loadfile "$@"
