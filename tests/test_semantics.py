@@ -237,7 +237,7 @@ def test_prepared_loader_exposes_the_loader_and_moves_named_batches(clean_env):
     loader = a.prepare(DataLoader(Indexed(6), batch_size=2))
     assert len(loader.dataset) == 6 and loader.batch_size == 2
     Pair = collections.namedtuple("Pair", "x y")
-    from gradsync.data import _to_device
+    from gradsync.data import to_device as _to_device
 
     moved = _to_device(Pair(torch.ones(1), {"z": torch.zeros(1)}), torch.device("cpu"))
     assert isinstance(moved, Pair) and isinstance(moved.y, dict)

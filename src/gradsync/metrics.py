@@ -6,35 +6,35 @@ process (no process group) each returns its input as one process would see it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 
+from gradsync.data.batches import tree_map
+from gradsync.dist import is_multiprocess
 from gradsync.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gradsync.data import LoaderIteration
 
 ReduceOp = Literal["sum", "mean"]
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def apply(fn: Callable[[torch.Tensor], Any], data: Any, what: str) -> Any:
-    """``fn`` on every tensor of a nested structure (dicts, lists, tuples), keeping its shape."""
-    if isinstance(data, torch.Tensor):
-        return fn(data)
-    if isinstance(data, Mapping):
-        return type(data)({k: apply(fn, v, what) for k, v in data.items()})  # type: ignore[call-arg]
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(apply(fn, v, what) for v in data))
-    if isinstance(data, list | tuple):
-        return type(data)(apply(fn, v, what) for v in data)
-    raise TypeError(
-        f"{what} takes tensors and dicts / lists / tuples of tensors, not a {type(data).__name__}; "
-        "wrap numbers with torch.tensor(...)"
-    )
+    """``fn`` on every tensor of a nested structure (dicts, lists, tuples), keeping its shape;
+    anything else in it is a TypeError naming ``what``."""
+
+    def leaf(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"{what} takes tensors and dicts / lists / tuples of tensors, not a "
+                f"{type(value).__name__}; wrap numbers with torch.tensor(...)"
+            )
+        return fn(value)
+
+    return tree_map(leaf, data)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -45,7 +45,7 @@ def gather_pieces(t: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's ``t`` (a scalar counts as one row), in rank order; the first
     dimension may differ between ranks, the others must agree."""
     t = _rows(t)
-    if not _distributed():
+    if not is_multiprocess():
         return [t]
     world = dist.get_world_size()
     sizes = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
@@ -65,6 +65,22 @@ def gather(data: Any) -> Any:
     return apply(lambda t: torch.cat(gather_pieces(t)), data, "gather")
 
 
+def gather_for_metrics(data: Any, last_pass: LoaderIteration | None, world: int) -> Any:
+    """``gather``, with the rows put back in the sampler's order and its end-of-pass padding
+    dropped when ``data`` holds one row per sample of the batch ``last_pass`` (the pass of a
+    prepared loader that yielded last) just yielded from a sample-sharded sampler."""
+    layout = last_pass.owner.sample_layout(world) if last_pass is not None else None
+    if last_pass is None or layout is None or world == 1:
+        return gather(data)
+    batch_size, total = layout
+    index = last_pass.yielded - 1
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        return sampler_order(gather_pieces(t), batch_index=index, batch_size=batch_size, total=total)
+
+    return apply(one, data, "gather_for_metrics")
+
+
 def reduce(data: Any, op: str = "sum") -> Any:
     """Each tensor of ``data`` summed (``op="sum"``) or averaged (``"mean"``) over ranks."""
     if op not in ("sum", "mean"):
@@ -74,7 +90,7 @@ def reduce(data: Any, op: str = "sum") -> Any:
         out = t.detach().clone()
         if op == "mean" and not (out.is_floating_point() or out.is_complex()):
             out = out.double()
-        if _distributed():
+        if is_multiprocess():
             dist.all_reduce(out)
             if op == "mean":
                 out /= dist.get_world_size()
@@ -98,7 +114,7 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: float = 0, pad_firs
     """Each tensor of ``data`` padded along ``dim`` to the largest size any rank has there."""
 
     def one(t: torch.Tensor) -> torch.Tensor:
-        if not _distributed() or t.dim() == 0:
+        if not is_multiprocess() or t.dim() == 0:
             return t
         if not -t.dim() <= dim < t.dim():
             raise ConfigError(f"pad_across_processes(dim={dim}) is out of range for a {t.dim()}-d tensor")

@@ -1,0 +1,23 @@
+"""Checkpoints: atomic folders with a verified manifest.
+
+* ``folder``: the layout, the typed manifest, verification, ``latest_checkpoint``, pruning;
+* ``commit``: writing a folder on every rank and committing it on rank 0;
+* ``state``: what an Accelerator saves and loads (the registry of prepared objects, the
+  window, the backend);
+* ``rng``: every random-number state gradsync saves or restores;
+* ``export``: a model's full weights as safetensors;
+* ``signals``: SIGTERM, to save before a preempted job exits.
+"""
+
+from __future__ import annotations
+
+from gradsync.checkpoint.folder import (
+    MANIFEST,
+    Manifest,
+    latest_checkpoint,
+    load_file,
+    read_manifest,
+    save_file,
+)
+
+__all__ = ["MANIFEST", "Manifest", "latest_checkpoint", "load_file", "read_manifest", "save_file"]

@@ -1,0 +1,58 @@
+"""Random-number state: what a checkpoint saves of every rank, and what a prepared loader's
+pass was created under. The one place gradsync captures and restores RNG."""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any
+
+import torch
+
+
+def capture_rng() -> dict[str, Any]:
+    """Python's, numpy's (when numpy is in use), torch's CPU and CUDA generators."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        name, key, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [str(name), torch.from_numpy(key.astype("int64")), int(pos),
+                          int(has_gauss), float(cached)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back what ``capture_rng`` returned."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, key, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+#: The torch RNG states a DataLoader iterator draws from when it is created.
+RngState = dict[str, torch.Tensor]
+
+
+def get_rng(loader: Any) -> RngState:
+    """The global torch CPU RNG and the loader's own generator, if it has one."""
+    state = {"torch": torch.get_rng_state()}
+    generator = getattr(loader, "generator", None)
+    if isinstance(generator, torch.Generator):
+        state["generator"] = generator.get_state()
+    return state
+
+
+def set_rng(state: RngState, loader: Any) -> None:
+    """Put back what ``get_rng`` returned."""
+    torch.set_rng_state(state["torch"])
+    generator = getattr(loader, "generator", None)
+    if isinstance(generator, torch.Generator) and "generator" in state:
+        generator.set_state(state["generator"])

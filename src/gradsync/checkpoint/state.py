@@ -1,0 +1,192 @@
+"""What an Accelerator puts into a checkpoint and takes back out of it.
+
+The folder's format and verification live in ``folder``, its commit in ``commit``; the
+models and optimizers go through the backend's ``save`` / ``load`` hooks; this module adds
+the rest: the accumulation window, the prepared loaders' positions, the schedulers, the
+fp16 loss scaler, the registered objects and every rank's RNG, and checks that a
+checkpoint fits before anything is loaded. It reads the registry of prepared objects, the
+window and the backend; it never sees the Accelerator.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gradsync import dist
+from gradsync.checkpoint.commit import Committer
+from gradsync.checkpoint.folder import (
+    LoaderPosition,
+    Manifest,
+    check_target,
+    load_file,
+    new_manifest,
+    read_manifest,
+    save_file,
+)
+from gradsync.checkpoint.rng import capture_rng, restore_rng
+from gradsync.errors import CheckpointError, UsageError
+from gradsync.microstep import drop_window
+
+if TYPE_CHECKING:
+    from gradsync.accumulation import Window
+    from gradsync.backends.base import Backend
+    from gradsync.data import LoaderContext
+    from gradsync.prepared import Prepared
+
+log = logging.getLogger("gradsync")
+
+
+class CheckpointState:
+    """``save_state`` / ``load_state`` over what one Accelerator prepared (``prepared``), its
+    window and its backend. The window is changed only through its own methods."""
+
+    def __init__(self, prepared: Prepared, window: Window, backend: Backend,
+                 loaders: LoaderContext) -> None:
+        self._prepared = prepared
+        self._window = window
+        self._backend = backend
+        self._loaders = loaders
+        self._committer = Committer()
+
+    def save(self, path: str | os.PathLike[str], keep_last: int | None, pending: int = 0,
+             background: bool = False) -> str:
+        p, window, backend = self._prepared, self._window, self._backend
+        if window.current is not None:
+            raise UsageError(
+                "save_state() was called inside `with accel.accumulate(model):`; call it after "
+                "the block (where optimizer.step() may also be)"
+            )
+        self._settle_quietly()  # before looking at the folder: the commit may be renaming it
+        target = check_target(path, keep_last)
+        last = self._loaders.last_pass() if self._loaders.last_pass is not None else None
+        positions = [
+            loader.position(pending if last is not None and loader.pass_in_progress is last else 0)
+            for loader in p.loaders
+        ]
+        manifest = new_manifest(
+            backend=backend.name, format=backend.checkpoint_format, world_size=dist.world_size(),
+            optimizer_steps=p.steps_applied(), steps_applied=[o.steps_applied for o in p.optimizers],
+            window=window.state_dict(), models=len(p.models), schedulers=len(p.schedulers),
+            objects=len(p.objects), scaler=backend.scaler is not None,
+            loaders=[{k: pos[k] for k in ("epoch", "consumed", "read")} for pos in positions],
+        )
+        rank = dist.rank()
+        with self._committer.writing(target, manifest, keep_last=keep_last, background=background,
+                                     device=backend.device) as tmp:
+            backend.save(tmp, p.models, p.optimizer_per_model(), window_open=window.is_open)
+            if rank == 0:
+                save_file([s.state_dict() for s in p.schedulers], tmp / "schedulers.pt")
+                save_file([o.state_dict() for o in p.objects], tmp / "objects.pt")
+                if backend.scaler is not None:
+                    save_file(backend.scaler.state_dict(), tmp / "scaler.pt")
+            save_file({"rng": capture_rng(), "loaders": [pos["rng"] for pos in positions]},
+                      tmp / f"rng_rank{rank}.pt")
+        return str(target)
+
+    def settle(self) -> str | None:
+        """Wait for an outstanding background save (collective); its folder, or None. Its
+        failure raises CheckpointError on every rank."""
+        target, failure = self._committer.settle()
+        if failure is not None:
+            raise failure
+        return target
+
+    def _settle_quietly(self) -> None:
+        """Before another save or a load: wait for an outstanding background save; a failure
+        is a warning (rank 0) and the new save or load goes on (the SIGTERM save too)."""
+        _, failure = self._committer.settle()
+        if failure is not None and dist.rank() == 0:
+            warnings.warn(f"gradsync: {failure}; that checkpoint does not exist", RuntimeWarning, stacklevel=4)
+
+    def finish(self) -> CheckpointError | None:
+        return self._committer.finish()
+
+    def _check(self, where: str, manifest: Manifest) -> None:
+        backend, here = self._backend, dist.world_size()
+        saved_backend = manifest.get("backend")
+        if manifest.get("format") != backend.checkpoint_format:
+            raise CheckpointError(
+                f"checkpoint {where!r} was saved with backend={saved_backend!r}, whose format "
+                f"backend={backend.name!r} cannot read; load it with backend={saved_backend!r}"
+            )
+        have = self._prepared.counts()
+        saved = {"models": manifest["models"], "schedulers": manifest["schedulers"],
+                 "objects": manifest["objects"], "loaders": len(manifest["loaders"]),
+                 "optimizers": len(manifest["steps_applied"])}
+        if have != saved:
+            diff = ", ".join(f"{k} {saved[k]} saved vs {have[k]} here" for k in have if have[k] != saved[k])
+            raise CheckpointError(
+                f"checkpoint {where!r} does not fit this training: {diff}; prepare (and "
+                "register) the same objects before load_state()"
+            )
+        world, mid = int(manifest["world_size"]), int(manifest["window"]["index"]) > 0
+        if world != here and mid:
+            raise CheckpointError(
+                f"checkpoint {where!r} was saved mid-window on {world} rank(s); its per-rank window "
+                f"gradients cannot be resumed on {here}: resume on {world}, or from a "
+                "checkpoint saved at a boundary"
+            )
+        if world != here and not backend.reshardable:
+            raise CheckpointError(
+                f"checkpoint {where!r} was saved on {world} rank(s) and backend={backend.name!r} "
+                f"cannot reshard it to {here}; resume on {world} rank(s)"
+            )
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        p, window, backend = self._prepared, self._window, self._backend
+        here = dist.world_size()
+        if window.current is not None:
+            raise UsageError(
+                "load_state() was called inside `with accel.accumulate(model):`; call it before the loop"
+            )
+        self._settle_quietly()  # a background save of this very folder may still be committing
+        manifest = read_manifest(path)
+        folder = Path(path)
+        self._check(str(folder), manifest)
+        world = int(manifest["world_size"])
+        same_world = world == here
+        # Everything gradsync itself keeps is read before the backend changes anything.
+        rng = load_file(folder / f"rng_rank{dist.rank() if same_world else 0}.pt")
+        schedulers = load_file(folder / "schedulers.pt")
+        objects = load_file(folder / "objects.pt")
+        scaler = backend.scaler
+        scaler_state = load_file(folder / "scaler.pt") if scaler is not None and manifest.get("scaler") else None
+        if window.is_open:
+            drop_window(window, backend, p)
+        backend.load(folder, p.models, p.optimizer_per_model(),
+                     window_open=int(manifest["window"]["index"]) > 0)
+        for opt, steps in zip(p.optimizers, manifest["steps_applied"]):
+            opt.steps_applied = int(steps)
+        for sched, state in zip(p.schedulers, schedulers):
+            sched.load_state_dict(state)  # after the optimizers' step counts: it re-aligns to them
+        for obj, state in zip(p.objects, objects):
+            obj.load_state_dict(state)
+        if scaler is not None and scaler_state is not None:
+            scaler.load_state_dict(scaler_state)
+        window.load_state_dict(dict(manifest["window"]))
+
+        def now() -> None:
+            restore_rng(rng["rng"])
+
+        for loader, pos, pass_rng in zip(p.loaders, manifest["loaders"], rng["loaders"]):
+            if not same_world:
+                pos, pass_rng = _rescale(pos, world, here), None
+            loader.resume({**pos, "rng": pass_rng}, now)
+        now()
+
+
+def _rescale(pos: LoaderPosition, saved_world: int, world: int) -> LoaderPosition:
+    """A pass position on another world size: as many samples of the epoch are skipped as
+    were consumed on all ranks together. Which samples they are follows the new sharding
+    (the same ones when both world sizes shard the same DistributedSampler order)."""
+    consumed = int(pos["consumed"]) * saved_world
+    if consumed % world:
+        log.warning(
+            "gradsync: resuming on %d rank(s) a pass saved on %d: %d batches consumed do not divide "
+            "evenly; resuming after %d", world, saved_world, pos["consumed"], consumed // world,
+        )
+    return {"epoch": pos["epoch"], "consumed": consumed // world, "read": consumed // world}

@@ -1,0 +1,284 @@
+"""The prepared dataloader: passes that read ahead, know where the epoch stands and tell
+the accumulation window; its position, for checkpoints.
+
+Each pass over a prepared loader tells the window where the epoch stands (how many batches
+remain, whether this batch is the last), so the window can close at the end of the data
+and size the partial last window.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from gradsync.checkpoint.rng import RngState, get_rng, set_rng
+from gradsync.data.batches import batch_length, checked_count, to_device
+from gradsync.data.sharding import BatchShard
+
+if TYPE_CHECKING:
+    from gradsync.accumulation import Window
+
+ItemCounter = Callable[[Any], Any]
+
+
+@dataclass
+class Epochs:
+    """A prepared loader's epochs: the one place they are counted.
+
+    ``next``: the epoch of the next pass (``set_epoch`` or counted up by itself);
+    ``current``: the epoch of the pass in progress (or the last one); ``sampler_seen``: the
+    epoch its DistributedSampler had when a pass last started (a change made in between is
+    the user's own ``sampler.set_epoch``, which then drives the sampler)."""
+
+    next: int = 0
+    given: bool = False  # ``next`` was set by set_epoch (or a resume), not counted
+    current: int = 0
+    sampler_seen: int = 0
+    user_drives_sampler: bool = False
+
+    def start_pass(self, sampler: Any) -> int:
+        """A pass starts: align a DistributedSampler, then move on; the pass's epoch."""
+        if isinstance(sampler, DistributedSampler):
+            if not self.given and sampler.epoch != self.sampler_seen:
+                self.user_drives_sampler = True  # leave the sampler's epochs to the user
+            if self.given or not self.user_drives_sampler:
+                sampler.set_epoch(self.next)
+            self.sampler_seen = sampler.epoch
+        self.current = self.next
+        self.next += 1
+        self.given = False
+        return self.current
+
+
+@dataclass
+class LoaderContext:
+    """What the Accelerator that prepared a loader gives it (one per Accelerator)."""
+
+    window: Window
+    device: torch.device
+    on_epoch_start: Callable[[PreparedDataLoader], None]
+    count_items: ItemCounter | None = None
+    #: The pass that yielded most recently, of any loader of this Accelerator (a weak reference).
+    last_pass: weakref.ref[LoaderIteration] | None = None
+
+
+class LoaderIteration:
+    """One pass over a prepared loader: reads one batch ahead (a window ahead on request),
+    knows where the pass stands, and re-raises a loading error at the batch that caused it."""
+
+    def __init__(self, owner: PreparedDataLoader, source: Iterator[Any], total: int | None,
+                 rng_at_start: RngState | None = None) -> None:
+        self.owner = owner
+        self.rng_at_start = rng_at_start  # the RNG the iterator was created under
+        self.epoch = owner.epochs.current
+        self.source = source
+        self.total = total
+        self.buffer: collections.deque[Any] = collections.deque()
+        self.exhausted = False
+        self.error: BaseException | None = None
+        self.done = False
+        self.yielded = 0
+        self.remaining: int | None = None  # batches left, the last yielded one included
+        self.last = False
+        self._context = owner._context
+        self._window = owner._context.window
+        self._ticket = self._window.track(self)
+        self._weak = weakref.ref(self)
+        self._last_batch: Any = None  # the last yielded batch as loaded (kept to count its items)
+
+    def __iter__(self) -> LoaderIteration:
+        return self
+
+    def _fill(self, n: int) -> None:
+        while not self.exhausted and self.error is None and len(self.buffer) < n:
+            try:
+                self.buffer.append(next(self.source))
+            except StopIteration:
+                self.exhausted = True
+            except Exception as err:  # raised when its batch's turn comes, not earlier
+                self.error = err
+
+    def peek(self, n: int) -> int | None:
+        """Batches left from the last yielded one on, if the data ends within ``n``; else None."""
+        self._fill(n)
+        left = len(self.buffer) + 1
+        return left if self.error is None and self.exhausted and left <= n else None
+
+    def lengths_ahead(self, n: int) -> tuple[list[int], bool]:
+        """First-dimension lengths of up to ``n`` batches after the last yielded one, and
+        whether the pass ends after them (read ahead)."""
+        self._fill(n)
+        ahead = list(self.buffer)[:n]
+        ends = self.error is None and self.exhausted and len(self.buffer) <= n
+        return [batch_length(b) for b in ahead], ends
+
+    def count_items(self, n: int, count: ItemCounter) -> int:
+        """Items in the last yielded batch and the ``n - 1`` batches after it (read ahead)."""
+        self._fill(n - 1)
+        batches = [self._last_batch, *list(self.buffer)[: n - 1]]
+        first = self.yielded - 1
+        return sum(
+            checked_count(count(b), f"batch {first + i} of epoch {self.epoch}")
+            for i, b in enumerate(batches)
+        )
+
+    @property
+    def read(self) -> int:
+        """Batches taken from the source so far (yielded, plus those read ahead)."""
+        return self.yielded + len(self.buffer)
+
+    @property
+    def finished(self) -> bool:
+        """Every batch of the pass was yielded (the pass may not have noticed yet)."""
+        return self.done or (self.exhausted and self.error is None and not self.buffer)
+
+    def skip(self, consumed: int, read: int) -> None:
+        """Resume mid-pass: read ``read`` batches, of which the first ``consumed`` were
+        consumed before (dropped), the others were read ahead (kept), as when saved."""
+        self._fill(max(read, consumed))
+        for _ in range(min(consumed, len(self.buffer))):
+            self.buffer.popleft()
+        self.yielded = consumed
+
+    def __next__(self) -> Any:
+        self._fill(2)  # the batch to hand out and one more, to see the end coming
+        if not self.buffer:
+            self.done = True
+            if self.error is not None:
+                error, self.error = self.error, None
+                raise error
+            raise StopIteration
+        batch = self.buffer.popleft()
+        left = len(self.buffer) + 1
+        if self.error is None and self.exhausted:
+            self.remaining = left
+        elif self.total is not None and self.total - self.yielded >= left:
+            self.remaining = self.total - self.yielded  # len() agrees with what was read
+        else:
+            self.remaining = None
+        self.last = self.error is None and self.exhausted and not self.buffer
+        self.yielded += 1
+        self._window.fed(self._ticket)
+        self._context.last_pass = self._weak
+        if self._context.count_items is not None:
+            self._last_batch = batch
+        return to_device(batch, self._context.device)
+
+
+class PreparedDataLoader:
+    """Iterates the (sharded) loader and tells the window where the epoch stands.
+
+    Each pass reads one batch ahead, so it knows the epoch's last batch even when ``len()``
+    is wrong or absent; with a sized loader it knows how many batches remain, and an unsized
+    one can be asked to read up to one window ahead when a window starts. The window
+    follows the pass that fed the micro-step (see ``Window.begin``).
+    """
+
+    def __init__(self, loader: Any, context: LoaderContext) -> None:
+        self.loader = loader
+        self._context = context
+        self.epochs = Epochs()
+        self._current: LoaderIteration | None = None
+        self._resume: dict[str, Any] | None = None  # the pass to resume (from load_state)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the pass in progress or, between passes, of the next pass; so
+        ``for epoch in range(loader.epoch, EPOCHS): for batch in loader:`` resumes."""
+        it = self._current
+        if it is not None and not it.done:
+            return self.epochs.current
+        return self.epochs.next
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch of the next pass (it reshuffles the shards); counted up by itself."""
+        self.epochs.next = epoch
+        self.epochs.given = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch in progress (or the next one between passes) and the batches it yielded."""
+        it = self._current
+        if it is not None and not it.done:
+            return {"epoch": self.epochs.current, "batches_yielded": it.yielded}
+        return {"epoch": self.epochs.next, "batches_yielded": 0}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the epoch's order (skip ``batches_yielded`` batches yourself to go on mid-epoch)."""
+        self.set_epoch(int(state_dict["epoch"]))
+
+    def position(self, unconsumed: int = 0) -> dict[str, Any]:
+        """Where the loader stands, for a checkpoint: the epoch of the first batch not yet
+        consumed, the batches of that pass consumed and read, and the RNG the pass's
+        iterator was created under (None when the next pass starts afresh). ``unconsumed``:
+        that many of the batches the pass yielded are not trained on yet."""
+        it = self._current
+        if it is None or (it.finished and not unconsumed):
+            return {"epoch": self.epochs.next, "consumed": 0, "read": 0, "rng": None}
+        return {"epoch": self.epochs.current, "consumed": it.yielded - unconsumed, "read": it.read,
+                "rng": it.rng_at_start}
+
+    @property
+    def pass_in_progress(self) -> LoaderIteration | None:
+        return self._current
+
+    def resume(self, position: dict[str, Any], rng_now: Callable[[], None]) -> None:
+        """The next pass resumes ``position``: its iterator is created under the saved RNG,
+        the consumed batches are skipped, and then ``rng_now()`` puts back the RNG of the
+        moment of the save (creating an iterator draws from it)."""
+        self.set_epoch(int(position["epoch"]))
+        self._current = None
+        started = position["consumed"] or position.get("rng") is not None
+        self._resume = dict(position, rng_now=rng_now) if started else None
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.loader, "sampler", None)
+
+    def sample_layout(self, world_size: int) -> tuple[int, int] | None:
+        """(batch size, dataset size) when the ranks' batches come from one
+        ``DistributedSampler`` order dealt out sample by sample over ``world_size`` ranks
+        (padded at the end to even them out); None for any other layout."""
+        sampler = self.sampler
+        batch_size = getattr(self.loader, "batch_size", None)
+        if not isinstance(sampler, DistributedSampler) or batch_size is None:
+            return None
+        if sampler.num_replicas != world_size:
+            return None
+        return int(batch_size), len(sampler.dataset)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)  # dataset, batch_size, num_workers, ...
+
+    def __iter__(self) -> LoaderIteration:
+        epoch = self.epochs.start_pass(self.sampler)
+        batches = getattr(self.loader, "batch_sampler", None)
+        if isinstance(batches, BatchShard):
+            batches.set_epoch(epoch)
+        self._context.on_epoch_start(self)
+        resume, self._resume = self._resume, None
+        if resume is not None and resume["rng"] is not None:
+            set_rng(resume["rng"], self.loader)
+        rng = get_rng(self.loader)
+        it = LoaderIteration(self, iter(self.loader), self._sized_len(), rng)
+        if resume is not None:
+            it.skip(int(resume["consumed"]), int(resume["read"]))
+            resume["rng_now"]()
+        self._current = it
+        return it
+
+    def _sized_len(self) -> int | None:
+        try:
+            return len(self.loader)
+        except TypeError:
+            return None

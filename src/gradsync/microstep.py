@@ -1,0 +1,274 @@
+"""One ``accumulate`` block, end to end: the window, the adapter's hooks and the observers.
+
+The order is written once, here:
+
+1. the window begins the micro-step; at a window start the prepared optimizers' gradients
+   are cleared and the backend's ``begin_window`` runs;
+2. every observer's ``begin(step)``, in order (the audit opens its record, the self-check
+   attaches, the item count starts its all-reduce);
+3. the user's forward and backward, inside the backend's ``micro_step`` context;
+4. at a boundary the backend's ``end_window``;
+5. every observer's ``end(step)``, in reverse order (the item count settles and skips an
+   empty window, the self-check judges, the audit closes and reports);
+6. the window ends the micro-step.
+
+If anything in 2-5 raises, every observer that began gets ``abort()`` (in reverse order), the open window is
+dropped on every layer (``drop_window``) and the error propagates. A new observer is one
+class with ``begin`` / ``end`` / ``abort`` (and ``done``, True once it has nothing left to do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from gradsync.errors import naming_collective
+
+if TYPE_CHECKING:
+    from gradsync import selfcheck
+    from gradsync.accumulation import MicroStep, Window
+    from gradsync.audit import Recorder
+    from gradsync.backends.base import Backend
+    from gradsync.data import ItemCounter
+    from gradsync.prepared import Prepared
+
+log = logging.getLogger("gradsync")
+
+
+class Observer(Protocol):
+    """Something that watches every micro-step (the audit, the self-check, the item count)."""
+
+    @property
+    def done(self) -> bool:
+        """True once the observer has nothing left to do: the runner then drops it."""
+
+    def begin(self, step: MicroStep) -> None:
+        """The micro-step began (after the window and, at its start, the backend)."""
+
+    def end(self, step: MicroStep) -> None:
+        """The block and, at a boundary, the backend's ``end_window`` finished without error."""
+
+    def abort(self) -> None:
+        """The micro-step raised: the window is dropped right after."""
+
+
+def clear_optimizer_grads(backend: Backend, prepared: Prepared) -> None:
+    """Clear the gradients every prepared optimizer holds."""
+    for optimizer in prepared.optimizers:
+        backend.zero_grad(optimizer.optimizer, True)
+
+
+def drop_window(window: Window, backend: Backend, prepared: Prepared) -> None:
+    """Abandon the open window on every layer: the window's counters, the backend's
+    accumulated gradients (wherever it keeps them), the optimizers' gradients."""
+    window.drop()
+    backend.abort_window(prepared.models)
+    clear_optimizer_grads(backend, prepared)
+
+
+class Runner:
+    """Runs the ``accumulate`` blocks of one Accelerator."""
+
+    def __init__(self, window: Window, backend: Backend, prepared: Prepared,
+                 timeout: float | None) -> None:
+        self.window = window
+        self.backend = backend
+        self.prepared = prepared
+        self.timeout = timeout
+        self.observers: list[Observer] = []
+        #: Runs before a micro-step that would open a window (the SIGTERM check), or None.
+        self.before_window: Callable[[], None] | None = None
+
+    def drop(self) -> None:
+        drop_window(self.window, self.backend, self.prepared)
+
+    @contextlib.contextmanager
+    def run(self, models: Sequence[torch.nn.Module]) -> Iterator[None]:
+        """One micro-step over ``models`` (see the module's docstring for the order)."""
+        window, backend = self.window, self.backend
+        if self.before_window is not None and not window.is_open:
+            self.before_window()
+        step = window.begin()
+        if step.index == 0:
+            try:
+                # Every window starts from cleared gradients: the prepared optimizers' here,
+                # the models' (also where no optimizer was prepared) in begin_window.
+                clear_optimizer_grads(backend, self.prepared)
+                backend.begin_window(models)
+            except BaseException:
+                window.drop()
+                raise
+        observers = self.observers
+        began = 0
+        try:
+            for observer in observers:
+                observer.begin(step)
+                began += 1
+            with naming_collective(lambda: f"the forward/backward of micro-step {step.index + 1} of "
+                                   f"{step.size} (window {window.completed_windows + 1})", self.timeout):
+                if len(models) == 1:
+                    with backend.micro_step(models[0], boundary=step.boundary):
+                        yield
+                else:
+                    with contextlib.ExitStack() as stack:
+                        for model in models:
+                            stack.enter_context(backend.micro_step(model, boundary=step.boundary))
+                        yield
+            if step.boundary:
+                with naming_collective("the end of the accumulation window", self.timeout):
+                    backend.end_window(models)
+            for observer in reversed(observers):
+                observer.end(step)
+        except BaseException:
+            for observer in reversed(observers[:began]):
+                with contextlib.suppress(Exception):  # the block's own error is the one to raise
+                    observer.abort()
+            self.drop()  # a stray step() after the error applies nothing
+            raise
+        window.end()
+        if observers and any(o.done for o in observers):
+            self.observers = [o for o in observers if not o.done]
+
+    def own_collective(self) -> contextlib.AbstractContextManager[None]:
+        """Around a collective of gradsync's own (a metric, a count): never counted as
+        gradient traffic by the audit or the self-check."""
+        for observer in self.observers:
+            own = getattr(observer, "own", None)
+            if own is not None:
+                return own()  # type: ignore[no-any-return]
+        return contextlib.nullcontext()
+
+
+# -- the observers -------------------------------------------------------------------
+class AuditObserver:
+    """Opens the audit's record of each micro-step and, at a boundary, prints the window's
+    summary on the main process."""
+
+    done = False
+
+    def __init__(self, recorder: Recorder, window: Window, describe: Callable[[int], str],
+                 main_process: bool) -> None:
+        self.recorder = recorder
+        self._window = window
+        self._describe = describe  # window number -> "rank R step N (backend, policy)"
+        self._main = main_process
+        self._window_start = len(recorder.records)
+
+    def own(self) -> contextlib.AbstractContextManager[None]:
+        return self.recorder.own()
+
+    def begin(self, step: MicroStep) -> None:
+        self.recorder.open(step.boundary)
+
+    def end(self, step: MicroStep) -> None:
+        self.recorder.close()
+        if step.boundary:
+            self._report()
+
+    def abort(self) -> None:
+        self.recorder.close()
+
+    def _report(self) -> None:
+        window = self.recorder.records[self._window_start:]
+        self._window_start = len(self.recorder.records)
+        if self._main and window:
+            number = self._window.completed_windows + 1  # the window closing now
+            print(f"[gradsync audit] {self._describe(number)}: "
+                  f"{self.recorder.summary(window)}", file=sys.stdout, flush=True)
+
+
+class SelfCheckObserver:
+    """The deferral self-check of the first optimizer steps (see ``gradsync.selfcheck``)."""
+
+    def __init__(self, check: selfcheck.SelfCheck) -> None:
+        self.check = check
+
+    @property
+    def done(self) -> bool:
+        return self.check.done
+
+    def own(self) -> contextlib.AbstractContextManager[None]:
+        return self.check.recorder.own()
+
+    def begin(self, step: MicroStep) -> None:
+        self.check.begin(step.boundary)
+
+    def end(self, step: MicroStep) -> None:
+        self.check.end(step.boundary)
+
+    def abort(self) -> None:
+        self.check.abort()
+
+
+class ItemCount:
+    """Counts the items (tokens) of each global window when it starts: this rank's batches,
+    read ahead by the prepared loader, summed over ranks with one small all-reduce that runs
+    while the first forward does (waited for at the first backward, ``window_items`` or the
+    end of the micro-step). A window with no item on any rank skips its step."""
+
+    done = False
+
+    def __init__(self, count: ItemCounter, window: Window, backend: Backend, prepared: Prepared,
+                 world_size: int, own: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
+        self.count = count
+        self._window = window
+        self._backend = backend
+        self._prepared = prepared
+        self._world = world_size
+        self._own = own
+        self._pending: tuple[Any, torch.Tensor, BaseException | None] | None = None
+
+    def begin(self, step: MicroStep) -> None:
+        if step.index != 0:
+            return
+        feed = self._window.feed
+        if feed is None:
+            return  # no prepared loader feeds the window: window_items stays unknown
+        local, error = 0, None
+        try:
+            local = feed.count_items(step.size, self.count)
+        except Exception as err:  # the other ranks must not wait for this one's count forever
+            error = err
+        if self._world > 1:
+            t = torch.tensor([local, int(error is not None)], dtype=torch.int64,
+                             device=self._backend.device)
+            with self._own():
+                work = torch.distributed.all_reduce(t, async_op=True)
+            self._pending = (work, t, error)
+            return
+        if error is not None:
+            raise error
+        self._window.set_items(local)
+
+    def settle(self) -> None:
+        """Wait for the window's count all-reduce, if one is in flight, and record the total."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        work, t, error = pending
+        work.wait()
+        total, failed = int(t[0].item()), int(t[1].item())
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(
+                f"count_items failed on {failed} other rank(s) for this window; see their error"
+            )
+        self._window.set_items(total)
+
+    def end(self, step: MicroStep) -> None:
+        self.settle()
+        if step.boundary and self._window.skips_step:
+            log.warning(
+                "gradsync: window %d holds no item (count_items gave 0 on every rank); its "
+                "optimizer and scheduler steps are skipped", self._window.completed_windows + 1,
+            )
+            self._backend.abort_window(self._prepared.models)  # drop what its backward left
+
+    def abort(self) -> None:
+        self.settle()

@@ -1,0 +1,107 @@
+"""The registry of what an Accelerator prepared: the one owner of those objects.
+
+Models (and whether they train), optimizers, schedulers, dataloaders and the objects
+registered for checkpointing are kept here, in the order they were prepared. Which
+optimizer holds which model's parameters is a many-to-many relation (one optimizer over
+several models, several optimizers for one model), recorded from the parameters'
+identity; the Accelerator, the micro-step runner and the checkpoint state read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from gradsync.data import PreparedDataLoader
+    from gradsync.wrappers import PreparedOptimizer, PreparedScheduler
+
+
+class Prepared:
+    """Everything one Accelerator prepared or registered, and how the pieces relate."""
+
+    def __init__(self) -> None:
+        self.models: list[torch.nn.Module] = []  # as wrapped by the backend
+        self.trained: list[torch.nn.Module] = []  # the models with trainable parameters
+        self.optimizers: list[PreparedOptimizer] = []
+        self.schedulers: list[PreparedScheduler] = []
+        self.loaders: list[PreparedDataLoader] = []
+        self.objects: list[Any] = []  # registered for checkpointing
+        self._links: set[tuple[int, int]] = set()  # (id of a model, id of an optimizer)
+
+    # -- adding ---------------------------------------------------------------------
+    def add_model(self, model: torch.nn.Module) -> None:
+        self.models.append(model)
+        if any(p.requires_grad for p in model.parameters()):
+            self.trained.append(model)
+
+    def add_optimizer(self, optimizer: PreparedOptimizer, models: Iterable[torch.nn.Module] = ()) -> None:
+        """``optimizer``, linked to each of ``models`` (those whose parameters it holds)."""
+        self.optimizers.append(optimizer)
+        for model in models:
+            self._links.add((id(model), id(optimizer)))
+
+    def add_scheduler(self, scheduler: PreparedScheduler) -> None:
+        self.schedulers.append(scheduler)
+
+    def add_loader(self, loader: PreparedDataLoader) -> None:
+        self.loaders.append(loader)
+
+    def add_object(self, obj: Any) -> None:
+        self.objects.append(obj)
+
+    # -- relations ------------------------------------------------------------------
+    def optimizers_of(self, model: torch.nn.Module) -> list[PreparedOptimizer]:
+        """The prepared optimizers that hold ``model``'s parameters, in prepare order."""
+        return [o for o in self.optimizers if (id(model), id(o)) in self._links]
+
+    def models_of(self, optimizer: PreparedOptimizer) -> list[torch.nn.Module]:
+        """The prepared models whose parameters ``optimizer`` holds, in prepare order."""
+        return [m for m in self.models if (id(m), id(optimizer)) in self._links]
+
+    def optimizer_per_model(self) -> list[torch.optim.Optimizer | None]:
+        """For each model, the (unwrapped) optimizer that holds it, or None: the layout of
+        the backends' checkpoint hooks (``optimizers[i]`` belongs to ``models[i]``)."""
+        out: list[torch.optim.Optimizer | None] = []
+        for model in self.models:
+            mine = self.optimizers_of(model)
+            out.append(mine[0].optimizer if mine else None)
+        return out
+
+    def holding(self, parameters: Iterable[torch.Tensor]) -> list[PreparedOptimizer]:
+        """The prepared optimizers that hold any of ``parameters``."""
+        wanted = {id(p) for p in parameters}
+        return [o for o in self.optimizers
+                if any(id(p) in wanted for group in o.param_groups for p in group["params"])]
+
+    def step_counter(self, optimizer: Any) -> Callable[[], int]:
+        """The applied-step count of the prepared optimizer wrapping ``optimizer`` (all
+        prepared optimizers together when it is none of them)."""
+        for prepared in self.optimizers:
+            if prepared.optimizer is optimizer or prepared is optimizer:
+                return lambda: prepared.steps_applied
+        return self.steps_applied
+
+    # -- reading ------------------------------------------------------------------
+    @property
+    def clipping_model(self) -> torch.nn.Module | None:
+        """The most recently prepared model with trainable parameters (the one whose
+        backend wrapper computes the global gradient norm)."""
+        return self.trained[-1] if self.trained else None
+
+    def steps_applied(self) -> int:
+        """Optimizer steps really applied, all prepared optimizers together."""
+        return sum(o.steps_applied for o in self.optimizers)
+
+    def counts(self) -> dict[str, int]:
+        """How many of each kind were prepared (a checkpoint must match them)."""
+        return {"models": len(self.models), "schedulers": len(self.schedulers),
+                "objects": len(self.objects), "loaders": len(self.loaders),
+                "optimizers": len(self.optimizers)}
+
+    def clear_models(self) -> None:
+        """Forget the models (at the end of training: they may hold the process group)."""
+        self.models.clear()
+        self.trained.clear()
