@@ -7,8 +7,7 @@ Two pages hold a placeholder comment that is replaced when the site is built:
 * ``<!-- gradsync:cli -->`` (docs/reference/cli.md): every ``gradsync`` subcommand and
   flag, from ``gradsync.launch.cli.build_parser()``.
 
-Both import without torch. A page that still holds its placeholder after the build step
-(or a placeholder on a page it does not belong to) fails the build.
+Both import without torch. A build in which either placeholder was not found fails.
 """
 
 from __future__ import annotations
@@ -23,20 +22,47 @@ from pathlib import Path
 from typing import Any
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-if str(SRC) not in sys.path:
-    sys.path.insert(0, str(SRC))  # document this checkout, installed or not
 
 SETTINGS_MARK = "<!-- gradsync:settings -->"
 CLI_MARK = "<!-- gradsync:cli -->"
+
+
+_filled: set[str] = set()
+
+
+def on_config(config: Any, **kwargs: Any) -> Any:
+    """Import gradsync from this checkout, installed or not (mkdocs restores ``sys.path``
+    after loading this module, so it is set here)."""
+    if str(SRC) not in sys.path:
+        sys.path.insert(0, str(SRC))
+    return config
+
+
+def on_pre_build(config: Any, **kwargs: Any) -> None:
+    _filled.clear()
 
 
 def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
     """Fill the placeholders of the settings and CLI pages."""
     if SETTINGS_MARK in markdown:
         markdown = markdown.replace(SETTINGS_MARK, settings_markdown())
+        _filled.add(SETTINGS_MARK)
     if CLI_MARK in markdown:
         markdown = markdown.replace(CLI_MARK, cli_markdown())
+        _filled.add(CLI_MARK)
     return markdown
+
+
+def on_post_build(config: Any, **kwargs: Any) -> None:
+    """The generated references must be somewhere: a lost placeholder fails the build."""
+    from mkdocs.exceptions import PluginError
+
+    missing = [mark for mark in (SETTINGS_MARK, CLI_MARK) if mark not in _filled]
+    if missing:
+        raise PluginError(
+            f"docs/hooks.py: no page holds {' or '.join(missing)}; put it back where the "
+            "generated reference belongs (docs/reference/settings.md, docs/reference/cli.md)"
+        )
 
 
 # -- the settings ---------------------------------------------------------------------------
