@@ -3,30 +3,49 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from gradsync.errors import ConfigError
+from gradsync.settings import BY_NAME, LAUNCH_SETTINGS, Setting
+
+if TYPE_CHECKING:
+    from gradsync.launch.torchrun import LaunchConfig
+
+# The settings `gradsync plan` takes flags for.
+_BATCH = ("global_batch_size", "micro_batch_size", "gradient_accumulation_steps")
 
 
-def _steps(text: str) -> int | str:
-    """An argparse type: a number of steps, or a schedule such as '0:2 100:4'."""
-    stripped = text.strip()
-    if stripped.lstrip("+-").isdigit():
-        return int(stripped)
-    if ":" in stripped or stripped.startswith("{"):
-        return stripped
-    raise argparse.ArgumentTypeError(
-        f"invalid int value: {text!r} (give a number of steps, or a schedule such as '0:2 100:4')"
-    )
+def _flag_type(s: Setting) -> Callable[[str], Any]:
+    """An argparse type for a setting's flag: its text read as its GRADSYNC_* variable's is."""
+    kind = "int" if int in s.members else "float" if float in s.members else "JSON"
+
+    def convert(text: str) -> Any:
+        try:
+            return s.from_text(text, str(s.flag))
+        except ConfigError:
+            hint = f" (give {s.hint})" if s.hint else ""
+            raise argparse.ArgumentTypeError(f"invalid {kind} value: {text!r}{hint}") from None
+
+    convert.__name__ = kind
+    return convert
 
 
-def _add_batch_flags(p: argparse.ArgumentParser) -> None:
-    _add(p, "--global-batch-size", type=int, default=None, metavar="G")
-    _add(p, "--micro-batch-size", type=int, default=None, metavar="M")
-    _add(p, "--gradient-accumulation-steps", type=_steps, default=None, metavar="K",
-         help="a number, or a schedule by optimizer step: '0:2 100:4 300:8'")
+def _add_setting_flags(p: argparse.ArgumentParser, settings: Sequence[Setting]) -> None:
+    """The flags of ``settings`` (gradsync.settings declares them), in both spellings."""
+    for s in settings:
+        if s.flag is None:
+            raise TypeError(f"setting {s.name} has no flag")
+        help_ = s.doc.replace("%", "%%")
+        if s.switch:
+            _add(p, s.flag, dest=s.name, action="store_true", help=help_)
+        elif bool in s.members:
+            _add(p, s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            _add(p, s.flag, dest=s.name, type=_flag_type(s), default=None,
+                 metavar=s.metavar or s.name.upper(), help=help_)
 
 
 def _positive_list(text: str) -> list[int]:
@@ -34,13 +53,15 @@ def _positive_list(text: str) -> list[int]:
     return [_positive(part.strip()) for part in text.split(",") if part.strip()]
 
 
-def _add(p: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
+def _add(p: argparse.ArgumentParser, flag: str, dest: str | None = None, **kwargs: Any) -> None:
     """A flag in torchrun's two spellings, --max-restarts and --max_restarts (the second
     hidden from --help, so errors and usage name the first)."""
-    p.add_argument(flag, **kwargs)
-    kwargs.pop("metavar", None)
-    p.add_argument("--" + flag[2:].replace("-", "_"), **{**kwargs, "help": argparse.SUPPRESS},
-                   dest=flag[2:].replace("-", "_"))
+    dest = dest or flag[2:].replace("-", "_")
+    p.add_argument(flag, dest=dest, **kwargs)
+    snake = "--" + flag[2:].replace("-", "_")
+    if snake != flag:
+        kwargs.pop("metavar", None)
+        p.add_argument(snake, **{**kwargs, "help": argparse.SUPPRESS}, dest=dest)
 
 
 def _nproc(text: str) -> int | str:
@@ -101,14 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(launch, "--no-python", action="store_true",
                         help="run SCRIPT as a program, not with python")
     _add(launch, "--local-ranks-filter", default=None, metavar="RANKS")
-    launch.add_argument("--backend", default=None, metavar="B",
-                        help="auto, single, ddp, fsdp, deepspeed or fairscale (default: the config file's, else auto)")
-    _add_batch_flags(launch)
-    _add(launch, "--sync-policy", default=None, metavar="P",
-                        help="auto, defer, every_step or native")
-    launch.add_argument("--seed", type=int, default=None)
-    _add(launch, "--mixed-precision", default=None, metavar="MP", help="no, bf16 or fp16")
-    launch.add_argument("--audit", action="store_true", help="count collectives per micro-step")
+    # The settings' flags (given: exported to the workers; not given: the config file's value).
+    _add_setting_flags(launch, LAUNCH_SETTINGS)
     launch.add_argument("--config", default=None, metavar="YAML", help="a gradsync YAML config")
     _add(launch, "--dry-run", action="store_true",
                         help="print the torchrun command and the settings, start nothing")
@@ -117,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
     plan = sub.add_parser("plan", help="derive and check the batch sizes, for one or several world sizes (--estimate: and the communication)")
-    _add_batch_flags(plan)
+    _add_setting_flags(plan, [BY_NAME[name] for name in _BATCH])
     plan.add_argument("--nproc-per-node", type=_positive_list, default=[1], metavar="N[,N...]")
     plan.add_argument("--nnodes", type=_positive_list, default=[1], metavar="N[,N...]")
     plan.add_argument("--config", default=None, metavar="YAML",
@@ -153,10 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _launch(args: argparse.Namespace) -> int:
-    from gradsync.launch.torchrun import LaunchConfig, Launcher
+def launch_config(args: argparse.Namespace) -> LaunchConfig:
+    """The LaunchConfig that parsed ``gradsync launch`` arguments stand for.
 
-    config = LaunchConfig(
+    Args:
+        args: ``build_parser().parse_args(["launch", ...])``.
+
+    Returns:
+        The launch, with the settings' flags as given (None: not given).
+    """
+    from gradsync.launch.torchrun import LaunchConfig
+
+    return LaunchConfig(
         script=args.script,
         script_args=list(args.script_args),
         module=args.module,
@@ -177,16 +200,15 @@ def _launch(args: argparse.Namespace) -> int:
         redirects=args.redirects,
         no_python=args.no_python,
         local_ranks_filter=args.local_ranks_filter,
-        backend=args.backend,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size,
-        sync_policy=args.sync_policy,
-        seed=args.seed,
-        mixed_precision=args.mixed_precision,
-        audit=args.audit,
         config_file=args.config,
+        **{s.name: getattr(args, s.name) for s in LAUNCH_SETTINGS},
     )
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from gradsync.launch.torchrun import Launcher
+
+    config = launch_config(args)
     launcher = Launcher(config)
     if args.dry_run:
         print(launcher.describe())
@@ -199,7 +221,7 @@ def _plan(args: argparse.Namespace) -> int:
     from gradsync.launch import plan
 
     settings = from_yaml(args.config) if args.config else {}
-    for name in ("global_batch_size", "micro_batch_size", "gradient_accumulation_steps"):
+    for name in _BATCH:
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     if (settings.get("global_batch_size") is not None and settings.get("micro_batch_size") is None
@@ -277,6 +299,22 @@ def _bench(args: argparse.Namespace) -> int:
     return bench.main(list(args.bench_args))
 
 
+def _unknown(parser: argparse.ArgumentParser, command: str, word: str) -> str:
+    """One line for an argument ``gradsync COMMAND`` does not take, with the closest flag."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    if not word.startswith("-"):
+        return f"unexpected argument {word!r} for gradsync {command}; see gradsync {command} --help"
+    flag = word.split("=", 1)[0]
+    name = flag.lstrip("-").replace("-", "_")
+    if name in BY_NAME and BY_NAME[name].flag is None:
+        return (f"unknown flag {flag} for gradsync {command}: the setting {name} has no flag; set "
+                f"it in the config file (--config) or as {BY_NAME[name].env}")
+    flags = [o for a in sub._actions if a.help != argparse.SUPPRESS for o in a.option_strings]
+    close = difflib.get_close_matches(flag.replace("_", "-"), flags, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else f"; see gradsync {command} --help"
+    return f"unknown flag {flag} for gradsync {command}{hint}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
@@ -284,7 +322,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gradsync.launch import bench
 
         return bench.main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        print(f"gradsync: error: {_unknown(parser, args.command, unknown[0])}", file=sys.stderr)
+        return 2
     try:
         if args.command == "launch":
             return _launch(args)

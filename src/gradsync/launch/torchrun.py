@@ -19,14 +19,11 @@ from typing import Any
 from gradsync import backends
 from gradsync._util import check_positive_int
 from gradsync.batching import BatchPlan, solve_with_schedule
-from gradsync.config import ENV_PREFIX, MIXED_PRECISION, SYNC_POLICIES, Config, env_vars, from_yaml
+from gradsync.config import ENV_PREFIX, Config, env_vars, from_yaml
 from gradsync.errors import ConfigError
 from gradsync.launch import failures
 from gradsync.schedule import Schedule, is_schedule
-
-# LaunchConfig fields that are worker settings; None (or audit=False) means "not given".
-_SETTINGS = ("backend", "gradient_accumulation_steps", "micro_batch_size", "global_batch_size",
-             "sync_policy", "seed", "mixed_precision", "audit")
+from gradsync.settings import LAUNCH_SETTINGS, AccumulationSteps, MixedPrecision, RequestedPolicy
 
 
 @dataclass
@@ -53,15 +50,17 @@ class LaunchConfig:
     redirects: str | None = None
     no_python: bool = False
     local_ranks_filter: str | None = None
-    # What the workers' Accelerator() reads from GRADSYNC_* variables. None means "not given":
-    # the workers then take the value from the config file, or the default.
+    # The settings that have a launch flag (gradsync.settings.LAUNCH_SETTINGS, with their
+    # declared types; tests/test_settings.py checks that the two agree). The workers'
+    # Accelerator() reads them from GRADSYNC_* variables. None (a switch: False) means "not
+    # given": the workers then take the value from the config file, or the default.
     backend: str | None = None
-    gradient_accumulation_steps: int | str | None = None  # an int or a schedule ("0:2 100:4")
+    gradient_accumulation_steps: AccumulationSteps | None = None
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
-    sync_policy: str | None = None
+    sync_policy: RequestedPolicy | None = None
+    mixed_precision: MixedPrecision | None = None
     seed: int | None = None
-    mixed_precision: str | None = None
     audit: bool = False
     config_file: str | None = None
 
@@ -132,15 +131,12 @@ class Launcher:
                 )
         if c.backend is not None:
             backends.check_name(c.backend)
-        if c.sync_policy is not None and c.sync_policy not in SYNC_POLICIES:
-            raise ConfigError(
-                f"--sync-policy={c.sync_policy!r} is unknown; use one of {', '.join(SYNC_POLICIES)}"
-            )
-        if c.mixed_precision is not None and c.mixed_precision not in MIXED_PRECISION:
-            raise ConfigError(
-                f"--mixed-precision={c.mixed_precision!r} is unknown; "
-                f"use one of {', '.join(MIXED_PRECISION)}"
-            )
+        for s in LAUNCH_SETTINGS:  # a value out of a fixed set is named by its flag
+            value = getattr(c, s.name)
+            if s.choices is not None and value is not None and value not in s.choices:
+                raise ConfigError(
+                    f"{s.flag}={value!r} is unknown; use one of {', '.join(map(str, s.choices))}"
+                )
         if c.master_port is not None and not 0 < c.master_port < 65536:
             raise ConfigError(f"--master-port={c.master_port} must be a TCP port (1-65535)")
         if c.rdzv_endpoint is not None:
@@ -170,11 +166,12 @@ class Launcher:
 
     def _given(self) -> dict[str, Any]:
         """The worker settings given on the command line (or to LaunchConfig)."""
-        c = self.config
-        given = {name: getattr(c, name) for name in _SETTINGS}
-        if not c.audit:
-            del given["audit"]
-        return {k: v for k, v in given.items() if v is not None}
+        given = {}
+        for s in LAUNCH_SETTINGS:
+            value = getattr(self.config, s.name)
+            if value is not None and not (s.switch and value is False):  # a switch given is on
+                given[s.name] = value
+        return given
 
     def _merged(self) -> dict[str, Any]:
         """The config file's settings, overridden by the given ones: what the workers will use."""
