@@ -3,7 +3,7 @@
 Two pages hold a placeholder comment that is replaced when the site is built:
 
 * ``<!-- gradsync:settings -->`` (docs/reference/settings.md): the settings table, from
-  ``gradsync.settings.reference_markdown()`` (the one declaration per setting);
+  ``gradsync.settings.reference_markdown()`` (derived from the one declaration per setting);
 * ``<!-- gradsync:cli -->`` (docs/reference/cli.md): every ``gradsync`` subcommand and
   flag, from ``gradsync.launch.cli.build_parser()``.
 
@@ -13,10 +13,6 @@ Both import without torch. A build in which either placeholder was not found fai
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib
-import inspect
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -67,79 +63,13 @@ def on_post_build(config: Any, **kwargs: Any) -> None:
 
 # -- the settings ---------------------------------------------------------------------------
 def settings_markdown() -> str:
-    """The settings reference: from gradsync.settings when it offers one, else the
-    temporary table derived from the Config dataclass."""
-    try:
-        settings = importlib.import_module("gradsync.settings")
-    except ModuleNotFoundError as err:
-        if err.name != "gradsync.settings":
-            raise
-        return _settings_from_config()
-    reference = getattr(settings, "reference_markdown", None)
-    if reference is None:
-        return _settings_from_config()
-    text = reference()
-    if not isinstance(text, str) or not text.strip():
+    """The settings table, derived from the one declaration per setting."""
+    from gradsync.settings import reference_markdown
+
+    text = reference_markdown()
+    if not text.strip():
         raise ValueError("gradsync.settings.reference_markdown() returned no Markdown")
     return text
-
-
-def _settings_from_config() -> str:
-    """TEMPORARY: the table from ``dataclasses.fields(Config)`` and the comments above each
-    field, until gradsync.settings declares every setting once."""
-    from gradsync.config import ENV_PREFIX, Config
-
-    comments = _field_comments(Config)
-    flags = _launch_flags()
-    rows = [
-        "!!! note \"Temporary table\"",
-        "    Derived from the fields of `gradsync.Config`; it becomes the table generated from",
-        "    the settings declarations once they exist.",
-        "",
-        "| setting | type | default | variable | `gradsync launch` flag | meaning |",
-        "|---|---|---|---|---|---|",
-    ]
-    for f in dataclasses.fields(Config):
-        default = "—" if f.default is None else f"`{f.default!r}`"
-        flag = f"`{flags[f.name]}`" if f.name in flags else "—"
-        rows.append(
-            f"| `{f.name}` | `{_cell(str(f.type))}` | {default} | `{ENV_PREFIX}{f.name.upper()}` "
-            f"| {flag} | {_cell(comments.get(f.name, ''))} |"
-        )
-    return "\n".join(rows) + "\n"
-
-
-def _field_comments(cls: type) -> dict[str, str]:
-    """The ``#`` comments above (and after) each field of a dataclass, by field name."""
-    out: dict[str, str] = {}
-    pending: list[str] = []
-    field = re.compile(r"^\s{4}(\w+)\s*:[^=]*(=.*)?$")
-    for line in inspect.getsource(cls).splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            pending.append(stripped.lstrip("#").strip())
-            continue
-        match = field.match(line.split("  #")[0])
-        if match and not stripped.startswith("def "):
-            inline = line.split("  # ", 1)[1].strip() if "  # " in line else ""
-            out[match.group(1)] = " ".join([*pending, inline]).strip()
-        if stripped.startswith("def "):
-            break
-        pending = []
-    return out
-
-
-def _launch_flags() -> dict[str, str]:
-    """Setting name -> the ``gradsync launch`` flag that sets it."""
-    from gradsync.config import Config
-
-    names = {f.name for f in dataclasses.fields(Config)}
-    launch = _subcommands(_parser())["launch"]
-    return {
-        action.dest: action.option_strings[0]
-        for action in launch._actions
-        if action.dest in names and action.option_strings and action.help != argparse.SUPPRESS
-    }
 
 
 # -- the command line -----------------------------------------------------------------------
