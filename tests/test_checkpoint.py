@@ -259,7 +259,7 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint_usable(tmp_path, clea
     code = f"""
 import os, signal, sys
 sys.path.insert(0, {str(HERE)!r})
-import gradsync.checkpoint as ck
+import gradsync.checkpoint.state as ck
 from test_checkpoint import trained
 accel, *_ = trained(micro=4)
 accel.save_state({str(tmp_path / 'good')!r})
@@ -303,16 +303,16 @@ class Gate:
 
 @pytest.fixture
 def gate(monkeypatch):
-    import gradsync.checkpoint as ck
+    import gradsync.checkpoint.commit as ck
 
-    real, held = ck._mark_and_rename, Gate()
+    real, held = ck.mark_and_rename, Gate()
 
     def gated(*args: object) -> None:
         if threading.current_thread() is not threading.main_thread():
             assert held.event.wait(30), "the gate was never opened"
         real(*args)
 
-    monkeypatch.setattr(ck, "_mark_and_rename", gated)
+    monkeypatch.setattr(ck, "mark_and_rename", gated)
     yield held
     held.event.set()
 
@@ -363,16 +363,16 @@ def test_the_next_save_load_and_end_wait_for_a_background_save(tmp_path, clean_e
 @pytest.fixture
 def disk_full_for_bad(monkeypatch):
     """Commits of folders named bad* fail as on a full disk."""
-    import gradsync.checkpoint as ck
+    import gradsync.checkpoint.commit as ck
 
-    real = ck._mark_and_rename
+    real = ck.mark_and_rename
 
     def full(tmp: Path, target: Path, manifest: dict) -> None:
         if target.name.startswith("bad"):
             raise OSError(28, "No space left on device")
         real(tmp, target, manifest)
 
-    monkeypatch.setattr(ck, "_mark_and_rename", full)
+    monkeypatch.setattr(ck, "mark_and_rename", full)
 
 
 def test_a_failed_background_commit_is_reported_and_keeps_the_previous(tmp_path, clean_env, disk_full_for_bad,
@@ -421,13 +421,13 @@ def test_a_background_save_is_committed_when_the_script_ends_without_end(tmp_pat
     code = f"""
 import sys, time
 sys.path.insert(0, {str(HERE)!r})
-import gradsync.checkpoint as ck
+import gradsync.checkpoint.commit as ck
 from test_checkpoint import trained
-real = ck._mark_and_rename
+real = ck.mark_and_rename
 def slow(*args):
     time.sleep(0.5)
     real(*args)
-ck._mark_and_rename = slow
+ck.mark_and_rename = slow
 accel, *_ = trained(micro=6)
 accel.save_state({str(tmp_path / 'last')!r}, background=True)
 """
@@ -442,16 +442,16 @@ def test_a_kill_during_a_background_commit_leaves_the_previous_checkpoint_usable
     code = f"""
 import os, signal, sys, threading, time
 sys.path.insert(0, {str(HERE)!r})
-import gradsync.checkpoint as ck
+import gradsync.checkpoint.commit as ck
 from test_checkpoint import trained
 accel, *_ = trained(micro=4)
 accel.save_state({str(tmp_path / 'good')!r})
-real, committing = ck._mark_and_rename, threading.Event()
+real, committing = ck.mark_and_rename, threading.Event()
 def slow(*args):
     committing.set()
     time.sleep(30)
     real(*args)
-ck._mark_and_rename = slow
+ck.mark_and_rename = slow
 accel, *_ = trained(micro=8)
 accel.save_state({str(tmp_path / 'pending')!r}, background=True)
 committing.wait(10)

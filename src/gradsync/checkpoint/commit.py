@@ -18,9 +18,9 @@ from gradsync import dist
 from gradsync.checkpoint.folder import (
     TMP_SUFFIX,
     Manifest,
-    crc,
-    files,
+    checksum,
     fsync_all,
+    listed_files,
     mark_and_rename,
     one_line,
     prune,
@@ -116,7 +116,7 @@ class Committer:
         mine: dict[str, tuple[int, int]] | None = None
         try:
             if error is None:
-                names = files(tmp)
+                names = listed_files(tmp)
                 # Each rank sums its share of the files while rank 0 fsyncs all of them.
                 mine = _summed_while_syncing(tmp, share(tmp, names, rank, world), names if rank == 0 else [])
         except Exception as err:
@@ -130,7 +130,7 @@ class Committer:
                     sums.update(part or {})
                 # Rank 0's listing is the checkpoint; it sums what no rank did (a rank whose
                 # view of a shared filesystem lagged).
-                _install(tmp, target, manifest, {n: sums[n] if n in sums else crc(tmp / n) for n in names},
+                _install(tmp, target, manifest, {n: sums[n] if n in sums else checksum(tmp / n) for n in names},
                          keep_last)
             except Exception as err:
                 error = err
@@ -165,7 +165,7 @@ def _summed_while_syncing(folder: Path, to_sum: list[str], to_sync: list[str]) -
     of ``to_sync``; raises what either failed with."""
     syncing = _Background("gradsync-fsync", fsync_all, folder, to_sync) if to_sync else None
     try:
-        return {name: crc(folder / name) for name in to_sum}
+        return {name: checksum(folder / name) for name in to_sum}
     finally:
         failed = syncing.error() if syncing is not None else None
         if failed is not None:
@@ -206,7 +206,7 @@ class _Commit:
 
     def _run(self, tmp: Path, manifest: Manifest, keep_last: int | None) -> None:
         try:
-            names = files(tmp)
+            names = listed_files(tmp)
             _install(tmp, self.target, manifest, _summed_while_syncing(tmp, names, names), keep_last)
         except BaseException as err:  # reported by wait(); also said now, in case none comes
             shutil.rmtree(tmp, ignore_errors=True)

@@ -93,7 +93,7 @@ def one_line(err: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def crc(path: Path) -> tuple[int, int]:
+def checksum(path: Path) -> tuple[int, int]:
     """(size, CRC-32) of a file, read back (from the page cache, just after it was written)."""
     crc, size = 0, 0
     chunk = bytearray(1 << 22)
@@ -105,7 +105,7 @@ def crc(path: Path) -> tuple[int, int]:
     return size, crc
 
 
-def files(folder: Path) -> list[str]:
+def listed_files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
                   if p.is_file() and p.name != MANIFEST)
 
@@ -268,7 +268,7 @@ def _verify(folder: Path) -> Manifest:
         file = folder / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {where!r} is incomplete: {name} is missing")
-        got_size, got_crc = crc(file)
+        got_size, got_crc = checksum(file)
         if got_size != size:
             raise CheckpointError(
                 f"checkpoint {where!r} is corrupted: {name} has {got_size} bytes, {size} were written (truncated?)"
