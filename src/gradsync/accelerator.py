@@ -30,6 +30,14 @@ from gradsync.microstep import AuditObserver, ItemCount, Runner, SelfCheckObserv
 from gradsync.planning import length_mismatch, plan_steps
 from gradsync.prepared import Prepared
 from gradsync.preparing import Preparer
+from gradsync.settings import (
+    AccumulationSteps,
+    CompileOption,
+    ItemCounter,
+    MixedPrecision,
+    ModuleSelector,
+    RequestedPolicy,
+)
 from gradsync.wrappers import PreparedOptimizer, PreparedScheduler
 
 REDUCTIONS = ("mean", "sum", "normalized")
@@ -46,38 +54,63 @@ class Accelerator:
     Args:
         backend: "auto" (ddp when the world size is above 1, else single), "single",
             "ddp", "fsdp", "deepspeed" or "fairscale" (legacy).
-        gradient_accumulation_steps: micro-batches per optimizer step (default 1).
+        gradient_accumulation_steps: micro-batches per optimizer step (default 1, or derived
+            from the batch sizes), or a schedule: ``"0:2 100:4"`` (k by optimizer step), a
+            ramp-up ``{"start": 64, "increment": 64, "samples": N}``, or a callable
+            ``optimizer_step -> k``.
+        micro_batch_size: samples per micro-batch and process; give two of the three sizes
+            to derive the third.
+        global_batch_size: samples per optimizer step over all processes
+            (micro x k x processes).
         sync_policy: "auto", "defer", "every_step" or "native" (see the docs).
-        seed: seeds torch on every rank and the sharded sampler.
-        micro_batch_size / global_batch_size: give two of the three sizes to derive the third.
         mixed_precision: "no", "bf16" or "fp16" (autocast plus a loss scaler, see ``scaler``).
+        seed: seeds torch on every rank and the sharded sampler.
+        audit: count collectives per micro-step and print a summary per optimizer step.
+        sync_with_dataloader: a window ends with the dataloader's pass (default True; False:
+            windows run on across passes, with no end-of-data flush).
+        count_items: ``fn(batch) -> int``, the items (e.g. tokens) a batch holds, for
+            ``backward(reduction="sum")`` and ``"normalized"``; or ``"module:function"``.
+        grad_scaler: fp16 loss-scaler settings: a dict with keys from ``init_scale``,
+            ``growth_factor``, ``backoff_factor``, ``growth_interval``.
         activation_checkpointing: module class names, classes or a callable ``module -> bool``
             picking the modules whose forward is recomputed in backward.
         compile: True or a dict of ``torch.compile`` arguments: compile where the backend wants it.
-        audit: count collectives per micro-step and print a summary per optimizer step.
+        self_check: with a deferring policy, check the first optimizer steps' collectives and
+            warn when a micro-step off the boundary reduced gradients (default True).
+        dataset_shards_itself: an ``IterableDataset`` yields each rank's own shard itself:
+            gradsync leaves it alone.
+        sync_memory_budget: bytes per rank that deferring may hold on FSDP2 and ZeRO 2/3 under
+            ``sync_policy="auto"`` (default: a share of the free memory).
         timeout: seconds a collective waits for the other ranks before it fails with an
             error naming the operation (``GRADSYNC_TIMEOUT``; torch's default is 30 min).
         save_on_sigterm: a folder; on SIGTERM (preemption) every rank saves a checkpoint
             there (``step-N``) when the next window starts, then exits with status 0.
-        **options: the other settings: ``count_items``, ``sync_with_dataloader``, ``self_check``
-            (default on), ``find_unused_parameters``, ``dataset_shards_itself``, backend options
-            (``deepspeed_config``, ``sync_memory_budget``, ``fsdp_keep_params_in_window``, ...);
-            see docs/guide.md.
+        config_file: a YAML (or JSON) file of settings (default: ``GRADSYNC_CONFIG``).
+        **options: a backend's options: ``ddp_kwargs``, ``find_unused_parameters`` (ddp);
+            ``fsdp_wrap``, ``fsdp_keep_params_in_window``, ``fsdp_reshard_after_backward``,
+            ``fsdp_memory_budget`` (fsdp); ``deepspeed_config`` (deepspeed);
+            ``fairscale_kwargs`` (fairscale). The settings reference lists every setting.
     """
 
     def __init__(
         self,
         *,
         backend: str | None = None,
-        gradient_accumulation_steps: int | None = None,
-        sync_policy: str | None = None,
-        seed: int | None = None,
+        gradient_accumulation_steps: AccumulationSteps | None = None,
         micro_batch_size: int | None = None,
         global_batch_size: int | None = None,
-        mixed_precision: str | None = None,
-        activation_checkpointing: Any = None,
-        compile: bool | dict[str, Any] | None = None,
+        sync_policy: RequestedPolicy | None = None,
+        mixed_precision: MixedPrecision | None = None,
+        seed: int | None = None,
         audit: bool | None = None,
+        sync_with_dataloader: bool | None = None,
+        count_items: ItemCounter | str | None = None,
+        grad_scaler: dict[str, Any] | None = None,
+        activation_checkpointing: ModuleSelector | None = None,
+        compile: CompileOption | None = None,
+        self_check: bool | None = None,
+        dataset_shards_itself: bool | None = None,
+        sync_memory_budget: int | None = None,
         timeout: float | None = None,
         save_on_sigterm: str | os.PathLike[str] | None = None,
         config_file: str | os.PathLike[str] | None = None,
@@ -87,14 +120,20 @@ class Accelerator:
             config_file=config_file,
             backend=backend,
             gradient_accumulation_steps=gradient_accumulation_steps,
-            sync_policy=sync_policy,
-            seed=seed,
             micro_batch_size=micro_batch_size,
             global_batch_size=global_batch_size,
+            sync_policy=sync_policy,
             mixed_precision=mixed_precision,
+            seed=seed,
+            audit=audit,
+            sync_with_dataloader=sync_with_dataloader,
+            count_items=count_items,
+            grad_scaler=grad_scaler,
             activation_checkpointing=activation_checkpointing,
             compile=compile,
-            audit=audit,
+            self_check=self_check,
+            dataset_shards_itself=dataset_shards_itself,
+            sync_memory_budget=sync_memory_budget,
             timeout=timeout,
             save_on_sigterm=None if save_on_sigterm is None else os.fspath(save_on_sigterm),
             **options,
