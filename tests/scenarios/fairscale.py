@@ -120,7 +120,7 @@ def grads_stay_in_buckets(*, steps: int) -> dict[str, Any]:
     bucket: zeroing in place kept them there."""
     accel = _accel(steps)
     out = train(accel, samples=40, micro_batch=2, epochs=1)  # windows of 4, 4, 2
-    model = accel._models[-1]
+    model = accel._prepared.models[-1]
     bucket_storages = {b.buffer.untyped_storage().data_ptr() for b in model._bucket_list}
     out["bucketed"] = sum(model._should_bucket_grad)
     out["in_bucket"] = sum(
@@ -171,7 +171,7 @@ def abort_clears_the_window(*, buckets: bool) -> dict[str, Any]:
         with accel.accumulate(model):
             accel.backward(F.mse_loss(model(x), y))
     before = sum(float(p.grad.abs().sum()) for p in raw.parameters() if p.grad is not None)
-    accel._backend.abort_window(accel._models)
+    accel._backend.abort_window([model])
     after = sum(float(p.grad.abs().sum()) for p in raw.parameters() if p.grad is not None)
     return {"before": before, "after": after}
 
