@@ -249,3 +249,41 @@ def test_deepspeed_batch_contradiction_is_reported_when_the_accelerator_is_built
     with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu=4 contradicts gradsync's train_micro_batch_size_per_gpu=2"):
         Accelerator(backend="deepspeed", micro_batch_size=2, gradient_accumulation_steps=2,
                     deepspeed_config={"train_micro_batch_size_per_gpu": 4})
+
+
+@pytest.mark.parametrize(
+    "key, text, value",
+    [
+        ("GRADSYNC_TIMEOUT", "600", 600.0),
+        ("GRADSYNC_ACTIVATION_CHECKPOINTING", "Block, Attention", ["Block", "Attention"]),
+        ("GRADSYNC_COMPILE", "yes", True),
+        ("GRADSYNC_COMPILE", '{"mode": "max-autotune"}', {"mode": "max-autotune"}),
+        ("GRADSYNC_GRAD_SCALER", '{"init_scale": 1024}', {"init_scale": 1024}),
+        ("GRADSYNC_DEEPSPEED_CONFIG", "ds.json", "ds.json"),
+        ("GRADSYNC_GRADIENT_ACCUMULATION_STEPS", " 0:2 100:4 ", "0:2 100:4"),
+        ("GRADSYNC_FSDP_KEEP_PARAMS_IN_WINDOW", "off", False),
+    ],
+)
+def test_variables_are_read_by_the_settings_type(clean_env, key, text, value):
+    name = key[len("GRADSYNC_"):].lower()
+    assert from_env({key: text}) == {name: value}
+
+
+@pytest.mark.parametrize(
+    "key, text, message",
+    [
+        ("GRADSYNC_TIMEOUT", "soon", "GRADSYNC_TIMEOUT='soon' is not a number; set it to the seconds to wait, e.g. 600"),
+        ("GRADSYNC_SEED", "x", "GRADSYNC_SEED='x' is not an integer; set it to a whole number"),
+        ("GRADSYNC_MICRO_BATCH_SIZE", "x", "GRADSYNC_MICRO_BATCH_SIZE='x' is not an integer; set it to a whole number >= 1"),
+        ("GRADSYNC_AUDIT", "maybe", "GRADSYNC_AUDIT='maybe' is not a boolean; set it to 1 or 0"),
+        ("GRADSYNC_DDP_KWARGS", "{x", "GRADSYNC_DDP_KWARGS='{x' is not JSON; set it to a JSON object"),
+    ],
+)
+def test_a_variable_of_the_wrong_type_is_named(clean_env, key, text, message):
+    with pytest.raises(ConfigError) as err:
+        from_env({key: text})
+    assert str(err.value).startswith(message)
+
+
+def test_a_path_for_save_on_sigterm_is_kept_as_text(tmp_path, clean_env):
+    assert load_config(save_on_sigterm=tmp_path).save_on_sigterm == str(tmp_path)

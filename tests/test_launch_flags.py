@@ -105,3 +105,30 @@ def test_bad_nnodes_is_rejected_by_the_parser(value):
     proc = gradsync("launch", "--nnodes", value, str(SCRIPT))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "argument --nnodes:" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--sync-polcy", "defer"], "unknown flag --sync-polcy for gradsync launch (did you mean --sync-policy?)"),
+        (["--micro_batch_sise", "2"], "unknown flag --micro_batch_sise for gradsync launch (did you mean --micro-batch-size?)"),
+        (["--timeout", "5"], "unknown flag --timeout for gradsync launch: the setting timeout has no flag; "
+                             "set it in the config file (--config) or as GRADSYNC_TIMEOUT"),
+    ],
+)
+def test_an_unknown_flag_is_one_line_with_a_suggestion(flags, message):
+    proc = gradsync("launch", *flags, str(SCRIPT))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == f"gradsync: error: {message}"
+
+
+def test_setting_flags_take_both_spellings():
+    dashed = gradsync("launch", "--dry-run", "--gradient-accumulation-steps", "0:2 10:4",
+                      "--micro-batch-size", "2", "--sync-policy", "defer", "--mixed-precision", "bf16",
+                      str(SCRIPT)).stdout
+    underscored = gradsync("launch", "--dry-run", "--gradient_accumulation_steps", "0:2 10:4",
+                           "--micro_batch_size", "2", "--sync_policy", "defer", "--mixed_precision", "bf16",
+                           str(SCRIPT)).stdout
+    assert dashed == underscored
+    assert "  GRADSYNC_GRADIENT_ACCUMULATION_STEPS=0:2 10:4" in dashed
+    assert "  GRADSYNC_SYNC_POLICY=defer" in dashed and "  GRADSYNC_MIXED_PRECISION=bf16" in dashed

@@ -171,7 +171,7 @@ class Setting:
             return [part.strip() for part in raw.split(",") if part.strip()]
         if any(_is_text(m) for m in members):
             return raw
-        if bool in members:
+        if members == (bool,):
             raise ConfigError(f"{source}={raw!r} is not a boolean; set it to 1 or 0")
         if int in members:
             try:
