@@ -301,7 +301,7 @@ def test_misuse_gives_clear_errors(results):
         assert "already has state" in m["optimizer_with_state"]
         assert "prepare before the first optimizer step" in m["optimizer_with_state"]
         assert "fsdp_wrap=['Transformer']" in m["unknown_wrap"] and "Block" in m["unknown_wrap"]
-        assert m["unprepared"].startswith("RuntimeError") and "prepared model" in m["unprepared"]
+        assert m["unprepared"].startswith("UsageError") and "prepared model" in m["unprepared"]
 
 
 def test_the_self_check_stays_silent(results):

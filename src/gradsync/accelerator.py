@@ -180,7 +180,7 @@ class Accelerator:
             enabled=self.config.self_check, audit=self.audit, policy=lambda: self._backend.policy,
             rank=self.rank, world_size=self.world_size, backend=self.backend,
         )
-        self._self_check = SelfCheckObserver(check) if check is not None else None
+        self._self_check = SelfCheckObserver(check, self._self_check_over) if check is not None else None
         if self._self_check is not None:
             self._runner.observers.append(self._self_check)
         self._count: ItemCount | None = None
@@ -511,12 +511,11 @@ class Accelerator:
 
     def _run_backward(self, loss: torch.Tensor) -> None:
         self._backend.backward(loss)
-        check = self._self_check
-        if check is not None:
-            if check.done:
-                self._self_check = None
-            else:
-                check.check.saw_backward()
+        if self._self_check is not None:
+            self._self_check.check.saw_backward()
+
+    def _self_check_over(self) -> None:
+        self._self_check = None
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0

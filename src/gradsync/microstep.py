@@ -185,8 +185,9 @@ class AuditObserver:
 class SelfCheckObserver:
     """The deferral self-check of the first optimizer steps (see ``gradsync.selfcheck``)."""
 
-    def __init__(self, check: selfcheck.SelfCheck) -> None:
+    def __init__(self, check: selfcheck.SelfCheck, on_done: Callable[[], None]) -> None:
         self.check = check
+        self._on_done = on_done  # told once the check is over
 
     @property
     def done(self) -> bool:
@@ -200,6 +201,8 @@ class SelfCheckObserver:
 
     def end(self, step: MicroStep) -> None:
         self.check.end(step.boundary)
+        if self.check.done:
+            self._on_done()
 
     def abort(self) -> None:
         self.check.abort()

@@ -382,7 +382,7 @@ def assert_mid_window_save_refused(rank_results: list[dict[str, Any]], backend: 
     for rank in rank_results:
         for background in (False, True):
             message = rank[f"mid_background_{background}"]
-            assert message.startswith("RuntimeError: save_state() inside an accumulation window is not "
+            assert message.startswith("UsageError: save_state() inside an accumulation window is not "
                                       f"supported with backend='{backend}'"), message
             assert "call it at a boundary" in message and "\n" not in message
         assert rank["left_after_refusal"] == []

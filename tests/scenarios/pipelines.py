@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, Sampler, WeightedRandomSampler
 
 from gradsync import Accelerator, audit
-from gradsync.backends import _dist
+from gradsync.backends import _group
 
 from scenarios.common import Indexed, Net, captured_log, make_scheduler, to_lists
 
@@ -24,7 +24,7 @@ FEATURES = 8
 
 def setup_process_group() -> None:
     """The group the DDP adapter creates when the self-check is on and audit is off."""
-    _dist.ensure_process_group("ddp", want_audit=False, self_check=True)
+    _group.ensure_process_group("ddp", want_audit=False, self_check=True)
 
 
 def _recorder_state() -> dict[str, Any]:

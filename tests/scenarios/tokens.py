@@ -119,7 +119,7 @@ def dpo(*, backend: str, steps: int = 4) -> dict[str, Any]:
     accel = _accel(backend, steps)
     out = preference.train(accel, pairs=SAMPLES, micro_batch=2)
     out["policy"] = to_lists(out["policy"])
-    out["wrapped"] = type(accel._models[-1]).__name__  # how the reference model was prepared
+    out["wrapped"] = type(accel._prepared.models[-1]).__name__  # how the reference model was prepared
     out["optimizer_steps"] = accel.optimizer_steps
     return out
 
