@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gradsync._util import check_positive_int
+from gradsync.errors import UsageError
 from gradsync.schedule import Constant, Schedule
 
 
@@ -144,7 +145,7 @@ class Window:
         """The loader batch just yielded is cut into ``n`` micro-batches of ``size`` rows: the
         next ``n`` micro-steps come from it (``Accelerator.split_batch``)."""
         if self._split is not None and self._split.done < self._split.n:
-            raise RuntimeError(
+            raise UsageError(
                 f"split_batch() was called again while {self._split.n - self._split.done} "
                 "micro-batch(es) of the previous split have not run yet; run one accumulate() "
                 "block per micro-batch it returned"
@@ -236,7 +237,7 @@ class Window:
     def begin(self, *, remaining: int | None = None, last: bool = False) -> MicroStep:
         """Start a micro-step and decide whether it is a boundary."""
         if self._current is not None:
-            raise RuntimeError(
+            raise UsageError(
                 "accumulate() was entered again before the previous micro-step ended; "
                 "use one `with accel.accumulate(model):` block per micro-batch, not nested ones"
             )
@@ -279,13 +280,13 @@ class Window:
             return None
         if split.feed is None:  # the first micro-batch of the split: the batch was just fed
             if feed is None:
-                raise RuntimeError(
+                raise UsageError(
                     "split_batch() was called, but no prepared dataloader fed the batch it split; "
                     "split batches of a loader returned by accel.prepare(...)"
                 )
             split.feed = feed
         elif feed is not None:
-            raise RuntimeError(
+            raise UsageError(
                 f"a new batch was fed while {split.n - split.done} micro-batch(es) of the "
                 "previous split_batch() had not run; run one accumulate() block per micro-batch"
             )
@@ -337,12 +338,12 @@ class Window:
         """Where training stands: windows completed, the micro-step within the open window,
         its size and the schedule (plain values, the same on every rank)."""
         if self._current is not None:
-            raise RuntimeError(
+            raise UsageError(
                 "the accumulation window cannot be saved inside `with accel.accumulate(model):`; "
                 "call accel.save_state() after the block"
             )
         if self._split is not None and self._split.done < self._split.n:
-            raise RuntimeError(
+            raise UsageError(
                 f"the accumulation window cannot be saved with {self._split.n - self._split.done} "
                 "micro-batch(es) of a split_batch() still to run; save after its last micro-batch"
             )

@@ -40,7 +40,7 @@ def _agree(error: BaseException | None, device: torch.device | None = None) -> N
         raise error
     for rank, message in enumerate(failed):
         if message is not None:
-            raise RuntimeError(f"rank {rank} failed while saving the checkpoint: {message}")
+            raise CheckpointError(f"rank {rank} failed while saving the checkpoint: {message}")
 
 
 
@@ -193,7 +193,7 @@ def _raise_if_failed(tmp: Path, error: BaseException | None, parts: list[Any]) -
     if error is not None:
         raise error
     assert failed is not None
-    raise RuntimeError(f"rank {failed[0]} failed while saving the checkpoint: {failed[1]}")
+    raise CheckpointError(f"rank {failed[0]} failed while saving the checkpoint: {failed[1]}")
 
 
 class _Commit:

@@ -1,0 +1,161 @@
+"""The package's shape: no import cycle, and the cost of one micro-step in function calls.
+
+No process group: these run in a second.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import sys
+from pathlib import Path
+
+import pytest
+
+import gradsync
+
+SRC = Path(gradsync.__file__).resolve().parent
+
+#: Python function calls into gradsync per micro-step of the loop below (single backend,
+#: default settings, a prepared loader), measured before the micro-step runner existed. A
+#: deterministic stand-in for the wrapper's cost: it must not rise.
+CALLS_PER_MICRO_STEP = 40.5
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """gradsync module -> the gradsync modules it imports anywhere: at the top, inside
+    functions and under ``TYPE_CHECKING``. ``from pkg import sub`` is an edge to ``pkg.sub``
+    when that is a module, else to ``pkg``."""
+    modules = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.append(sub if sub in modules else base)
+            graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path (first == last), or None."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_the_package_has_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_sees_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_imports_under_type_checking_and_in_functions_count():
+    graph = import_graph()
+    # microstep imports the window only for its annotations: still an edge.
+    assert "gradsync.accumulation" in graph["gradsync.microstep"]
+    assert "gradsync.checkpoint.state" in graph["gradsync.accelerator"]
+
+
+def test_the_checkpoint_state_never_imports_the_accelerator():
+    graph = import_graph()
+    reached, todo = set(), ["gradsync.checkpoint.state"]
+    while todo:
+        node = todo.pop()
+        if node not in reached:
+            reached.add(node)
+            todo.extend(graph[node])
+    assert "gradsync.accelerator" not in reached
+
+
+def _micro_step_calls(**settings: object) -> tuple[float, collections.Counter[str]]:
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gradsync import Accelerator
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    accel = Accelerator(backend="single", gradient_accumulation_steps=4, **settings)
+    model, opt, loader = accel.prepare(model, opt, DataLoader(data, batch_size=2))
+    batches = iter(loader)
+
+    def micro() -> None:
+        x, y = next(batches)
+        with accel.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accel.backward(loss)
+            opt.step()
+            opt.zero_grad()
+
+    for _ in range(8):  # two windows to warm up
+        micro()
+    root = str(SRC)
+    counts: collections.Counter[str] = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            counts[frame.f_code.co_qualname] += 1
+
+    sys.setprofile(profile)
+    try:
+        for _ in range(8):  # two whole windows: 6 micro-steps off the boundary, 2 at it
+            micro()
+    finally:
+        sys.setprofile(None)
+    return sum(counts.values()) / 8, counts
+
+
+def test_a_micro_step_makes_no_more_calls_than_before(clean_env):
+    per_step, counts = _micro_step_calls()
+    detail = ", ".join(f"{name} x{n}" for name, n in counts.most_common(12))
+    assert per_step <= CALLS_PER_MICRO_STEP, f"{per_step} calls per micro-step: {detail}"
+
+
+def test_the_call_count_sees_an_observer(clean_env):
+    """The count is not blind: the audit (one observer) adds calls to every micro-step."""
+    plain, _ = _micro_step_calls()
+    audited, counts = _micro_step_calls(audit=True)
+    assert audited > plain and counts["AuditObserver.begin"] == 8
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([__file__, "-q"])
