@@ -3,6 +3,7 @@ loader's device moves and by the cross-rank metrics), row counts, splitting, ite
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -15,6 +16,15 @@ from gradsync.errors import ConfigError
 def tree_map(fn: Callable[[Any], Any], data: Any) -> Any:
     """``fn`` on every leaf of a nested structure (dicts, lists, tuples, namedtuples), keeping
     the structure; a leaf is anything else (a tensor, a number, a string, an object)."""
+    if isinstance(data, torch.Tensor):  # the common leaf first: batches are mostly tensors
+        return fn(data)
+    if isinstance(data, list | tuple):
+        items = []
+        for value in data:
+            items.append(tree_map(fn, value))
+        if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple
+            return type(data)(*items)
+        return type(data)(items)
     if isinstance(data, Mapping):
         mapped = {}
         for key, value in data.items():
@@ -23,26 +33,20 @@ def tree_map(fn: Callable[[Any], Any], data: Any) -> Any:
             return type(data)(mapped)  # type: ignore[call-arg]
         except TypeError:
             return mapped
-    if isinstance(data, list | tuple):
-        items = []
-        for value in data:
-            items.append(tree_map(fn, value))
-        if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple
-            return type(data)(*items)
-        return type(data)(items)
     return fn(data)
+
+
+def _move(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if hasattr(value, "to") and callable(value.to):
+        return value.to(device)
+    return value
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """Every tensor of ``batch`` (and anything else with a ``.to``) moved to ``device``."""
-    def move(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.to(device, non_blocking=True)
-        if hasattr(value, "to") and callable(value.to):
-            return value.to(device)
-        return value
-
-    return tree_map(move, batch)
+    return tree_map(functools.partial(_move, device=device), batch)
 
 
 def batch_length(batch: Any) -> int:
