@@ -47,7 +47,16 @@ def _nbytes(obj: Any) -> int:
 
 @dataclass
 class MicroStepRecord:
-    """What one micro-step issued: ops in order, with their payload bytes."""
+    """What one micro-step issued: ops in order, with their payload bytes.
+
+    Attributes:
+        index: the micro-step's position in ``Recorder.records`` (0 for the first).
+        boundary: True when the micro-step closed its window (gradients were due to sync).
+        ops: ``(op, payload bytes)`` of each collective the micro-step issued, in order
+            (op names as the process group's methods: ``"allreduce"``, ``"allgather"``, ...).
+        own: gradsync's own collectives (item counts, metrics), kept apart: never gradient
+            traffic.
+    """
 
     index: int
     boundary: bool
@@ -56,22 +65,46 @@ class MicroStepRecord:
     own: list[tuple[str, int]] = field(default_factory=list)
 
     def count(self, *names: str) -> int:
+        """How many collectives of the micro-step are among ``names``.
+
+        Args:
+            *names: op names such as ``"allreduce"``; none: every op.
+
+        Returns:
+            The number of those ops in ``ops`` (gradsync's own are not counted).
+        """
         wanted = set(names) or None
         return sum(1 for op, _ in self.ops if wanted is None or op in wanted)
 
     def nbytes(self, *names: str) -> int:
+        """The payload bytes of the micro-step's collectives among ``names``.
+
+        Args:
+            *names: op names such as ``"allreduce"``; none: every op.
+
+        Returns:
+            The summed payload bytes of those ops in ``ops``.
+        """
         wanted = set(names) or None
         return sum(b for op, b in self.ops if wanted is None or op in wanted)
 
     @property
     def reductions(self) -> int:
+        """The number of reducing collectives (``REDUCTIONS``): gradient syncs."""
         return self.count(*REDUCTIONS)
 
     @property
     def reduction_bytes(self) -> int:
+        """The payload bytes of the reducing collectives (``REDUCTIONS``)."""
         return self.nbytes(*REDUCTIONS)
 
     def to_dict(self) -> dict[str, Any]:
+        """The record as plain data (for JSON).
+
+        Returns:
+            ``index``, ``boundary``, ``ops`` (op name -> count), ``reductions``,
+            ``reduction_bytes``, ``bytes`` (all ops) and ``own`` (op name -> count).
+        """
         counts = Counter(op for op, _ in self.ops)
         return {
             "index": self.index,
@@ -85,7 +118,13 @@ class MicroStepRecord:
 
 
 class Recorder:
-    """Collects op records; micro-steps are opened and closed by the Accelerator."""
+    """Collects op records; micro-steps are opened and closed by the Accelerator.
+
+    Attributes:
+        enabled: off, the process group hands every collective on without recording it.
+        records: one ``MicroStepRecord`` per micro-step, in order.
+        outside: ``(op, payload bytes)`` of the collectives issued outside any micro-step.
+    """
 
     def __init__(self) -> None:
         #: Off, the wrapper hands every collective on without recording it (one attribute
@@ -98,6 +137,13 @@ class Recorder:
         self._own_depth = 0
 
     def record(self, op: str, nbytes: int) -> None:
+        """Note one collective: in the open micro-step's record (its ``own`` list inside
+        ``own()``), or in ``outside`` when no micro-step is open. Thread-safe.
+
+        Args:
+            op: the collective's name, e.g. ``"allreduce"``.
+            nbytes: its payload bytes.
+        """
         with self._lock:
             if self._current is None:
                 target = self.outside
@@ -118,6 +164,14 @@ class Recorder:
                 self._own_depth -= 1
 
     def open(self, boundary: bool) -> MicroStepRecord:
+        """Start the record of a micro-step (appended to ``records``; it becomes ``current``).
+
+        Args:
+            boundary: whether the micro-step closes its window.
+
+        Returns:
+            The new record.
+        """
         with self._lock:
             self._current = MicroStepRecord(len(self.records), boundary)
             self.records.append(self._current)
@@ -129,20 +183,30 @@ class Recorder:
         return self._current
 
     def close(self, keep: bool = True) -> None:
-        """Close the open record; ``keep=False`` also removes it from ``records``."""
+        """Close the open record (nothing is recorded into it any more).
+
+        Args:
+            keep: False also removes it from ``records`` (a micro-step that was dropped).
+        """
         with self._lock:
             if not keep and self._current is not None and self.records and self.records[-1] is self._current:
                 self.records.pop()
             self._current = None
 
     def clear(self) -> None:
+        """Forget every record, the collectives outside micro-steps and the open record."""
         with self._lock:
             self.records.clear()
             self.outside.clear()
             self._current = None
 
     def windows(self) -> Iterator[list[MicroStepRecord]]:
-        """The records grouped into accumulation windows (each ends at a boundary micro-step)."""
+        """The records grouped into accumulation windows.
+
+        Yields:
+            The records of one window, in order: each ends at a boundary micro-step, except
+            a last, unfinished one.
+        """
         window: list[MicroStepRecord] = []
         for rec in self.records:
             window.append(rec)
@@ -153,7 +217,16 @@ class Recorder:
             yield window
 
     def summary(self, window: list[MicroStepRecord]) -> str:
-        """One line for one optimizer step."""
+        """One line for one optimizer step.
+
+        Args:
+            window: the records of one window (one item of ``windows()``).
+
+        Returns:
+            The micro-steps, the reductions per micro-step and their bytes, the all-gathers
+            and gradsync's own collectives, e.g. ``micro-steps 4: reductions per micro-step
+            [0,0,0,1] (44.0 KiB), all-gathers 0``.
+        """
         per = ",".join(str(r.reductions) for r in window)
         red_bytes = sum(r.reduction_bytes for r in window)
         gathers = sum(r.count("allgather") for r in window)
@@ -183,7 +256,18 @@ class _Work(dist.Work):
 
 
 class AuditProcessGroup(dist.ProcessGroup):
-    """A process group that records each collective, then runs it on the wrapped backend."""
+    """A process group that records each collective, then runs it on the wrapped backend.
+
+    torch.distributed makes it through the backends ``register()`` adds; its collective
+    methods are ProcessGroup's.
+
+    Args:
+        inner: the real process group (gloo or NCCL) the collectives run on.
+        rank: this process's rank in the group.
+        world_size: the group's size.
+        name: the backend's name (``AUDIT_BACKEND``'s values).
+        recorder: where the collectives are recorded (default: a new ``Recorder``).
+    """
 
     def __init__(
         self, inner: Any, rank: int, world_size: int, name: str, recorder: Recorder | None = None
@@ -196,6 +280,11 @@ class AuditProcessGroup(dist.ProcessGroup):
 
     # -- identity ---------------------------------------------------------
     def getBackendName(self) -> str:
+        """The backend's name, as torch.distributed asks for it.
+
+        Returns:
+            One of ``AUDIT_BACKEND``'s values.
+        """
         return self._backend_name
 
     @property
@@ -330,7 +419,14 @@ def register() -> None:
 
 
 def recorder_of(group: Any = None) -> Recorder | None:
-    """The recorder of ``group`` (default: the world group), or None when it is not audited."""
+    """The recorder of an audited process group.
+
+    Args:
+        group: a process group (default: the world group).
+
+    Returns:
+        Its ``Recorder``, or None when it is not audited or there is no process group.
+    """
     if not is_distributed():
         return None
     pg = group if group is not None else dist.group.WORLD

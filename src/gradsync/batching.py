@@ -12,7 +12,16 @@ from gradsync.schedule import Constant, RampUp, Schedule, is_schedule, parse
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """A consistent set of batch sizes for one job."""
+    """A consistent set of batch sizes for one job: global batch = micro batch x
+    accumulation steps x data-parallel size. ``accel.plan`` is the job's.
+
+    Attributes:
+        micro_batch_size: samples per micro-batch and process (None: not known yet; the
+            first prepared dataloader's batch size fixes it).
+        gradient_accumulation_steps: micro-batches per optimizer step (of the first window
+            under a schedule).
+        data_parallel_size: the processes that each see their own data.
+    """
 
     micro_batch_size: int | None
     gradient_accumulation_steps: int
@@ -20,6 +29,8 @@ class BatchPlan:
 
     @property
     def global_batch_size(self) -> int | None:
+        """Samples per optimizer step over all processes (None while the micro batch size
+        is unknown)."""
         if self.micro_batch_size is None:
             return None
         return self.micro_batch_size * self.gradient_accumulation_steps * self.data_parallel_size
@@ -36,6 +47,21 @@ class BatchPlan:
         """Derive the missing size from the two given; check all three agree when all are given.
 
         With only ``gradient_accumulation_steps`` (or nothing) the micro batch size stays unknown.
+
+        Args:
+            data_parallel_size: the processes that each see their own data.
+            global_batch_size: samples per optimizer step over all processes.
+            micro_batch_size: samples per micro-batch and process.
+            gradient_accumulation_steps: micro-batches per optimizer step (a number; see
+                ``solve_with_schedule`` for schedules).
+
+        Returns:
+            The plan (accumulation steps 1 when neither it nor the global batch size is given).
+
+        Raises:
+            ConfigError: a size that is not a whole number >= 1, a global batch size that is
+                not divisible by the others, three sizes that contradict each other, or a
+                global batch size alone.
         """
         world = check_positive_int("data_parallel_size", data_parallel_size)
         g = None if global_batch_size is None else check_positive_int("global_batch_size", global_batch_size)
@@ -77,6 +103,12 @@ class BatchPlan:
         return cls(m, k if k is not None else 1, world)
 
     def describe(self) -> str:
+        """The plan as one line of text.
+
+        Returns:
+            ``micro_batch_size=M x gradient_accumulation_steps=K x data_parallel_size=W =
+            global_batch_size=G`` (``?`` for a size not known yet).
+        """
         m = "?" if self.micro_batch_size is None else str(self.micro_batch_size)
         g = "?" if self.global_batch_size is None else str(self.global_batch_size)
         return (

@@ -246,7 +246,12 @@ class Config(FairscaleOptions, DeepSpeedOptions, FSDPOptions, DDPOptions, CoreSe
         return self
 
     def memory_budget(self) -> tuple[int | None, str]:
-        """The deferral memory budget in bytes (None: not set) and the name it was set by."""
+        """The deferral memory budget and the setting that gave it.
+
+        Returns:
+            ``(bytes, name)``: ``sync_memory_budget`` when set, else ``fsdp_memory_budget``;
+            ``(None, "sync_memory_budget")`` when neither is set.
+        """
         if self.sync_memory_budget is not None:
             return self.sync_memory_budget, "sync_memory_budget"
         if self.fsdp_memory_budget is not None:

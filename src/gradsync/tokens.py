@@ -13,7 +13,19 @@ from gradsync.errors import ConfigError
 def count_label_tokens(batch: Any, ignore_index: int = -100, shift: bool = True) -> int:
     """The tokens a causal LM is trained on in ``batch``: the entries of ``batch["labels"]``
     that are not ``ignore_index``; with ``shift``, without each row's first position (the one
-    a causal LM never predicts: Transformers shifts the labels left by one)."""
+    a causal LM never predicts: Transformers shifts the labels left by one).
+
+    Args:
+        batch: a mapping with a ``"labels"`` tensor, or an object with a ``labels`` attribute.
+        ignore_index: the label value that marks a position trained on no token.
+        shift: drop each row's first label before counting.
+
+    Returns:
+        The number of labels that are not ``ignore_index``.
+
+    Raises:
+        ConfigError: the batch holds no ``labels`` tensor.
+    """
     labels = batch.get("labels") if isinstance(batch, Mapping) else getattr(batch, "labels", None)
     if not isinstance(labels, torch.Tensor):
         raise ConfigError(

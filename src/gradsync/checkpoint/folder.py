@@ -219,8 +219,15 @@ def prune(target: Path, keep_last: int) -> list[Path]:
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
     """The newest complete checkpoint folder under ``root`` (the most optimizer steps
-    recorded inside), or None; folders of interrupted saves are skipped. With a process
-    group, rank 0 decides and every rank gets its answer."""
+    recorded inside); folders of interrupted saves are skipped. With a process group, rank 0
+    decides and every rank gets its answer (call it on every rank). Needs no Accelerator.
+
+    Args:
+        root: the folder that holds the checkpoint folders (e.g. ``save_state``'s parent).
+
+    Returns:
+        The checkpoint folder's path, or None when ``root`` holds none (or does not exist).
+    """
     found: str | None = None
     if rank() == 0:
         complete = _complete(Path(root))

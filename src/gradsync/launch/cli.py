@@ -103,25 +103,40 @@ def build_parser() -> argparse.ArgumentParser:
     # torchrun's own flags, in both spellings (--nproc-per-node / --nproc_per_node).
     _add(launch, "--nproc-per-node", type=_nproc, default=1, metavar="N",
                         help="processes per node: N, auto, cpu or gpu")
-    launch.add_argument("--nnodes", type=_nnodes, default="1", metavar="N|MIN:MAX")
-    _add(launch, "--node-rank", type=int, default=0, metavar="R")
-    _add(launch, "--master-addr", default=None, metavar="A")
-    _add(launch, "--master-port", type=int, default=None, metavar="P")
+    launch.add_argument("--nnodes", type=_nnodes, default="1", metavar="N|MIN:MAX",
+                        help="nodes: N, or MIN:MAX for an elastic job (more than one needs "
+                             "--rdzv-endpoint, or --master-addr and --master-port)")
+    _add(launch, "--node-rank", type=int, default=0, metavar="R",
+         help="this node's rank, 0 to nnodes-1 (with --master-addr)")
+    _add(launch, "--master-addr", default=None, metavar="A",
+         help="address of the node with node rank 0 (a static rendezvous)")
+    _add(launch, "--master-port", type=int, default=None, metavar="P",
+         help="TCP port of the node with node rank 0 (1-65535)")
     launch.add_argument("--standalone", action="store_true",
                         help="one node, a local rendezvous on a free port (the default on one node)")
-    _add(launch, "--rdzv-backend", default=None, metavar="B", help="e.g. c10d, static")
-    _add(launch, "--rdzv-endpoint", default=None, metavar="HOST:PORT")
-    _add(launch, "--rdzv-id", default="gradsync", metavar="ID")
-    _add(launch, "--rdzv-conf", default=None, metavar="K=V,...")
+    _add(launch, "--rdzv-backend", default=None, metavar="B",
+         help="rendezvous backend, e.g. c10d (the default with --rdzv-endpoint), static")
+    _add(launch, "--rdzv-endpoint", default=None, metavar="HOST:PORT",
+         help="where the nodes meet (a multi-node or elastic job)")
+    _add(launch, "--rdzv-id", default="gradsync", metavar="ID",
+         help="the job's id at the rendezvous: the same on every node")
+    _add(launch, "--rdzv-conf", default=None, metavar="K=V,...",
+         help="more rendezvous options, passed to torchrun")
     _add(launch, "--max-restarts", type=int, default=0, metavar="N",
                         help="restart every worker up to N times after a failure")
-    _add(launch, "--monitor-interval", type=float, default=None, metavar="S")
-    _add(launch, "--log-dir", default=None, metavar="DIR")
-    launch.add_argument("--tee", default=None, metavar="STD")
-    launch.add_argument("--redirects", default=None, metavar="STD")
+    _add(launch, "--monitor-interval", type=float, default=None, metavar="S",
+         help="seconds between torchrun's checks of the workers (> 0; default: torchrun's)")
+    _add(launch, "--log-dir", default=None, metavar="DIR",
+         help="a folder for torchrun's per-worker log files")
+    launch.add_argument("--tee", default=None, metavar="STD",
+                        help="also write the workers' output to the log files: 0 none, "
+                             "1 stdout, 2 stderr, 3 both, or per local rank, e.g. 0:1,1:2")
+    launch.add_argument("--redirects", default=None, metavar="STD",
+                        help="write the workers' output to the log files only (values as --tee)")
     _add(launch, "--no-python", action="store_true",
                         help="run SCRIPT as a program, not with python")
-    _add(launch, "--local-ranks-filter", default=None, metavar="RANKS")
+    _add(launch, "--local-ranks-filter", default=None, metavar="RANKS",
+         help="show the output of these local ranks only, e.g. 0,1")
     # The settings' flags (given: exported to the workers; not given: the config file's value).
     _add_setting_flags(launch, LAUNCH_SETTINGS)
     launch.add_argument("--config", default=None, metavar="YAML", help="a gradsync YAML config")
@@ -133,8 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="derive and check the batch sizes, for one or several world sizes (--estimate: and the communication)")
     _add_setting_flags(plan, [BY_NAME[name] for name in _BATCH])
-    plan.add_argument("--nproc-per-node", type=_positive_list, default=[1], metavar="N[,N...]")
-    plan.add_argument("--nnodes", type=_positive_list, default=[1], metavar="N[,N...]")
+    plan.add_argument("--nproc-per-node", type=_positive_list, default=[1], metavar="N[,N...]",
+                      help="processes per node; several, comma-separated, for one row each")
+    plan.add_argument("--nnodes", type=_positive_list, default=[1], metavar="N[,N...]",
+                      help="nodes; several, comma-separated, for one row each")
     plan.add_argument("--config", default=None, metavar="YAML",
                       help="a gradsync config file (flags override its batch settings)")
     est = plan.add_argument_group("communication estimate (--estimate)")
@@ -164,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("env", help="print versions and the backends available here")
 
     bench = sub.add_parser("bench", help="run the sync-overhead benchmark")
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER,
+                       help="the benchmark's own flags (--quick, --backends, --ks, --modes, "
+                            "--reps, --out, ...); gradsync bench --help lists them")
     return parser
 
 
