@@ -5,7 +5,8 @@ of ``Accelerator`` and every ``gradsync`` subcommand and flag.
 A function or method that takes parameters (besides self/cls) needs an ``Args:`` section
 naming each of them; one that returns a value needs ``Returns:`` (or ``Yields:``); a class
 needs its constructor's parameters in ``Args:`` (a dataclass: each field in ``Args:`` or
-``Attributes:``, unless the field is a declared setting, documented by its declaration). A
+``Attributes:`` or by a docstring below it, unless the field is a declared setting,
+documented by its declaration). A
 property needs a docstring. Overloads are typing stubs: the implementation is what is read.
 These are the docstrings the API reference (docs/reference/) is rendered from.
 
@@ -15,9 +16,12 @@ No process group, no model: this runs in a second.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import inspect
+import itertools
 import re
+import textwrap
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,6 +37,8 @@ _NO_VALUE = {"None", "NoReturn", "Iterator[None]", "Generator[None, None, None]"
 _SECTION = re.compile(r"^(\w[\w ]*):\s*$")
 _ENTRY = re.compile(r"^(\*{0,2}\w+)\s*(\([^)]*\))?\s*:")
 _SETTING_KEY = next(iter(setting("x")))  # the metadata key of a declared setting
+#: Modules whose classes are walked (this one too: the checks' own test defines classes).
+_OURS = ("gradsync", __name__)
 
 
 def _sections(doc: str) -> dict[str, list[str]]:
@@ -60,6 +66,21 @@ def _entries(lines: list[str]) -> set[str]:
             if match:
                 names.add(match.group(1).lstrip("*"))
     return names
+
+
+def _items(lines: list[str]) -> int:
+    """How many items a section holds: its lines at the first line's indentation."""
+    indent = min((len(line) - len(line.lstrip()) for line in lines if line.strip()), default=0)
+    return sum(1 for line in lines if line.strip() and len(line) - len(line.lstrip()) == indent)
+
+
+def _returns_tuple(func: Callable[..., Any]) -> bool:
+    try:
+        annotation = inspect.signature(func).return_annotation
+    except (TypeError, ValueError):
+        return False
+    text = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+    return text.startswith(("tuple[", "Tuple["))
 
 
 def _parameters(func: Callable[..., Any]) -> list[str]:
@@ -97,6 +118,10 @@ def _check_function(label: str, func: Callable[..., Any], problems: list[str]) -
                 problems.append(f"{label}: Args: does not name {', '.join(missing)}")
     if _returns_value(func) and not ({"Returns", "Yields"} & set(sections)):
         problems.append(f"{label}: no Returns: section")
+    for title in ("Returns", "Yields"):
+        items = _items(sections.get(title, []))
+        if items > 1 and not _returns_tuple(func):
+            problems.append(f"{label}: {title}: reads as {items} values (indent its continuation lines)")
 
 
 def _own_init(cls: type) -> Callable[..., Any] | None:
@@ -106,7 +131,7 @@ def _own_init(cls: type) -> Callable[..., Any] | None:
         init = vars(klass).get("__init__")
         if init is None:
             continue
-        if not klass.__module__.startswith("gradsync"):
+        if not klass.__module__.startswith(_OURS):
             return None
         if getattr(getattr(init, "__code__", None), "co_filename", "") == "<string>":
             return None  # a dataclass's generated __init__: its fields are checked instead
@@ -130,23 +155,42 @@ def _check_class(label: str, cls: type, problems: list[str]) -> None:
         if missing:
             problems.append(f"{label}: Args: (class or __init__) does not name {', '.join(missing)}")
     elif dataclasses.is_dataclass(cls):
+        documented |= _attribute_docstrings(cls)
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.init and _SETTING_KEY not in f.metadata and f.name not in documented]
         if missing:
-            problems.append(f"{label}: Attributes: does not name the field(s) {', '.join(missing)}")
+            problems.append(f"{label}: field(s) {', '.join(missing)} documented neither in "
+                            "Attributes: nor by a docstring below the field")
+
+
+def _attribute_docstrings(cls: type) -> set[str]:
+    """The class attributes documented by a string right below their assignment (the
+    attribute docstrings the reference renders), in ``cls`` and its gradsync bases."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith(_OURS):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body if isinstance(tree.body[0], ast.ClassDef) else []
+        for node, following in itertools.pairwise(body):
+            documented = (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                          and isinstance(following.value.value, str))
+            if documented and isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+    return names
 
 
 def _overrides_foreign(cls: type, name: str) -> bool:
     """``name`` is a method of a base class outside gradsync (its contract is documented there)."""
     return any(name in vars(base) for base in cls.__mro__[1:]
-               if not base.__module__.startswith("gradsync"))
+               if not base.__module__.startswith(_OURS))
 
 
 def _public_members(cls: type) -> Iterator[tuple[str, Any]]:
     """Public methods and properties that gradsync's own classes in ``cls``'s MRO define."""
     seen: set[str] = set()
     for klass in cls.__mro__:
-        if not klass.__module__.startswith("gradsync"):
+        if not klass.__module__.startswith(_OURS):
             continue
         for name, value in vars(klass).items():
             if name.startswith("_") or name in seen:
@@ -277,8 +321,55 @@ def test_the_walk_finds_what_is_missing():
         """
         return sum(items) * scale
 
+    def wrapped() -> str:
+        """Describe.
+
+        Returns:
+            A long line that goes on
+            without an indent.
+        """
+        return ""
+
+    @dataclasses.dataclass
+    class Plan:
+        """A plan."""
+
+        size: int
+        """Its size."""
+        steps: int
+
+    class Runner:
+        """Runs.
+
+        Args:
+            plan: the plan.
+        """
+
+        def __init__(self, plan: Plan, timeout: float) -> None:
+            self.plan = plan
+
+        @property
+        def busy(self) -> bool:
+            return False
+
+        def run(self, n: int) -> None:
+            """Run.
+
+            Args:
+                n: times.
+            """
+
     problems: list[str] = []
     _check_function("bare", bare, problems)
     _check_function("partial", partial, problems)
     _check_function("fine", fine, problems)
-    assert problems == ["bare: no docstring", "partial: Args: does not name y"]
+    _check_function("wrapped", wrapped, problems)
+    _check_name("Plan", Plan, problems)
+    _check_name("Runner", Runner, problems)
+    assert problems == [
+        "bare: no docstring", "partial: Args: does not name y",
+        "wrapped: Returns: reads as 2 values (indent its continuation lines)",
+        "Plan: field(s) steps documented neither in Attributes: nor by a docstring below the field",
+        "Runner: Args: (class or __init__) does not name timeout",
+        "Runner.busy: property without a docstring",
+    ]

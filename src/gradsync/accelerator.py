@@ -90,6 +90,15 @@ class Accelerator:
             ``fsdp_wrap``, ``fsdp_keep_params_in_window``, ``fsdp_reshard_after_backward``,
             ``fsdp_memory_budget`` (fsdp); ``deepspeed_config`` (deepspeed);
             ``fairscale_kwargs`` (fairscale). The settings reference lists every setting.
+
+    Attributes:
+        config: every setting after the sources were merged and checked (a ``Config``).
+        audit: the collective counter (``gradsync.audit.Recorder``) with ``audit=True``,
+            else None; None also when the process group was made outside gradsync.
+
+    Raises:
+        ConfigError: an unknown setting, an invalid value, or batch sizes that contradict
+            each other or the number of processes.
     """
 
     def __init__(
@@ -268,7 +277,11 @@ class Accelerator:
 
     @property
     def optimizer(self) -> PreparedOptimizer:
-        """The last prepared optimizer, also one the backend built (a DeepSpeed config's)."""
+        """The last prepared optimizer, also one the backend built (a DeepSpeed config's).
+
+        Raises:
+            UsageError: no optimizer was prepared.
+        """
         if not self._prepared.optimizers:
             raise UsageError(
                 "accel.optimizer: no optimizer was prepared; pass one to accel.prepare(model, optimizer)"
@@ -386,6 +399,10 @@ class Accelerator:
 
         Returns:
             The micro-batches, in order.
+
+        Raises:
+            ConfigError: ``micro_batch_size`` is not a whole number >= 1.
+            UsageError: micro-batches of the previous split have not all run yet.
         """
         size = check_positive_int("micro_batch_size", micro_batch_size)
         pieces = split_batch(batch, size)
@@ -403,6 +420,10 @@ class Accelerator:
 
         Returns:
             The number of optimizer steps.
+
+        Raises:
+            ConfigError: ``num_epochs`` is not a whole number >= 1.
+            UsageError: no prepared dataloader, or one without a length.
         """
         check_positive_int("num_epochs", num_epochs)
         loaders = self._prepared.loaders
@@ -437,7 +458,12 @@ class Accelerator:
     def window_items(self) -> int:
         """Items (e.g. tokens) in the whole global window in progress: all its micro-batches on
         all ranks, counted by ``count_items`` when the window starts (the last window's count
-        between windows)."""
+        between windows).
+
+        Raises:
+            ConfigError: the Accelerator was built without ``count_items``.
+            UsageError: no window fed by a prepared dataloader has started yet.
+        """
         if self._count is None:
             raise ConfigError(
                 "accel.window_items needs count_items; build the Accelerator with "
@@ -467,8 +493,10 @@ class Accelerator:
                 averaging of gradients.
 
         Raises:
-            UsageError: called outside ``accumulate`` while accumulating.
+            UsageError: called outside ``accumulate`` while accumulating (with ``"sum"`` or
+                ``"normalized"``: called outside ``accumulate`` at all).
             ConfigError: an unknown ``reduction``, or one that needs ``count_items``.
+            CollectiveError: another rank stopped answering during the gradient reduction.
         """
         step = self._window.current
         if reduction == "mean":
@@ -529,6 +557,10 @@ class Accelerator:
 
         Returns:
             The global norm before clipping (equal on every rank), or None off the boundary.
+
+        Raises:
+            UsageError: called at a boundary before a model was prepared.
+            CollectiveError: another rank stopped answering while the norm was reduced.
         """
         params = self._unscaled(parameters, "clip_grad_norm_")
         if params is None:
@@ -545,6 +577,9 @@ class Accelerator:
         Args:
             parameters: the parameters whose gradients are clamped.
             clip_value: the largest absolute value allowed.
+
+        Raises:
+            UsageError: called at a boundary before a model was prepared.
         """
         params = self._unscaled(parameters, "clip_grad_value_")
         if params is not None:
@@ -590,6 +625,7 @@ class Accelerator:
         Raises:
             UsageError: called inside ``accumulate``.
             CheckpointError: the backend cannot save the open window, or a rank failed.
+            CollectiveError: another rank stopped answering.
         """
         with naming_collective(f"save_state({os.fspath(path)!r})", self._timeout):
             return self._state.save(path, keep_last, background=background)
@@ -627,6 +663,9 @@ class Accelerator:
 
         Args:
             *objects: anything with ``state_dict`` / ``load_state_dict`` (EMA weights, counters).
+
+        Raises:
+            ConfigError: an object without ``state_dict()`` and ``load_state_dict()``.
         """
         for obj in objects:
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
@@ -697,7 +736,11 @@ class Accelerator:
         return self._backend.state_dict(model)
 
     def wait_for_everyone(self) -> None:
-        """A barrier: every rank waits until all reach it."""
+        """A barrier: every rank waits until all reach it.
+
+        Raises:
+            CollectiveError: another rank stopped answering.
+        """
         with naming_collective("wait_for_everyone() (a barrier)", self._timeout):
             self._backend.barrier()
 

@@ -31,10 +31,11 @@ from gradsync import _torch_compat
 from gradsync._util import human_bytes
 from gradsync.dist import is_distributed
 
-#: Ops that reduce data (the gradient synchronisation of every backend is one of these).
 REDUCTIONS = frozenset({"allreduce", "reduce_scatter", "reduce"})
+"""Ops that reduce data (the gradient synchronisation of every backend is one of these)."""
 
 AUDIT_BACKEND = {"cpu": "gradsync_audit_gloo", "cuda": "gradsync_audit_nccl"}
+"""The names of the recording backends ``register()`` adds, by device type."""
 
 
 def _nbytes(obj: Any) -> int:
@@ -47,22 +48,17 @@ def _nbytes(obj: Any) -> int:
 
 @dataclass
 class MicroStepRecord:
-    """What one micro-step issued: ops in order, with their payload bytes.
-
-    Attributes:
-        index: the micro-step's position in ``Recorder.records`` (0 for the first).
-        boundary: True when the micro-step closed its window (gradients were due to sync).
-        ops: ``(op, payload bytes)`` of each collective the micro-step issued, in order
-            (op names as the process group's methods: ``"allreduce"``, ``"allgather"``, ...).
-        own: gradsync's own collectives (item counts, metrics), kept apart: never gradient
-            traffic.
-    """
+    """What one micro-step issued: ops in order, with their payload bytes."""
 
     index: int
+    """The micro-step's position in ``Recorder.records`` (0 for the first)."""
     boundary: bool
+    """True when the micro-step closed its window (gradients were due to sync)."""
     ops: list[tuple[str, int]] = field(default_factory=list)
-    #: gradsync's own collectives (item counts, metrics): never gradient traffic.
+    """``(op, payload bytes)`` of each collective the micro-step issued, in order (op names
+    as the process group's methods: ``"allreduce"``, ``"allgather"``, ...)."""
     own: list[tuple[str, int]] = field(default_factory=list)
+    """gradsync's own collectives (item counts, metrics), kept apart: never gradient traffic."""
 
     def count(self, *names: str) -> int:
         """How many collectives of the micro-step are among ``names``.
@@ -102,8 +98,9 @@ class MicroStepRecord:
         """The record as plain data (for JSON).
 
         Returns:
-            ``index``, ``boundary``, ``ops`` (op name -> count), ``reductions``,
-            ``reduction_bytes``, ``bytes`` (all ops) and ``own`` (op name -> count).
+            The keys ``index``, ``boundary``, ``ops`` (op name -> count),
+                ``reductions``, ``reduction_bytes``, ``bytes`` (all ops) and ``own`` (op
+                name -> count).
         """
         counts = Counter(op for op, _ in self.ops)
         return {
@@ -118,22 +115,18 @@ class MicroStepRecord:
 
 
 class Recorder:
-    """Collects op records; micro-steps are opened and closed by the Accelerator.
-
-    Attributes:
-        enabled: off, the process group hands every collective on without recording it.
-        records: one ``MicroStepRecord`` per micro-step, in order.
-        outside: ``(op, payload bytes)`` of the collectives issued outside any micro-step.
-    """
+    """Collects op records; micro-steps are opened and closed by the Accelerator."""
 
     def __init__(self) -> None:
-        #: Off, the wrapper hands every collective on without recording it (one attribute
-        #: read per collective).
         self.enabled = True
+        """Off, the process group hands every collective on without recording it (one
+        attribute read per collective)."""
         self._lock = threading.Lock()
         self.records: list[MicroStepRecord] = []
+        """One ``MicroStepRecord`` per micro-step, in order."""
         self._current: MicroStepRecord | None = None
-        self.outside: list[tuple[str, int]] = []  # ops issued outside any micro-step
+        self.outside: list[tuple[str, int]] = []
+        """``(op, payload bytes)`` of the collectives issued outside any micro-step."""
         self._own_depth = 0
 
     def record(self, op: str, nbytes: int) -> None:
@@ -204,8 +197,8 @@ class Recorder:
         """The records grouped into accumulation windows.
 
         Yields:
-            The records of one window, in order: each ends at a boundary micro-step, except
-            a last, unfinished one.
+            The records of one window, in order: each ends at a boundary micro-step,
+                except a last, unfinished one.
         """
         window: list[MicroStepRecord] = []
         for rec in self.records:
@@ -223,9 +216,9 @@ class Recorder:
             window: the records of one window (one item of ``windows()``).
 
         Returns:
-            The micro-steps, the reductions per micro-step and their bytes, the all-gathers
-            and gradsync's own collectives, e.g. ``micro-steps 4: reductions per micro-step
-            [0,0,0,1] (44.0 KiB), all-gathers 0``.
+            The micro-steps, the reductions per micro-step and their bytes, the
+                all-gathers and gradsync's own collectives, e.g. ``micro-steps 4:
+                reductions per micro-step [0,0,0,1] (44.0 KiB), all-gathers 0``.
         """
         per = ",".join(str(r.reductions) for r in window)
         red_bytes = sum(r.reduction_bytes for r in window)

@@ -13,19 +13,15 @@ from gradsync.schedule import Constant, RampUp, Schedule, is_schedule, parse
 @dataclass(frozen=True)
 class BatchPlan:
     """A consistent set of batch sizes for one job: global batch = micro batch x
-    accumulation steps x data-parallel size. ``accel.plan`` is the job's.
-
-    Attributes:
-        micro_batch_size: samples per micro-batch and process (None: not known yet; the
-            first prepared dataloader's batch size fixes it).
-        gradient_accumulation_steps: micro-batches per optimizer step (of the first window
-            under a schedule).
-        data_parallel_size: the processes that each see their own data.
-    """
+    accumulation steps x data-parallel size. ``accel.plan`` is the job's."""
 
     micro_batch_size: int | None
+    """Samples per micro-batch and process (None: not known yet; the first prepared
+    dataloader's batch size fixes it)."""
     gradient_accumulation_steps: int
+    """Micro-batches per optimizer step (of the first window under a schedule)."""
     data_parallel_size: int
+    """The processes that each see their own data."""
 
     @property
     def global_batch_size(self) -> int | None:
@@ -106,8 +102,9 @@ class BatchPlan:
         """The plan as one line of text.
 
         Returns:
-            ``micro_batch_size=M x gradient_accumulation_steps=K x data_parallel_size=W =
-            global_batch_size=G`` (``?`` for a size not known yet).
+            The sizes and their product, e.g. ``micro_batch_size=4 x
+                gradient_accumulation_steps=8 x data_parallel_size=2 = global_batch_size=64``
+                (``?`` for a size not known yet).
         """
         m = "?" if self.micro_batch_size is None else str(self.micro_batch_size)
         g = "?" if self.global_batch_size is None else str(self.global_batch_size)

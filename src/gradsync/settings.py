@@ -249,8 +249,9 @@ class Config(FairscaleOptions, DeepSpeedOptions, FSDPOptions, DDPOptions, CoreSe
         """The deferral memory budget and the setting that gave it.
 
         Returns:
-            ``(bytes, name)``: ``sync_memory_budget`` when set, else ``fsdp_memory_budget``;
-            ``(None, "sync_memory_budget")`` when neither is set.
+            budget: the bytes, from ``sync_memory_budget`` when set, else from
+                ``fsdp_memory_budget``; None when neither is set.
+            name: the setting that gave it (``"sync_memory_budget"`` when neither is set).
         """
         if self.sync_memory_budget is not None:
             return self.sync_memory_budget, "sync_memory_budget"
