@@ -277,6 +277,8 @@ def test_every_public_member_of_the_accelerator_is_documented():
     problems: list[str] = []
     for name in names:
         member = inspect.getattr_static(Accelerator, name)
+        if isinstance(member, (staticmethod, classmethod)):
+            member = member.__func__
         if isinstance(member, property):
             if not inspect.getdoc(member):
                 problems.append(f"Accelerator.{name}: property without a docstring")
