@@ -70,3 +70,19 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(model, optimized):
         model = require(model, "_orig_mod", "the module inside torch.compile's OptimizedModule")
     return model
+
+
+def weights_only_globals() -> frozenset[str]:
+    """The globals ``torch.load(weights_only=True)`` accepts (``module.name``): torch's own
+    set (tensors, storages, dtypes, ``OrderedDict``, ...) and what the user added with
+    ``torch.serialization.add_safe_globals``."""
+    from torch import _weights_only_unpickler
+
+    own = require(_weights_only_unpickler, "_get_allowed_globals",
+                  "the weights_only allow-list (checkpoint safety)")()
+    added = set()
+    for entry in torch.serialization.get_safe_globals():
+        obj = entry[0] if isinstance(entry, tuple) else entry
+        name = entry[1] if isinstance(entry, tuple) else f"{obj.__module__}.{obj.__qualname__}"
+        added.add(name)
+    return frozenset(own) | frozenset(added)

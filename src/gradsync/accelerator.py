@@ -257,7 +257,11 @@ class Accelerator:
     @property
     def gradient_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step of the window in progress (or the next one).
-        Setting it replaces a schedule; it takes effect when the next window starts."""
+        Setting it replaces a schedule; it takes effect when the next window starts.
+
+        Raises:
+            ConfigError: set to something other than a whole number >= 1.
+        """
         return self._window.steps
 
     @gradient_accumulation_steps.setter
@@ -643,20 +647,23 @@ class Accelerator:
         with naming_collective("wait_for_checkpoint()", self._timeout):
             return self._state.settle()
 
-    def load_state(self, path: str | os.PathLike[str]) -> None:
+    def load_state(self, path: str | os.PathLike[str], *, trusted: bool = False) -> None:
         """Restore a checkpoint written by ``save_state`` (on every rank, after ``prepare``).
         The next pass over each prepared loader resumes at the first batch not yet consumed;
-        ``loader.epoch`` is that pass's epoch.
+        ``loader.epoch`` is that pass's epoch. Loading never runs code from the folder: every
+        pickle in it is checked first against what the backend's format holds.
 
         Args:
             path: the checkpoint folder.
+            trusted: skip that check and load whatever objects the files hold. Such a load
+                can run code from the folder: only for checkpoints whose origin you trust.
 
         Raises:
-            CheckpointError: a missing, incomplete, corrupted or incompatible checkpoint (one
-                error on every rank; nothing is changed).
+            CheckpointError: a missing, incomplete, corrupted, incompatible or unsafe
+                checkpoint (one error on every rank; nothing is changed).
         """
         with naming_collective(f"load_state({os.fspath(path)!r})", self._timeout):
-            self._state.load(path)
+            self._state.load(path, trusted=trusted)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Save and load these objects with the checkpoint; rank 0's state is saved.

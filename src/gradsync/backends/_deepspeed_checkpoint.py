@@ -6,6 +6,7 @@ buffers, which its checkpoints do not hold."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,9 @@ import torch
 
 from gradsync import dist
 from gradsync.backends import _deepspeed_compat, _plain_state
+from gradsync.checkpoint import safety
 from gradsync.checkpoint.folder import load_file, save_file
+from gradsync.checkpoint.safety import allow_list
 from gradsync.errors import CheckpointError
 
 _TAG = "state"
@@ -32,22 +35,31 @@ def save(path: Path, engine: Any, models: Sequence[torch.nn.Module]) -> None:
                 save_file(model.state_dict(), path / f"model_{i}.pt")
 
 
-def load(path: Path, engine: Any, models: Sequence[torch.nn.Module]) -> None:
+def load(path: Path, engine: Any, models: Sequence[torch.nn.Module], *, trusted: bool = False) -> None:
     folder = path / "deepspeed"
     if not (folder / _TAG).is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} has no DeepSpeed engine state ({folder.name}/{_TAG})")
     frozen = {}
     for i, model in enumerate(models):
         if model is not engine:
-            state = load_file(path / f"model_{i}.pt")
+            state = load_file(path / f"model_{i}.pt", trusted=trusted)
             _plain_state.check_model(path / f"model_{i}.pt", model, state)
             frozen[i] = state
-    loaded, _ = engine.load_checkpoint(str(folder), tag=_TAG, load_optimizer_states=True,
-                                       load_lr_scheduler_states=False)
+    checked = contextlib.nullcontext() if trusted else _deepspeed_compat.checked_loads(engine, _check)
+    with checked:
+        loaded, _ = engine.load_checkpoint(str(folder), tag=_TAG, load_optimizer_states=True,
+                                           load_lr_scheduler_states=False)
     if loaded is None:
         raise CheckpointError(f"checkpoint {str(folder)!r}: DeepSpeed could not load it (see its log)")
     for i, state in frozen.items():
         models[i].load_state_dict(state)
+
+
+def _check(file: str) -> None:
+    """Refuse a DeepSpeed file naming a global outside its format's allow-list."""
+    refused = safety.refused_in_file(Path(file), allow_list(_deepspeed_compat.CHECKPOINT_GLOBALS).__contains__)
+    if refused is not None:
+        raise CheckpointError(f"checkpoint file {file!r} names {refused}; refused")
 
 
 def full_weights(engine: Any, module: torch.nn.Module) -> dict[str, Any]:

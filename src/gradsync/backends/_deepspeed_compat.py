@@ -9,6 +9,8 @@ DeepSpeed that renamed one fails with a message naming the supported versions.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -96,3 +98,40 @@ def clear_window_gradients(engine: Any) -> None:
     module = _require(engine, "module", "wrapped module")
     for p in module.parameters():
         p.grad = None
+
+
+#: The globals DeepSpeed's own checkpoint files name besides torch's ``weights_only`` set,
+#: read from checkpoints of every ZeRO stage (0-3), fp32 and bf16, with and without an LR
+#: scheduler, saved by DeepSpeed 0.19.8 (the bf16 and ZeRO optimizer states hold them).
+CHECKPOINT_GLOBALS = frozenset({
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+})
+
+
+class _CheckedLoads:
+    """Stands in for the engine's checkpoint engine while it loads: every file is checked
+    (``checked(path)`` raises on a refused global) before the real engine reads it."""
+
+    def __init__(self, inner: Any, checked: Callable[[str], None]) -> None:
+        self._inner = inner
+        self._checked = checked
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        self._checked(path)
+        return self._inner.load(path, map_location=map_location)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def checked_loads(engine: Any, checked: Callable[[str], None]) -> Iterator[None]:
+    """Inside: every file the engine's checkpoint engine loads passes ``checked`` first."""
+    inner = _require(engine, "checkpoint_engine", "checkpoint engine")
+    engine.checkpoint_engine = _CheckedLoads(inner, checked)
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = inner

@@ -84,22 +84,22 @@ def check_optimizer(where: Path, optimizer: Any, state: Any) -> None:
 
 
 def load(path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Any],
-         unwrap: Unwrap, rank: int, *, window_open: bool) -> None:
+         unwrap: Unwrap, rank: int, *, window_open: bool, trusted: bool = False) -> None:
     # Read and check everything first: nothing reaches a model unless all of it fits.
     states = []
     for i, model in enumerate(models):
         file = path / f"model_{i}.pt"
         if not file.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} has no {file.name} (it holds fewer models)")
-        state = load_file(file)
+        state = load_file(file, trusted=trusted)
         check_model(file, unwrap(model), state)
         states.append(state)
-    opt_states = [load_file(path / f"optimizer_{i}.pt") if opt is not None else None
+    opt_states = [load_file(path / f"optimizer_{i}.pt", trusted=trusted) if opt is not None else None
                   for i, opt in enumerate(optimizers)]
     for i, (opt, opt_state) in enumerate(zip(optimizers, opt_states)):
         if opt is not None:
             check_optimizer(path / f"optimizer_{i}.pt", opt, opt_state)
-    grads = load_file(window_file(path, rank)) if window_open else None
+    grads = load_file(window_file(path, rank), trusted=trusted) if window_open else None
     for model, state in zip(models, states):
         unwrap(model).load_state_dict(state)
     for opt, opt_state in zip(optimizers, opt_states):

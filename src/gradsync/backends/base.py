@@ -47,6 +47,9 @@ class Backend(Protocol):
     checkpoint_format: ClassVar[str]
     #: Its checkpoints saved at a boundary load on another world size.
     reshardable: ClassVar[bool]
+    #: Globals (``module.name``) its checkpoint files may name besides torch's
+    #: ``weights_only`` set: a checkpoint naming any other is refused before loading.
+    checkpoint_globals: ClassVar[frozenset[str]]
     policy: SyncPolicy
     policy_reason: str  # why the adapter resolved that policy, with its numbers ("" if nothing)
     owns_group: bool  # gradsync created the process group (and releases it)
@@ -127,8 +130,10 @@ class Backend(Protocol):
         local gradients of this rank, or a one-line error where the backend cannot."""
 
     def load(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
-        """Read back what ``save`` wrote (collective); check before changing anything."""
+             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool,
+             trusted: bool = False) -> None:
+        """Read back what ``save`` wrote (collective); check before changing anything. Files
+        are read without running code from them unless ``trusted``."""
 
 
 class AdapterDefaults:
@@ -143,6 +148,7 @@ class AdapterDefaults:
     unwrapped module's, on the CPU.
     """
 
+    checkpoint_globals: ClassVar[frozenset[str]] = frozenset()
     policy: SyncPolicy
     policy_reason: str  # why the adapter resolved that policy, with its numbers ("" if nothing)
     owns_group: bool  # gradsync created the process group (and releases it)

@@ -67,6 +67,7 @@ class DeepSpeedBackend(AdapterDefaults):
     name: ClassVar[str] = "deepspeed"
     checkpoint_format: ClassVar[str] = "deepspeed"  # the engine's own checkpoints
     reshardable: ClassVar[bool] = False
+    checkpoint_globals: ClassVar[frozenset[str]] = _deepspeed_compat.CHECKPOINT_GLOBALS
 
     def __init__(self) -> None:
         super().__init__()
@@ -249,5 +250,6 @@ class DeepSpeedBackend(AdapterDefaults):
         _deepspeed_checkpoint.save(path, self.engine, models)
 
     def load(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
-        _deepspeed_checkpoint.load(path, self.engine, models)
+             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool,
+             trusted: bool = False) -> None:
+        _deepspeed_checkpoint.load(path, self.engine, models, trusted=trusted)

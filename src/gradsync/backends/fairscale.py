@@ -230,5 +230,7 @@ class FairscaleBackend(AdapterDefaults):
                           gathered_optimizers=True)
 
     def load(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
-        _plain_state.load(path, models, optimizers, self.unwrap, dist.rank(), window_open=False)
+             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool,
+             trusted: bool = False) -> None:
+        _plain_state.load(path, models, optimizers, self.unwrap, dist.rank(), window_open=False,
+                          trusted=trusted)

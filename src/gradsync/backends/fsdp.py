@@ -41,6 +41,7 @@ from gradsync.backends.base import (
     refuse_native,
 )
 from gradsync.batching import BatchPlan
+from gradsync.checkpoint.safety import allow_list
 from gradsync.config import Config
 from gradsync.errors import ConfigError
 
@@ -237,5 +238,7 @@ class FSDPBackend(AdapterDefaults):
         _fsdp_checkpoint.save(path, models, optimizers, window_open=window_open, device=self._device)
 
     def load(self, path: Path, models: Sequence[nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
-        _fsdp_checkpoint.load(path, models, optimizers, window_open=window_open, device=self._device)
+             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool,
+             trusted: bool = False) -> None:
+        _fsdp_checkpoint.load(path, models, optimizers, window_open=window_open, device=self._device,
+                              trusted=trusted, allowed=allow_list(self.checkpoint_globals).__contains__)

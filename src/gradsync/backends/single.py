@@ -55,5 +55,7 @@ class SingleBackend(AdapterDefaults):
         _plain_state.save(path, models, optimizers, self.unwrap, 0, window_open=window_open)
 
     def load(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
-        _plain_state.load(path, models, optimizers, self.unwrap, 0, window_open=window_open)
+             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool,
+             trusted: bool = False) -> None:
+        _plain_state.load(path, models, optimizers, self.unwrap, 0, window_open=window_open,
+                          trusted=trusted)

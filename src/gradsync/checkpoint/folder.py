@@ -19,11 +19,13 @@ import os
 import shutil
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypedDict
 
 import torch
 
+from gradsync.checkpoint.safety import check_name, scan_folder
 from gradsync.dist import broadcast_object, rank
 from gradsync.errors import CheckpointError, ConfigError
 
@@ -80,10 +82,11 @@ def save_file(obj: Any, path: Path) -> None:
     torch.save(obj, path)
 
 
-def load_file(path: Path) -> Any:
-    """``torch.load`` of a file of a verified checkpoint, onto the CPU, tensors and plain data only."""
+def load_file(path: Path, *, trusted: bool = False) -> Any:
+    """``torch.load`` of a file of a verified checkpoint, onto the CPU: tensors and plain data
+    only, or anything (which may run code from the file) when ``trusted``."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=not trusted)
     except Exception as err:
         raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: {one_line(err)}") from None
 
@@ -236,15 +239,18 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
     return result
 
 
-def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+def read_manifest(path: str | os.PathLike[str],
+                  allowed: Callable[[str], bool] | None = None) -> Manifest:
     """Rank 0 checks that ``path`` is a complete, intact checkpoint (every file there with
-    its recorded size and checksum) and sends its manifest to every rank; otherwise every
-    rank raises the same one-line CheckpointError. Nothing is loaded before this passes."""
+    its recorded size and checksum, no file name leading out of the folder) and, with
+    ``allowed``, that no pickle in it names a global ``allowed`` refuses; it sends the
+    manifest to every rank, or every rank raises the same one-line CheckpointError.
+    Nothing is loaded before this passes."""
     folder = Path(path)
     answer: Manifest | str = "unchecked"
     if rank() == 0:
         try:
-            answer = _verify(folder)
+            answer = _verify(folder, allowed)
         except CheckpointError as err:
             answer = str(err)
     answer = broadcast_object(answer)
@@ -253,7 +259,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     return answer
 
 
-def _verify(folder: Path) -> Manifest:
+def _verify(folder: Path, allowed: Callable[[str], bool] | None) -> Manifest:
     where = str(folder)
     if not folder.exists():
         raise CheckpointError(f"checkpoint {where!r} does not exist")
@@ -271,6 +277,9 @@ def _verify(folder: Path) -> Manifest:
         raise CheckpointError(f"checkpoint {where!r}: {MANIFEST} is unreadable ({one_line(err)})") from None
     if not isinstance(manifest, dict) or manifest.get("gradsync_checkpoint") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {where!r}: {MANIFEST} is not a gradsync checkpoint manifest")
+    names = list(manifest["files"])
+    for name in names:
+        check_name(folder, name)  # before anything is read
     for name, (size, crc) in manifest["files"].items():
         file = folder / name
         if not file.is_file():
@@ -282,6 +291,11 @@ def _verify(folder: Path) -> Manifest:
             )
         if got_crc != crc:
             raise CheckpointError(f"checkpoint {where!r} is corrupted: {name} fails its checksum")
+    if allowed is not None:
+        extra = [n for n in listed_files(folder) if n not in manifest["files"]]
+        for name in extra:
+            check_name(folder, name)
+        scan_folder(folder, [*names, *extra], allowed)
     return manifest  # type: ignore[return-value]  # checked above: a gradsync manifest
 
 

@@ -28,6 +28,7 @@ from gradsync.checkpoint.folder import (
     save_file,
 )
 from gradsync.checkpoint.rng import capture_rng, restore_rng
+from gradsync.checkpoint.safety import allow_list
 from gradsync.errors import CheckpointError, UsageError
 from gradsync.microstep import drop_window
 
@@ -51,6 +52,7 @@ class CheckpointState:
         self._backend = backend
         self._loaders = loaders
         self._committer = Committer()
+        self._allowed: frozenset[str] | None = None
 
     def save(self, path: str | os.PathLike[str], keep_last: int | None, pending: int = 0,
              background: bool = False) -> str:
@@ -136,7 +138,14 @@ class CheckpointState:
                 f"cannot reshard it to {here}; resume on {world} rank(s)"
             )
 
-    def load(self, path: str | os.PathLike[str]) -> None:
+    def allowed(self) -> frozenset[str]:
+        """The globals this backend's checkpoints may name: torch's ``weights_only`` set and
+        the backend's own."""
+        if self._allowed is None:
+            self._allowed = allow_list(self._backend.checkpoint_globals)
+        return self._allowed
+
+    def load(self, path: str | os.PathLike[str], trusted: bool = False) -> None:
         p, window, backend = self._prepared, self._window, self._backend
         here = dist.world_size()
         if window.current is not None:
@@ -144,20 +153,20 @@ class CheckpointState:
                 "load_state() was called inside `with accel.accumulate(model):`; call it before the loop"
             )
         self._settle_quietly()  # a background save of this very folder may still be committing
-        manifest = read_manifest(path)
+        manifest = read_manifest(path, None if trusted else self.allowed().__contains__)
         folder = Path(path)
         self._check(str(folder), manifest)
         world = int(manifest["world_size"])
         same_world = world == here
         # Everything gradsync itself keeps is read before the backend changes anything.
-        rng = load_file(folder / f"rng_rank{dist.rank() if same_world else 0}.pt")
-        schedulers = load_file(folder / "schedulers.pt")
-        objects = load_file(folder / "objects.pt")
+        rng = load_file(folder / f"rng_rank{dist.rank() if same_world else 0}.pt", trusted=trusted)
+        schedulers = load_file(folder / "schedulers.pt", trusted=trusted)
+        objects = load_file(folder / "objects.pt", trusted=trusted)
         scaler = backend.scaler
-        scaler_state = load_file(folder / "scaler.pt") if scaler is not None and manifest.get("scaler") else None
+        scaler_state = load_file(folder / "scaler.pt", trusted=trusted) if scaler is not None and manifest.get("scaler") else None
         if window.is_open:
             drop_window(window, backend, p)
-        backend.load(folder, p.models, p.optimizer_per_model(),
+        backend.load(folder, p.models, p.optimizer_per_model(), trusted=trusted,
                      window_open=int(manifest["window"]["index"]) > 0)
         for opt, steps in zip(p.optimizers, manifest["steps_applied"]):
             opt.steps_applied = int(steps)
