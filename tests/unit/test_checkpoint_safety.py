@@ -102,7 +102,7 @@ def test_an_untampered_checkpoint_loads_bitwise(saved, clean_env):
 def test_a_file_outside_the_manifest_is_checked_too(saved, tmp_path, clean_env):
     marker = tmp_path / "ran"
     torch.save(Payload(marker, {}), saved / "extra.pt")
-    accel, model, *_ = build(seed=1)
+    accel, *_ = build(seed=1)
     with pytest.raises(CheckpointError, match=r"extra\.pt holds a pickle that names payload\.plant"):
         accel.load_state(saved)
     assert not marker.exists()
@@ -131,7 +131,7 @@ def test_a_manifest_naming_a_path_outside_the_folder_is_refused_unread(saved, tm
     assert read == [], "a file was read before the names were checked"
     assert unchanged(model, before)
     # keep_last removes old checkpoints, never what their manifests name outside.
-    accel2, model2, opt2, loader2, _ = build(seed=2)
+    accel2, *_ = build(seed=2)
     accel2.save_state(tmp_path / "ckpts" / "b", keep_last=1)
     assert not saved.exists() and outside.is_file()
 
@@ -140,7 +140,7 @@ def test_a_link_out_of_the_folder_is_refused(saved, tmp_path, clean_env):
     outside = tmp_path / "elsewhere.pt"
     (saved / "model_0.pt").rename(outside)
     (saved / "model_0.pt").symlink_to(outside)  # same bytes: the checksum alone would pass
-    accel, model, *_ = build(seed=1)
+    accel, *_ = build(seed=1)
     with pytest.raises(CheckpointError, match=r"model_0\.pt is a link to .*outside the checkpoint folder"):
         accel.load_state(saved)
 
