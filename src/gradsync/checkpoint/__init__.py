@@ -5,6 +5,7 @@
 * ``state``: what an Accelerator saves and loads (the registry of prepared objects, the
   window, the backend);
 * ``rng``: every random-number state gradsync saves or restores;
+* ``safety``: the check before a load: no name leaves the folder, no pickle can run code;
 * ``export``: a model's full weights as safetensors;
 * ``signals``: SIGTERM, to save before a preempted job exits.
 """
