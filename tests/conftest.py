@@ -1,3 +1,11 @@
+"""The suite's two folders: ``unit/`` runs in this process and starts none (a one-rank group in
+this process at most), in seconds; ``multiprocess/`` starts processes (2-rank gloo groups,
+torchrun, ``gradsync launch``, fresh interpreters) and is marked ``multiprocess`` here, so
+``pytest -m "not multiprocess"`` and ``pytest tests/unit`` run the same fast tests.
+
+``harness`` (the parent side: launching scenarios, the checks on their results),
+``scenarios`` (what runs in the workers) and ``mp_worker.py`` live next to this file."""
+
 from __future__ import annotations
 
 import os
@@ -6,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+MULTIPROCESS = HERE / "multiprocess"
+sys.path.insert(0, str(HERE))
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +38,11 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if MULTIPROCESS in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.multiprocess)
     try:
         import torch
 

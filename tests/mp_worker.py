@@ -1,39 +1,39 @@
-"""One rank of a scenario run: join an audited gloo group, run each scenario, write results.
+"""One rank of a scenario run: join the run's process group, run each scenario, write results.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 mp_worker.py MODULE SPEC OUT
+    python -m torch.distributed.run --standalone --nproc-per-node 2 mp_worker.py SPEC OUT
+
+SPEC is what ``harness.run_scenarios`` pickled: the group's setup function and, per scenario
+name, the function's module, its qualified name and its parameters.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import pickle
 import sys
 import traceback
-from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
 from gradsync import audit
 
 
+def find(module: str, name: str) -> Any:
+    return getattr(importlib.import_module(module), name)
+
+
 def main() -> None:
-    module_name, spec_path, out_dir = sys.argv[1:4]
-    scenarios = json.loads(Path(spec_path).read_text())
-    module = importlib.import_module(module_name)
-    setup = getattr(module, "setup_process_group", None)
-    if setup is not None:
-        setup()
-    else:
-        audit.register()
-        dist.init_process_group(audit.AUDIT_BACKEND["cpu"], timeout=timedelta(seconds=180))
+    spec_path, out_dir = sys.argv[1:3]
+    spec = pickle.loads(Path(spec_path).read_bytes())
+    find(*spec["setup"])()
     rank = dist.get_rank()
     results: dict[str, dict[str, object]] = {}
-    for name, params in scenarios.items():
-        params = dict(params)
-        fn = getattr(module, params.pop("fn"))
+    for name, (module, qualname, params) in spec["scenarios"].items():
         try:
-            results[name] = {"ok": True, "result": fn(**params), "error": None}
+            results[name] = {"ok": True, "result": find(module, qualname)(**params), "error": None}
         except Exception:
             results[name] = {"ok": False, "result": None, "error": traceback.format_exc()}
         recorder = audit.recorder_of()

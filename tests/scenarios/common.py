@@ -1,11 +1,15 @@
-"""Model, data, the user's training loop, and the single-process reference it must match."""
+"""Worker side: model, data and the user's training loop (``train``, one for every backend), and
+the scenarios every backend shares (a mid-window save, an export). The one-process references
+and the assertions on what the ranks recorded are the parent's: ``harness.checks``."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +59,17 @@ class Net(nn.Module):
         return self.head(x)
 
 
+def audited_gloo_group() -> None:
+    """The process group of a scenario run unless its module defines ``setup_process_group``:
+    gloo under gradsync's audit wrapper."""
+    import torch.distributed as dist
+
+    from gradsync import audit
+
+    audit.register()
+    dist.init_process_group(audit.AUDIT_BACKEND["cpu"], timeout=timedelta(seconds=180))
+
+
 def make_model(seed: int = 0) -> Net:
     torch.manual_seed(seed)
     return Net()
@@ -76,43 +91,95 @@ def to_lists(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {k: v.detach().cpu().float().tolist() for k, v in state.items()}
 
 
-class _Dropped(Exception):
+class Dropped(Exception):
     """Raised inside the accumulate block by a test loop: the window must be dropped."""
+
+
+@dataclass(frozen=True)
+class Loop:
+    """What the shared loop (``train``) does; the parameters a scenario passes on to it.
+
+    ``calls``: where the optimizer, scheduler and zero_grad calls sit: "in_block" (after
+    backward, inside the accumulate block), "zero_grad_first" (zero_grad first in the
+    block, step and scheduler after backward) or "after_block" (clip, step, scheduler and
+    zero_grad follow the block; both loop shapes must train alike).
+    ``change_steps_at=(window, k)``: set ``gradient_accumulation_steps`` to k once that many
+    windows ended.
+    ``raise_at=(window, micro)``: the block raises after that micro-step's backward (every
+    rank alike); the loop catches it and goes on. ``break_at=(epoch, batch)``: the loop
+    breaks out of that epoch before that batch. Either way the open window is dropped, and
+    its micro-batches are left out of ``windows``: one process never saw them."""
+
+    samples: int
+    micro_batch: int
+    epochs: int = 2
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    clip: float | None = None
+    clip_value: float | None = None
+    calls: Literal["in_block", "zero_grad_first", "after_block"] = "in_block"
+    change_steps_at: tuple[int, int] | None = None
+    shuffle: bool = True
+    raise_at: tuple[int, int] | None = None
+    break_at: tuple[int, int] | None = None
+
+
+#: Ways a window gets dropped (``Loop`` fields): the block raises in the 2nd micro-step of
+#: the 2nd window on every rank, or the loop breaks out of the first epoch in the middle of
+#: its 2nd window (the next epoch's pass then drops it).
+DROPS: dict[str, dict[str, Any]] = {"raise": {"raise_at": (1, 1)}, "break": {"break_at": (0, 6)}}
+
+
+class Probe:
+    """What a scenario watches or changes in the shared loop beyond what ``train`` records:
+    each method is called at its point of every micro-step and does nothing here."""
+
+    def before_block(self, accel: Any, model: nn.Module) -> None:
+        """Before ``with accel.accumulate(model):``."""
+
+    def forward(self, out: torch.Tensor) -> None:
+        """The model's output, inside the block."""
+
+    def loss(self, loss: torch.Tensor, accel: Any, window: int, micro: int) -> torch.Tensor:
+        """The loss ``accel.backward`` gets (micro-step ``micro`` of window ``window``)."""
+        return loss
+
+    def after_backward(self, accel: Any, model: nn.Module, window: int) -> None:
+        """Inside the block, after backward, before clipping and the optimizer calls."""
+
+    def after_block(self, accel: Any, model: nn.Module) -> None:
+        """Right after the block (before any call that follows it)."""
+
+    def window_end(self, accel: Any) -> None:
+        """After the block of a window's last micro-step."""
+
+    def finish(self, accel: Any, model: nn.Module, scheduler: Any) -> dict[str, Any]:
+        """After the last epoch: what the probe adds to the result."""
+        return {}
 
 
 def train(
     accel: Any,
+    loop: Loop,
     *,
-    samples: int,
-    micro_batch: int,
-    epochs: int = 2,
-    optimizer: str = "sgd",
-    lr: float = 0.05,
-    clip: float | None = None,
-    zero_grad_first: bool = False,
-    change_steps_at: tuple[int, int] | None = None,
-    shuffle: bool = True,
     model: nn.Module | None = None,
-    after_block: bool = False,
-    raise_at: tuple[int, int] | None = None,
-    break_at: tuple[int, int] | None = None,
-    after_prepare: Any = None,
+    after_prepare: Callable[[nn.Module], nn.Module] | None = None,
+    probe: Probe | None = None,
 ) -> dict[str, Any]:
     """The user's loop, written once for every backend; returns what the parent checks.
 
-    ``after_block``: the optimizer, scheduler and zero_grad calls follow the accumulate
-    block instead of sitting inside it (both loop shapes must train alike).
-    ``raise_at=(window, micro)``: the block raises after that micro-step's backward (every
-    rank alike); the loop catches it and goes on. ``break_at=(epoch, batch)``: the loop
-    breaks out of that epoch before that batch. Either way the open window is dropped, and
-    its micro-batches are left out of ``windows``: one process never saw them.
-    ``after_prepare(model)`` replaces the prepared model (e.g. compiles it)."""
-    raise_at = tuple(raise_at) if raise_at is not None else None  # JSON gives lists
-    break_at = tuple(break_at) if break_at is not None else None
+    ``model``: the model to train (a fresh ``make_model()`` by default).
+    ``after_prepare(model)`` replaces the prepared model (e.g. compiles it). ``probe``
+    watches the loop for what a scenario checks beyond it (amp's overflows, DeepSpeed's
+    boundary flag)."""
+    probe = probe if probe is not None else Probe()
+    after_block = loop.calls == "after_block"
+    zero_grad_first = loop.calls == "zero_grad_first"
+    raise_at = loop.raise_at
     model = model if model is not None else make_model()
-    opt = make_optimizer(model.parameters(), optimizer, lr)
+    opt = make_optimizer(model.parameters(), loop.optimizer, loop.lr)
     sched = make_scheduler(opt)
-    loader = DataLoader(Indexed(samples), batch_size=micro_batch, shuffle=shuffle)
+    loader = DataLoader(Indexed(loop.samples), batch_size=loop.micro_batch, shuffle=loop.shuffle)
     model, opt, loader, sched = accel.prepare(model, opt, loader, sched)
     if after_prepare is not None:  # e.g. `model = torch.compile(model)` on the prepared model
         model = after_prepare(model)
@@ -124,43 +191,55 @@ def train(
     sched_calls = 0
     audit_start = len(accel.audit.records) if accel.audit is not None else 0
     dropped: list[list[list[int]]] = []
-    for epoch in range(epochs):
+
+    def clip() -> None:
+        if loop.clip is not None:
+            norm = accel.clip_grad_norm_(model.parameters(), loop.clip)
+            if accel.sync_gradients:
+                norms.append(float(norm))
+            else:
+                assert norm is None, "clip_grad_norm_ off the boundary must return None"
+        if loop.clip_value is not None:
+            accel.clip_grad_value_(model.parameters(), loop.clip_value)
+
+    for epoch in range(loop.epochs):
         for batch, (x, y, idx) in enumerate(loader):
-            if change_steps_at is not None and len(windows) == change_steps_at[0]:
-                accel.gradient_accumulation_steps = change_steps_at[1]
-            if break_at == (epoch, batch):
+            if loop.change_steps_at is not None and len(windows) == loop.change_steps_at[0]:
+                accel.gradient_accumulation_steps = loop.change_steps_at[1]
+            if loop.break_at == (epoch, batch):
                 dropped.append(current)
                 current = []
                 break
+            probe.before_block(accel, model)
             try:
                 with accel.accumulate(model):
                     if zero_grad_first:
                         opt.zero_grad()
-                    loss = F.mse_loss(model(x), y)
+                    out = model(x)
+                    probe.forward(out)
+                    loss = probe.loss(F.mse_loss(out, y), accel, len(windows), len(current))
                     accel.backward(loss)
                     current.append([int(i) for i in idx])
                     if raise_at == (len(windows), len(current) - 1):
                         raise_at = None
-                        raise _Dropped
-                    if clip is not None:
-                        norm = accel.clip_grad_norm_(model.parameters(), clip)
-                        if accel.sync_gradients:
-                            norms.append(float(norm))
-                        else:
-                            assert norm is None, "clip_grad_norm_ off the boundary must return None"
+                        raise Dropped
+                    probe.after_backward(accel, model, len(windows))
                     if not after_block:
+                        clip()
                         opt.step()
                         sched.step()
                         sched_calls += 1
                         if not zero_grad_first:
                             opt.zero_grad()
-            except _Dropped:
+            except Dropped:
                 opt.step()  # a stray step after the error must apply nothing
                 sched.step()
                 dropped.append(current)
                 current = []
                 continue
+            probe.after_block(accel, model)
             if after_block:
+                clip()
                 opt.step()
                 sched.step()
                 sched_calls += 1
@@ -170,6 +249,7 @@ def train(
                 windows.append(current)
                 current = []
                 lrs.append(float(sched.get_last_lr()[0]))
+                probe.window_end(accel)
     records = []
     if accel.audit is not None:
         records = [r.to_dict() for r in accel.audit.records[audit_start:]]
@@ -185,83 +265,8 @@ def train(
         "audit": records,
         "policy": accel.sync_policy,
         "dropped": dropped,
+        **probe.finish(accel, model, sched),
     }
-
-
-def reference(
-    rank_results: list[dict[str, Any]],
-    *,
-    samples: int,
-    optimizer: str = "sgd",
-    lr: float = 0.05,
-    clip: float | None = None,
-    model: nn.Module | None = None,
-) -> dict[str, Any]:
-    """One process training on the same global windows: each window's loss is the mean, over
-    ranks and micro-batches, of the micro-batch mean losses (the global sample mean when all
-    micro-batches have equal size)."""
-    data = Indexed(samples)
-    model = model if model is not None else make_model()
-    opt = make_optimizer(model.parameters(), optimizer, lr)
-    sched = make_scheduler(opt)
-    n_windows = len(rank_results[0]["windows"])
-    for r in rank_results:
-        assert len(r["windows"]) == n_windows, "ranks took different numbers of optimizer steps"
-    norms: list[float] = []
-    for w in range(n_windows):
-        micro = [mb for r in rank_results for mb in r["windows"][w]]
-        opt.zero_grad()
-        loss = sum(F.mse_loss(model(data.x[mb]), data.y[mb]) for mb in micro) / len(micro)
-        loss.backward()
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        opt.step()
-        sched.step()
-    return {"state": to_lists(model.state_dict()), "norms": norms}
-
-
-def max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max(
-        float((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max()) for k in a
-    )
-
-
-def assert_matches_one_process(rank_results: list[dict[str, Any]], **reference_kwargs: Any) -> dict[str, Any]:
-    """Every rank's final parameters equal one process on the same windows (fp32, 1e-5),
-    and the ranks agree exactly; returns the reference for further checks."""
-    ref = reference(rank_results, **reference_kwargs)
-    for r in rank_results:
-        assert max_diff(r["state"], ref["state"]) < 1e-5
-    assert max_diff(rank_results[0]["state"], rank_results[1]["state"]) == 0.0
-    return ref
-
-
-#: Ways a window gets dropped (scenario keywords of ``train``): the block raises in the 2nd
-#: micro-step of the 2nd window on every rank, or the loop breaks out of the first epoch
-#: in the middle of its 2nd window (the next epoch's pass then drops it).
-DROPS = {"raise": {"raise_at": [1, 1]}, "break": {"break_at": [0, 6]}}
-
-
-def assert_dropped_window_leaks_nothing(rank_results: list[dict[str, Any]], **reference_kwargs: Any) -> None:
-    """A dropped window was really dropped mid-way (it held micro-batches), nothing of it
-    reached the parameters: they equal one process that never saw its micro-batches."""
-    for r in rank_results:
-        assert len(r["dropped"]) == 1 and len(r["dropped"][0]) >= 1, r["dropped"]
-        assert r["optimizer_steps"] == len(r["windows"]) == r["scheduler_last_epoch"]
-    assert_matches_one_process(rank_results, **reference_kwargs)
-
-
-def assert_clipping_matches_one_process(rank_results: list[dict[str, Any]], samples: int) -> None:
-    """The norms clip_grad_norm_ returned at each boundary, and the final parameters, equal one
-    process clipping the same windows (Adam, lr 0.01, max_norm 0.5), and really clipped."""
-    ref = reference(rank_results, samples=samples, optimizer="adam", lr=0.01, clip=0.5)
-    assert rank_results[0]["norms"] == rank_results[1]["norms"]
-    assert any(n > 0.5 for n in ref["norms"]), "the test must actually clip"
-    for r in rank_results:
-        assert len(r["norms"]) == len(ref["norms"]) == r["optimizer_steps"]
-        assert max(abs(a - b) for a, b in zip(r["norms"], ref["norms"])) < 1e-5
-        assert max_diff(r["state"], ref["state"]) < 1e-5
 
 
 def mid_window_save_refused(accel: Any) -> dict[str, Any]:
@@ -372,34 +377,6 @@ def export_model(accel: Any) -> dict[str, Any]:
 
         shutil.rmtree(root)
     return out
-
-
-def assert_mid_window_save_refused(rank_results: list[dict[str, Any]], backend: str) -> None:
-    """What ``mid_window_save_refused`` recorded: both kinds of save (default,
-    background=True) two micro-steps into a window are one line that says to save at a
-    boundary, on both ranks, with no folder left; at the boundary both save, the background
-    one is committed, and it loads back."""
-    for rank in rank_results:
-        for background in (False, True):
-            message = rank[f"mid_background_{background}"]
-            assert message.startswith("UsageError: save_state() inside an accumulation window is not "
-                                      f"supported with backend='{backend}'"), message
-            assert "call it at a boundary" in message and "\n" not in message
-        assert rank["left_after_refusal"] == []
-        assert [p.rsplit("/", 1)[-1] for p in rank["boundary_saves"]] == ["b-default", "b-background"]
-        assert rank["committed"].endswith("b-background")
-        assert rank["after"] == ["b-background", "b-default"]
-        assert rank["restored"] is True
-
-
-def assert_export_is_the_gathered_model(rank_results: list[dict[str, Any]]) -> None:
-    """What ``export_model`` recorded: rank 0's safetensors file equals the gathered state
-    dict, with the tied weight written once and named in the metadata."""
-    rank0 = rank_results[0]
-    assert rank0["keys"] == ["embed.weight", "mid.bias", "mid.weight"], rank0
-    assert rank0["tied"] == {"head.weight": "embed.weight"}
-    assert rank0["equal_to_gathered"] is True and rank0["trained"] is True
-    assert all(r["path_name"] == "model.safetensors" for r in rank_results)
 
 
 @contextlib.contextmanager

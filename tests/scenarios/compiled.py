@@ -9,10 +9,10 @@ import torch
 
 from gradsync import Accelerator
 
-from scenarios.common import Net, make_model, train
+from scenarios.common import Loop, Net, make_model, train
 
 
-def train_compiled(*, backend: str, where: str, steps: int, **kwargs: Any) -> dict[str, Any]:
+def train_compiled(*, backend: str, where: str, steps: int, loop: Loop) -> dict[str, Any]:
     """``where``: "before" prepare, "after" it, or "option" (``Accelerator(compile=True)``)."""
     accel = Accelerator(backend=backend, gradient_accumulation_steps=steps, sync_policy="defer",
                         seed=0, audit=True, compile=where == "option")
@@ -28,7 +28,7 @@ def train_compiled(*, backend: str, where: str, steps: int, **kwargs: Any) -> di
 
     torch._dynamo.reset()  # compile afresh: no graph cached by an earlier scenario is reused
     graphs = _compiled_graphs()
-    out = train(accel, model=model, after_prepare=after_prepare, **kwargs)
+    out = train(accel, loop, model=model, after_prepare=after_prepare)
     unwrapped = accel.unwrap_model(seen["model"])
     out["unwrapped_is_net"] = isinstance(unwrapped, Net)
     out["prepared"] = seen["prepared"]

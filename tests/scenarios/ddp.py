@@ -9,13 +9,13 @@ import torch.nn.functional as F
 
 from gradsync import Accelerator
 
-from scenarios.common import make_model, train
+from scenarios.common import Loop, make_model, train
 
 
-def train_ddp(*, steps: int, policy: str = "auto", **kwargs: Any) -> dict[str, Any]:
+def train_ddp(*, steps: int | str, loop: Loop, policy: str = "auto") -> dict[str, Any]:
     accel = Accelerator(backend="ddp", gradient_accumulation_steps=steps, sync_policy=policy,
                         seed=0, audit=True)
-    return train(accel, **kwargs)
+    return train(accel, loop)
 
 
 def misuse() -> dict[str, Any]:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -17,11 +17,11 @@ from gradsync import Accelerator, audit
 
 from scenarios.common import (
     Indexed,
+    Loop,
+    Probe,
     captured_log,
     make_model,
     make_optimizer,
-    make_scheduler,
-    to_lists,
     train,
 )
 
@@ -51,22 +51,20 @@ def ds_config(stage: int, **extra: Any) -> dict[str, Any]:
             **extra}
 
 
-def train_ds(*, stage: int, steps: int, policy: str = "auto", mixed_precision: str = "no",
-             ds_extra: dict[str, Any] | None = None, budget: int | None = None,
-             checkpointing: Any = None, compile: bool | None = None,
-             **kwargs: Any) -> dict[str, Any]:
+def train_ds(*, stage: int, steps: int | str, loop: Loop, policy: str = "auto",
+             mixed_precision: str = "no", ds_extra: dict[str, Any] | None = None,
+             budget: int | None = None, checkpointing: list[str] | None = None,
+             compile: bool | None = None) -> dict[str, Any]:
     accel = Accelerator(backend="deepspeed", gradient_accumulation_steps=steps, sync_policy=policy,
                         seed=0, audit=True, mixed_precision=mixed_precision,
                         deepspeed_config=ds_config(stage, **(ds_extra or {})),
                         sync_memory_budget=budget, activation_checkpointing=checkpointing,
                         compile=compile)
-    if mixed_precision == "bf16":
-        kwargs["model"] = CastIO(make_model())
-    model = kwargs.setdefault("model", make_model())
+    model = CastIO(make_model()) if mixed_precision == "bf16" else make_model()
     assert accel.audit is not None
     start = len(accel.audit.records)
     with captured_log() as logged:
-        out = train(accel, **kwargs)
+        out = train(accel, loop, model=model)
     out["stage"] = stage
     out["reason"] = accel.sync_policy_reason
     out["logged"] = [m for m in logged if "sync_policy" in m]
@@ -78,52 +76,47 @@ def train_ds(*, stage: int, steps: int, policy: str = "auto", mixed_precision: s
     return out
 
 
-def step_after_block(*, stage: int, steps: int, samples: int, micro_batch: int, policy: str = "auto",
-                     epochs: int = 2, optimizer: str = "sgd", lr: float = 0.05,
-                     clip: float | None = None) -> dict[str, Any]:
+class BoundaryFlag(Probe):
+    """The engine's own boundary flag around each block: gradsync's decision inside it, its
+    prior value after it; ``accel.sync_gradients`` and the window's size as the block saw
+    them, against what is read after it."""
+
+    def __init__(self) -> None:
+        self.prior = False
+        self.inside: tuple[bool, int] = (False, 0)
+        self.set_inside: list[bool] = []
+        self.restored: list[bool] = []
+        self.after_block_sync: list[bool] = []
+        self.window_sizes: list[int] = []
+
+    def before_block(self, accel: Any, model: nn.Module) -> None:
+        self.prior = model.is_gradient_accumulation_boundary()
+
+    def after_backward(self, accel: Any, model: nn.Module, window: int) -> None:
+        assert accel.micro_step is not None
+        self.inside = (accel.sync_gradients, accel.micro_step.size)
+        self.set_inside.append(model.is_gradient_accumulation_boundary() == self.inside[0])
+
+    def after_block(self, accel: Any, model: nn.Module) -> None:
+        boundary, size = self.inside
+        self.after_block_sync.append(accel.sync_gradients == boundary)
+        self.restored.append(model.is_gradient_accumulation_boundary() == self.prior)
+        if boundary:  # the window's truth, taken inside the block
+            self.window_sizes.append(size)
+
+    def finish(self, accel: Any, model: nn.Module, scheduler: Any) -> dict[str, Any]:
+        return {"sync_kept_after_block": all(self.after_block_sync),
+                "flag_set_inside": all(self.set_inside), "flag_restored": all(self.restored),
+                "window_sizes": self.window_sizes}
+
+
+def step_after_block(*, stage: int, steps: int, loop: Loop, policy: str = "auto") -> dict[str, Any]:
     """The loop with clip / optimizer.step() / scheduler.step() / zero_grad() AFTER the
-    accumulate block: ``accel.sync_gradients`` keeps the last micro-step's decision there."""
+    accumulate block (``Loop(calls="after_block")``): ``accel.sync_gradients`` keeps the
+    last micro-step's decision there."""
     accel = Accelerator(backend="deepspeed", gradient_accumulation_steps=steps, sync_policy=policy,
                         seed=0, deepspeed_config=ds_config(stage))
-    model = make_model()
-    opt = make_optimizer(model.parameters(), optimizer, lr)
-    sched = make_scheduler(opt)
-    loader = DataLoader(Indexed(samples), batch_size=micro_batch, shuffle=True)
-    model, opt, loader, sched = accel.prepare(model, opt, loader, sched)
-    windows: list[list[list[int]]] = []
-    current: list[list[int]] = []
-    sizes: list[int] = []
-    norms: list[float] = []
-    after_block_sync: list[bool] = []
-    set_inside: list[bool] = []  # the engine's boundary flag is gradsync's decision in the block
-    restored: list[bool] = []  # and back to its prior value after it
-    for _ in range(epochs):
-        for x, y, idx in loader:
-            prior = model.is_gradient_accumulation_boundary()
-            with accel.accumulate(model):
-                accel.backward(F.mse_loss(model(x), y))
-                current.append([int(i) for i in idx])
-                assert accel.micro_step is not None
-                boundary, size = accel.sync_gradients, accel.micro_step.size
-                set_inside.append(model.is_gradient_accumulation_boundary() == boundary)
-            after_block_sync.append(accel.sync_gradients == boundary)
-            restored.append(model.is_gradient_accumulation_boundary() == prior)
-            if clip is not None:
-                norm = accel.clip_grad_norm_(model.parameters(), clip)
-                if norm is not None:
-                    norms.append(float(norm))
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            if boundary:  # the window's truth, taken inside the block
-                sizes.append(size)
-                windows.append(current)
-                current = []
-    return {"state": to_lists(accel.get_state_dict(model)), "windows": windows, "sizes": sizes,
-            "norms": norms, "optimizer_steps": accel.optimizer_steps,
-            "scheduler_last_epoch": int(sched.last_epoch), "policy": accel.sync_policy,
-            "sync_kept_after_block": all(after_block_sync), "flag_set_inside": all(set_inside),
-            "flag_restored": all(restored)}
+    return train(accel, replace(loop, calls="after_block"), probe=BoundaryFlag())
 
 
 def _expect_error(fn: Any) -> str:

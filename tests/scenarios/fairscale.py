@@ -1,4 +1,5 @@
-"""fairscale (ShardedDataParallel + OSS) scenarios, run by mp_worker.py in one 2-rank gloo group."""
+"""fairscale (ShardedDataParallel + OSS) scenarios, run by mp_worker.py in one 2-rank gloo group
+(fairscale is imported where a scenario needs it: the module imports without it)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
-from fairscale.optim import OSS
 from torch.utils.data import DataLoader
 
 from gradsync import Accelerator
 
-from scenarios.common import Indexed, _Dropped, make_model, make_optimizer, train
+from scenarios.common import Dropped, Indexed, Loop, make_model, make_optimizer, train
 
 #: fairscale_kwargs that turn ShardedDataParallel's reduce buckets off: each gradient is then
 #: reduced on its own and dropped (set to None) on the ranks that do not own it.
@@ -26,10 +25,10 @@ def _accel(steps: int, policy: str = "auto", buckets: bool = True, **options: An
                        seed=0, audit=True, **options)
 
 
-def train_fs(*, steps: int, policy: str = "auto", buckets: bool = True,
-             mixed_precision: str = "no", **kwargs: Any) -> dict[str, Any]:
+def train_fs(*, steps: int, loop: Loop, policy: str = "auto", buckets: bool = True,
+             mixed_precision: str = "no") -> dict[str, Any]:
     accel = _accel(steps, policy, buckets, mixed_precision=mixed_precision)
-    out = train(accel, **kwargs)
+    out = train(accel, loop)
     out["reason"] = accel.sync_policy_reason
     return out
 
@@ -44,11 +43,11 @@ def _lists(value: Any) -> Any:
     return value
 
 
-def optimizer_state(*, steps: int, **kwargs: Any) -> dict[str, Any]:
+def optimizer_state(*, steps: int, loop: Loop) -> dict[str, Any]:
     """Train, then read the consolidated optimizer state (on every rank), load it into a
     fresh OSS and read that back."""
     accel = _accel(steps)
-    out = train(accel, **kwargs)
+    out = train(accel, loop)
     full = accel.optimizer.state_dict()
     opt = accel.optimizer.optimizer
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
@@ -57,7 +56,7 @@ def optimizer_state(*, steps: int, **kwargs: Any) -> dict[str, Any]:
     out["lr"] = full["param_groups"][0]["lr"]
     fresh = _accel(steps)
     model = make_model(1)
-    _, opt2 = fresh.prepare(model, make_optimizer(model.parameters(), kwargs.get("optimizer", "sgd"), 0.5))
+    _, opt2 = fresh.prepare(model, make_optimizer(model.parameters(), loop.optimizer, 0.5))
     opt2.load_state_dict(full)
     out["intact_after_load"] = len(full["state"]) == len(out["consolidated"]) and all(full["state"].values())
     out["reloaded"] = _lists(opt2.state_dict()["state"])
@@ -67,6 +66,9 @@ def optimizer_state(*, steps: int, **kwargs: Any) -> dict[str, Any]:
 
 def misuse() -> dict[str, str]:
     """Each misuse raises a clear error; returns the messages, prefixed with the error type."""
+    from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
+    from fairscale.optim import OSS
+
     messages: dict[str, str] = {}
 
     def catch(key: str, fn: Any) -> None:
@@ -119,7 +121,7 @@ def grads_stay_in_buckets(*, steps: int) -> dict[str, Any]:
     the loop), every bucketed gradient is still a view of ShardedDataParallel's reduce
     bucket: zeroing in place kept them there."""
     accel = _accel(steps)
-    out = train(accel, samples=40, micro_batch=2, epochs=1)  # windows of 4, 4, 2
+    out = train(accel, Loop(samples=40, micro_batch=2, epochs=1))  # windows of 4, 4, 2
     model = accel._prepared.models[-1]
     bucket_storages = {b.buffer.untyped_storage().data_ptr() for b in model._bucket_list}
     out["bucketed"] = sum(model._should_bucket_grad)
@@ -145,19 +147,19 @@ class _FailingBackward(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         _FailingBackward.calls += 1
         if _FailingBackward.calls == _FailingBackward.fail_at:
-            raise _Dropped
+            raise Dropped
         return grad
 
 
-def drop_in_backward(*, steps: int, fail_at: int, policy: str = "auto", buckets: bool = True,
-                     **kwargs: Any) -> dict[str, Any]:
+def drop_in_backward(*, steps: int, fail_at: int, loop: Loop, policy: str = "auto",
+                     buckets: bool = True) -> dict[str, Any]:
     """The backward of the ``fail_at``-th micro-step raises half-way (after the head's and the
     blocks' gradients, before the input layer's), on every rank: a window whose reduction
     was only partly issued is dropped."""
     _FailingBackward.calls, _FailingBackward.fail_at = 0, fail_at
     model = make_model()
     model.inp.register_forward_hook(lambda module, args, out: _FailingBackward.apply(out))
-    return train(_accel(steps, policy, buckets), model=model, **kwargs)
+    return train(_accel(steps, policy, buckets), loop, model=model)
 
 
 def abort_clears_the_window(*, buckets: bool) -> dict[str, Any]:

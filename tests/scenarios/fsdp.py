@@ -13,7 +13,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
 from gradsync import Accelerator
 
-from scenarios.common import Block, captured_log, make_model, make_optimizer, train
+from scenarios.common import Block, Loop, captured_log, make_model, make_optimizer, train
 
 
 def _accel(steps: int, policy: str = "auto", **options: Any) -> Accelerator:
@@ -49,15 +49,14 @@ def grad_bytes(model: nn.Module) -> dict[str, int]:
     return {"unsharded": unsharded, "sharded": sharded}
 
 
-def train_fsdp(*, steps: int, policy: str = "auto", mixed_precision: str | None = None,
-               budget: int | None = None, reshard: bool | None = None, wrap: Any = None,
-               keep: bool | None = None, sync_budget: int | None = None,
-               **kwargs: Any) -> dict[str, Any]:
+def train_fsdp(*, steps: int | str, loop: Loop, policy: str = "auto", mixed_precision: str | None = None,
+               budget: int | None = None, reshard: bool | None = None, wrap: list[str] | None = None,
+               keep: bool | None = None, sync_budget: int | None = None) -> dict[str, Any]:
     accel = _accel(steps, policy, mixed_precision=mixed_precision, fsdp_memory_budget=budget,
                    fsdp_reshard_after_backward=reshard, fsdp_wrap=wrap,
                    fsdp_keep_params_in_window=keep, sync_memory_budget=sync_budget)
     model = make_model()
-    out = train(accel, model=model, **kwargs)
+    out = train(accel, loop, model=model)
     out["units"] = _units(model)
     out["reason"] = accel.sync_policy_reason
     out["flags_after"] = flags(model)  # FSDP's own flags once training is over
@@ -78,11 +77,11 @@ def _unsharded_groups(model: nn.Module) -> int:
                for g in m._get_fsdp_state()._fsdp_param_groups if g.is_unsharded)
 
 
-def train_wrap_callable(*, steps: int, **kwargs: Any) -> dict[str, Any]:
+def train_wrap_callable(*, steps: int, loop: Loop) -> dict[str, Any]:
     """fsdp_wrap as a callable: shard only the Block modules (plus the root)."""
     accel = _accel(steps, "defer", fsdp_wrap=lambda m: isinstance(m, Block))
     model = make_model()
-    out = train(accel, model=model, **kwargs)
+    out = train(accel, loop, model=model)
     out["units"] = _units(model)
     return out
 
@@ -168,11 +167,11 @@ def restores_state() -> dict[str, Any]:
     return seen
 
 
-def train_fsdp1(*, steps: int, policy: str = "defer", **kwargs: Any) -> dict[str, Any]:
+def train_fsdp1(*, steps: int, loop: Loop, policy: str = "defer") -> dict[str, Any]:
     """A model the user wrapped in FSDP1 is deferred through its no_sync()."""
     accel = _accel(steps, policy)
     model = FSDP1(make_model(), device_id=torch.device("cpu"))
-    out = train(accel, model=model, **kwargs)
+    out = train(accel, loop, model=model)
     out["reason"] = accel.sync_policy_reason
     return out
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from gradsync import Accelerator, audit
 
-from scenarios.common import train
+from scenarios.common import Loop, train
 
 
 def setup_process_group() -> None:
@@ -17,7 +17,7 @@ def setup_process_group() -> None:
     dist.init_process_group(audit.AUDIT_BACKEND["cuda"], timeout=timedelta(seconds=180))
 
 
-def train_ddp_cuda(*, steps: int, **kwargs: Any) -> dict[str, Any]:
+def train_ddp_cuda(*, steps: int, loop: Loop) -> dict[str, Any]:
     accel = Accelerator(backend="ddp", gradient_accumulation_steps=steps, seed=0, audit=True)
     assert accel.device.type == "cuda", accel.device
-    return train(accel, **kwargs)
+    return train(accel, loop)

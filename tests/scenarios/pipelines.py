@@ -112,20 +112,6 @@ def unused(*, find_unused: bool, steps: int = 4, samples: int = 40, micro_batch:
             "find_unused": bool(getattr(model, "find_unused_parameters", False))}
 
 
-def unused_reference(rank_results: list[dict[str, Any]], *, samples: int = 40) -> dict[str, Any]:
-    """One process on the same windows (the side head in the same micro-batches)."""
-    data = Indexed(samples)
-    model = make_branchy()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for w in range(len(rank_results[0]["windows"])):
-        micro = [mb for r in rank_results for mb in r["windows"][w]]
-        opt.zero_grad()
-        loss = sum(F.mse_loss(model(data.x[mb[:-1]], side=mb[-1] == -1), data.y[mb[:-1]]) for mb in micro)
-        (loss / len(micro)).backward()
-        opt.step()
-    return {"state": to_lists(model.state_dict())}
-
-
 # -- data pipelines -----------------------------------------------------------------------
 class Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor, int]]):
     """A stream of ``n`` samples (every rank reads all of it), sized."""

@@ -41,7 +41,7 @@ def _accel(backend: str, steps: int, **options: Any) -> Accelerator:
 
 
 def lm(*, backend: str, reduction: str, steps: int = 4, epochs: int = 2,
-       change_steps_at: list[int] | None = None, **options: Any) -> dict[str, Any]:
+       change_steps_at: tuple[int, int] | None = None, **options: Any) -> dict[str, Any]:
     """The fine-tuning loop of examples/causal_lm.py with each reduction; returns what the
     parent compares with one process: the sample ids per micro-step, the window item counts,
     the logged global token mean, the final weights and the audit."""

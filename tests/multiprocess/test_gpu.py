@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import run_scenarios
-from scenarios.common import max_diff, reference
+from harness import Scenario, run_scenarios
+from harness.checks import max_diff, reference
+from scenarios import gpu
+from scenarios.common import Loop
 
 pytestmark = pytest.mark.gpu
 
@@ -18,14 +20,14 @@ def test_single_backend_on_cuda_matches_the_cpu_reference(clean_env):
 
     accel = Accelerator(backend="single", gradient_accumulation_steps=4, seed=0)
     assert accel.device.type == "cuda"
-    r = train(accel, samples=22, micro_batch=2)
+    r = train(accel, Loop(samples=22, micro_batch=2))
     assert max_diff(r["state"], reference([r], samples=22)["state"]) < 1e-4
 
 
 def test_ddp_over_nccl_defers_and_matches():
     nproc = min(2, torch.cuda.device_count())
-    results = run_scenarios("scenarios.gpu", {
-        "k4": {"fn": "train_ddp_cuda", "steps": 4, "samples": 44, "micro_batch": 2},
+    results = run_scenarios({
+        "k4": Scenario(gpu.train_ddp_cuda, steps=4, loop=Loop(samples=44, micro_batch=2)),
     }, nproc=nproc)
     ranks = results["k4"]
     ref = reference(ranks, samples=44)

@@ -6,29 +6,27 @@ from __future__ import annotations
 
 import pytest
 
-from harness import run_scenarios
-from scenarios.common import assert_matches_one_process, max_diff
-from scenarios.pipelines import unused_reference
-
-pytestmark = pytest.mark.multiprocess
+from harness import Scenario, run_scenarios
+from harness.checks import assert_matches_one_process, max_diff, unused_reference
+from scenarios import pipelines
 
 SCENARIOS = {
-    "check_correct": {"fn": "self_check", "loop": "correct"},
-    "check_correct_fsdp": {"fn": "self_check", "loop": "correct", "backend": "fsdp"},
-    "check_forward_outside": {"fn": "self_check", "loop": "forward_outside"},
-    "check_own_no_sync": {"fn": "self_check", "loop": "own_no_sync"},
-    "iterable45": {"fn": "loader_run", "kind": "iterable", "samples": 45, "micro_batch": 4},
-    "weighted": {"fn": "loader_run", "kind": "weighted", "samples": 20, "micro_batch": 3},
-    "bucketing": {"fn": "loader_run", "kind": "bucketing", "samples": 30, "micro_batch": 4},
-    "unused_flag": {"fn": "unused", "find_unused": True},
+    "check_correct": Scenario(pipelines.self_check, loop="correct"),
+    "check_correct_fsdp": Scenario(pipelines.self_check, loop="correct", backend="fsdp"),
+    "check_forward_outside": Scenario(pipelines.self_check, loop="forward_outside"),
+    "check_own_no_sync": Scenario(pipelines.self_check, loop="own_no_sync"),
+    "iterable45": Scenario(pipelines.loader_run, kind="iterable", samples=45, micro_batch=4),
+    "weighted": Scenario(pipelines.loader_run, kind="weighted", samples=20, micro_batch=3),
+    "bucketing": Scenario(pipelines.loader_run, kind="bucketing", samples=30, micro_batch=4),
+    "unused_flag": Scenario(pipelines.unused, find_unused=True),
     # last: the model whose reduction never finished is left behind
-    "unused_no_flag": {"fn": "unused", "find_unused": False},
+    "unused_no_flag": Scenario(pipelines.unused, find_unused=False),
 }
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_scenarios("scenarios.pipelines", SCENARIOS)
+    return run_scenarios(SCENARIOS)
 
 
 @pytest.mark.parametrize("name", ["check_correct", "check_correct_fsdp"])

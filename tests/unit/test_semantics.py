@@ -19,7 +19,8 @@ from torch.utils.data.distributed import DistributedSampler
 from gradsync import Accelerator
 from gradsync.data import BatchShard, shard_dataloader
 
-from scenarios.common import Indexed, make_model, max_diff, reference, train
+from harness.checks import max_diff, reference
+from scenarios.common import Indexed, Loop, make_model, train
 
 
 def accel(**kwargs) -> Accelerator:
@@ -44,7 +45,7 @@ def window_grad(model, batches) -> list[torch.Tensor]:
 
 
 def test_calls_after_the_block_step_only_at_the_boundary(clean_env):
-    r = train(accel(gradient_accumulation_steps=4), samples=22, micro_batch=2, after_block=True)
+    r = train(accel(gradient_accumulation_steps=4), Loop(samples=22, micro_batch=2, calls="after_block"))
     assert r["optimizer_steps"] == len(r["windows"]) == 6  # 11 batches per epoch: 4, 4, 3
     assert max_diff(r["state"], reference([r], samples=22)["state"]) < 1e-6
 

@@ -2,47 +2,49 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from harness import run_scenarios
-from scenarios.common import (
-    DROPS,
+from harness import Scenario, run_scenarios
+from harness.checks import (
     assert_dropped_window_leaks_nothing,
     assert_export_is_the_gathered_model,
     assert_matches_one_process,
     max_diff,
     reference,
 )
-
-pytestmark = pytest.mark.multiprocess
+from scenarios import ddp
+from scenarios.common import DROPS, Loop
 
 SAMPLES = 44  # 22 per rank, 11 micro-batches of 2: not a multiple of 3 or 4
 MICRO = 2
+RUN = Loop(samples=SAMPLES, micro_batch=MICRO)
+
+
+def _train(steps: int | str, loop: Loop = RUN, policy: str = "auto") -> Scenario:
+    return Scenario(ddp.train_ddp, steps=steps, loop=loop, policy=policy)
+
+
 SCENARIOS = {
-    "export": {"fn": "export_model"},
-    **{f"k{k}": {"fn": "train_ddp", "steps": k, "samples": SAMPLES, "micro_batch": MICRO} for k in (1, 3, 4)},
-    "k4_adam_clip": {"fn": "train_ddp", "steps": 4, "samples": SAMPLES, "micro_batch": MICRO,
-                     "optimizer": "adam", "lr": 0.01, "clip": 0.5},
-    "k4_zero_grad_first": {"fn": "train_ddp", "steps": 4, "samples": SAMPLES, "micro_batch": MICRO,
-                           "zero_grad_first": True},
-    "k4_to_3": {"fn": "train_ddp", "steps": 4, "samples": SAMPLES, "micro_batch": MICRO,
-                "change_steps_at": [2, 3]},
-    "k4_every_step": {"fn": "train_ddp", "steps": 4, "policy": "every_step", "samples": SAMPLES,
-                      "micro_batch": MICRO},
-    "k4_after_block": {"fn": "train_ddp", "steps": 4, "samples": SAMPLES, "micro_batch": MICRO,
-                       "after_block": True},
-    **{f"drop_{how}_{p}": {"fn": "train_ddp", "steps": 4, "policy": p, "samples": SAMPLES,
-                           "micro_batch": MICRO, **kw}
+    "export": Scenario(ddp.export_model),
+    **{f"k{k}": _train(k) for k in (1, 3, 4)},
+    "k4_adam_clip": _train(4, replace(RUN, optimizer="adam", lr=0.01, clip=0.5)),
+    "k4_zero_grad_first": _train(4, replace(RUN, calls="zero_grad_first")),
+    "k4_to_3": _train(4, replace(RUN, change_steps_at=(2, 3))),
+    "k4_every_step": _train(4, policy="every_step"),
+    "k4_after_block": _train(4, replace(RUN, calls="after_block")),
+    **{f"drop_{how}_{p}": _train(4, replace(RUN, **kw), policy=p)
        for how, kw in DROPS.items() for p in ("defer", "every_step")},
-    "schedule": {"fn": "train_ddp", "steps": "0:2 2:4", "samples": SAMPLES, "micro_batch": MICRO},
-    "misuse": {"fn": "misuse"},
-    "sharding": {"fn": "sharding", "samples": 45, "micro_batch": 2},
+    "schedule": _train("0:2 2:4"),
+    "misuse": Scenario(ddp.misuse),
+    "sharding": Scenario(ddp.sharding, samples=45, micro_batch=2),
 }
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_scenarios("scenarios.ddp", SCENARIOS)
+    return run_scenarios(SCENARIOS)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +94,7 @@ def test_scheduler_steps_once_per_optimizer_step(results, name):
     for r in results[name]:
         assert r["scheduler_last_epoch"] == r["optimizer_steps"] == len(r["windows"])
         assert r["scheduler_calls"] == sum(r["sizes"])  # called every micro-step, stepped per window
-        assert r["lrs"] == pytest.approx([SCENARIOS[name].get("lr", 0.05) / (1 + s) for s in range(1, r["optimizer_steps"] + 1)])
+        assert r["lrs"] == pytest.approx([SCENARIOS[name].params["loop"].lr / (1 + s) for s in range(1, r["optimizer_steps"] + 1)])
 
 
 def _after(records, windows):

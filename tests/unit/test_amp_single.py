@@ -12,8 +12,9 @@ from gradsync.backends import _amp
 from gradsync.backends._deepspeed_config import fill_precision
 from gradsync.config import load_config
 
+from harness.checks import max_diff, reference
 from scenarios.amp import saved_bytes
-from scenarios.common import Indexed, make_model, max_diff, reference, to_lists, train
+from scenarios.common import Indexed, Loop, make_model, to_lists, train
 
 DATA = Indexed(32)
 K = 4
@@ -182,7 +183,7 @@ def test_activation_checkpointing_changes_nothing_and_keeps_less(clean_env, kind
     for name, ac in (("plain", None), ("checkpointed", spec)):
         accel = Accelerator(backend="single", gradient_accumulation_steps=4, seed=0,
                             activation_checkpointing=ac)
-        runs[name] = train(accel, samples=22, micro_batch=2)
+        runs[name] = train(accel, Loop(samples=22, micro_batch=2))
         model = accel.prepare(make_model())
         with accel.accumulate(model):
             runs[name]["saved"], loss = saved_bytes(lambda m=model: F.mse_loss(m(DATA.x[:2]), DATA.y[:2]))

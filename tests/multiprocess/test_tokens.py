@@ -11,32 +11,33 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import run_scenarios
-from scenarios.common import max_diff, to_lists
+from harness import Scenario, run_scenarios
+from harness.checks import max_diff
+from scenarios.common import to_lists
 
-pytestmark = pytest.mark.multiprocess
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 causal_lm = pytest.importorskip("causal_lm")
 preference = pytest.importorskip("preference")
 pytest.importorskip("transformers")
 
+from scenarios import tokens  # noqa: E402  (it imports the examples above)
+
 SAMPLES, LR = 44, 0.05
 LM = {
-    **{f"{b}_{r}": {"fn": "lm", "backend": b, "reduction": r}
+    **{f"{b}_{r}": Scenario(tokens.lm, backend=b, reduction=r)
        for b in ("ddp", "fsdp", "deepspeed") for r in ("sum", "normalized")},
-    "ddp_mean": {"fn": "lm", "backend": "ddp", "reduction": "mean"},
-    "ddp_sum_k4_to_3": {"fn": "lm", "backend": "ddp", "reduction": "sum", "change_steps_at": [2, 3]},
-    "fsdp_sum_every_step": {"fn": "lm", "backend": "fsdp", "reduction": "sum", "sync_policy": "every_step"},
-    "deepspeed_sum_defer": {"fn": "lm", "backend": "deepspeed", "reduction": "sum", "sync_policy": "defer"},
-    **{f"deepspeed{s}_sum": {"fn": "lm", "backend": "deepspeed", "reduction": "sum", "stage": s}
+    "ddp_mean": Scenario(tokens.lm, backend="ddp", reduction="mean"),
+    "ddp_sum_k4_to_3": Scenario(tokens.lm, backend="ddp", reduction="sum", change_steps_at=(2, 3)),
+    "fsdp_sum_every_step": Scenario(tokens.lm, backend="fsdp", reduction="sum", sync_policy="every_step"),
+    "deepspeed_sum_defer": Scenario(tokens.lm, backend="deepspeed", reduction="sum", sync_policy="defer"),
+    **{f"deepspeed{s}_sum": Scenario(tokens.lm, backend="deepspeed", reduction="sum", stage=s)
        for s in (0, 1, 3)},
 }
 SCENARIOS = {
     **LM,
-    "metrics": {"fn": "metrics"},
-    **{f"dpo_{b}": {"fn": "dpo", "backend": b} for b in ("ddp", "fsdp", "deepspeed")},
-    "misuse": {"fn": "misuse"},
+    "metrics": Scenario(tokens.metrics),
+    **{f"dpo_{b}": Scenario(tokens.dpo, backend=b) for b in ("ddp", "fsdp", "deepspeed")},
+    "misuse": Scenario(tokens.misuse),
 }
 TOKEN_WEIGHTED = [n for n in LM if not n.endswith("mean")]
 
@@ -44,7 +45,7 @@ TOKEN_WEIGHTED = [n for n in LM if not n.endswith("mean")]
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("deepspeed")
-    return run_scenarios("scenarios.tokens", SCENARIOS, env={"DS_ACCELERATOR": "cpu"})
+    return run_scenarios(SCENARIOS, env={"DS_ACCELERATOR": "cpu"})
 
 
 def token_reference(ranks):

@@ -10,7 +10,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from gradsync import Accelerator, ConfigError
 from gradsync.wrappers import PreparedScheduler
 
-from scenarios.common import Indexed, make_model, max_diff, reference, train
+from harness.checks import max_diff, reference
+from scenarios.common import Indexed, Loop, make_model, train
 
 
 def accel(clean_env, **kwargs) -> Accelerator:
@@ -19,7 +20,7 @@ def accel(clean_env, **kwargs) -> Accelerator:
 
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_equivalence_with_plain_training(clean_env, k):
-    r = train(accel(clean_env, gradient_accumulation_steps=k), samples=22, micro_batch=2)
+    r = train(accel(clean_env, gradient_accumulation_steps=k), Loop(samples=22, micro_batch=2))
     ref = reference([r], samples=22)
     assert max_diff(r["state"], ref["state"]) < 1e-6
     per_epoch = [k] * (11 // k) + ([11 % k] if 11 % k else [])
@@ -29,7 +30,7 @@ def test_equivalence_with_plain_training(clean_env, k):
 
 def test_partial_window_is_weighted_by_its_own_size(clean_env):
     """Scaling the last 3 micro-batches of a k=4 window by 1/4 would shrink that update."""
-    r = train(accel(clean_env, gradient_accumulation_steps=4), samples=14, micro_batch=2, epochs=1, shuffle=False)
+    r = train(accel(clean_env, gradient_accumulation_steps=4), Loop(samples=14, micro_batch=2, epochs=1, shuffle=False))
     assert r["sizes"] == [4, 3]
     ref = reference([r], samples=14)
     assert max_diff(r["state"], ref["state"]) < 1e-6

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from harness import run_scenarios
-from scenarios.common import (
-    DROPS,
+from harness import Scenario, run_scenarios
+from harness.checks import (
     assert_clipping_matches_one_process,
     assert_dropped_window_leaks_nothing,
     assert_export_is_the_gathered_model,
@@ -14,8 +15,8 @@ from scenarios.common import (
     max_diff,
     reference,
 )
-
-pytestmark = pytest.mark.multiprocess
+from scenarios import fsdp
+from scenarios.common import DROPS, Loop
 
 SAMPLES = 44  # 22 per rank, 11 micro-batches of 2: windows of 4, 4 and a partial 3
 MICRO = 2
@@ -25,46 +26,48 @@ GRAD_BYTES = 705 * 4  # the model's fp32 gradients
 # after backward, reshard after forward]; the root never reshards after forward.
 FSDP_DEFAULT_FLAGS = [[True, True, False], [True, True, True], [True, True, True]]
 BF16_TOLERANCE = 2e-3  # max abs parameter diff, bf16 vs fp32, 6 steps; measured 2.0e-4 (docs/fsdp.md)
-RUN = {"samples": SAMPLES, "micro_batch": MICRO}
+RUN = Loop(samples=SAMPLES, micro_batch=MICRO)
+ADAM_CLIP = replace(RUN, optimizer="adam", lr=0.01, clip=0.5)
+
+
+def _train(steps: int | str, loop: Loop = RUN, **options) -> Scenario:
+    return Scenario(fsdp.train_fsdp, steps=steps, loop=loop, **options)
+
+
 SCENARIOS = {
-    "export": {"fn": "export_model"},
-    **{f"k{k}_{p}": {"fn": "train_fsdp", "steps": k, "policy": p, **RUN}
-       for k in (1, 4) for p in ("defer", "every_step")},
-    "k4_auto": {"fn": "train_fsdp", "steps": 4, "policy": "auto", **RUN},
+    "export": Scenario(fsdp.export_model),
+    **{f"k{k}_{p}": _train(k, policy=p) for k in (1, 4) for p in ("defer", "every_step")},
+    "k4_auto": _train(4, policy="auto"),
     # no policy given, a budget that fits gradients and parameters: both kept for the window
-    "k4_auto_fits_all": {"fn": "train_fsdp", "steps": 4, "sync_budget": FITS, **RUN},
+    "k4_auto_fits_all": _train(4, sync_budget=FITS),
     # a budget between the two: the gradients are deferred, the parameters resharded
-    "k4_auto_fits_grads": {"fn": "train_fsdp", "steps": 4, "sync_budget": 2000, **RUN},
-    "k4_keep_explicit": {"fn": "train_fsdp", "steps": 4, "policy": "defer", "keep": True, **RUN},
-    "k4_keep_adam_clip": {"fn": "train_fsdp", "steps": 4, "keep": True, "sync_budget": FITS,
-                          "optimizer": "adam", "lr": 0.01, "clip": 0.5, **RUN},
-    "k4_keep_bf16": {"fn": "train_fsdp", "steps": 4, "policy": "defer", "keep": True,
-                     "mixed_precision": "bf16", **RUN},
-    "restores_state_keep": {"fn": "restores_state_keep"},
-    "drop_kept_window": {"fn": "drop_kept_window"},
-    "k4_keep_params": {"fn": "train_fsdp", "steps": 4, "policy": "defer", "reshard": False, **RUN},
-    "k4_adam_clip": {"fn": "train_fsdp", "steps": 4, "policy": "defer", "optimizer": "adam",
-                     "lr": 0.01, "clip": 0.5, **RUN},
-    "k4_every_step_adam_clip": {"fn": "train_fsdp", "steps": 4, "policy": "every_step",
-                                "optimizer": "adam", "lr": 0.01, "clip": 0.5, **RUN},
-    "k4_bf16": {"fn": "train_fsdp", "steps": 4, "policy": "defer", "mixed_precision": "bf16", **RUN},
-    "wrap_linear": {"fn": "train_fsdp", "steps": 4, "policy": "defer", "wrap": ["Linear"], **RUN},
-    "wrap_callable": {"fn": "train_wrap_callable", "steps": 4, **RUN},
-    "memory_defer": {"fn": "memory", "policy": "defer"},
-    "memory_every_step": {"fn": "memory", "policy": "every_step"},
-    "memory_auto_small": {"fn": "memory", "policy": "auto", "budget": 1},
-    "memory_auto_large": {"fn": "memory", "policy": "auto", "budget": 10**9},
-    "restores_state": {"fn": "restores_state"},
-    "fsdp1_k4": {"fn": "train_fsdp1", "steps": 4, **RUN},
-    **{f"drop_{how}_{p}": {"fn": "train_fsdp", "steps": 4, "policy": p, **RUN, **kw}
+    "k4_auto_fits_grads": _train(4, sync_budget=2000),
+    "k4_keep_explicit": _train(4, policy="defer", keep=True),
+    "k4_keep_adam_clip": _train(4, ADAM_CLIP, keep=True, sync_budget=FITS),
+    "k4_keep_bf16": _train(4, policy="defer", keep=True, mixed_precision="bf16"),
+    "restores_state_keep": Scenario(fsdp.restores_state_keep),
+    "drop_kept_window": Scenario(fsdp.drop_kept_window),
+    "k4_keep_params": _train(4, policy="defer", reshard=False),
+    "k4_adam_clip": _train(4, ADAM_CLIP, policy="defer"),
+    "k4_every_step_adam_clip": _train(4, ADAM_CLIP, policy="every_step"),
+    "k4_bf16": _train(4, policy="defer", mixed_precision="bf16"),
+    "wrap_linear": _train(4, policy="defer", wrap=["Linear"]),
+    "wrap_callable": Scenario(fsdp.train_wrap_callable, steps=4, loop=RUN),
+    "memory_defer": Scenario(fsdp.memory, policy="defer"),
+    "memory_every_step": Scenario(fsdp.memory, policy="every_step"),
+    "memory_auto_small": Scenario(fsdp.memory, policy="auto", budget=1),
+    "memory_auto_large": Scenario(fsdp.memory, policy="auto", budget=10**9),
+    "restores_state": Scenario(fsdp.restores_state),
+    "fsdp1_k4": Scenario(fsdp.train_fsdp1, steps=4, loop=RUN),
+    **{f"drop_{how}_{p}": _train(4, replace(RUN, **kw), policy=p)
        for how, kw in DROPS.items() for p in ("defer", "every_step")},
-    **{f"drop_{how}_keep_params": {"fn": "train_fsdp", "steps": 4, "policy": "defer",
-                                   "reshard": False, **RUN, **kw} for how, kw in DROPS.items()},
-    **{f"drop_{how}_fsdp1": {"fn": "train_fsdp1", "steps": 4, **RUN, **kw} for how, kw in DROPS.items()},
-    **{f"drop_{how}_keep_window": {"fn": "train_fsdp", "steps": 4, "sync_budget": FITS, **RUN, **kw}
+    **{f"drop_{how}_keep_params": _train(4, replace(RUN, **kw), policy="defer", reshard=False)
        for how, kw in DROPS.items()},
-    "schedule": {"fn": "train_fsdp", "steps": "0:2 2:4", "policy": "defer", **RUN},
-    "misuse": {"fn": "misuse"},
+    **{f"drop_{how}_fsdp1": Scenario(fsdp.train_fsdp1, steps=4, loop=replace(RUN, **kw))
+       for how, kw in DROPS.items()},
+    **{f"drop_{how}_keep_window": _train(4, replace(RUN, **kw), sync_budget=FITS) for how, kw in DROPS.items()},
+    "schedule": _train("0:2 2:4", policy="defer"),
+    "misuse": Scenario(fsdp.misuse),
 }
 EQUIVALENT = ["k1_defer", "k4_defer", "k1_every_step", "k4_every_step", "k4_auto",
               "k4_keep_params", "wrap_linear", "wrap_callable", "fsdp1_k4",
@@ -73,7 +76,7 @@ EQUIVALENT = ["k1_defer", "k4_defer", "k1_every_step", "k4_every_step", "k4_auto
 
 @pytest.fixture(scope="module")
 def results():
-    return run_scenarios("scenarios.fsdp", SCENARIOS)
+    return run_scenarios(SCENARIOS)
 
 
 @pytest.mark.parametrize("name", EQUIVALENT)

@@ -23,7 +23,7 @@ from scenarios.common import Indexed, make_model, make_optimizer, make_scheduler
 
 pytestmark = pytest.mark.multiprocess
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 SCRIPT = HERE / "scripts" / "resume_train.py"
 FAIL = HERE / "scripts" / "fail_rank.py"
 

@@ -16,7 +16,7 @@ import pytest
 
 from gradsync.launch import bench
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "sync_overhead.py"
 
 

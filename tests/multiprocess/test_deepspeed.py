@@ -3,71 +3,73 @@ global windows. The tests that need DeepSpeed skip where it is not installed."""
 
 from __future__ import annotations
 
-import json
-import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
-from gradsync import Accelerator, ConfigError, audit
-from gradsync.backends._deepspeed_config import fill_batch, load_ds_config
-
-from harness import run_scenarios
-from scenarios.common import (
-    DROPS,
+from harness import Scenario, run_scenarios
+from harness.checks import (
     assert_dropped_window_leaks_nothing,
     assert_export_is_the_gathered_model,
     assert_matches_one_process,
     assert_mid_window_save_refused,
-    make_model,
+    assert_one_gradient_reduction,
     max_diff,
+    reductions,
     reference,
 )
+from scenarios import deepspeed as ds
+from scenarios.common import DROPS, Loop, make_model
 
 SAMPLES = 44  # 22 per rank, 11 micro-batches of 2: not a multiple of 3 or 4
 MICRO = 2
 STAGES = (0, 1, 2, 3)
 BF16_TOL = 5e-3  # measured max |bf16 - fp32 reference|: 9.7e-4 on stages 0-3 (docs/deepspeed.md)
+RUN = Loop(samples=SAMPLES, micro_batch=MICRO)
+ADAM_CLIP = replace(RUN, optimizer="adam", lr=0.01, clip=0.5)
 
 
-def _run(stage: int, steps: int, **extra):
-    return {"fn": "train_ds", "stage": stage, "steps": steps, "samples": SAMPLES, "micro_batch": MICRO, **extra}
+def _run(stage: int, steps: int | str, loop: Loop = RUN, **options):
+    return Scenario(ds.train_ds, stage=stage, steps=steps, loop=loop, **options)
+
+
+def _after(stage: int, policy: str, loop: Loop = RUN):
+    return Scenario(ds.step_after_block, stage=stage, steps=4, policy=policy, loop=loop)
 
 
 FITS = 10**9  # a memory budget any of these tiny models fits
 SCENARIOS = {
     # ZeRO 0/1 under the default policy; ZeRO 2/3 under "native" (auto may coalesce there)
     **{f"s{s}_k{k}": _run(s, k, **({"policy": "native"} if s >= 2 else {})) for s in STAGES for k in (1, 4)},
-    **{f"s{s}_k4_to_3": _run(s, 4, change_steps_at=[2, 3]) for s in STAGES},
+    **{f"s{s}_k4_to_3": _run(s, 4, replace(RUN, change_steps_at=(2, 3))) for s in STAGES},
     **{f"s{s}_defer": _run(s, 4, policy="defer") for s in STAGES},
     **{f"s{s}_bf16": _run(s, 4, mixed_precision="bf16") for s in STAGES},
-    **{f"s{s}_clip": _run(s, 4, optimizer="adam", lr=0.01, clip=0.5) for s in STAGES},
+    **{f"s{s}_clip": _run(s, 4, ADAM_CLIP) for s in STAGES},
     "s2_every_step": _run(2, 4, policy="every_step"),
     **{f"s{s}_k4_checkpointed": _run(s, 4, checkpointing=["Block"]) for s in (0, 3)},
     "s0_k4_compiled": _run(0, 4, compile=True),
-    **{f"s{s}_{p}_after": {**_run(s, 4, policy=p), "fn": "step_after_block"}
-       for s, p in ((0, "auto"), (2, "defer"), (3, "native"), (3, "defer"))},
+    **{f"s{s}_{p}_after": _after(s, p) for s, p in ((0, "auto"), (2, "defer"), (3, "native"), (3, "defer"))},
     **{f"s{s}_auto": _run(s, 4, budget=FITS) for s in (2, 3)},
     **{f"s{s}_auto_1_byte": _run(s, 4, budget=1) for s in (2, 3)},
     "s2_auto_default_budget": _run(2, 4),
-    "s2_clip_after": {**_run(2, 4, policy="native", optimizer="adam", lr=0.01, clip=0.5),
-                      "fn": "step_after_block"},
-    "s3_zero_grad_first": _run(3, 4, zero_grad_first=True),
-    **{f"s{s}_{p}_drop_{how}": _run(s, 4, policy=p, **kw, **({"budget": FITS} if p == "auto" else {}))
+    "s2_clip_after": _after(2, "native", ADAM_CLIP),
+    "s3_zero_grad_first": _run(3, 4, replace(RUN, calls="zero_grad_first")),
+    **{f"s{s}_{p}_drop_{how}": _run(s, 4, replace(RUN, **kw), policy=p, **({"budget": FITS} if p == "auto" else {}))
        for how, kw in DROPS.items()
        for s, p in ((0, "native"), (1, "defer"), (2, "native"), (2, "defer"), (3, "native"), (3, "defer"),
                     (2, "auto"), (3, "auto"))},
     "s2_schedule": _run(2, "0:2 2:4"),
     "s2_schedule_defer": _run(2, "0:2 2:4", policy="defer"),
-    "config_errors": {"fn": "config_errors"},
-    "export_s2": {"fn": "export_model", "stage": 2},
-    "export_s3": {"fn": "export_model", "stage": 3},
-    "mid_window_save": {"fn": "mid_window_save"},
-    "clip_twice": {"fn": "clip_twice"},
-    "s0_config_optimizer": {"fn": "config_optimizer", "stage": 0},
-    "s3_config_optimizer": {"fn": "config_optimizer", "stage": 3},
+    "config_errors": Scenario(ds.config_errors),
+    "export_s2": Scenario(ds.export_model, stage=2),
+    "export_s3": Scenario(ds.export_model, stage=3),
+    "mid_window_save": Scenario(ds.mid_window_save),
+    "clip_twice": Scenario(ds.clip_twice),
+    "s0_config_optimizer": Scenario(ds.config_optimizer, stage=0),
+    "s3_config_optimizer": Scenario(ds.config_optimizer, stage=3),
 }
-EQUIV = [n for n in SCENARIOS if n.startswith("s") and SCENARIOS[n]["fn"] == "train_ds"
+EQUIV = [n for n in SCENARIOS if n.startswith("s") and SCENARIOS[n].fn is ds.train_ds
          and "bf16" not in n and "clip" not in n and "drop" not in n and "schedule" not in n]
 DROPPED = [n for n in SCENARIOS if "_drop_" in n]
 
@@ -75,17 +77,14 @@ DROPPED = [n for n in SCENARIOS if "_drop_" in n]
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("deepspeed")
-    return run_scenarios("scenarios.deepspeed", SCENARIOS, env={"DS_ACCELERATOR": "cpu"})
+    return run_scenarios(SCENARIOS, env={"DS_ACCELERATOR": "cpu"})
 
 
-# -- multi-process ---------------------------------------------------------------------
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", EQUIV)
 def test_equivalence_with_one_process(results, name):
     assert_matches_one_process(results[name], samples=SAMPLES)
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["s2_schedule", "s2_schedule_defer"])
 def test_an_accumulation_schedule_equals_one_process(results, name):
     ranks = results[name]
@@ -93,7 +92,6 @@ def test_an_accumulation_schedule_equals_one_process(results, name):
     assert_matches_one_process(ranks, samples=SAMPLES)
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 3])
 def test_activation_checkpointing_changes_no_result(results, stage):
     for plain, checkpointed in zip(results[f"s{stage}_k4"], results[f"s{stage}_k4_checkpointed"]):
@@ -101,23 +99,20 @@ def test_activation_checkpointing_changes_no_result(results, stage):
         assert max_diff(plain["state"], checkpointed["state"]) < 1e-6
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", DROPPED)
 def test_a_dropped_window_leaks_nothing(results, name):
     assert_dropped_window_leaks_nothing(results[name], samples=SAMPLES)
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", STAGES)
 def test_partial_last_window_and_schedule_change(results, stage):
     assert results[f"s{stage}_k4"][0]["sizes"] == [4, 4, 3] * 2
     assert results[f"s{stage}_k4_to_3"][0]["sizes"] == [4, 4, 3, 3, 3, 3, 2]
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["s0_k4", "s2_k4", "s3_k4_to_3", "s1_clip", "s3_clip"])
 def test_scheduler_steps_once_per_optimizer_step(results, name):
-    lr = SCENARIOS[name].get("lr", 0.05)
+    lr = SCENARIOS[name].params["loop"].lr
     for r in results[name]:
         assert r["scheduler_last_epoch"] == r["optimizer_steps"] == len(r["windows"])
         assert r["scheduler_calls"] == sum(r["sizes"])
@@ -134,15 +129,6 @@ def _grad_bytes(state):
     return 4 * sum(count(v) for v in state.values())
 
 
-SCALAR_BYTES = 64  # a reduction this small is a scalar (norm, overflow flag), not gradients
-SCALAR_SLACK = 256  # all the scalar reductions of one boundary together stay below this
-
-
-def _reductions(ops):
-    return [nbytes for op, nbytes in ops if op in audit.REDUCTIONS]
-
-
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["s0_k4", "s1_k4", "s0_defer", "s1_defer", "s2_defer", "s3_defer"])
 def test_no_gradient_reduction_off_the_boundary(results, name):
     for r in results[name]:
@@ -152,64 +138,38 @@ def test_no_gradient_reduction_off_the_boundary(results, name):
         assert any(not rec["boundary"] for rec in records)
         for rec, ops in zip(records, r["audit_ops"]):
             if rec["boundary"]:
-                print(name, "boundary reductions (bytes):", _reductions(ops), "gradients:", grad_bytes)
+                print(name, "boundary reductions (bytes):", reductions(ops), "gradients:", grad_bytes)
                 assert_one_gradient_reduction(ops, grad_bytes)
-                assert rec["reduction_bytes"] == sum(_reductions(ops))
+                assert rec["reduction_bytes"] == sum(reductions(ops))
             else:
                 assert rec["reductions"] == 0, rec
     assert results[name][0]["policy"] == ("native" if name.endswith("_k4") else "defer")
 
 
-def assert_one_gradient_reduction(ops, grad_bytes):
-    """Exactly one gradient-sized reduction carrying all the gradients; the rest are scalars."""
-    sizes = _reductions(ops)
-    gradient_sized = [b for b in sizes if b > SCALAR_BYTES]
-    assert len(gradient_sized) == 1, f"want one reduction of the gradients, got {gradient_sized}"
-    assert grad_bytes <= gradient_sized[0] <= grad_bytes + SCALAR_SLACK, (gradient_sized, grad_bytes)
-    assert sum(sizes) <= grad_bytes + SCALAR_SLACK, (sizes, grad_bytes)
-
-
-@pytest.mark.parametrize(("ops", "ok"), [
-    ([("allreduce", 2820), ("allreduce", 4), ("allgather", 2820)], True),
-    ([("allreduce", 2820), ("allreduce", 2820)], False),  # two full reductions
-    ([("reduce_scatter", 1410), ("reduce_scatter", 1410)], False),  # the gradients in two halves
-    ([("allreduce", 4)], False),  # no gradient reduction
-])
-def test_one_gradient_reduction_check_rejects_two(ops, ok):
-    if ok:
-        assert_one_gradient_reduction(ops, 2820)
-    else:
-        with pytest.raises(AssertionError):
-            assert_one_gradient_reduction(ops, 2820)
-
-
 AFTER = [n for n in SCENARIOS if n.endswith("_after")]
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", AFTER)
 def test_step_after_the_block_applies_at_boundaries_only(results, name):
     """clip / optimizer.step() / scheduler.step() / zero_grad() after the with-block: applied
     at each boundary only, and the same parameters as one process."""
-    ranks, params = results[name], SCENARIOS[name]
-    ref = reference(ranks, samples=SAMPLES, optimizer=params.get("optimizer", "sgd"),
-                    lr=params.get("lr", 0.05), clip=params.get("clip"))
+    ranks, loop = results[name], SCENARIOS[name].params["loop"]
+    ref = reference(ranks, samples=SAMPLES, optimizer=loop.optimizer, lr=loop.lr, clip=loop.clip)
     for r in ranks:
         assert r["sync_kept_after_block"], "accel.sync_gradients after the block must be the last micro-step's"
         assert r["flag_set_inside"], "the engine's boundary flag must be gradsync's decision inside the block"
         assert r["flag_restored"], "accumulate() must put the engine's boundary flag back on exit"
-        assert r["sizes"] == [4, 4, 3] * 2
+        assert r["sizes"] == r["window_sizes"] == [4, 4, 3] * 2  # counted, and as the block saw them
         assert r["optimizer_steps"] == r["scheduler_last_epoch"] == len(r["windows"]) == 6
         assert max_diff(r["state"], ref["state"]) < 1e-5
-        if params.get("clip") is not None:
-            assert max(ref["norms"]) > params["clip"], "the scenario must actually clip"
+        if loop.clip is not None:
+            assert max(ref["norms"]) > loop.clip, "the scenario must actually clip"
             assert len(r["norms"]) == len(ref["norms"])
             assert max(abs(a - b) for a, b in zip(r["norms"], ref["norms"])) < 1e-5
     assert max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
     assert ranks[0]["policy"] == ("defer" if "defer" in name else "native")
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["s2_k4", "s3_k4", "s2_every_step"])
 def test_zero_2_3_native_reduce_every_micro_step(results, name):
     for r in results[name]:
@@ -221,7 +181,6 @@ def test_zero_2_3_native_reduce_every_micro_step(results, name):
     assert results[name][0]["policy"] == ("every_step" if "every" in name else "native")
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [2, 3])
 def test_auto_coalesces_zero_2_3_when_the_gradients_fit_the_budget(results, stage):
     """No policy given, a budget that fits: no gradient collective off the boundary, one
@@ -239,7 +198,6 @@ def test_auto_coalesces_zero_2_3_when_the_gradients_fit_the_budget(results, stag
                 assert rec["reductions"] == 0, rec
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [2, 3])
 def test_auto_stays_native_when_the_budget_is_too_small_and_says_so(results, stage):
     for r in results[f"s{stage}_auto_1_byte"]:
@@ -251,7 +209,6 @@ def test_auto_stays_native_when_the_budget_is_too_small_and_says_so(results, sta
             assert rec["reductions"] >= 1, rec  # native ZeRO 2/3: every micro-step
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["s2_auto", "s3_auto_1_byte", "s2_auto_default_budget", "s0_k4"])
 def test_the_decision_is_logged_once_on_rank_0(results, name):
     rank0, rank1 = results[name]
@@ -259,37 +216,12 @@ def test_the_decision_is_logged_once_on_rank_0(results, name):
     assert rank0["logged"] == [f"gradsync deepspeed: sync_policy {rank0['reason']}"]
 
 
-@pytest.mark.multiprocess
 def test_auto_without_a_budget_takes_a_share_of_the_free_memory(results):
     for r in results["s2_auto_default_budget"]:
         assert r["policy"] == "defer", r["reason"]
         assert "25% of available RAM / 2 local rank(s), min over ranks" in r["reason"]
 
 
-class BF16_Optimizer:  # named as DeepSpeed's wrapper, which cannot coalesce
-    pass
-
-
-@pytest.mark.parametrize("stage", [2, 3])
-def test_auto_stays_native_where_deepspeed_cannot_coalesce(stage):
-    """An optimizer wrapper without DeepSpeed's coalescing hook: native, and the reason names
-    it (decided before any collective, so no process group is needed)."""
-    from gradsync.backends import _deepspeed_policy
-
-    class Engine:
-        optimizer = BF16_Optimizer()
-
-        def coalesce_grad_reduction(self):  # pragma: no cover - never entered
-            raise NotImplementedError
-
-    policy, reason, _ = _deepspeed_policy.decide(Engine(), stage, (None, "sync_memory_budget"),
-                                                 torch.device("cpu"), "0.19.8")
-    assert policy == "native"
-    assert reason.startswith(f"auto -> native: ZeRO {stage} reduces on every micro-step")
-    assert "deepspeed 0.19.8 cannot coalesce the reduction for its BF16_Optimizer" in reason
-
-
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", STAGES)
 def test_clipping_returns_the_global_norm(results, stage):
     ranks = results[f"s{stage}_clip"]
@@ -301,13 +233,10 @@ def test_clipping_returns_the_global_norm(results, stage):
         assert max_diff(r["state"], ref["state"]) < 1e-5
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", STAGES)
 def test_bf16_within_tolerance(results, stage):
-    from scenarios.deepspeed import CastIO
-
     ranks = results[f"s{stage}_bf16"]
-    ref = reference(ranks, samples=SAMPLES, model=CastIO(make_model()))
+    ref = reference(ranks, samples=SAMPLES, model=ds.CastIO(make_model()))
     diffs = [max_diff(r["state"], ref["state"]) for r in ranks]
     print(f"bf16 stage {stage}: max diff vs fp32 reference {max(diffs):.2e}")
     assert max(diffs) < BF16_TOL
@@ -319,7 +248,6 @@ def test_bf16_within_tolerance(results, stage):
     assert max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
 
 
-@pytest.mark.multiprocess
 def test_contradicting_config_fails_before_training(results):
     for m in results["config_errors"]:
         assert m["gas"].startswith("ConfigError")
@@ -331,14 +259,12 @@ def test_contradicting_config_fails_before_training(results):
         assert m["auto_ok"] == "no error"
 
 
-@pytest.mark.multiprocess
 def test_clip_value_is_set_once(results):
     for m in results["clip_twice"]:
         assert float(m["first"]) > 0
         assert m["second"].startswith("ConfigError") and "0.5" in m["second"] and "2.0" in m["second"]
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 3])
 def test_config_optimizer_section(results, stage):
     for r in results[f"s{stage}_config_optimizer"]:
@@ -346,49 +272,6 @@ def test_config_optimizer_section(results, stage):
         assert r["basic"] == "FusedAdam" or "Adam" in r["basic"]
 
 
-# -- in-process, no group -----------------------------------------------------------------
-def test_fill_batch_fills_absent_and_auto():
-    ds = fill_batch({"gradient_accumulation_steps": "auto"}, micro=2, steps=4, world=2)
-    assert ds == {"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 2, "train_batch_size": 16}
-
-
-@pytest.mark.parametrize(("key", "value", "ours"), [
-    ("gradient_accumulation_steps", 8, 4), ("train_batch_size", 32, 16), ("train_micro_batch_size_per_gpu", 4, 2),
-])
-def test_fill_batch_names_both_values(key, value, ours):
-    with pytest.raises(ConfigError) as err:
-        fill_batch({key: value}, micro=2, steps=4, world=2)
-    assert f"{key}={value}" in str(err.value) and f"{key}={ours}" in str(err.value)
-
-
-def test_fill_batch_needs_the_micro_batch():
-    with pytest.raises(ConfigError, match="micro_batch_size"):
-        fill_batch({}, micro=None, steps=4, world=2)
-
-
-def test_config_from_dict_path_and_json(tmp_path):
-    cfg = {"zero_optimization": {"stage": 2}}
-    (tmp_path / "ds.json").write_text(json.dumps(cfg))
-    (tmp_path / "ds.yaml").write_text("zero_optimization:\n  stage: 2\n")
-    assert load_ds_config(cfg) == cfg
-    assert load_ds_config(str(tmp_path / "ds.json")) == cfg
-    assert load_ds_config(tmp_path / "ds.json") == cfg
-    assert load_ds_config(str(tmp_path / "ds.yaml")) == cfg
-    assert load_ds_config(json.dumps(cfg)) == cfg
-    with pytest.raises(ConfigError, match="neither an existing file nor JSON"):
-        load_ds_config("nope.json")
-
-
-def test_missing_deepspeed_says_how_to_install(monkeypatch, clean_env):
-    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
-    with pytest.raises(ImportError) as err:
-        Accelerator(backend="deepspeed")
-    message = str(err.value)
-    assert "\n" not in message
-    assert "pip install 'gradsync[deepspeed]'" in message
-
-
-@pytest.mark.multiprocess
 def test_the_self_check_stays_silent(results):
     """Every loop here is a correct one: the deferral self-check must not warn."""
     assert "gradsync self-check" not in results.log

@@ -3,17 +3,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from harness import run_scenarios
-from scenarios.amp import reference_amp
-from scenarios.common import assert_matches_one_process, max_diff, reference
-
-pytestmark = pytest.mark.multiprocess
+from harness import Scenario, run_scenarios
+from harness.checks import assert_matches_one_process, max_diff, reference, reference_amp
+from scenarios import amp
+from scenarios.common import Loop
 
 SAMPLES = 44  # 22 per rank, 11 micro-batches of 2: windows of 4, 4 and a partial 3
 MICRO = 2
-RUN = {"samples": SAMPLES, "micro_batch": MICRO}
+RUN = Loop(samples=SAMPLES, micro_batch=MICRO)
 BACKENDS = ("ddp", "fsdp")
 #: fp16 vs one process under the same autocast and GradScaler (docs/amp.md): the fp16
 #: forward and backward are the same per micro-batch; what differs is the order in which
@@ -23,23 +24,23 @@ FP16_TOLERANCE = 1e-5
 BF16_TOLERANCE = 2e-3
 POISON = 2  # the window (0-based) that overflows on rank 1 only
 SCENARIOS = {
-    **{f"{b}_fp16": {"fn": "train_amp", "backend": b, "steps": 4, **RUN} for b in BACKENDS},
-    **{f"{b}_fp16_adam_clip": {"fn": "train_amp", "backend": b, "steps": 4, "optimizer": "adam",
-                               "lr": 0.01, "clip": 0.5, "clip_value": 0.02, **RUN} for b in BACKENDS},
-    "fsdp_fp16_every_step": {"fn": "train_amp", "backend": "fsdp", "steps": 4,
-                             "policy": "every_step", **RUN},
-    **{f"{b}_fp16_{how}": {"fn": "train_amp", "backend": b, "steps": 4, f"{how}_window": POISON,
-                           **RUN} for b, how in (("ddp", "spike"), ("fsdp", "spike"), ("fsdp", "poison"))},
-    "ddp_bf16": {"fn": "train_amp", "backend": "ddp", "steps": 4, "mixed_precision": "bf16", **RUN},
-    **{f"{b}_ac_{name}": {"fn": "train_checkpointed", "backend": b, "steps": 4, "checkpointing": ac,
-                          **RUN} for b in BACKENDS for name, ac in (("none", None), ("block", ["Block"]))},
-    **{f"{b}_errors": {"fn": "errors", "backend": b} for b in BACKENDS},
+    **{f"{b}_fp16": Scenario(amp.train_amp, backend=b, steps=4, loop=RUN) for b in BACKENDS},
+    **{f"{b}_fp16_adam_clip": Scenario(amp.train_amp, backend=b, steps=4,
+                                       loop=replace(RUN, optimizer="adam", lr=0.01, clip=0.5, clip_value=0.02))
+       for b in BACKENDS},
+    "fsdp_fp16_every_step": Scenario(amp.train_amp, backend="fsdp", steps=4, policy="every_step", loop=RUN),
+    **{f"{b}_fp16_{how}": Scenario(amp.train_amp, backend=b, steps=4, loop=RUN, **{f"{how}_window": POISON})
+       for b, how in (("ddp", "spike"), ("fsdp", "spike"), ("fsdp", "poison"))},
+    "ddp_bf16": Scenario(amp.train_amp, backend="ddp", steps=4, mixed_precision="bf16", loop=RUN),
+    **{f"{b}_ac_{name}": Scenario(amp.train_checkpointed, backend=b, steps=4, checkpointing=ac, loop=RUN)
+       for b in BACKENDS for name, ac in (("none", None), ("block", ["Block"]))},
+    **{f"{b}_errors": Scenario(amp.errors, backend=b) for b in BACKENDS},
 }
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_scenarios("scenarios.amp", SCENARIOS)
+    return run_scenarios(SCENARIOS)
 
 
 def _off_boundary_reductions(records):
@@ -89,7 +90,7 @@ def test_an_overflow_on_one_rank_skips_one_step_on_both(results, backend, how):
         assert r["scales"][POISON] == r["scales"][POISON - 1] / 2 == 32768.0
         assert r["scales"] == ref["scales"]
         assert r["scaler_state"]["scale"] == 32768.0
-        assert r["lrs"] == pytest.approx([0.05 / 6])
+        assert r["last_lrs"] == pytest.approx([0.05 / 6])
         assert max_diff(r["state"], ref["state"]) < FP16_TOLERANCE  # training went on
     assert max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
 

@@ -15,7 +15,8 @@ from gradsync import Accelerator, ConfigError
 from gradsync.accumulation import Window
 from gradsync.schedule import RampUp, StepKeyed, parse
 
-from scenarios.common import Indexed, make_model, max_diff, reference, to_lists, train
+from harness.checks import max_diff, reference
+from scenarios.common import Indexed, Loop, make_model, to_lists, train
 
 
 def sizes_of(window: Window, micro_steps: int) -> list[int]:
@@ -91,7 +92,7 @@ def test_accelerator_reports_the_current_k_and_trains_like_one_process(clean_env
             seen.append(a.gradient_accumulation_steps)
             return self.net(x)
 
-    r = train(a, samples=22, micro_batch=2, model=Watch())
+    r = train(a, Loop(samples=22, micro_batch=2), model=Watch())
     assert r["sizes"] == [2, 2, 4, 3, 4, 4, 3]
     assert seen[:4] == [2, 2, 2, 2] and seen[4] == 4
     r["state"] = {k.removeprefix("net."): v for k, v in r["state"].items()}
@@ -104,7 +105,7 @@ def test_planned_optimizer_steps_match_the_run(clean_env):
     assert a.planned_optimizer_steps(2) == 7  # 11 batches per epoch: 2, 2, 4, 3 | 4, 4, 3
     assert a.planned_optimizer_steps(3) == 10
     r = train(Accelerator(backend="single", seed=0, gradient_accumulation_steps="0:2 2:4"),
-              samples=22, micro_batch=2, epochs=3)
+              Loop(samples=22, micro_batch=2, epochs=3))
     assert r["optimizer_steps"] == len(r["windows"]) == 10
     with pytest.raises(RuntimeError, match="needs a prepared dataloader"):
         Accelerator(backend="single").planned_optimizer_steps(1)
@@ -130,7 +131,7 @@ def test_a_scheduler_built_for_another_length_warns_once_with_both_numbers(clean
 def test_windows_run_across_epochs_without_sync_with_dataloader(clean_env, caplog):
     a = Accelerator(backend="single", seed=0, gradient_accumulation_steps=4, sync_with_dataloader=False)
     with caplog.at_level(logging.WARNING, logger="gradsync"):
-        r = train(a, samples=22, micro_batch=2, epochs=2)
+        r = train(a, Loop(samples=22, micro_batch=2, epochs=2))
     assert r["sizes"] == [4] * 5  # 22 batches: five full windows, two left in an open window
     assert "dropping" not in caplog.text
     assert max_diff(r["state"], reference([r], samples=22)["state"]) < 1e-6

@@ -4,8 +4,6 @@ measurements on this machine (docs/img/sync_overhead.json)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ from gradsync import ConfigError
 from gradsync.estimate import Cluster, estimate
 from gradsync.launch.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "docs" / "img" / "sync_overhead.json"
 G = 1e9
 
@@ -86,13 +84,3 @@ def test_plan_estimate_prints_the_table(capsys):
     assert ddp[0][3] == "220.50" and ddp[1][2] == "27.56"  # 8 x 2(63/64) x 14 GB, and 1 x
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--bandwidth", "46", "--latency-us", "25", "--compute-ms", "1"], "needs the model size: give --params"),
-    (["--params", "1e9"], "needs --bandwidth, --latency-us, --compute-ms"),
-])
-def test_plan_estimate_errors_are_one_line(args, message):
-    proc = subprocess.run([sys.executable, "-m", "gradsync", "plan", "--gradient-accumulation-steps", "4",
-                           "--estimate", *args], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("gradsync: error: --estimate") and message in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1

@@ -77,7 +77,7 @@ def test_single_tensor_collectives_of_the_wrapped_group():
 
 def test_nccl_options_timeout():
     if not hasattr(dist, "ProcessGroupNCCL"):
-        pytest.skip("this torch has no NCCL (CPU build); tests/test_gpu.py covers it on GPUs")
+        pytest.skip("this torch has no NCCL (CPU build); tests/multiprocess/test_gpu.py covers it on GPUs")
     opts = dist.ProcessGroupNCCL.Options()
     _torch_compat.set_nccl_timeout(opts, timedelta(seconds=7))
     assert opts._timeout == timedelta(seconds=7)

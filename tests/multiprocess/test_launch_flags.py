@@ -13,7 +13,7 @@ import pytest
 
 from gradsync.launch import LaunchConfig, Launcher
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "report_rank.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "report_rank.py"
 
 
 def gradsync(*args: str) -> subprocess.CompletedProcess[str]:

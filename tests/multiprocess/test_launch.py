@@ -13,7 +13,7 @@ import pytest
 
 from gradsync.launch import LaunchConfig, Launcher
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "report_rank.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "report_rank.py"
 
 
 def gradsync(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -238,7 +238,7 @@ def test_the_launcher_sets_omp_threads_for_the_workers_when_unset(monkeypatch):
     assert launcher.thread_env() == {}
 
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 
 
 @pytest.mark.multiprocess
@@ -276,7 +276,7 @@ def test_the_example_checkpoints_in_the_background_and_resumes(tmp_path):
 def test_numpy_is_a_base_dependency():
     """torch warns at import ("Failed to initialize NumPy") where numpy is missing."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     names = [d.split(">")[0].split("=")[0].split("<")[0].strip() for d in pyproject["project"]["dependencies"]]
     assert "numpy" in names
 

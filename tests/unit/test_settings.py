@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import os
 import re
 import types
 import typing
@@ -23,7 +22,7 @@ from gradsync.launch.cli import build_parser, launch_config
 from gradsync.launch.torchrun import LaunchConfig, Launcher
 from gradsync.settings import CORE_SETTINGS, LAUNCH_SETTINGS, SETTINGS, reference_markdown
 
-SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "report_rank.py")
+SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "report_rank.py")
 NONE = type(None)
 # Values a setting's type allows but its check refuses are replaced here (a backend must exist).
 VALID = {"backend": "ddp"}
@@ -181,13 +180,3 @@ def test_accelerator_signature_and_docstring_list_every_core_setting():
             assert f"``{s.name}``" in options, f"Accelerator's docstring does not name the {s.backend} option {s.name} under **options"
 
 
-def test_settings_and_the_launcher_import_without_torch():
-    import subprocess
-    import sys
-
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import gradsync.settings, gradsync.config, gradsync.launch.cli, gradsync.launch.torchrun\n"
-            "print(gradsync.settings.reference_markdown()[:10])")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")})
-    assert proc.returncode == 0, proc.stderr

@@ -1,5 +1,6 @@
-"""What the package promises before any training starts: the command line and ``import
-gradsync`` need no torch, and the installed package carries its type information."""
+"""What the package promises before any training starts: the command line, the settings and
+``import gradsync`` need no torch (each checked in a fresh interpreter), the command line's
+errors are one line, and the installed package carries its type information."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train.py"
 
 # Run the CLI in a fresh interpreter where `import torch` fails, as on a machine without it.
@@ -120,3 +121,24 @@ def test_plan_shows_a_schedule_and_flags_rows_that_do_not_fit(tmp_path):
     assert proc.returncode == 2
     assert "| 1 | 2 | 2 | 4 | 8 -> 64 (ramp-up over 10000 samples) | 64 -> 512 |" in proc.stdout
     assert "error: ramp-up start=64 is not a multiple of" in proc.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--bandwidth", "46", "--latency-us", "25", "--compute-ms", "1"], "needs the model size: give --params"),
+    (["--params", "1e9"], "needs --bandwidth, --latency-us, --compute-ms"),
+])
+def test_plan_estimate_errors_are_one_line(args, message):
+    proc = subprocess.run([sys.executable, "-m", "gradsync", "plan", "--gradient-accumulation-steps", "4",
+                           "--estimate", *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("gradsync: error: --estimate") and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_settings_and_the_launcher_import_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import gradsync.settings, gradsync.config, gradsync.launch.cli, gradsync.launch.torchrun\n"
+            "print(gradsync.settings.reference_markdown()[:10])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")})
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,150 @@
+"""The parent side of the multi-process tests: run scenarios in ONE real process group and hand
+back what each rank wrote.
+
+Starting a group costs seconds, so a test module launches its scenarios once (a
+module-scoped fixture) and its tests assert on the results here, in the parent
+(``harness.checks`` holds the shared assertions). A scenario is a function of a
+``scenarios.*`` module, referenced as the function itself::
+
+    SCENARIOS = {"k4": Scenario(ddp.train_ddp, steps=4, loop=Loop(samples=44, micro_batch=2))}
+    results = run_scenarios(SCENARIOS)
+
+``Scenario`` checks, when the test module is imported (so at collection), that the function
+can be found again by its module and qualified name and that the parameters bind to its
+signature; the workers (``mp_worker.py``) get the function's module and name and the
+parameters pickled, so tuples, dataclasses and the like arrive as they were given.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parents[1]  # tests/: scenarios and mp_worker.py live there
+WORKER = HERE / "mp_worker.py"
+
+
+class ScenarioError(AssertionError):
+    pass
+
+
+def reference_to(fn: Callable[..., Any]) -> tuple[str, str]:
+    """(module, qualified name) of a module-level function of a ``scenarios.*`` module, the
+    way a worker finds it again; a ``TypeError`` names what is wrong otherwise."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not callable(fn) or not module or not name:
+        raise TypeError(f"a scenario must be a function, not {fn!r}")
+    if not module.startswith("scenarios.") or "<locals>" in name or "." in name:
+        raise TypeError(f"scenario {module}.{name} must be a module-level function of a "
+                        "scenarios.* module (the workers import it by name)")
+    if getattr(importlib.import_module(module), name, None) is not fn:
+        raise TypeError(f"{module}.{name} is not that module's attribute {name!r}")
+    return module, name
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One scenario: ``fn(**params)`` on every rank; what it returns (JSON) goes to the parent."""
+
+    fn: Callable[..., Any]
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __init__(self, fn: Callable[..., Any], /, **params: Any) -> None:
+        reference_to(fn)
+        try:
+            inspect.signature(fn).bind(**params)
+        except TypeError as err:
+            raise TypeError(f"Scenario({fn.__module__}.{fn.__qualname__}, ...): {err}") from None
+        pickle.dumps(params)  # they travel pickled: fail here, not in a worker
+        object.__setattr__(self, "fn", fn)
+        object.__setattr__(self, "params", dict(params))
+
+    def with_params(self, **params: Any) -> Scenario:
+        """The same function with ``params`` added to (or replacing) the current ones."""
+        return Scenario(self.fn, **{**self.params, **params})
+
+
+class Results:
+    """results[name] -> list of per-rank dicts; raises with the worker's traceback on failure."""
+
+    def __init__(self, by_rank: list[dict[str, Any]], log: str) -> None:
+        self.by_rank = by_rank
+        self.log = log
+
+    def __getitem__(self, name: str) -> list[dict[str, Any]]:
+        out = []
+        for rank, results in enumerate(self.by_rank):
+            if name not in results:
+                raise ScenarioError(f"rank {rank} wrote no result for {name!r}; log:\n{self.log[-4000:]}")
+            entry = results[name]
+            if not entry["ok"]:
+                raise ScenarioError(f"scenario {name!r} failed on rank {rank}:\n{entry['error']}")
+            out.append(entry["result"])
+        return out
+
+    def error(self, name: str) -> list[str]:
+        """The error text each rank recorded for a scenario expected to fail."""
+        return [results[name]["error"] or "" for results in self.by_rank]
+
+
+def group_setup(scenarios: Mapping[str, Scenario]) -> Callable[[], None]:
+    """The ``setup_process_group`` the scenarios' modules define (one for all of them), or the
+    audited gloo group (``scenarios.common.audited_gloo_group``)."""
+    from scenarios.common import audited_gloo_group
+
+    setups = {getattr(sys.modules[s.fn.__module__], "setup_process_group", audited_gloo_group)
+              for s in scenarios.values()}
+    if len(setups) > 1:
+        names = sorted(f"{f.__module__}.{f.__qualname__}" for f in setups)
+        raise ValueError(f"these scenarios want different process groups ({', '.join(names)}): "
+                         "run them in separate run_scenarios calls")
+    return setups.pop() if setups else audited_gloo_group
+
+
+def run_scenarios(
+    scenarios: Mapping[str, Scenario],
+    *,
+    nproc: int = 2,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+) -> Results:
+    """Launch ``nproc`` ranks in one process group that run ``scenarios`` (name -> Scenario) in
+    order; the group is the scenarios' module's ``setup_process_group`` if it has one."""
+    for name, scenario in scenarios.items():
+        if not isinstance(scenario, Scenario):
+            raise TypeError(f"scenario {name!r} is {scenario!r}, not a Scenario")
+    setup = group_setup(scenarios)
+    out = Path(tempfile.mkdtemp(prefix="gradsync-mp-"))
+    spec = out / "scenarios.pickle"
+    spec.write_bytes(pickle.dumps({
+        "setup": (setup.__module__, setup.__qualname__),
+        "scenarios": {name: (*reference_to(s.fn), dict(s.params)) for name, s in scenarios.items()},
+    }))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", "--max-restarts=0",
+        str(WORKER), str(spec), str(out),
+    ]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    full_env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE) + os.pathsep + full_env.get("PYTHONPATH", "")})
+    full_env.update(env or {})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=HERE)
+    log = proc.stdout + proc.stderr
+    by_rank = []
+    for rank in range(nproc):
+        path = out / f"rank{rank}.json"
+        if not path.exists():
+            raise ScenarioError(f"rank {rank} wrote no results (exit {proc.returncode}); log:\n{log[-6000:]}")
+        by_rank.append(json.loads(path.read_text()))
+    # A worker may abort at exit after writing everything (seen with DeepSpeed): the files decide.
+    return Results(by_rank, log)

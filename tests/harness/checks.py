@@ -1,0 +1,189 @@
+"""Parent-side checks of the multi-process tests: the one-process references the ranks' results
+must equal, and the assertions several test modules share on what the scenarios recorded.
+
+Nothing here runs in a worker: the scenarios (``scenarios.*``) record, this module judges.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradsync import audit
+
+from scenarios.amp import poison
+from scenarios.common import Indexed, make_model, make_optimizer, make_scheduler, to_lists
+from scenarios.pipelines import make_branchy
+
+
+def reference(
+    rank_results: list[dict[str, Any]],
+    *,
+    samples: int,
+    optimizer: str = "sgd",
+    lr: float = 0.05,
+    clip: float | None = None,
+    model: nn.Module | None = None,
+) -> dict[str, Any]:
+    """One process training on the same global windows: each window's loss is the mean, over
+    ranks and micro-batches, of the micro-batch mean losses (the global sample mean when all
+    micro-batches have equal size)."""
+    data = Indexed(samples)
+    model = model if model is not None else make_model()
+    opt = make_optimizer(model.parameters(), optimizer, lr)
+    sched = make_scheduler(opt)
+    n_windows = len(rank_results[0]["windows"])
+    for r in rank_results:
+        assert len(r["windows"]) == n_windows, "ranks took different numbers of optimizer steps"
+    norms: list[float] = []
+    for w in range(n_windows):
+        micro = [mb for r in rank_results for mb in r["windows"][w]]
+        opt.zero_grad()
+        loss = sum(F.mse_loss(model(data.x[mb]), data.y[mb]) for mb in micro) / len(micro)
+        loss.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        sched.step()
+    return {"state": to_lists(model.state_dict()), "norms": norms}
+
+
+def max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(
+        float((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max()) for k in a
+    )
+
+
+def assert_matches_one_process(rank_results: list[dict[str, Any]], **reference_kwargs: Any) -> dict[str, Any]:
+    """Every rank's final parameters equal one process on the same windows (fp32, 1e-5),
+    and the ranks agree exactly; returns the reference for further checks."""
+    ref = reference(rank_results, **reference_kwargs)
+    for r in rank_results:
+        assert max_diff(r["state"], ref["state"]) < 1e-5
+    assert max_diff(rank_results[0]["state"], rank_results[1]["state"]) == 0.0
+    return ref
+
+
+def assert_dropped_window_leaks_nothing(rank_results: list[dict[str, Any]], **reference_kwargs: Any) -> None:
+    """A dropped window was really dropped mid-way (it held micro-batches), nothing of it
+    reached the parameters: they equal one process that never saw its micro-batches."""
+    for r in rank_results:
+        assert len(r["dropped"]) == 1 and len(r["dropped"][0]) >= 1, r["dropped"]
+        assert r["optimizer_steps"] == len(r["windows"]) == r["scheduler_last_epoch"]
+    assert_matches_one_process(rank_results, **reference_kwargs)
+
+
+def assert_clipping_matches_one_process(rank_results: list[dict[str, Any]], samples: int) -> None:
+    """The norms clip_grad_norm_ returned at each boundary, and the final parameters, equal one
+    process clipping the same windows (Adam, lr 0.01, max_norm 0.5), and really clipped."""
+    ref = reference(rank_results, samples=samples, optimizer="adam", lr=0.01, clip=0.5)
+    assert rank_results[0]["norms"] == rank_results[1]["norms"]
+    assert any(n > 0.5 for n in ref["norms"]), "the test must actually clip"
+    for r in rank_results:
+        assert len(r["norms"]) == len(ref["norms"]) == r["optimizer_steps"]
+        assert max(abs(a - b) for a, b in zip(r["norms"], ref["norms"])) < 1e-5
+        assert max_diff(r["state"], ref["state"]) < 1e-5
+
+
+def assert_mid_window_save_refused(rank_results: list[dict[str, Any]], backend: str) -> None:
+    """What ``mid_window_save_refused`` recorded: both kinds of save (default,
+    background=True) two micro-steps into a window are one line that says to save at a
+    boundary, on both ranks, with no folder left; at the boundary both save, the background
+    one is committed, and it loads back."""
+    for rank in rank_results:
+        for background in (False, True):
+            message = rank[f"mid_background_{background}"]
+            assert message.startswith("UsageError: save_state() inside an accumulation window is not "
+                                      f"supported with backend='{backend}'"), message
+            assert "call it at a boundary" in message and "\n" not in message
+        assert rank["left_after_refusal"] == []
+        assert [p.rsplit("/", 1)[-1] for p in rank["boundary_saves"]] == ["b-default", "b-background"]
+        assert rank["committed"].endswith("b-background")
+        assert rank["after"] == ["b-background", "b-default"]
+        assert rank["restored"] is True
+
+
+def assert_export_is_the_gathered_model(rank_results: list[dict[str, Any]]) -> None:
+    """What ``export_model`` recorded: rank 0's safetensors file equals the gathered state
+    dict, with the tied weight written once and named in the metadata."""
+    rank0 = rank_results[0]
+    assert rank0["keys"] == ["embed.weight", "mid.bias", "mid.weight"], rank0
+    assert rank0["tied"] == {"head.weight": "embed.weight"}
+    assert rank0["equal_to_gathered"] is True and rank0["trained"] is True
+    assert all(r["path_name"] == "model.safetensors" for r in rank_results)
+
+
+def reference_amp(rank_results: list[dict[str, Any]], *, samples: int, optimizer: str = "sgd",
+                  lr: float = 0.05, clip: float | None = None, clip_value: float | None = None,
+                  poison_window: int | None = None, spike_window: int | None = None, poison_rank: int = 1,
+                  grad_scaler: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One process on the same global windows under the same fp16 autocast and GradScaler:
+    each micro-batch's loss divided by the window's micro-batch count, scaled, backward;
+    at the window's end unscale, clip, step (skipped on inf/NaN), update."""
+    data = Indexed(samples)
+    model = make_model()
+    opt = make_optimizer(model.parameters(), optimizer, lr)
+    sched = make_scheduler(opt)
+    scaler = torch.amp.GradScaler("cpu", **(grad_scaler or {}))
+    skipped, scales, norms = [], [], []
+    for w in range(len(rank_results[0]["windows"])):
+        micro = [mb for r in rank_results for mb in r["windows"][w]]
+        spiked = sum(len(r["windows"][w]) for r in rank_results[:poison_rank]) + 1
+        opt.zero_grad()
+        for i, mb in enumerate(micro):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(data.x[mb]), data.y[mb])
+            loss = loss * (1e9 if w == spike_window and i == spiked else 1.0)
+            scaler.scale(loss / len(micro)).backward()
+        if w == poison_window:
+            poison(model)
+        scaler.unscale_(opt)
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.get_scale() < before)
+        if not skipped[-1]:
+            sched.step()
+        scales.append(scaler.get_scale())
+    return {"state": to_lists(model.state_dict()), "skipped": skipped, "scales": scales,
+            "norms": norms, "last_epoch": sched.last_epoch}
+
+
+def unused_reference(rank_results: list[dict[str, Any]], *, samples: int = 40) -> dict[str, Any]:
+    """One process on the same windows (the side head in the same micro-batches)."""
+    data = Indexed(samples)
+    model = make_branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for w in range(len(rank_results[0]["windows"])):
+        micro = [mb for r in rank_results for mb in r["windows"][w]]
+        opt.zero_grad()
+        loss = sum(F.mse_loss(model(data.x[mb[:-1]], side=mb[-1] == -1), data.y[mb[:-1]]) for mb in micro)
+        (loss / len(micro)).backward()
+        opt.step()
+    return {"state": to_lists(model.state_dict())}
+
+
+SCALAR_BYTES = 64  # a reduction this small is a scalar (norm, overflow flag), not gradients
+SCALAR_SLACK = 256  # all the scalar reductions of one boundary together stay below this
+
+
+def reductions(ops: list[list[Any]]) -> list[int]:
+    """The payload of each reduction among a micro-step's collectives (op, bytes)."""
+    return [nbytes for op, nbytes in ops if op in audit.REDUCTIONS]
+
+
+def assert_one_gradient_reduction(ops: list[list[Any]], grad_bytes: int) -> None:
+    """Exactly one gradient-sized reduction carrying all the gradients; the rest are scalars."""
+    sizes = reductions(ops)
+    gradient_sized = [b for b in sizes if b > SCALAR_BYTES]
+    assert len(gradient_sized) == 1, f"want one reduction of the gradients, got {gradient_sized}"
+    assert grad_bytes <= gradient_sized[0] <= grad_bytes + SCALAR_SLACK, (gradient_sized, grad_bytes)
+    assert sum(sizes) <= grad_bytes + SCALAR_SLACK, (sizes, grad_bytes)
