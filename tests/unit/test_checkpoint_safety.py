@@ -168,7 +168,16 @@ def test_the_scan_refuses_what_it_cannot_name(tmp_path):
     assert safety.refused_in_blob(buffer.getvalue(), allowed) is None
     assert safety.refused_in_blob(b"not a pickle at all", allowed) == "<not a pickle>"
     opaque = b"\x80\x04\x8c\x01a\x94K\x01\x93."  # STACK_GLOBAL over a string and an int
-    assert safety.refused_in_blob(opaque, allowed) == "<unknown>"
+    assert safety.refused_in_blob(opaque, allowed).startswith("<unreadable pickle")
+    extension = b"\x80\x02\x82\x7f."  # EXT1 127: a global from the extension registry
+    assert safety.refused_in_blob(extension, allowed).startswith("<unreadable pickle")
+
+
+def test_the_scan_reads_every_pickle_of_a_file(tmp_path):
+    """torch's legacy format holds several pickles in a row: a payload in a later one counts."""
+    data = pickle.dumps({"magic": 1}, protocol=2) + pickle.dumps(Payload(tmp_path / "m", 1), protocol=2)
+    assert safety.refused_in_blob(data, safety.allow_list().__contains__) == "payload.plant"
+    assert not (tmp_path / "m").exists()
 
 
 def test_a_refused_file_names_the_global_even_after_the_manifest_was_updated(saved, tmp_path):

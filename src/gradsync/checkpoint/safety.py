@@ -2,9 +2,9 @@
 folder, and no pickle in it can run code.
 
 A pickle runs code only through the globals it names (``GLOBAL``, ``STACK_GLOBAL``,
-``INST``, the extension registry): a function or class it then calls. The scan reads every
-pickle of the folder opcode by opcode, without executing any of it, and refuses a global
-that is not on the allow-list of the checkpoint's format: torch's own ``weights_only`` set
+``INST``, the extension registry) and its persistent ids: what it then calls. The scan reads
+every pickle of the folder with each of those replaced by an inert stand-in, so nothing from
+the file runs, and refuses a global that is not on the allow-list of the checkpoint's format: torch's own ``weights_only`` set
 (tensors, storages, dtypes, ``OrderedDict``), ``torch.distributed.checkpoint``'s metadata
 classes, and what a backend adds (DeepSpeed's enums and config classes). Pickles are found
 in plain files, in ``torch.save`` archives (their ``*.pkl`` members) and inside
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import pickletools
 import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -48,46 +47,58 @@ def allow_list(extra: frozenset[str] = frozenset()) -> frozenset[str]:
     return weights_only_globals() | extra
 
 
-_GLOBAL_OPS = {"GLOBAL", "INST"}
-_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING",
-               "BINSTRING", "STRING"}
-_GET_OPS = {"GET", "BINGET", "LONG_BINGET"}
-_PUT_OPS = {"PUT", "BINPUT", "LONG_BINPUT"}
+class _Inert:
+    """What every global of a scanned pickle becomes: it accepts whatever the pickle does
+    with it (call, ``__setstate__``, items) and does nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Inert:
+        return _Inert()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def add(self, value: Any) -> None:
+        pass
 
 
-def pickle_globals(data: bytes) -> Iterable[str]:
-    """Every global a pickle names, as ``module.name``, read without executing it. A global
-    whose name cannot be told (built from something other than two strings, or taken from
-    the extension registry) is reported as ``<unknown>``."""
-    memo: dict[int, Any] = {}
-    stack: list[Any] = []  # only as deep as needed to see STACK_GLOBAL's two operands
-    for op, arg, _ in pickletools.genops(data):
-        name = op.name
-        if name in _GLOBAL_OPS:
-            yield str(arg).replace(" ", ".", 1)
-            stack.append(None)
-        elif name == "STACK_GLOBAL":
-            top = stack.pop() if stack else None
-            below = stack.pop() if stack else None
-            if isinstance(below, str) and isinstance(top, str):
-                yield f"{below}.{top}"
-            else:
-                yield "<unknown>"
-            stack.append(None)
-        elif name in ("EXT1", "EXT2", "EXT4"):
-            yield "<unknown>"
-        elif name in _STRING_OPS:
-            stack.append(arg if isinstance(arg, str) else None)
-        elif name in _GET_OPS:
-            stack.append(memo.get(int(str(arg))))
-        elif name in _PUT_OPS:
-            memo[int(str(arg))] = stack[-1] if stack else None
-        elif name == "MEMOIZE":
-            memo[len(memo)] = stack[-1] if stack else None
-        else:
-            stack.append(None)
-        if len(stack) > 64:
-            del stack[:-8]
+class _GlobalsReader(pickle.Unpickler):
+    """Reads a pickle with every global (``GLOBAL``, ``STACK_GLOBAL``, ``INST``, the
+    extension registry: all go through ``find_class``) and every persistent id replaced by
+    an inert stand-in, recording the globals' names. Nothing from the file is ever called:
+    a pickle can call only what ``find_class`` or ``persistent_load`` hand it."""
+
+    def __init__(self, file: Any, found: list[str]) -> None:
+        super().__init__(file)
+        self._found = found
+
+    def find_class(self, module: str, name: str) -> Any:
+        self._found.append(f"{module}.{name}")
+        return _Inert
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _Inert()
+
+
+def pickle_globals(data: bytes) -> list[str]:
+    """Every global a pickle names, as ``module.name``, read without running anything from
+    it; several pickles in a row are read to the end. Bytes that are no pickle raise."""
+    found: list[str] = []
+    stream = io.BytesIO(data)
+    while stream.tell() < len(data):
+        _GlobalsReader(stream, found).load()
+    return found
 
 
 def _refused(data: bytes, allowed: Callable[[str], bool]) -> str | None:
