@@ -1,7 +1,7 @@
 """torch.compile with gradsync: compiled before prepare, compiled after it, and
 ``Accelerator(compile=True)``, on DDP and FSDP2 (one 2-rank gloo group for all of them:
-compiling is slow; on one process: unit/test_compile_single.py). Equal to one process (fp32, 1e-5), and deferral
-stays real: no gradient collective off the boundary."""
+compiling is slow; on one process: unit/test_compile_single.py). Equal to one process
+(fp32, 1e-5), and deferral stays real: no gradient collective off the boundary."""
 
 from __future__ import annotations
 
