@@ -185,3 +185,43 @@ def test_a_refused_file_names_the_global_even_after_the_manifest_was_updated(sav
     refresh_manifest(saved, "objects.pt")
     with pytest.raises(CheckpointError, match="objects.pt holds a pickle that names payload.plant"):
         safety.scan_folder(saved, ["objects.pt"], safety.allow_list().__contains__)
+
+
+# -- the second line of defence, where a backend's own loader reads the files ---------------
+def test_dcps_planner_and_reader_refuse_a_payload_on_their_own(tmp_path):
+    from gradsync.backends import _fsdp_checkpoint
+
+    buffer = io.BytesIO()
+    torch.save(Payload(tmp_path / "m", {"lr": 0.1}), buffer)
+    planner = _fsdp_checkpoint._CheckedPlanner(tmp_path, safety.allow_list().__contains__)
+
+    class Item:
+        class dest_index:
+            fqn = "optim.param_groups"
+
+    with pytest.raises(CheckpointError, match="item optim.param_groups names payload.plant"):
+        planner.load_bytes(Item(), buffer)
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Payload(tmp_path / "m", None)))
+    reader = _fsdp_checkpoint._CheckedReader(tmp_path, safety.allow_list().__contains__)
+    with pytest.raises(CheckpointError, match=r"\.metadata' names payload\.plant"):
+        reader.read_metadata()
+    assert not (tmp_path / "m").exists()
+
+
+def test_deepspeeds_checkpoint_engine_is_checked_while_it_loads(tmp_path):
+    from gradsync.backends import _deepspeed_checkpoint, _deepspeed_compat
+
+    class Engine:
+        def __init__(self) -> None:
+            self.checkpoint_engine = self  # stands in for DeepSpeed's TorchCheckpointEngine
+
+        def load(self, path: str, map_location: object = None) -> object:
+            return torch.load(path, weights_only=False)
+
+    engine, file = Engine(), tmp_path / "mp_rank_00_model_states.pt"
+    torch.save(Payload(tmp_path / "m", {"module": {}}), file)
+    inner = engine.checkpoint_engine
+    with pytest.raises(CheckpointError, match="names payload.plant"):
+        with _deepspeed_compat.checked_loads(engine, _deepspeed_checkpoint._check):
+            engine.checkpoint_engine.load(str(file))
+    assert engine.checkpoint_engine is inner and not (tmp_path / "m").exists()
