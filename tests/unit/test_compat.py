@@ -6,8 +6,8 @@ DeepSpeed's need a real engine; the 2-rank tests in test_deepspeed.py reach each
 (test_clipping_*), ``can_coalesce`` (the ``defer`` scenarios), ``full_gradient_bytes``
 (test_auto_coalesces_zero_2_3_when_the_gradients_fit_the_budget, ZeRO 2 and 3) and
 ``flat_fp32_masters`` (test_bf16_within_tolerance on stage 0). The scaler's inf check and
-``torch.compile``'s ``_orig_mod`` are reached here too, and in tests/test_amp.py and
-tests/test_compile.py.
+``torch.compile``'s ``_orig_mod`` are reached here too, and in tests/multiprocess/test_amp.py and
+tests/multiprocess/test_compile.py.
 """
 
 from __future__ import annotations

@@ -288,7 +288,7 @@ def test_bf16_and_fp16_autocast_on_single(clean_env):
     with a.accumulate(model):
         assert model(torch.randn(2, 8)).dtype == torch.bfloat16
     assert a.scaler is None
-    a = accel(mixed_precision="fp16")  # fp16 runs with a loss scaler (tests/test_amp_single.py)
+    a = accel(mixed_precision="fp16")  # fp16 runs with a loss scaler (tests/unit/test_amp_single.py)
     model = a.prepare(make_model())
     with a.accumulate(model):
         assert model(torch.randn(2, 8)).dtype == torch.float16
