@@ -62,7 +62,7 @@ def ensure_process_group(backend_name: str, *, want_audit: bool, self_check: boo
         )
     device = "cuda" if use_cuda() else "cpu"
     # The self-check's counting wrapper is the default on gloo only: over NCCL it runs when
-    # audit=True asks for the wrapper anyway (tests/test_gpu.py exercises that path).
+    # audit=True asks for the wrapper anyway (tests/multiprocess/test_gpu.py exercises that path).
     if want_audit or (self_check and device == "cpu"):
         audit.register()
         pg_backend = audit.AUDIT_BACKEND[device]

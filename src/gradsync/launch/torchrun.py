@@ -51,7 +51,7 @@ class LaunchConfig:
     no_python: bool = False
     local_ranks_filter: str | None = None
     # The settings that have a launch flag (gradsync.settings.LAUNCH_SETTINGS, with their
-    # declared types; tests/test_settings.py checks that the two agree). The workers'
+    # declared types; tests/unit/test_settings.py checks that the two agree). The workers'
     # Accelerator() reads them from GRADSYNC_* variables. None (a switch: False) means "not
     # given": the workers then take the value from the config file, or the default.
     backend: str | None = None
