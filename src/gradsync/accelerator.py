@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from gradsync import audit as audit_mod
-from gradsync import backends, dist, metrics, selfcheck
+from gradsync import backends, dist, environment, metrics, selfcheck
 from gradsync._util import check_positive_int
 from gradsync.accumulation import MicroStep, Window
 from gradsync.backends import _group
@@ -147,8 +147,14 @@ class Accelerator:
             save_on_sigterm=None if save_on_sigterm is None else os.fspath(save_on_sigterm),
             **options,
         )
+        where = environment.detect()
+        if where.problem is not None and not dist.is_distributed():
+            raise UsageError(where.problem)  # never N silent single-process runs
         world = dist.world_size()
         name = backends.resolve_auto(self.config.backend, world)
+        if name == "single" and world > 1 and not dist.is_distributed():
+            log.warning("gradsync: backend='single' while %s reports %d processes: each trains a "
+                        "model of its own; use backend='ddp' (or 'auto') to train one", where.scheduler, world)
         plan, schedule = solve_with_schedule(
             data_parallel_size=world,
             global_batch_size=self.config.global_batch_size,

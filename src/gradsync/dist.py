@@ -7,11 +7,12 @@ group exists yet it reads the launch environment.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from gradsync import environment
 
 
 def is_distributed() -> bool:
@@ -25,13 +26,13 @@ def is_multiprocess() -> bool:
 
 
 def rank_info() -> tuple[int, int, int]:
-    """(rank, world size, local rank) of this process: the group's where there is one, else
-    what the launcher's environment says (one process when it says nothing)."""
+    """(rank, world size, local rank) of this process: the group's rank and size where there is
+    one, else what the launcher or scheduler says (``gradsync.environment``: torchrun, SLURM,
+    MPI, Kubeflow; one process when nothing says otherwise)."""
+    where = environment.detect()
     if is_distributed():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    return rank, world, int(os.environ.get("LOCAL_RANK", str(rank)))
+        return dist.get_rank(), dist.get_world_size(), where.local_rank
+    return where.rank, where.world_size, where.local_rank
 
 
 def rank() -> int:

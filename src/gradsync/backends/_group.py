@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import audit
+from gradsync import audit, environment
 from gradsync.dist import is_distributed, rank_info
 from gradsync.errors import UsageError
 
@@ -30,7 +30,7 @@ def use_cuda() -> bool:
 def local_device() -> torch.device:
     """cuda:LOCAL_RANK where CUDA is present, else the CPU."""
     if use_cuda():
-        index = int(os.environ.get("LOCAL_RANK", "0"))
+        index = environment.detect().local_rank
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
@@ -52,12 +52,17 @@ def ensure_process_group(backend_name: str, *, want_audit: bool, self_check: boo
                 "cannot be counted; let gradsync create it (do not call init_process_group)"
             )
         return False
+    where = environment.detect()
+    if where.problem is not None:
+        raise UsageError(where.problem)
+    for key, value in where.process_group_variables().items():
+        os.environ.setdefault(key, value)  # what init_process_group (env://) reads
     missing = [v for v in _LAUNCH_VARS if v not in os.environ]
     if missing:
         raise UsageError(
             f"backend={backend_name!r} needs a process group, but there is none and "
             f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; launch with "
-            "`gradsync launch --nproc-per-node N script.py` (or torchrun), call "
+            "`gradsync launch --nproc-per-node N script.py` (or torchrun, srun, mpiexec), call "
             "torch.distributed.init_process_group() first, or use backend='single' for one process"
         )
     device = "cuda" if use_cuda() else "cpu"
