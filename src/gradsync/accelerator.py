@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
 
 import torch
@@ -21,7 +21,7 @@ from gradsync.backends import _group
 from gradsync.backends._amp import WindowScaler
 from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.checkpoint.export import save_model
-from gradsync.checkpoint.signals import SigtermWatch
+from gradsync.checkpoint.signals import SignalWatch, requeue, requeue_command
 from gradsync.checkpoint.state import CheckpointState
 from gradsync.config import Config, SyncPolicy, load_config
 from gradsync.data import LoaderContext, PreparedDataLoader, split_batch
@@ -83,8 +83,14 @@ class Accelerator:
             ``sync_policy="auto"`` (default: a share of the free memory).
         timeout: seconds a collective waits for the other ranks before it fails with an
             error naming the operation (``GRADSYNC_TIMEOUT``; torch's default is 30 min).
-        save_on_sigterm: a folder; on SIGTERM (preemption) every rank saves a checkpoint
-            there (``step-N``) when the next window starts, then exits with status 0.
+        save_on_sigterm: the old name of ``save_on_signal``.
+        save_on_signal: a folder; on one of ``save_signals`` (a scheduler's notice of
+            preemption) every rank saves a checkpoint there (``step-N``) when the next window
+            starts, then exits with status 0.
+        save_signals: the signals ``save_on_signal`` saves on (default SIGTERM and SIGUSR1,
+            which SLURM sends with ``--signal=USR1@90``).
+        requeue: on SLURM, requeue the job (``scontrol requeue``) after that checkpoint, so
+            that it starts again and resumes from it (a warning and no requeue elsewhere).
         config_file: a YAML (or JSON) file of settings (default: ``GRADSYNC_CONFIG``).
         **options: a backend's options: ``ddp_kwargs``, ``find_unused_parameters`` (ddp);
             ``fsdp_wrap``, ``fsdp_keep_params_in_window``, ``fsdp_reshard_after_backward``,
@@ -122,6 +128,9 @@ class Accelerator:
         sync_memory_budget: int | None = None,
         timeout: float | None = None,
         save_on_sigterm: str | os.PathLike[str] | None = None,
+        save_on_signal: str | os.PathLike[str] | None = None,
+        save_signals: str | Sequence[str] | None = None,
+        requeue: bool | None = None,
         config_file: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
@@ -144,7 +153,10 @@ class Accelerator:
             dataset_shards_itself=dataset_shards_itself,
             sync_memory_budget=sync_memory_budget,
             timeout=timeout,
-            save_on_sigterm=None if save_on_sigterm is None else os.fspath(save_on_sigterm),
+            save_on_sigterm=save_on_sigterm,
+            save_on_signal=save_on_signal,
+            save_signals=save_signals,
+            requeue=requeue,
             **options,
         )
         where = environment.detect()
@@ -204,9 +216,12 @@ class Accelerator:
                                     self._prepared, plan.data_parallel_size,
                                     self._runner.own_collective)
             self._runner.observers.append(self._count)
-        self._sigterm = SigtermWatch(self.config.save_on_sigterm)
-        if self._sigterm.enabled:
+        self._signals = SignalWatch(self.config.signal_folder(), self.config.save_signals)
+        if self._signals.enabled:
             self._runner.before_window = self._stop_if_told
+        if self.config.requeue and requeue_command() is None:
+            log.warning("gradsync: requeue=True outside a SLURM job (no SLURM_JOB_ID): the job "
+                        "will not be requeued")
 
     # -- where we are -----------------------------------------------------
     @property
@@ -705,22 +720,26 @@ class Accelerator:
 
     @property
     def stop_requested(self) -> bool:
-        """SIGTERM was received (with ``save_on_sigterm``): the job saves and exits when the
-        next window starts."""
-        return self._sigterm.received
+        """One of ``save_signals`` was received (with ``save_on_signal``): the job saves and
+        exits when the next window starts."""
+        return self._signals.received is not None
 
     def _stop_if_told(self) -> None:
-        with self._runner.own_collective(), naming_collective("the SIGTERM check", self._timeout):
-            told = dist.any_rank(self._sigterm.received, self.device)
+        received = self._signals.received
+        with self._runner.own_collective(), naming_collective("the stop-signal check", self._timeout):
+            told = dist.any_rank(received is not None, self.device)
         if not told:
             return
-        root = self.config.save_on_sigterm
+        root = self.config.signal_folder()
         assert root is not None
         path = os.path.join(root, f"step-{self.optimizer_steps}")
         with naming_collective(f"save_state({path!r})", self._timeout):
             self._state.save(path, None, pending=1)  # the batch just yielded is not trained on yet
         if self.is_main_process:
-            print(f"gradsync: SIGTERM received; saved {path}, exiting", file=sys.stderr, flush=True)
+            what = received or "a stop signal (on another rank)"
+            requeued = self.config.requeue and requeue()
+            print(f"gradsync: {what} received; saved {path}" + (", job requeued" if requeued else "")
+                  + ", exiting", file=sys.stderr, flush=True)
         self.end()
         raise SystemExit(0)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -160,10 +160,41 @@ def _check_timeout(name: str, value: Any, config: Any) -> float:
 def _check_folder(name: str, value: Any, config: Any) -> str:
     if not isinstance(value, str | os.PathLike):
         raise ConfigError(
-            f"save_on_sigterm={value!r} must be a folder path (where to save "
+            f"{name}={value!r} must be a folder path (where to save "
             "a checkpoint when the job is told to stop), or None"
         )
     return os.fspath(value)
+
+
+def _check_signal_folder(name: str, value: Any, config: Any) -> str:
+    folder = _check_folder(name, value, config)
+    old = config.save_on_sigterm
+    if old is not None and old != folder:
+        raise ConfigError(
+            f"save_on_signal={folder!r} contradicts save_on_sigterm={old!r}; save_on_sigterm is "
+            "the old name of save_on_signal: set only save_on_signal"
+        )
+    return folder
+
+
+#: The signals ``save_signals`` may name: a scheduler's notice that the job will be stopped.
+SIGNAL_NAMES = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGCONT", "SIGXCPU")
+
+
+def _check_signals(name: str, value: Any, config: Any) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, list | tuple) or not names or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{name}={value!r} must be signal names, e.g. ('SIGTERM', 'SIGUSR1')")
+    out = []
+    for raw in names:
+        signame = raw.strip().upper()
+        signame = signame if signame.startswith("SIG") else "SIG" + signame
+        if signame not in SIGNAL_NAMES:
+            raise ConfigError(
+                f"{name}: {raw!r} is not a signal gradsync saves on; use some of {', '.join(SIGNAL_NAMES)}"
+            )
+        out.append(signame)
+    return tuple(dict.fromkeys(out))
 
 
 @dataclass
@@ -223,8 +254,18 @@ class CoreSettings:
         "(None: torch's default, 30 min)", check=_check_timeout,
         hint="the seconds to wait, e.g. 600"))
     save_on_sigterm: str | None = field(default=None, metadata=setting(
-        "a folder: on SIGTERM, every rank saves a checkpoint there when the next window "
-        "starts, then exits 0", accepts=str | os.PathLike[str] | None, check=_check_folder))
+        "the old name of save_on_signal", accepts=str | os.PathLike[str] | None,
+        check=_check_folder))
+    save_on_signal: str | None = field(default=None, metadata=setting(
+        "a folder: on one of save_signals (a scheduler's notice of preemption), every rank "
+        "saves a checkpoint there (step-N) when the next window starts, then exits 0",
+        accepts=str | os.PathLike[str] | None, check=_check_signal_folder))
+    save_signals: Sequence[str] = field(default=("SIGTERM", "SIGUSR1"), metadata=setting(
+        "the signals save_on_signal saves on (SLURM sends SIGUSR1 with --signal=USR1@90)",
+        accepts=str | Sequence[str], check=_check_signals))
+    requeue: bool = field(default=False, metadata=setting(
+        "on SLURM, requeue the job (scontrol requeue) after the save_on_signal checkpoint, "
+        "so that it starts again and resumes from it"))
 
 
 # Core first: the backend options' checks may read the core settings.
@@ -244,6 +285,15 @@ class Config(FairscaleOptions, DeepSpeedOptions, FSDPOptions, DDPOptions, CoreSe
         for s in SETTINGS:
             setattr(self, s.name, s.validate(getattr(self, s.name), self))
         return self
+
+    def signal_folder(self) -> str | None:
+        """Where to save when told to stop: ``save_on_signal``, or its old name
+        ``save_on_sigterm``; None when neither is set.
+
+        Returns:
+            The folder, or None.
+        """
+        return self.save_on_signal if self.save_on_signal is not None else self.save_on_sigterm
 
     def memory_budget(self) -> tuple[int | None, str]:
         """The deferral memory budget and the setting that gave it.
