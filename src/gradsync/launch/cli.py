@@ -1,4 +1,8 @@
-"""`gradsync launch | plan | env | bench`: argument parsing only; the work is done elsewhere."""
+"""`gradsync launch | plan | env | bench`: argument parsing only; the work is done elsewhere.
+
+No parser here abbreviates (``allow_abbrev=False``): a flag is taken only as spelled, and
+whatever follows `gradsync launch`'s script name reaches the script as given.
+"""
 
 from __future__ import annotations
 
@@ -95,19 +99,27 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="gradsync", description="Gradient accumulation that is correct on every backend."
+        prog="gradsync", description="Gradient accumulation that is correct on every backend.",
+        allow_abbrev=False,
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    launch = sub.add_parser("launch", help="run a training script on N processes (torchrun)")
-    # torchrun's own flags, in both spellings (--nproc-per-node / --nproc_per_node).
-    _add(launch, "--nproc-per-node", type=_nproc, default=1, metavar="N",
-                        help="processes per node: N, auto, cpu or gpu")
-    launch.add_argument("--nnodes", type=_nnodes, default="1", metavar="N|MIN:MAX",
+    launch = sub.add_parser(
+        "launch", help="run a training script on N processes (torchrun)", allow_abbrev=False,
+        description="Under SLURM (srun --ntasks-per-node=1 gradsync launch ...) and Kubeflow "
+                    "(torchrun's PET_* variables), the flags not given come from the scheduler.")
+    # torchrun's own flags, in both spellings (--nproc-per-node / --nproc_per_node). Not given
+    # (None): from the scheduler's environment, else torchrun's default.
+    _add(launch, "--nproc-per-node", type=_nproc, default=None, metavar="N",
+                        help="processes per node: N, auto, cpu or gpu (default: SLURM_GPUS_ON_NODE "
+                             "or PET_NPROC_PER_NODE when set, else 1)")
+    launch.add_argument("--nnodes", type=_nnodes, default=None, metavar="N|MIN:MAX",
                         help="nodes: N, or MIN:MAX for an elastic job (more than one needs "
-                             "--rdzv-endpoint, or --master-addr and --master-port)")
-    _add(launch, "--node-rank", type=int, default=0, metavar="R",
-         help="this node's rank, 0 to nnodes-1 (with --master-addr)")
+                             "--rdzv-endpoint, or --master-addr and --master-port, unless the "
+                             "scheduler gives them; default: the SLURM step's nodes, PET_NNODES, or 1)")
+    _add(launch, "--node-rank", type=int, default=None, metavar="R",
+         help="this node's rank, 0 to nnodes-1 (with --master-addr; default: SLURM_NODEID, "
+              "PET_NODE_RANK, or 0)")
     _add(launch, "--master-addr", default=None, metavar="A",
          help="address of the node with node rank 0 (a static rendezvous)")
     _add(launch, "--master-port", type=int, default=None, metavar="P",
@@ -118,12 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
          help="rendezvous backend, e.g. c10d (the default with --rdzv-endpoint), static")
     _add(launch, "--rdzv-endpoint", default=None, metavar="HOST:PORT",
          help="where the nodes meet (a multi-node or elastic job)")
-    _add(launch, "--rdzv-id", default="gradsync", metavar="ID",
-         help="the job's id at the rendezvous: the same on every node")
+    _add(launch, "--rdzv-id", default=None, metavar="ID",
+         help="the job's id at the rendezvous: the same on every node (default: the "
+              "scheduler's job id; outside one, unique to this launch on one node)")
     _add(launch, "--rdzv-conf", default=None, metavar="K=V,...",
          help="more rendezvous options, passed to torchrun")
-    _add(launch, "--max-restarts", type=int, default=0, metavar="N",
-                        help="restart every worker up to N times after a failure")
+    _add(launch, "--max-restarts", type=int, default=None, metavar="N",
+                        help="restart every worker up to N times after a failure (default: "
+                             "PET_MAX_RESTARTS, or 0)")
     _add(launch, "--monitor-interval", type=float, default=None, metavar="S",
          help="seconds between torchrun's checks of the workers (> 0; default: torchrun's)")
     _add(launch, "--log-dir", default=None, metavar="DIR",
@@ -146,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("script", help="the training script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
-    plan = sub.add_parser("plan", help="derive and check the batch sizes, for one or several world sizes (--estimate: and the communication)")
+    plan = sub.add_parser("plan", help="derive and check the batch sizes, for one or several world sizes (--estimate: and the communication)",
+                          allow_abbrev=False)
     _add_setting_flags(plan, [BY_NAME[name] for name in _BATCH])
     plan.add_argument("--nproc-per-node", type=_positive_list, default=[1], metavar="N[,N...]",
                       help="processes per node; several, comma-separated, for one row each")
@@ -178,9 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--estimate-backends", default="ddp,fsdp,zero2,zero3", metavar="LIST",
                      help="comma list of ddp, fsdp, zero2, zero3")
 
-    sub.add_parser("env", help="print versions and the backends available here")
+    sub.add_parser("env", help="print versions, the backends available here and where this "
+                               "process runs (scheduler, rank and world, master)", allow_abbrev=False)
 
-    bench = sub.add_parser("bench", help="run the sync-overhead benchmark")
+    bench = sub.add_parser("bench", help="run the sync-overhead benchmark", allow_abbrev=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER,
                        help="the benchmark's own flags (--quick, --backends, --ks, --modes, "
                             "--reps, --out, ...); gradsync bench --help lists them")
@@ -203,7 +219,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         script_args=list(args.script_args),
         module=args.module,
         nproc_per_node=args.nproc_per_node,
-        nnodes=int(args.nnodes) if args.nnodes.isdigit() else args.nnodes,
+        nnodes=None if args.nnodes is None else int(args.nnodes) if args.nnodes.isdigit() else args.nnodes,
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
@@ -230,6 +246,8 @@ def _launch(args: argparse.Namespace) -> int:
     config = launch_config(args)
     launcher = Launcher(config)
     if args.dry_run:
+        for line in launcher.warnings:
+            print(f"gradsync: warning: {line}", file=sys.stderr)
         print(launcher.describe())
         return 0
     return launcher.run()
@@ -309,6 +327,10 @@ def _env() -> int:
         print("torch: not installed")
     for name in backends.available():
         print(f"backend {name}: {backends.status(name)}")
+    from gradsync import environment
+
+    print("where this process runs:")
+    print("\n".join(f"  {line}" for line in environment.detect().describe().splitlines()))
     return 0
 
 
@@ -329,9 +351,37 @@ def _unknown(parser: argparse.ArgumentParser, command: str, word: str) -> str:
         return (f"unknown flag {flag} for gradsync {command}: the setting {name} has no flag; set "
                 f"it in the config file (--config) or as {BY_NAME[name].env}")
     flags = [o for a in sub._actions if a.help != argparse.SUPPRESS for o in a.option_strings]
-    close = difflib.get_close_matches(flag.replace("_", "-"), flags, n=1, cutoff=0.6)
-    hint = f" (did you mean {close[0]}?)" if close else f"; see gradsync {command} --help"
+    prefixed = [f for f in flags if f.startswith(flag.replace("_", "-"))]  # no abbreviation
+    close = prefixed[:3] or difflib.get_close_matches(flag.replace("_", "-"), flags, n=1, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(close)}?)" if close else f"; see gradsync {command} --help"
     return f"unknown flag {flag} for gradsync {command}{hint}"
+
+
+def script_words(argv: Sequence[str], script: str, parsed: Sequence[str]) -> list[str]:
+    """The words after the script's name, exactly as given: argparse drops the first ``--``
+    among them, which ``python train.py -- x`` would pass on.
+
+    Args:
+        argv: the command line (after ``gradsync``).
+        script: the script (or module) name argparse found.
+        parsed: the script's arguments as argparse returned them.
+
+    Returns:
+        The script's arguments.
+    """
+    words, n = list(argv), len(parsed)
+    at = len(words) - n - 1
+    if at >= 0 and words[at] == script and words[at + 1:] == list(parsed):
+        return list(parsed)
+    at -= 1  # one "--" dropped
+    if at >= 0 and words[at] == script:
+        tail = words[at + 1:]
+        if "--" in tail:
+            rest = list(tail)
+            rest.remove("--")
+            if rest == list(parsed):
+                return tail
+    return list(parsed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -343,6 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench.main(argv[1:])
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    if args.command == "launch":
+        args.script_args = script_words(argv, args.script, args.script_args)
     if unknown:
         print(f"gradsync: error: {_unknown(parser, args.command, unknown[0])}", file=sys.stderr)
         return 2

@@ -1,4 +1,10 @@
-"""LaunchConfig -> torch.distributed.run argv plus the GRADSYNC_* settings of the workers.
+"""LaunchConfig -> torch.distributed.run arguments plus the GRADSYNC_* settings of the workers.
+
+The fields not given are filled in from the scheduler's environment first
+(``gradsync.launch.scheduler``: SLURM, torchrun's ``PET_*`` variables). The script's own
+arguments never go through torchrun's parser (which abbreviates: ``--max`` would match its
+``--max-restarts``): only torchrun's own flags are parsed, and the script's arguments are set
+on the result.
 
 Importing this module imports no torch backend; ``Launcher.run`` imports torch's launcher
 only when it starts the workers.
@@ -7,6 +13,7 @@ only when it starts the workers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import shlex
@@ -21,26 +28,31 @@ from gradsync._util import check_positive_int
 from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.config import ENV_PREFIX, Config, env_vars, from_yaml
 from gradsync.errors import ConfigError
-from gradsync.launch import failures
+from gradsync.launch import failures, scheduler, signals
 from gradsync.schedule import Schedule, is_schedule
 from gradsync.settings import LAUNCH_SETTINGS, AccumulationSteps, MixedPrecision, RequestedPolicy
 
 
 @dataclass
 class LaunchConfig:
-    """Everything `gradsync launch` needs; the CLI only fills it in."""
+    """Everything `gradsync launch` needs; the CLI only fills it in.
+
+    A torchrun field left None is not given: ``Launcher`` takes it from the scheduler's
+    environment (``gradsync.launch.scheduler``), else torchrun's default (one process, one
+    node, node rank 0, no restart; the rendezvous id: the job's id, else one of this launch).
+    """
 
     script: str
     script_args: list[str] = field(default_factory=list)
     module: bool = False  # run `script` as a module (python -m)
-    nproc_per_node: int | str = 1  # N, or "auto" / "cpu" / "gpu" as torchrun
-    nnodes: int | str = 1  # N, or "MIN:MAX" (elastic)
-    node_rank: int = 0
+    nproc_per_node: int | str | None = None  # N, or "auto" / "cpu" / "gpu" as torchrun
+    nnodes: int | str | None = None  # N, or "MIN:MAX" (elastic)
+    node_rank: int | None = None
     master_addr: str | None = None
     master_port: int | None = None
     rdzv_endpoint: str | None = None
-    rdzv_id: str = "gradsync"
-    max_restarts: int = 0
+    rdzv_id: str | None = None
+    max_restarts: int | None = None
     standalone: bool = False
     rdzv_backend: str | None = None
     rdzv_conf: str | None = None
@@ -67,22 +79,12 @@ class LaunchConfig:
     @property
     def node_range(self) -> tuple[int, int]:
         """(min, max) nodes; equal unless ``nnodes`` is "MIN:MAX"."""
-        text = str(self.nnodes)
-        low, _, high = text.partition(":")
-        try:
-            lo, hi = int(low), int(high or low)
-        except ValueError:
-            raise ConfigError(f"--nnodes={text!r} must be N or MIN:MAX, e.g. 1:4") from None
-        check_positive_int("--nnodes", lo)
-        check_positive_int("--nnodes", hi)
-        if lo > hi:
-            raise ConfigError(f"--nnodes={text!r}: MIN must not exceed MAX, e.g. 1:4")
-        return lo, hi
+        return scheduler.node_range(self.nnodes if self.nnodes is not None else 1)
 
     @property
     def processes_per_node(self) -> int:
         """--nproc-per-node as a number (auto: the GPUs if any, else the CPU cores)."""
-        n = self.nproc_per_node
+        n = self.nproc_per_node if self.nproc_per_node is not None else 1
         if isinstance(n, int) or (isinstance(n, str) and n.isdigit()):
             return check_positive_int("--nproc-per-node", int(n))
         if n not in ("auto", "cpu", "gpu"):
@@ -100,21 +102,43 @@ class LaunchConfig:
 
 
 class Launcher:
-    """Validates a LaunchConfig before any process starts, then runs torch.distributed.run."""
+    """Fills in a LaunchConfig from the scheduler's environment, validates it before any
+    process starts, then runs torch.distributed.run.
 
-    def __init__(self, config: LaunchConfig) -> None:
-        self.config = config
+    Args:
+        config: the launch as given.
+        environ: the variables the defaults are read from (``os.environ`` by default).
+
+    Attributes:
+        requested: the launch as given.
+        config: the launch to run, its defaults filled in.
+        environment: where this launch runs (``gradsync.environment.detect``).
+        sources: the fields derived from the environment -> where each came from.
+        warnings: lines to print before starting (e.g. more CPU ranks than SLURM's CPUs).
+    """
+
+    def __init__(self, config: LaunchConfig, environ: Mapping[str, str] | None = None) -> None:
+        self._environ = os.environ if environ is None else environ
+        self.requested = config
+        derived = scheduler.resolve(config, self._environ)
+        self.config = dataclasses.replace(config, **derived.values)
+        self.environment = derived.environment
+        self.sources = derived.sources
+        self.warnings: list[str] = []
         self._file_settings: dict[str, Any] | None = None  # the config file, read once
         self.schedule: Schedule | None = None
         self.plan = self.validate()
+        self.warnings += scheduler.cpu_warnings(self.config.processes_per_node, self._environ)
 
     def validate(self) -> BatchPlan:
         c = self.config
         nproc = c.processes_per_node
         min_nodes, max_nodes = c.node_range
-        if not 0 <= c.node_rank < max_nodes:
+        node_rank = c.node_rank or 0
+        if not 0 <= node_rank < max_nodes:
             raise ConfigError(
-                f"--node-rank={c.node_rank} must be in 0..{max_nodes - 1} for --nnodes={c.nnodes}"
+                f"--node-rank={node_rank}{self._source('node_rank')} must be in 0..{max_nodes - 1} "
+                f"for --nnodes={c.nnodes}{self._source('nnodes')}"
             )
         _check_torchrun_flags(c, max_nodes)
         if not c.module and not c.no_python:
@@ -143,8 +167,8 @@ class Launcher:
             _check_endpoint(c.rdzv_endpoint)
         if max_nodes > 1 and c.rdzv_endpoint is None and c.master_addr is None:
             raise ConfigError(
-                f"--nnodes={c.nnodes} needs --rdzv-endpoint HOST:PORT (or --master-addr and "
-                "--master-port) so the nodes can find each other"
+                f"--nnodes={c.nnodes}{self._source('nnodes')} needs --rdzv-endpoint HOST:PORT (or "
+                "--master-addr and --master-port) so the nodes can find each other"
             )
         # The same checks the workers' Config makes, on the flags and on the file apart, so
         # that a bad value stops here and the message says where it came from.
@@ -163,6 +187,10 @@ class Launcher:
                 gradient_accumulation_steps=merged.get("gradient_accumulation_steps"),
             )
         return plan
+
+    def _source(self, name: str) -> str:
+        """A suffix naming where field ``name`` came from (`` (from SLURM_NODEID=1)``), if not given."""
+        return f" (from {self.sources[name]})" if name in self.sources else ""
 
     def _given(self) -> dict[str, Any]:
         """The worker settings given on the command line (or to LaunchConfig)."""
@@ -204,11 +232,12 @@ class Launcher:
 
     def thread_env(self) -> dict[str, str]:
         """OMP_NUM_THREADS for the workers when the caller's environment does not set it: the
-        CPU cores split over this node's processes (torchrun would otherwise set 1 and warn)."""
-        if "OMP_NUM_THREADS" in os.environ:
+        CPUs this process may use (its affinity, SLURM_CPUS_PER_TASK, its cgroup's quota)
+        split over this node's processes (torchrun would otherwise set 1 and warn)."""
+        if "OMP_NUM_THREADS" in self._environ:
             return {}
-        cores = os.cpu_count() or 1
-        return {"OMP_NUM_THREADS": str(max(1, cores // self.config.processes_per_node))}
+        threads = scheduler.threads_per_process(self.config.processes_per_node, self._environ)
+        return {"OMP_NUM_THREADS": str(threads)}
 
     def _from_file(self) -> dict[str, Any]:
         if self._file_settings is None:
@@ -217,7 +246,13 @@ class Launcher:
         return dict(self._file_settings)
 
     def torchrun_argv(self) -> list[str]:
-        """The arguments of torch.distributed.run (after `python -m torch.distributed.run`)."""
+        """The arguments of torch.distributed.run (after `python -m torch.distributed.run`):
+        torchrun's own, then the script's (``run`` never parses those)."""
+        own, tail = self._torchrun_parts()
+        return own + tail
+
+    def _torchrun_parts(self) -> tuple[list[str], list[str]]:
+        """(torchrun's flags up to its training script, what follows it)."""
         c = self.config
         argv = [f"--nproc-per-node={c.nproc_per_node}", f"--nnodes={c.nnodes}"]
         if c.rdzv_endpoint is not None:
@@ -240,25 +275,29 @@ class Launcher:
             if value is not None:
                 argv.append(f"{flag}={value}")
         if c.no_python:
-            argv += ["--no-python", c.script]
-        else:
-            # Each worker runs the script through gradsync's wrapper, which records its error.
-            argv += ["-m", "gradsync.launch.worker", *(["-m"] if c.module else []), c.script]
-        return argv + list(c.script_args)
+            return [*argv, "--no-python", c.script], list(c.script_args)
+        # Each worker runs the script through gradsync's wrapper, which records its error.
+        return ([*argv, "-m", "gradsync.launch.worker"],
+                [*(["-m"] if c.module else []), c.script, *c.script_args])
 
     def run_env(self) -> dict[str, str]:
         """The variables set while torchrun runs: the workers' settings and, with restarts,
         torchrun's opt-out of its shared rendezvous store (restarted workers often hang in
         init_process_group with it: pytorch issue 135712)."""
         env = {**self.thread_env(), **self.worker_env()}
-        if self.config.max_restarts > 0:
+        if (self.config.max_restarts or 0) > 0:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         return env
 
     def describe(self) -> str:
         env = self.run_env()
         cmd = shlex.join([sys.executable, "-m", "torch.distributed.run", *self.torchrun_argv()])
-        lines = [f"command: {cmd}", f"plan: {self.plan.describe()}", "environment:"]
+        lines = [f"command: {cmd}", f"plan: {self.plan.describe()}"]
+        if self.sources:
+            lines.append(f"from {self.environment.scheduler}: " + ", ".join(
+                f"{scheduler.flag(name)}={getattr(self.config, name)} ({source})"
+                for name, source in self.sources.items()))
+        lines.append("environment:")
         lines += [f"  {k}={v}" for k, v in sorted(env.items())]
         return "\n".join(lines)
 
@@ -266,20 +305,62 @@ class Launcher:
         """Start the workers and wait; return their exit status (0 when all succeeded)."""
         try:
             from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-            from torch.distributed.run import parse_args, run
+            from torch.distributed.run import run
         except ImportError as err:
             raise ImportError(
                 f"starting the workers needs torch, which cannot be imported here ({err}); "
                 "install it: pip install torch (the project's constraints.txt pins the tested version)"
             ) from None
 
-        args = parse_args(self.torchrun_argv())
-        with _environ(self.run_env()), failures.quiet_torchrun():
+        for line in self.warnings:
+            print(f"gradsync: warning: {line}", file=sys.stderr, flush=True)
+        own, tail = self._torchrun_parts()
+        args = torchrun_namespace(own, tail)
+        with _environ(self.run_env()), failures.quiet_torchrun(), signals.forwarding():
             try:
                 run(args)
             except ChildFailedError as err:
                 return failures.report(err, sys.stderr)
         return 0
+
+
+def torchrun_namespace(own: list[str], tail: list[str]) -> Any:
+    """torch.distributed.run's arguments: ``own`` (its flags and training script) parsed by
+    its parser, with the ``PET_*`` variables gradsync already read hidden from it, then the
+    script's arguments ``tail`` set as they are.
+
+    What of torchrun this relies on (torch.distributed.run, 2.4 to 2.13): ``parse_args``,
+    the name its parser gives the training script's arguments (``training_script_args``),
+    and its reading ``PET_<FLAG>`` from the environment when its parser is built.
+
+    Args:
+        own: torchrun's flags, ending in its training script (gradsync's worker module).
+        tail: the words after it: the script and its arguments, never parsed.
+
+    Returns:
+        The namespace ``torch.distributed.run.run`` takes.
+    """
+    from torch.distributed.run import parse_args
+
+    hidden = [scheduler.pet_name(n) for n in (*scheduler.PET_FIELDS, *scheduler.PET_SWITCHES)]
+    saved = {k: os.environ.pop(k) for k in hidden if k in os.environ}
+    try:
+        args = parse_args(own)
+    finally:
+        os.environ.update(saved)
+    if not isinstance(getattr(args, "training_script_args", None), list):
+        raise RuntimeError(
+            "torch.distributed.run's arguments have no 'training_script_args' in torch "
+            f"{_torch_version()}; gradsync launch supports torch 2.4 to 2.13"
+        )
+    args.training_script_args = list(tail)
+    return args
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
 
 
 def _gpu_count() -> int:
