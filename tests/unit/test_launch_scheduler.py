@@ -56,7 +56,7 @@ def test_slurm_two_nodes_gives_nodes_rank_gpus_endpoint_and_id():
                         f"--rdzv-endpoint=gpu07:{port}", "--rdzv-id=4242"]
     assert "--standalone" not in argv
     assert launcher.sources["nnodes"] == "SLURM_STEP_NUM_NODES=2"
-    assert "from slurm: --nnodes=2 (SLURM_STEP_NUM_NODES=2)" in launcher.describe()
+    assert "from the environment (slurm): --nnodes=2 (SLURM_STEP_NUM_NODES=2)" in launcher.describe()
 
 
 def test_slurm_one_node_runs_standalone_with_the_default_processes():
@@ -152,6 +152,14 @@ def test_pet_flags_given_win_and_a_rendezvous_given_is_taken_whole():
     assert (c.nproc_per_node, c.master_addr, c.rdzv_endpoint, c.master_port) == (1, "near", None, 29411)
     assert launch({"PET_NPROC_PER_NODE": "2", "PET_NNODES": "1"}).torchrun_argv()[:3] == [
         "--nproc-per-node=2", "--nnodes=1", "--standalone"]
+
+
+def test_a_pytorchjob_pod_meets_at_torchs_master_variables():
+    env = {"PET_NPROC_PER_NODE": "2", "PET_NNODES": "2", "PET_NODE_RANK": "1", "RANK": "1",
+           "WORLD_SIZE": "2", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
+    argv = launch(env).torchrun_argv()
+    assert argv[:5] == ["--nproc-per-node=2", "--nnodes=2", "--node-rank=1",
+                        "--master-addr=job-master-0", "--master-port=23456"]
 
 
 @pytest.mark.parametrize("key, value", [("PET_NNODES", "two"), ("PET_NPROC_PER_NODE", "0"),

@@ -167,6 +167,13 @@ def resolve(config: Requested, environ: Mapping[str, str] | None = None, *,
         values["standalone"] = True
         sources["standalone"] = "PET_STANDALONE=" + env["PET_STANDALONE"]
     rendezvous_given = rendezvous_given or any(n in values for n in _RENDEZVOUS) or standalone
+    pet_nodes = pet.get("nnodes")
+    if (pet_nodes is not None and node_range(pet_nodes)[1] > 1 and not rendezvous_given
+            and where.scheduler == "torchrun" and where.master_addr is not None):
+        # A PyTorchJob pod: torch's own MASTER_ADDR / MASTER_PORT name the job's first pod.
+        take("master_addr", where.master_addr, f"MASTER_ADDR={where.master_addr}")
+        take("master_port", where.master_port, f"MASTER_PORT={where.master_port}")
+        rendezvous_given = True
 
     facts: dict[str, tuple[Any, str]] = {}  # what the scheduler states, against the flags
     if isinstance(pet.get("nnodes"), int):

@@ -294,7 +294,7 @@ class Launcher:
         cmd = shlex.join([sys.executable, "-m", "torch.distributed.run", *self.torchrun_argv()])
         lines = [f"command: {cmd}", f"plan: {self.plan.describe()}"]
         if self.sources:
-            lines.append(f"from {self.environment.scheduler}: " + ", ".join(
+            lines.append(f"from the environment ({self.environment.scheduler}): " + ", ".join(
                 f"{scheduler.flag(name)}={getattr(self.config, name)} ({source})"
                 for name, source in self.sources.items()))
         lines.append("environment:")
