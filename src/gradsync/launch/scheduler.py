@@ -186,7 +186,7 @@ def resolve(config: Requested, environ: Mapping[str, str] | None = None, *,
         if where.job_id:
             take("rdzv_id", where.job_id, f"SLURM_JOB_ID={where.job_id}")
     elif where.scheduler == "kubeflow" and where.job_id:
-        take("rdzv_id", where.job_id, "the job's name")
+        take("rdzv_id", where.job_id, "the job's id")
 
     _check_facts(config, facts)
 
@@ -270,10 +270,12 @@ def _slurm(config: Requested, env: Mapping[str, str], where: environment.Environ
     if config.standalone and nodes > 1:
         return  # _check_facts names the contradiction
     addr, port = where.master_addr, where.master_port
+    port_from = f"MASTER_PORT={port}" if env.get("MASTER_PORT") else "a port derived from the job"
     if config.master_addr is not None and config.master_port is None and port is not None:
-        take("master_port", port, "derived from the SLURM job")
+        take("master_port", port, port_from)
     elif not rendezvous_given and nodes > 1 and addr is not None and port is not None:
-        take("rdzv_endpoint", f"{addr}:{port}", "the step's first node and a port derived from the job")
+        host_from = f"MASTER_ADDR={addr}" if env.get("MASTER_ADDR") else "the step's first node"
+        take("rdzv_endpoint", f"{addr}:{port}", f"{host_from} and {port_from}")
 
 
 def _check_facts(config: Requested, facts: Mapping[str, tuple[Any, str]]) -> None:
