@@ -1,0 +1,114 @@
+"""SLURM for real: a one-node cluster on this machine (``scripts/slurm/local-cluster.sh``:
+munged, slurmctld and slurmd on localhost, 2 CPUs, no cgroups), started once for this module
+and stopped after it. Every SLURM test of the suite lives in this module, so under
+``pytest -n 2 --dist loadfile`` one worker runs them all against the one cluster.
+
+``srun -n 2 python train.py`` (one task per process, nothing else) and ``sbatch`` of the
+docs' one-node script (``srun --ntasks-per-node=1 gradsync launch --nproc-per-node 2
+train.py``) each train one 2-rank group equal to one process; ``srun -n 2 gradsync launch``
+(two launches on one node: 4 workers) is refused in one line before anything trains.
+
+Needs Debian's slurm-wlm and munge (``bash scripts/test.sh`` installs them when it runs as
+root) and root (the daemons run as root); skipped otherwise, with the reason. To run the
+tests against a cluster already started with ``local-cluster.sh``, set
+``GRADSYNC_TEST_SLURM_CONF`` to its slurm.conf: nothing is started or stopped then.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harness.cluster import TRAIN, assert_one_group_equal_to_one_process, clean_env, reports
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = ROOT / "scripts" / "slurm" / "local-cluster.sh"
+ONE_NODE = ROOT / "scripts" / "slurm" / "one-node.sbatch"  # shown in docs/clusters.md
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """SLURM_CONF of a running one-node cluster: started here unless given, stopped after."""
+    given = os.environ.get("GRADSYNC_TEST_SLURM_CONF")
+    if given:
+        yield {"SLURM_CONF": given}
+        return
+    missing = [tool for tool in ("munged", "slurmctld", "slurmd", "srun", "sbatch") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"SLURM is not installed ({', '.join(missing)} not found): `bash scripts/test.sh` "
+                    "installs Debian's slurm-wlm and munge when it runs as root (scripts/slurm/install.sh)")
+    if os.geteuid() != 0:
+        pytest.skip("the local SLURM cluster runs its daemons as root (SlurmUser=root); run the tests "
+                    "as root, or start scripts/slurm/local-cluster.sh as root and set "
+                    "GRADSYNC_TEST_SLURM_CONF to its slurm.conf")
+    folder = tmp_path_factory.mktemp("slurm")
+    started = subprocess.run(["bash", str(CLUSTER), "start", str(folder)], capture_output=True, text=True,
+                             timeout=120)
+    if started.returncode != 0:
+        logs = "\n".join(f"== {p.name}\n{p.read_text()[-2000:]}" for p in sorted((folder / "log").glob("*.log")))
+        pytest.fail(f"the local SLURM cluster did not start:\n{started.stdout}{started.stderr}\n{logs}")
+    try:
+        yield {"SLURM_CONF": str(folder / "slurm.conf")}
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "stop", str(folder)], capture_output=True, timeout=60)
+
+
+def run(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """A SLURM client command; a job left behind by a timeout is cancelled."""
+    try:
+        return subprocess.run(args, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", "--user", "root"], env=env, capture_output=True)
+        raise
+
+
+def test_srun_two_tasks_train_one_group_equal_to_one_process(slurm, tmp_path):
+    out = tmp_path / "out"
+    proc = run(["srun", "-n", "2", "--time=5", "python", str(TRAIN), str(out)], clean_env(**slurm), tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    got = assert_one_group_equal_to_one_process(out, local_ranks=[0, 1], local_main=[True, False], output=output)
+    seen = [r["environment"] for r in got]  # what each task read before the Accelerator
+    assert [(e["scheduler"], e["rank"], e["world_size"], e["local_rank"], e["local_world_size"]) for e in seen] == [
+        ("slurm", 0, 2, 0, 2), ("slurm", 1, 2, 1, 2)]
+    assert seen[0]["master_addr"] == seen[1]["master_addr"] == socket.gethostname().split(".")[0]
+    assert seen[0]["master_port"] == seen[1]["master_port"] is not None
+    assert seen[0]["job_id"] == seen[1]["job_id"] is not None and seen[0]["problem"] is None
+
+
+def test_sbatch_of_the_docs_one_node_script_trains_one_group_equal_to_one_process(slurm, tmp_path):
+    out = tmp_path / "out"
+    # The script runs `train.py` from the submission folder: here, the test's training job.
+    (tmp_path / "train.py").write_text(
+        f"import runpy, sys\nsys.argv = [{str(TRAIN)!r}, {str(out)!r}]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    text = ONE_NODE.read_text()
+    assert "srun --ntasks-per-node=1 gradsync launch --nproc-per-node 2 train.py" in text
+    proc = run(["sbatch", "--wait", "--time=5", str(ONE_NODE)], clean_env(**slurm), tmp_path)
+    logs = "".join(p.read_text() for p in tmp_path.glob("train-*.out"))
+    output = proc.stdout + proc.stderr + logs
+    assert proc.returncode == 0, output
+    got = assert_one_group_equal_to_one_process(out, local_ranks=[0, 1], local_main=[True, False], output=output)
+    # The workers were started by the launch (torchrun's variables), one node of two processes.
+    assert [(r["environment"]["scheduler"], r["environment"]["local_world_size"]) for r in got] == [
+        ("torchrun", 2), ("torchrun", 2)]
+
+
+def test_srun_of_two_launches_on_one_node_is_one_line_and_nothing_trains(slurm, tmp_path):
+    out = tmp_path / "out"
+    (tmp_path / "train.py").write_text(f"import runpy, sys\nsys.argv = [{str(TRAIN)!r}, {str(out)!r}]\n"
+                                       "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    proc = run(["srun", "-n", "2", "--time=5", "gradsync", "launch", "--nproc-per-node", "2", "train.py"],
+               clean_env(**slurm), tmp_path, timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("gradsync: error:")]
+    assert len(errors) == 2, proc.stderr  # one line from each task
+    assert all("SLURM started 2 tasks on 1 node(s)" in e and "srun --ntasks-per-node=1 gradsync launch" in e
+               for e in errors), proc.stderr
+    assert reports(out) == [] and not out.exists()
