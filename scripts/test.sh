@@ -15,6 +15,9 @@ quiet_pip install -q --upgrade pip
 # Accelerate, Transformers (the language-model tests and examples), MkDocs (the docs site).
 quiet_pip install -q -c constraints.txt -e ".[test,deepspeed,fairscale,bench,hf,docs]"
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
+# The real-SLURM tests start a one-node cluster from Debian's slurm-wlm and munge, installed
+# here when this runs as root (CI does); otherwise they are skipped, and this says why.
+echo "== SLURM"; bash scripts/slurm/install.sh
 echo "== ruff"; "$VENV/bin/ruff" check .
 echo "== mypy"; "$VENV/bin/mypy"
 echo "== docs"  # a broken link, anchor or snippet, or a page missing from the nav, fails it

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def start_each(envs: list[dict[str, str]], out: Path, cwd: Path, timeout: float = 240) -> tuple[list[int], str]:
+    """``python cluster_train.py OUT`` once per environment, all at once (what a launcher or
+    an operator does for its processes or pods); their exit codes and their output."""
+    procs = [subprocess.Popen([sys.executable, str(TRAIN), str(out)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd) for env in envs]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return [p.returncode for p in procs], "".join(outputs)
 
 
 def reports(folder: Path) -> list[dict[str, Any]]:
