@@ -11,7 +11,13 @@ variables the Kubeflow operator sets in its pod, running the container's command
 
 from __future__ import annotations
 
-from harness.cluster import assert_one_group_equal_to_one_process, clean_env, free_port, reports, start_each
+from harness.cluster import (
+    assert_one_group_equal_to_one_process,
+    clean_env,
+    free_port,
+    reports,
+    start_each,
+)
 
 
 def test_pytorchjob_pods_form_one_group_each_its_own_node(tmp_path):

@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gradsync import Accelerator, environment  # noqa: E402
-from scenarios.common import Loop, train  # noqa: E402
+from gradsync import Accelerator, environment
+
+from scenarios.common import Loop, train
 
 LOOP = Loop(samples=24, micro_batch=2, epochs=1, lr=0.05)
 STEPS = 2
