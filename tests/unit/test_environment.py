@@ -53,10 +53,10 @@ def test_pytorchjob_pod_is_a_node_of_its_own():
 
 
 def test_pytorchjob_pod_with_torchrun_options_is_still_one_process_per_pod():
-    """Newer operators also set torchrun's PET_* options; RANK and WORLD_SIZE still name the
-    process (``python train.py`` in the pod)."""
-    env = {"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "2", "RANK": "1",
-           "PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "1"}
+    """Training operator v1.7 and later also set torchrun's PET_* options (nprocPerNode at its
+    default, auto); RANK and WORLD_SIZE still name the process (``python train.py`` in the pod)."""
+    env = {"PYTHONUNBUFFERED": "0", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "2",
+           "RANK": "1", "PET_NPROC_PER_NODE": "auto", "PET_NODE_RANK": "1", "PET_NNODES": "2"}
     e = detect(env)
     assert place(e) == ("torchrun", 1, 2, 0, 1, 1, 2) and e.problem is None
 
