@@ -17,18 +17,26 @@ if [ -z "$action" ] || [ -z "$dir" ]; then
   exit 2
 fi
 
-stop() {
-  local name pid
+stop() {  # the daemons this script started in DIR (their pid files), all at once
+  local name pid pids=()
   for name in slurmd slurmctld munged; do
     if [ -f "$dir/run/$name.pid" ]; then
       pid=$(cat "$dir/run/$name.pid")
-      if kill "$pid" 2>/dev/null; then
-        for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        kill -9 "$pid" 2>/dev/null || true
-      fi
+      kill "$pid" 2>/dev/null && pids+=("$pid")
       rm -f "$dir/run/$name.pid"
     fi
   done
+  for _ in $(seq 100); do
+    alive "${pids[@]}" || return 0
+    sleep 0.1
+  done
+  for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+}
+
+alive() {  # whether any of these processes still runs
+  local pid
+  for pid in "$@"; do kill -0 "$pid" 2>/dev/null && return 0; done
+  return 1
 }
 
 if [ "$action" = stop ]; then

@@ -17,9 +17,11 @@ tests against a cluster already started with ``local-cluster.sh``, set
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from harness.cluster import TRAIN, assert_one_group_equal_to_one_process, clean_
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "scripts" / "slurm" / "local-cluster.sh"
 ONE_NODE = ROOT / "scripts" / "slurm" / "one-node.sbatch"  # shown in docs/clusters.md
+SRUN_NAME = "gradsync-test"  # the tests' srun jobs, cancelled by name after a timeout
 
 
 @pytest.fixture(scope="session")
@@ -60,17 +63,50 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
 
 
 def run(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """A SLURM client command; a job left behind by a timeout is cancelled."""
+    """A SLURM client command; an srun job left behind by a timeout is cancelled."""
     try:
         return subprocess.run(args, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
     except subprocess.TimeoutExpired:
-        subprocess.run(["scancel", "--user", "root"], env=env, capture_output=True)
+        subprocess.run(["scancel", "--name", SRUN_NAME], env=env, capture_output=True)
         raise
+
+
+def sbatch(script: Path, env: dict[str, str], cwd: Path, timeout: float = 240) -> tuple[str, str]:
+    """Submit ``script`` from ``cwd`` and wait for the job to end (polled every 0.2 s:
+    ``sbatch --wait`` polls every 2 s and more); its final state and exit code."""
+    submitted = run(["sbatch", "--parsable", "--time=5", str(script)], env, cwd)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = run(["scontrol", "-o", "show", "job", job], env, cwd, timeout=30).stdout
+        state = re.search(r"JobState=(\S+)", shown)
+        if state is not None and state.group(1) in ENDED:
+            code = re.search(r"\bExitCode=(\S+)", shown)
+            return state.group(1), code.group(1) if code else "?"
+        if time.monotonic() > deadline:
+            run(["scancel", job], env, cwd, timeout=30)
+            raise AssertionError(f"job {job} did not end within {timeout} s: {shown}")
+        time.sleep(0.2)
+
+
+def train_py(folder: Path) -> Path:
+    """``folder/train.py`` (what the scripts run from the submission folder): the tests'
+    training job, writing to ``folder/out``, which is returned."""
+    out = folder / "out"
+    (folder / "train.py").write_text(f"import runpy, sys\nsys.argv = [{str(TRAIN)!r}, {str(out)!r}]\n"
+                                     "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    return out
+
+
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+         "BOOT_FAIL", "DEADLINE"}
 
 
 def test_srun_two_tasks_train_one_group_equal_to_one_process(slurm, tmp_path):
     out = tmp_path / "out"
-    proc = run(["srun", "-n", "2", "--time=5", "python", str(TRAIN), str(out)], clean_env(**slurm), tmp_path)
+    proc = run(["srun", "-n", "2", "--time=5", f"--job-name={SRUN_NAME}", "python", str(TRAIN), str(out)],
+               clean_env(**slurm), tmp_path)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     got = assert_one_group_equal_to_one_process(out, local_ranks=[0, 1], local_main=[True, False], output=output)
@@ -83,17 +119,12 @@ def test_srun_two_tasks_train_one_group_equal_to_one_process(slurm, tmp_path):
 
 
 def test_sbatch_of_the_docs_one_node_script_trains_one_group_equal_to_one_process(slurm, tmp_path):
-    out = tmp_path / "out"
-    # The script runs `train.py` from the submission folder: here, the test's training job.
-    (tmp_path / "train.py").write_text(
-        f"import runpy, sys\nsys.argv = [{str(TRAIN)!r}, {str(out)!r}]\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    out = train_py(tmp_path)
     text = ONE_NODE.read_text()
     assert "srun --ntasks-per-node=1 gradsync launch --nproc-per-node 2 train.py" in text
-    proc = run(["sbatch", "--wait", "--time=5", str(ONE_NODE)], clean_env(**slurm), tmp_path)
-    logs = "".join(p.read_text() for p in tmp_path.glob("train-*.out"))
-    output = proc.stdout + proc.stderr + logs
-    assert proc.returncode == 0, output
+    state, code = sbatch(ONE_NODE, clean_env(**slurm), tmp_path)
+    output = "".join(p.read_text() for p in tmp_path.glob("train-*.out"))  # the job's output
+    assert (state, code) == ("COMPLETED", "0:0"), output
     got = assert_one_group_equal_to_one_process(out, local_ranks=[0, 1], local_main=[True, False], output=output)
     # The workers were started by the launch (torchrun's variables), one node of two processes.
     assert [(r["environment"]["scheduler"], r["environment"]["local_world_size"]) for r in got] == [
@@ -101,11 +132,9 @@ def test_sbatch_of_the_docs_one_node_script_trains_one_group_equal_to_one_proces
 
 
 def test_srun_of_two_launches_on_one_node_is_one_line_and_nothing_trains(slurm, tmp_path):
-    out = tmp_path / "out"
-    (tmp_path / "train.py").write_text(f"import runpy, sys\nsys.argv = [{str(TRAIN)!r}, {str(out)!r}]\n"
-                                       "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    proc = run(["srun", "-n", "2", "--time=5", "gradsync", "launch", "--nproc-per-node", "2", "train.py"],
-               clean_env(**slurm), tmp_path, timeout=120)
+    out = train_py(tmp_path)
+    proc = run(["srun", "-n", "2", "--time=5", f"--job-name={SRUN_NAME}", "gradsync", "launch",
+                "--nproc-per-node", "2", "train.py"], clean_env(**slurm), tmp_path, timeout=120)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("gradsync: error:")]
     assert len(errors) == 2, proc.stderr  # one line from each task
