@@ -136,6 +136,11 @@ def _torchrun(env: Mapping[str, str]) -> Environment:
     else:  # one process per pod or host (a PyTorchJob running `python train.py`)
         local_rank, local_world, node, nnodes = 0, 1, rank, world
     problem = None
+    per_node = env.get("PET_NPROC_PER_NODE", "")
+    if "LOCAL_RANK" not in env and per_node.isdigit() and int(per_node) > 1:
+        problem = (f"the pod is set for {per_node} processes (PET_NPROC_PER_NODE={per_node}, "
+                   f"WORLD_SIZE={world}) but this one was started alone: run `gradsync launch "
+                   "train.py` as the container's command (it starts them)")
     if world > 1 and ("MASTER_ADDR" not in env or _port(env) is None):
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
         problem = (f"RANK and WORLD_SIZE={world} are set but {' and '.join(missing) or 'a numeric MASTER_PORT'} "
@@ -155,20 +160,38 @@ def expand_hostlist(text: str) -> list[str]:
         The host names, in order.
     """
     hosts: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,\[]*", text):
-        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
-        if match is None:
-            hosts.append(part)
-            continue
-        head, ranges, tail = match.groups()
-        for item in ranges.split(","):
-            low, _, high = item.partition("-")
-            if not high:
-                hosts.append(f"{head}{low}{tail}")
-                continue
-            width = len(low) if low.startswith("0") else 0
-            hosts.extend(f"{head}{n:0{width}d}{tail}" for n in range(int(low), int(high) + 1))
+    for part in _split_top(text):
+        hosts.extend(_expand_one(part))
     return hosts
+
+
+def _split_top(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += char == "["
+        depth -= char == "]"
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p for p in parts if p]
+
+
+def _expand_one(name: str) -> list[str]:
+    """One host name with any number of bracketed ranges: every combination, in order."""
+    match = re.match(r"([^\[]*)\[([^\]]*)\](.*)", name)
+    if match is None:
+        return [name]
+    head, ranges, tail = match.groups()
+    out: list[str] = []
+    for item in ranges.split(","):
+        low, _, high = item.partition("-")
+        width = len(low) if low.startswith("0") else 0
+        numbers = [low] if not high else [f"{n:0{width}d}" for n in range(int(low), int(high) + 1)]
+        for number in numbers:
+            out.extend(f"{head}{number}{rest}" for rest in _expand_one(tail))
+    return out
 
 
 def tasks_on_node(text: str, node: int) -> int | None:
@@ -206,14 +229,19 @@ def _mpi(env: Mapping[str, str], name: str, rank: int, world: int, local_rank: s
     local_world = int(local_size) if local_size and local_size.isdigit() else None
     one_node = local_world == world
     addr = env.get("MASTER_ADDR") or ("127.0.0.1" if one_node else None)
-    job = identity or f"{name}-{parent if parent is not None else os.getppid()}"
-    port = _port(env) or derived_port(job)
+    # On one node the launcher's process id is an identity every rank shares; across nodes it
+    # is not (one launcher process per node), so only the job's own identity serves there.
+    job = identity or (f"{name}-{parent if parent is not None else os.getppid()}" if one_node else None)
+    port = _port(env) or (derived_port(job) if job else None)
     problem = None
-    if world > 1 and addr is None:
+    if world > 1 and (addr is None or port is None):
         where = "on several nodes" if local_world is not None else "(its local size is unknown)"
-        problem = (f"{name} reports {world} ranks {where} and MASTER_ADDR is not set: export "
-                   "MASTER_ADDR (rank 0's host) and MASTER_PORT to every rank, e.g. "
-                   "mpiexec -x MASTER_ADDR=host0 -x MASTER_PORT=29500 ...")
+        missing = " and ".join(k for k, v in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if v is None)
+        export = ("-x MASTER_ADDR=host0 -x MASTER_PORT=29500" if name == "openmpi"
+                  else "-genv MASTER_ADDR host0 -genv MASTER_PORT 29500")
+        verb = "are" if " and " in missing else "is"
+        problem = (f"{name} reports {world} ranks {where} and {missing} {verb} not set: export "
+                   f"MASTER_ADDR (rank 0's host) and MASTER_PORT to every rank, e.g. mpiexec {export} ...")
     nnodes = world // local_world if local_world and world % local_world == 0 else None
     return Environment(name, rank, world, local, local_world or 1, rank // local_world if local_world else 0,
                        nnodes, addr, port, identity, problem)

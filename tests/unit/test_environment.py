@@ -159,11 +159,6 @@ def test_torchrun_inside_slurm_is_torchrun():
     assert place(e) == ("torchrun", 1, 2, 1, 2, 0, 1)
 
 
-#: Names with several bracketed ranges (``rack[1-2]-node[01-02]``) expand to every combination
-#: in scontrol; gradsync.environment.expand_hostlist does not expand them yet.
-ONE_BRACKET = pytest.mark.xfail(strict=True, reason="expand_hostlist expands one bracketed range per host name")
-
-
 @pytest.mark.parametrize(("text", "hosts"), [
     ("vm", ["vm"]),
     ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
@@ -173,8 +168,7 @@ ONE_BRACKET = pytest.mark.xfail(strict=True, reason="expand_hostlist expands one
     ("node[1,3-4]", ["node1", "node3", "node4"]),
     ("a[01-02],b[5]", ["a01", "a02", "b5"]),
     ("gpu-a[1-2]", ["gpu-a1", "gpu-a2"]),
-    pytest.param("rack[1-2]-node[01-02]", ["rack1-node01", "rack1-node02", "rack2-node01", "rack2-node02"],
-                 marks=ONE_BRACKET),
+    ("rack[1-2]-node[01-02]", ["rack1-node01", "rack1-node02", "rack2-node01", "rack2-node02"]),
 ])
 def test_expand_hostlist_as_scontrol_show_hostnames(text, hosts):
     assert expand_hostlist(text) == hosts
@@ -185,7 +179,7 @@ SCONTROL = shutil.which("scontrol")
 
 @pytest.mark.skipif(SCONTROL is None, reason="scontrol not installed (slurm-wlm: scripts/slurm/install.sh)")
 @pytest.mark.parametrize("text", ["node[01-04,07]", "a[1-2],b", "n[9-11]", "n[08-10]", "a[01-02],b[5]",
-                                  pytest.param("rack[1-2]-node[01-02]", marks=ONE_BRACKET)])
+                                  "rack[1-2]-node[01-02]"])
 def test_expand_hostlist_equals_scontrol(text, tmp_path):
     conf = tmp_path / "slurm.conf"  # scontrol reads a configuration even to expand a list
     conf.write_text("ClusterName=hosts\nSlurmctldHost=localhost\n")
@@ -228,12 +222,24 @@ def test_mpich_job_name_is_the_identity():
 def test_mpich_on_several_nodes_needs_master_addr():
     env = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
     e = detect(env, parent=1)
-    assert e.problem == ("mpich reports 4 ranks on several nodes and MASTER_ADDR is not set: export "
-                         "MASTER_ADDR (rank 0's host) and MASTER_PORT to every rank, e.g. mpiexec -x "
-                         "MASTER_ADDR=host0 -x MASTER_PORT=29500 ...")
+    assert e.problem == ("mpich reports 4 ranks on several nodes and MASTER_ADDR and MASTER_PORT are "
+                         "not set: export MASTER_ADDR (rank 0's host) and MASTER_PORT to every rank, e.g. "
+                         "mpiexec -genv MASTER_ADDR host0 -genv MASTER_PORT 29500 ...")
+    # An address alone is not enough across nodes: each node's launcher has its own identity.
+    half = detect({**env, "MASTER_ADDR": "host0"}, parent=1)
+    assert half.problem is not None and "MASTER_PORT is not set" in half.problem
+    openmpi = detect({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                      "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, parent=1)
+    assert openmpi.problem is not None and "mpiexec -x MASTER_ADDR=host0 -x MASTER_PORT=29500" in openmpi.problem
+
     ok = detect({**env, "MASTER_ADDR": "host0", "MASTER_PORT": "29500"}, parent=1)
     assert place(ok) == ("mpich", 3, 4, 1, 2, 1, 2)
     assert (ok.master_addr, ok.master_port, ok.problem) == ("host0", 29500, None)
+
+def test_a_pytorchjob_pod_set_for_several_processes_started_alone_is_one_line():
+    e = detect({"RANK": "1", "WORLD_SIZE": "16", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456",
+                "PET_NPROC_PER_NODE": "8", "PET_NNODES": "2"})
+    assert e.problem is not None and "PET_NPROC_PER_NODE=8" in e.problem and "gradsync launch" in e.problem
 
 
 def test_mpi_without_a_local_size_needs_master_addr():
