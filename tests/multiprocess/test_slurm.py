@@ -141,3 +141,77 @@ def test_srun_of_two_launches_on_one_node_is_one_line_and_nothing_trains(slurm, 
     assert all("SLURM started 2 tasks on 1 node(s)" in e and "srun --ntasks-per-node=1 gradsync launch" in e
                for e in errors), proc.stderr
     assert reports(out) == [] and not out.exists()
+
+
+PREEMPT = ROOT / "tests" / "scripts" / "preempt_train.py"
+
+
+def job_state(job: str, env: dict[str, str], cwd: Path) -> dict[str, str]:
+    shown = run(["scontrol", "-o", "show", "job", job], env, cwd, timeout=30).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", shown))
+
+
+def wait_for(what: str, check: object, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.2)
+
+
+def test_usr1_saves_requeues_and_the_job_resumes_bitwise(slurm, tmp_path):
+    """SLURM's preemption notice (``scancel --signal=USR1``, as ``--signal=USR1@90`` sends it):
+    the launch forwards it, every rank saves at the next window, rank 0 requeues the job, and
+    the requeued job resumes from the checkpoint and ends bitwise equal to a run never
+    stopped. A requeued job waits out a BeginTime (~2.5 min on this one-node cluster): the
+    test moves its start to now once SLURM has requeued it."""
+    env = clean_env(**slurm)
+    reference = tmp_path / "reference"
+    done = subprocess.run([str(Path(env["PATH"].split(os.pathsep)[0]) / "gradsync"), "launch",
+                           "--nproc-per-node", "2", str(PREEMPT), str(reference)],
+                          capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "preempt.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --job-name=gradsync-requeue\n#SBATCH --nodes=1\n"
+        "#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=2\n#SBATCH --requeue\n"
+        "#SBATCH --open-mode=append\n#SBATCH --output=train-%j.out\n"
+        "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK\n"
+        f"srun --ntasks-per-node=1 gradsync launch --nproc-per-node 2 {PREEMPT} {out} --requeue --slow 0.3\n")
+    submitted = run(["sbatch", "--parsable", "--time=5", str(script)], env, tmp_path)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        wait_for("the first run's start", lambda: (out / "started-0").exists())
+        signalled = run(["scancel", "--signal=USR1", job], env, tmp_path, timeout=30)
+        assert signalled.returncode == 0, signalled.stderr
+        wait_for("the requeue", lambda: job_state(job, env, tmp_path).get("Restarts", "0") == "1")
+
+        def started_again() -> bool:
+            state = job_state(job, env, tmp_path).get("JobState")
+            if state == "RUNNING" or state in ENDED:
+                return True  # (PENDING, REQUEUED, COMPLETING: not yet)
+            run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env, tmp_path, timeout=30)
+            return False
+
+        wait_for("the requeued job's start", started_again, timeout=240)
+        wait_for("the requeued job's end",
+                 lambda: job_state(job, env, tmp_path).get("JobState") in ENDED, timeout=180)
+    finally:
+        run(["scancel", job], env, tmp_path, timeout=30)
+    state = job_state(job, env, tmp_path)
+    output = "".join(p.read_text() for p in tmp_path.glob("train-*.out"))
+    assert (state.get("JobState"), state.get("ExitCode")) == ("COMPLETED", "0:0"), output
+    saved = sorted(p.name for p in (out / "ckpt").iterdir())
+    assert len(saved) == 1 and saved[0].startswith("step-"), saved
+    assert f"SIGUSR1 received; saved {out / 'ckpt' / saved[0]}, job requeued, exiting" in output, output
+    assert "sent it to the 2 worker process(es)" in output, output
+    assert (out / "runs.txt").read_text() == f"run 1 resumed from {out / 'ckpt' / saved[0]}\n"
+    import torch
+
+    ref = torch.load(reference / "final.pt", weights_only=True)
+    final = torch.load(out / "final.pt", weights_only=True)
+    assert ref.keys() == final.keys() and all(torch.equal(ref[k], final[k]) for k in ref), {
+        k: float((ref[k] - final[k]).abs().max()) for k in ref}

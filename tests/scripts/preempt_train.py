@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--slow", type=float, default=0.0, help="seconds to sleep per micro-step")
     args = p.parse_args()
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     ckpt = out / "ckpt"
     accel = Accelerator(gradient_accumulation_steps=2, seed=0, save_on_signal=ckpt, requeue=args.requeue)
     g = torch.Generator().manual_seed(1)
