@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
@@ -726,8 +727,9 @@ class Accelerator:
 
     def _stop_if_told(self) -> None:
         received = self._signals.received
+        number = int(getattr(signal, received)) if received is not None else 0
         with self._runner.own_collective(), naming_collective("the stop-signal check", self._timeout):
-            told = dist.any_rank(received is not None, self.device)
+            told = -dist.min_over_ranks(-number, self.device)  # the signal any rank got
         if not told:
             return
         root = self.config.signal_folder()
@@ -736,7 +738,7 @@ class Accelerator:
         with naming_collective(f"save_state({path!r})", self._timeout):
             self._state.save(path, None, pending=1)  # the batch just yielded is not trained on yet
         if self.is_main_process:
-            what = received or "a stop signal (on another rank)"
+            what = signal.Signals(told).name
             requeued = self.config.requeue and requeue()
             print(f"gradsync: {what} received; saved {path}" + (", job requeued" if requeued else "")
                   + ", exiting", file=sys.stderr, flush=True)
