@@ -173,6 +173,17 @@ def test_the_scan_refuses_what_it_cannot_name(tmp_path):
     assert safety.refused_in_blob(extension, allowed).startswith("<unreadable pickle")
 
 
+def test_a_headerless_protocol_0_pickle_in_a_loaded_file_is_checked(saved, tmp_path, clean_env):
+    """Protocol 0 and 1 pickles have no header byte; a .pt file is checked whatever it starts with."""
+    marker = tmp_path / "ran"
+    (saved / "objects.pt").write_bytes(pickle.dumps(Payload(marker, []), protocol=0))
+    refresh_manifest(saved, "objects.pt")
+    accel, *_ = build(seed=1)
+    with pytest.raises(CheckpointError, match=r"objects\.pt holds a pickle that names payload\.plant"):
+        accel.load_state(saved)
+    assert not marker.exists()
+
+
 def test_the_scan_reads_every_pickle_of_a_file(tmp_path):
     """torch's legacy format holds several pickles in a row: a payload in a later one counts."""
     data = pickle.dumps({"magic": 1}, protocol=2) + pickle.dumps(Payload(tmp_path / "m", 1), protocol=2)

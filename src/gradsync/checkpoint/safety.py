@@ -136,15 +136,20 @@ def _refused_in_zip(archive: zipfile.ZipFile, allowed: Callable[[str], bool]) ->
     return None
 
 
+#: File kinds torch.load (gradsync's and DeepSpeed's) reads: whatever they hold is checked as
+#: a pickle even when it does not start like one (protocol 0 and 1 have no header).
+LOADED_SUFFIXES = (".pt", ".pth", ".bin", ".pkl")
+
+
 def refused_in_file(path: Path, allowed: Callable[[str], bool]) -> str | None:
-    """The first global not allowed in a file, or None (also for a file that holds no
-    pickle: raw tensor bytes, JSON)."""
+    """The first global not allowed in a file, or None (also for a file that is never
+    unpickled: raw tensor bytes, JSON, a script)."""
     with open(path, "rb") as f:
         head = f.read(4)
     if head == b"PK\x03\x04" and zipfile.is_zipfile(path):
         with zipfile.ZipFile(path) as archive:
             return _refused_in_zip(archive, allowed)
-    if is_pickle(head):
+    if is_pickle(head) or path.suffix in LOADED_SUFFIXES:
         return _refused(path.read_bytes(), allowed)
     return None
 
