@@ -92,6 +92,11 @@ class Accelerator:
             which SLURM sends with ``--signal=USR1@90``).
         requeue: on SLURM, requeue the job (``scontrol requeue``) after that checkpoint, so
             that it starts again and resumes from it (a warning and no requeue elsewhere).
+        log_with: experiment trackers for ``log``: "tensorboard", "wandb", "mlflow", "csv",
+            "jsonl", "all" (every one installed), a list of them, or tracker objects.
+        project_dir: the folder the trackers write into.
+        track_window_loss: keep ``window_loss``, the global mean of each window's losses
+            weighted as the update (default True; one small all-reduce per optimizer step).
         config_file: a YAML (or JSON) file of settings (default: ``GRADSYNC_CONFIG``).
         **options: a backend's options: ``ddp_kwargs``, ``find_unused_parameters`` (ddp);
             ``fsdp_wrap``, ``fsdp_keep_params_in_window``, ``fsdp_reshard_after_backward``,
@@ -132,6 +137,9 @@ class Accelerator:
         save_on_signal: str | os.PathLike[str] | None = None,
         save_signals: str | Sequence[str] | None = None,
         requeue: bool | None = None,
+        log_with: str | Sequence[Any] | None = None,
+        project_dir: str | os.PathLike[str] | None = None,
+        track_window_loss: bool | None = None,
         config_file: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
@@ -158,6 +166,9 @@ class Accelerator:
             save_on_signal=save_on_signal,
             save_signals=save_signals,
             requeue=requeue,
+            log_with=log_with,
+            project_dir=project_dir,
+            track_window_loss=track_window_loss,
             **options,
         )
         where = environment.detect()

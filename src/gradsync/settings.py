@@ -197,6 +197,46 @@ def _check_signals(name: str, value: Any, config: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def _check_project_dir(name: str, value: Any, config: Any) -> str:
+    if not isinstance(value, str | os.PathLike) or not os.fspath(value):
+        raise ConfigError(f"{name}={value!r} must be a folder path for the trackers' files, or None")
+    return os.fspath(value)
+
+
+#: The tracker names ``log_with`` accepts ("all": every one whose library is installed).
+TRACKER_NAMES = ("tensorboard", "wandb", "mlflow", "csv", "jsonl", "all")
+
+
+def _check_trackers(name: str, value: Any, config: Any) -> list[Any] | None:
+    if value is None:
+        return None
+    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        items = [items]
+    out: list[Any] = []
+    for item in items:
+        if isinstance(item, str):
+            key = item.strip().lower()
+            if key not in TRACKER_NAMES:
+                import difflib
+
+                close = difflib.get_close_matches(key, TRACKER_NAMES, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ConfigError(
+                    f"{name}={item!r} is not a tracker; {hint}use one of "
+                    f"{', '.join(TRACKER_NAMES)}, or a tracker object"
+                )
+            out.append(key)
+        elif callable(getattr(item, "log", None)):
+            out.append(item)
+        else:
+            raise ConfigError(
+                f"{name} got a {type(item).__name__}, which is neither a tracker name nor a "
+                "tracker (an object with log(values, step)); use e.g. log_with='tensorboard'"
+            )
+    return out or None
+
+
 @dataclass
 class CoreSettings:
     """The settings every backend reads. The order is the order of validation: a check may
@@ -266,6 +306,16 @@ class CoreSettings:
     requeue: bool = field(default=False, metadata=setting(
         "on SLURM, requeue the job (scontrol requeue) after the save_on_signal checkpoint, "
         "so that it starts again and resumes from it"))
+    log_with: Sequence[Any] | None = field(default=None, metadata=setting(
+        "experiment trackers for accel.log: tensorboard, wandb, mlflow, csv, jsonl, all, or "
+        "tracker objects (comma-separated from text)",
+        accepts=str | Sequence[Any] | None, check=_check_trackers, metavar="T"))
+    project_dir: str | None = field(default=None, metadata=setting(
+        "the folder trackers write into (their logging_dir), created by the main process",
+        accepts=str | os.PathLike[str] | None, check=_check_project_dir))
+    track_window_loss: bool = field(default=True, metadata=setting(
+        "keep accel.window_loss: the global mean of a window's losses, weighted as the update "
+        "(one small all-reduce per optimizer step)"))
 
 
 # Core first: the backend options' checks may read the core settings.
