@@ -108,13 +108,15 @@ def assert_mid_window_save_refused(rank_results: list[dict[str, Any]], backend: 
 
 
 def assert_export_is_the_gathered_model(rank_results: list[dict[str, Any]]) -> None:
-    """What ``export_model`` recorded: rank 0's safetensors file equals the gathered state
-    dict, with the tied weight written once and named in the metadata."""
+    """What ``export_model`` recorded: every rank got the folder, which holds one safetensors
+    file (no config: a plain module) equal to the gathered state dict, with the tied weight
+    written once and named in the metadata."""
     rank0 = rank_results[0]
+    assert rank0["files"] == ["model.safetensors"], rank0
     assert rank0["keys"] == ["embed.weight", "mid.bias", "mid.weight"], rank0
     assert rank0["tied"] == {"head.weight": "embed.weight"}
     assert rank0["equal_to_gathered"] is True and rank0["trained"] is True
-    assert all(r["path_name"] == "model.safetensors" for r in rank_results)
+    assert all(r["path_name"] == "export" for r in rank_results)
 
 
 def reference_amp(rank_results: list[dict[str, Any]], *, samples: int, optimizer: str = "sgd",

@@ -337,8 +337,9 @@ class TiedNet(nn.Module):
 
 
 def export_model(accel: Any) -> dict[str, Any]:
-    """Train one window of a tied model, then ``save_model``: rank 0's safetensors file must
-    hold the gathered full weights (each tied weight once, named in the metadata)."""
+    """Train one window of a tied model, then ``save_model``: the folder's one safetensors
+    file (rank 0's) must hold the gathered full weights (each tied weight once, named in the
+    metadata)."""
     import json
     import tempfile
     from pathlib import Path
@@ -364,7 +365,8 @@ def export_model(accel: Any) -> dict[str, Any]:
     if dist.get_rank() == 0:
         from safetensors import safe_open
 
-        with safe_open(path, framework="pt") as f:
+        out["files"] = sorted(p.name for p in Path(path).iterdir())
+        with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as f:
             saved = {k: f.get_tensor(k).float() for k in f.keys()}
             meta = f.metadata()
         out["keys"] = sorted(saved)
