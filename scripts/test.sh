@@ -12,8 +12,9 @@ quiet_pip() {  # pip's notes about absent local index folders are noise here
 }
 quiet_pip install -q --upgrade pip
 # Extras: test tools, DeepSpeed and fairscale (their tests run), the benchmark's plotting and
-# Accelerate, Transformers (the language-model tests and examples), MkDocs (the docs site).
-quiet_pip install -q -c constraints.txt -e ".[test,deepspeed,fairscale,bench,hf,docs]"
+# Accelerate, Transformers (the language-model tests and examples), MkDocs (the docs site),
+# the experiment trackers (TensorBoard, W&B, MLflow: their tests read back what they wrote).
+quiet_pip install -q -c constraints.txt -e ".[test,deepspeed,fairscale,bench,hf,docs,trackers]"
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 # The real-SLURM tests start a one-node cluster from Debian's slurm-wlm and munge, installed
 # here when this runs as root (CI does); otherwise they are skipped, and this says why.
