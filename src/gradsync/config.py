@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from gradsync import environment
 from gradsync.declaration import to_text
 from gradsync.errors import ConfigError
 from gradsync.settings import (
@@ -34,7 +35,7 @@ from gradsync.settings import (
 __all__ = [
     "ENV_PREFIX", "GRAD_SCALER_KEYS", "MIXED_PRECISION", "OTHER_VARIABLES", "SYNC_POLICIES",
     "Config", "MixedPrecision", "RequestedPolicy", "SyncPolicy", "did_you_mean", "env_vars",
-    "from_env", "from_yaml", "load_config", "reference_markdown", "to_env",
+    "from_env", "from_yaml", "load_config", "read_yaml", "reference_markdown", "to_env",
 ]
 
 log = logging.getLogger("gradsync")
@@ -90,17 +91,18 @@ def _warn_unknown_variables(env: Mapping[str, str]) -> None:
             )
 
 
-def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The settings in a YAML (or JSON) file, as keyword arguments.
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The mapping a YAML (or JSON) config file holds, as it is written (gradsync's keys or
+    Accelerate's).
 
     Args:
         path: the file.
 
     Returns:
-        Setting name -> value.
+        Its top-level mapping ({} for an empty file).
 
     Raises:
-        ConfigError: the file is missing, unreadable, malformed, or has an unknown key.
+        ConfigError: the file is missing, unreadable, malformed, or holds no mapping.
     """
     p = Path(path)
     if p.is_dir():
@@ -116,10 +118,40 @@ def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping of settings, not {type(data).__name__}")
+    return data
+
+
+def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The settings in a YAML (or JSON) file, as keyword arguments.
+
+    The file holds gradsync's keys, or is Accelerate's (as ``accelerate config`` writes it:
+    told apart by keys such as ``distributed_type`` and ``num_processes``), translated by
+    ``gradsync.launch.accelerate_config``: its keys that only say how to start the processes
+    are for ``gradsync launch``, and a key that is ignored is one warning (on rank 0).
+
+    Args:
+        path: the file.
+
+    Returns:
+        Setting name -> value.
+
+    Raises:
+        ConfigError: the file is missing, unreadable, malformed, or has an unknown key (or an
+            Accelerate key gradsync cannot honour).
+    """
+    data = read_yaml(path)
+    from gradsync.launch import accelerate_config
+
+    if accelerate_config.is_accelerate(data):
+        translated = accelerate_config.translate(data, accelerate_config.Source(repr(str(path))))
+        if translated.notes and environment.detect().rank == 0:  # the same file on every rank
+            for note in translated.notes:
+                log.warning("gradsync: %s", note)
+        return translated.settings
     unknown = sorted((k for k in data if k not in _BY_KEY), key=str)
     if unknown:
         raise ConfigError(
-            f"config file {str(p)!r} has unknown key(s) "
+            f"config file {str(path)!r} has unknown key(s) "
             f"{', '.join(f'{k}={data[k]!r}{did_you_mean(str(k))}' for k in unknown)}; "
             f"rename or remove them (known keys: {', '.join(sorted(_BY_KEY))})"
         )

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gradsync.errors import ConfigError
+from gradsync.launch.accelerate_config import FLAGS, refused_flag
 from gradsync.settings import BY_NAME, LAUNCH_SETTINGS, Setting
 
 if TYPE_CHECKING:
@@ -97,6 +98,24 @@ def _positive(text: str) -> int:
     return value
 
 
+def _add_accelerate_flags(group: Any) -> None:
+    """``accelerate launch``'s flags (``accelerate_config.FLAGS``), in both spellings, as
+    ``accelerate_<name>`` (None: not given)."""
+    _add(group, "--config-file", dest="config_file", default=None, metavar="YAML",
+         help="the same as --config (Accelerate's spelling)")
+    group.add_argument("-q", "--quiet", action="store_true",
+                       help="accepted: a failing worker is reported in one block anyway")
+    for f in FLAGS:
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f.help.replace("%", "%%")
+        if f.switch:
+            _add(group, flag, dest="accelerate_" + f.name, action="store_true", help=help_)
+        else:
+            kind: Callable[[str], Any] = {"int": int, "float": float}.get(f.kind, str)
+            _add(group, flag, dest="accelerate_" + f.name, type=kind, default=None,
+                 metavar=f.metavar or "V", help=help_)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradsync", description="Gradient accumulation that is correct on every backend.",
@@ -153,10 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
          help="show the output of these local ranks only, e.g. 0,1")
     # The settings' flags (given: exported to the workers; not given: the config file's value).
     _add_setting_flags(launch, LAUNCH_SETTINGS)
-    launch.add_argument("--config", default=None, metavar="YAML", help="a gradsync YAML config")
+    launch.add_argument("--config", default=None, metavar="YAML",
+                        help="a config file: gradsync's settings, or Accelerate's (as `accelerate "
+                             "config` writes it), told apart by its keys")
     _add(launch, "--dry-run", action="store_true",
                         help="print the torchrun command and the settings, start nothing")
-    launch.add_argument("-m", dest="module", action="store_true", help="run SCRIPT as a module")
+    launch.add_argument("-m", "--module", dest="module", action="store_true",
+                        help="run SCRIPT as a module")
+    _add_accelerate_flags(launch.add_argument_group(
+        "accelerate launch's flags", "Accelerate's spellings; each stands for the key of "
+        "Accelerate's config file of its name (see docs/launch-accelerate.md)"))
     launch.add_argument("script", help="the training script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -214,6 +239,16 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
     """
     from gradsync.launch.torchrun import LaunchConfig
 
+    config_file = args.config
+    if getattr(args, "config_file", None) is not None:
+        if config_file is not None and config_file != args.config_file:
+            raise ConfigError(
+                f"--config={config_file!r} and --config_file={args.config_file!r} name two "
+                "files; give one (it may be gradsync's or Accelerate's)"
+            )
+        config_file = args.config_file
+    accelerate = {f.name: getattr(args, "accelerate_" + f.name) for f in FLAGS
+                  if getattr(args, "accelerate_" + f.name, None) not in (None, False)}
     return LaunchConfig(
         script=args.script,
         script_args=list(args.script_args),
@@ -235,7 +270,8 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         redirects=args.redirects,
         no_python=args.no_python,
         local_ranks_filter=args.local_ranks_filter,
-        config_file=args.config,
+        config_file=config_file,
+        accelerate=accelerate,
         **{s.name: getattr(args, s.name) for s in LAUNCH_SETTINGS},
     )
 
@@ -347,6 +383,9 @@ def _unknown(parser: argparse.ArgumentParser, command: str, word: str) -> str:
         return f"unexpected argument {word!r} for gradsync {command}; see gradsync {command} --help"
     flag = word.split("=", 1)[0]
     name = flag.lstrip("-").replace("-", "_")
+    why = refused_flag(flag) if command == "launch" and flag.startswith("--") else None
+    if why is not None:
+        return f"{flag} (accelerate launch's) is not taken by gradsync launch: {why}"
     if name in BY_NAME and BY_NAME[name].flag is None:
         return (f"unknown flag {flag} for gradsync {command}: the setting {name} has no flag; set "
                 f"it in the config file (--config) or as {BY_NAME[name].env}")

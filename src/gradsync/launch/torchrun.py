@@ -26,11 +26,17 @@ from typing import Any
 from gradsync import backends
 from gradsync._util import check_positive_int
 from gradsync.batching import BatchPlan, solve_with_schedule
-from gradsync.config import ENV_PREFIX, Config, env_vars, from_yaml
+from gradsync.config import ENV_PREFIX, Config, env_vars, from_yaml, read_yaml
 from gradsync.errors import ConfigError
-from gradsync.launch import failures, scheduler, signals
+from gradsync.launch import accelerate_config, failures, scheduler, signals
 from gradsync.schedule import Schedule, is_schedule
-from gradsync.settings import LAUNCH_SETTINGS, AccumulationSteps, MixedPrecision, RequestedPolicy
+from gradsync.settings import (
+    BY_NAME,
+    LAUNCH_SETTINGS,
+    AccumulationSteps,
+    MixedPrecision,
+    RequestedPolicy,
+)
 
 
 @dataclass
@@ -74,7 +80,13 @@ class LaunchConfig:
     mixed_precision: MixedPrecision | None = None
     seed: int | None = None
     audit: bool = False
+    #: A YAML (or JSON) file: gradsync's settings, or Accelerate's config file (``accelerate
+    #: config``), told apart by its keys.
     config_file: str | None = None
+    #: ``accelerate launch`` flags by name (``accelerate_config.FLAGS``: ``num_processes``,
+    #: ``use_fsdp``, ``zero_stage`` ...; a switch given is True), e.g. ``{"num_processes": 4}``.
+    #: They win over the config file and must agree with the torchrun fields and settings given.
+    accelerate: dict[str, Any] = field(default_factory=dict)
 
     @property
     def node_range(self) -> tuple[int, int]:
@@ -120,15 +132,167 @@ class Launcher:
     def __init__(self, config: LaunchConfig, environ: Mapping[str, str] | None = None) -> None:
         self._environ = os.environ if environ is None else environ
         self.requested = config
+        self.warnings: list[str] = []
+        self.file_sources: dict[str, str] = {}
+        self._file_settings: dict[str, Any] = {}  # the config file's settings, read once
+        self._accelerate_file = False  # the config file is Accelerate's
+        self._accelerated: dict[str, Any] = {}  # the settings Accelerate's flags give
+        self._launch_env: dict[str, str] = {}  # from Accelerate's flags: always set
+        self._launch_env_defaults: dict[str, str] = {}  # from its file: unless already set
+        self._single_origin: str | None = None  # Accelerate's distributed_type NO (one process)
+        self._total: int | None = None  # Accelerate's num_processes: over all nodes
+        self._total_origin = ""
+        self._total_by_flag = False
+        self._file_fields: dict[str, tuple[Any, str]] = {}  # from Accelerate's file's launch keys
+        self._flag_sources: dict[str, str] = {}  # torchrun fields from Accelerate's flags
+        config = self._read_config(config)
         derived = scheduler.resolve(config, self._environ)
+        filled = self._divide_processes(self._fill_from_file(config, derived), derived)
+        if filled is not config:  # the file's fields and the processes: given now
+            config, derived = filled, scheduler.resolve(filled, self._environ)
+        self._check_single(dataclasses.replace(config, **derived.values))
         self.config = dataclasses.replace(config, **derived.values)
         self.environment = derived.environment
         self.sources = derived.sources
-        self.warnings: list[str] = []
-        self._file_settings: dict[str, Any] | None = None  # the config file, read once
         self.schedule: Schedule | None = None
         self.plan = self.validate()
         self.warnings += scheduler.cpu_warnings(self.config.processes_per_node, self._environ)
+
+    def _read_config(self, config: LaunchConfig) -> LaunchConfig:
+        """Read the config file and Accelerate's flags: the settings they give, the torchrun
+        fields Accelerate's flags stand for (which must agree with torchrun's flags given),
+        and those its file's launch keys would fill in (``_fill_from_file``)."""
+        flags, flag_source = accelerate_config.from_flags(config.accelerate)
+        path = config.config_file
+        file_data: dict[str, Any] | None = None
+        if path:
+            raw = read_yaml(path)
+            if accelerate_config.is_accelerate(raw):
+                file_data, self._accelerate_file = raw, True
+            else:
+                self._file_settings = from_yaml(path)
+        if not flags and file_data is None:
+            return config
+        base = self._file_settings.get("deepspeed_config")
+        by_flags = accelerate_config.translate(
+            flags, flag_source, deepspeed_base=base, base_label=f"deepspeed_config in {path!r}")
+        everything = by_flags
+        if file_data is not None:
+            everything = accelerate_config.translate(
+                accelerate_config.merge(file_data, flags),
+                accelerate_config.Source(repr(path), flag_source.flags))
+        self.warnings += everything.notes
+        for name in by_flags.settings:
+            value = everything.settings[name]
+            mine = getattr(config, name, None) if name in BY_NAME and BY_NAME[name].flag else None
+            if mine is not None and mine != value:
+                raise ConfigError(
+                    f"{by_flags.origins[name]} means {name}={value!r}, which contradicts "
+                    f"{BY_NAME[name].flag}={mine}; give one of them"
+                )
+            self._accelerated[name] = value
+        if file_data is not None:
+            self._file_settings = {k: v for k, v in everything.settings.items()
+                                   if k not in by_flags.settings}
+        self._single_origin = (everything.origins.get("backend")
+                               if everything.settings.get("backend") == "single" else None)
+        self._total = everything.launch.get("num_processes")
+        self._total_origin = everything.origins.get("num_processes", "")
+        self._total_by_flag = "num_processes" in by_flags.launch
+        from_file = {k: v for k, v in everything.launch.items() if k not in by_flags.launch}
+        _launch_env(by_flags.launch, self._launch_env)
+        _launch_env(from_file, self._launch_env_defaults)
+        self._file_fields = {
+            name: (value, everything.origins.get(key, f"{key} in {path!r}"))
+            for name, (value, key) in accelerate_config.torchrun_fields(
+                everything.launch, config.rdzv_backend).items()}
+        return self._flag_fields(config, by_flags)
+
+    def _flag_fields(self, config: LaunchConfig,
+                     by_flags: accelerate_config.Translation) -> LaunchConfig:
+        """The torchrun fields Accelerate's flags stand for; one that contradicts the torchrun
+        flag given (or a second way to say where the nodes meet) is a ConfigError."""
+        given_rendezvous = [n for n in _RENDEZVOUS if getattr(config, n) is not None] or (
+            ["standalone"] if config.standalone else [])
+        values: dict[str, Any] = {}
+        for name, (value, key) in accelerate_config.torchrun_fields(
+                by_flags.launch, config.rdzv_backend).items():
+            mine = getattr(config, name)
+            said = by_flags.origins.get(key, f"--{key}")
+            if mine is not None and str(mine) != str(value):
+                raise ConfigError(
+                    f"{said} contradicts {scheduler.flag(name)}={mine}; give one of them")
+            if name in _RENDEZVOUS and given_rendezvous and mine is None:
+                raise ConfigError(
+                    f"{said} and {scheduler.flag(given_rendezvous[0])} both say where the nodes "
+                    "meet; give one of them")
+            values[name] = value
+            self._flag_sources[name] = said
+        return dataclasses.replace(config, **values) if values else config
+
+    def _fill_from_file(self, config: LaunchConfig, derived: scheduler.Derived) -> LaunchConfig:
+        """The torchrun fields of Accelerate's file, where neither a flag nor the scheduler's
+        environment gives one (flags > scheduler > the file > torchrun's defaults); the
+        rendezvous is taken whole from one of them."""
+        rendezvous_elsewhere = config.standalone or any(
+            getattr(config, n) is not None or n in derived.sources for n in _RENDEZVOUS)
+        values: dict[str, Any] = {}
+        for name, (value, origin) in self._file_fields.items():
+            if getattr(config, name) is not None or name in derived.sources:
+                continue
+            if name in (*_RENDEZVOUS, "rdzv_backend") and rendezvous_elsewhere:
+                continue
+            values[name] = value
+            self.file_sources[name] = origin
+        return dataclasses.replace(config, **values) if values else config
+
+    def _divide_processes(self, config: LaunchConfig, derived: scheduler.Derived) -> LaunchConfig:
+        """Accelerate's num_processes, the total over all nodes, as the processes per node.
+        A flag's wins over the scheduler's count (and must agree with --nproc-per-node); the
+        file's counts only where neither gives one."""
+        total = self._total
+        if total is None:
+            return config
+        if not self._total_by_flag and (config.nproc_per_node is not None
+                                        or "nproc_per_node" in derived.sources):
+            return config
+        nnodes = config.nnodes if config.nnodes is not None else derived.values.get("nnodes", 1)
+        low, high = scheduler.node_range(nnodes)
+        nodes_from = self._source_of("nnodes", derived)
+        if low != high:
+            raise ConfigError(
+                f"{self._total_origin} is the total over a fixed number of machines, and "
+                f"--nnodes={nnodes}{nodes_from} is a range; give --nproc-per-node instead")
+        if total % low:
+            raise ConfigError(
+                f"{self._total_origin} does not divide evenly over {low} machines{nodes_from}; "
+                f"give a multiple of {low}, or --nproc-per-node")
+        per_node = total // low
+        if config.nproc_per_node is not None:
+            given = dataclasses.replace(config, nnodes=low).processes_per_node
+            if given != per_node:
+                raise ConfigError(
+                    f"{self._total_origin} contradicts --nproc-per-node={config.nproc_per_node} "
+                    f"on {low} machine(s){nodes_from} ({given * low} processes); give one of them")
+            return config
+        if not self._total_by_flag:
+            self.file_sources["nproc_per_node"] = self._total_origin
+        return dataclasses.replace(config, nproc_per_node=per_node)
+
+    def _source_of(self, name: str, derived: scheduler.Derived) -> str:
+        source = (derived.sources.get(name) or self.file_sources.get(name)
+                  or self._flag_sources.get(name))
+        return f" (from {source})" if source else ""
+
+    def _check_single(self, config: LaunchConfig) -> None:
+        """Accelerate's distributed_type NO runs one process: several are a contradiction."""
+        origin = self._single_origin
+        if origin is None or self.requested.backend is not None:
+            return
+        if config.world_size > 1:
+            raise ConfigError(
+                f"{origin} runs one process, but this launch starts {config.world_size}; use "
+                "distributed_type MULTI_GPU or MULTI_CPU (--multi_gpu), or start one process")
 
     def validate(self) -> BatchPlan:
         c = self.config
@@ -189,12 +353,16 @@ class Launcher:
         return plan
 
     def _source(self, name: str) -> str:
-        """A suffix naming where field ``name`` came from (`` (from SLURM_NODEID=1)``), if not given."""
-        return f" (from {self.sources[name]})" if name in self.sources else ""
+        """A suffix naming where field ``name`` came from (`` (from SLURM_NODEID=1)``, `` (from
+        num_machines=2 in 'accelerate.yaml')``), if not given."""
+        source = (self.sources.get(name) or self.file_sources.get(name)
+                  or self._flag_sources.get(name))
+        return f" (from {source})" if source else ""
 
     def _given(self) -> dict[str, Any]:
-        """The worker settings given on the command line (or to LaunchConfig)."""
-        given = {}
+        """The worker settings given on the command line (or to LaunchConfig), Accelerate's
+        flags' included."""
+        given = dict(self._accelerated)
         for s in LAUNCH_SETTINGS:
             value = getattr(self.config, s.name)
             if value is not None and not (s.switch and value is False):  # a switch given is on
@@ -225,9 +393,15 @@ class Launcher:
             given["gradient_accumulation_steps"] = self.plan.gradient_accumulation_steps
             if self.plan.micro_batch_size is not None:
                 given["micro_batch_size"] = self.plan.micro_batch_size
-        env = env_vars(given)
-        if self.config.config_file:
+        env: dict[str, str] = {}
+        if self._accelerate_file:
+            # Accelerate's file is translated here, once: its settings go as variables (those
+            # the environment already sets win, as over a gradsync file), not as the file.
+            env.update(env_vars({k: v for k, v in self._file_settings.items()
+                                 if k not in sizes and BY_NAME[k].env not in self._environ}))
+        elif self.config.config_file:
             env[ENV_PREFIX + "CONFIG"] = str(Path(self.config.config_file).resolve())
+        env.update(env_vars(given))
         return env
 
     def thread_env(self) -> dict[str, str]:
@@ -240,9 +414,6 @@ class Launcher:
         return {"OMP_NUM_THREADS": str(threads)}
 
     def _from_file(self) -> dict[str, Any]:
-        if self._file_settings is None:
-            path = self.config.config_file
-            self._file_settings = from_yaml(path) if path else {}
         return dict(self._file_settings)
 
     def torchrun_argv(self) -> list[str]:
@@ -285,6 +456,8 @@ class Launcher:
         torchrun's opt-out of its shared rendezvous store (restarted workers often hang in
         init_process_group with it: pytorch issue 135712)."""
         env = {**self.thread_env(), **self.worker_env()}
+        env.update({k: v for k, v in self._launch_env_defaults.items() if k not in self._environ})
+        env.update(self._launch_env)
         if (self.config.max_restarts or 0) > 0:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         return env
@@ -297,6 +470,10 @@ class Launcher:
             lines.append(f"from the environment ({self.environment.scheduler}): " + ", ".join(
                 f"{scheduler.flag(name)}={getattr(self.config, name)} ({source})"
                 for name, source in self.sources.items()))
+        if self.file_sources:
+            lines.append(f"from {self.config.config_file!r} (Accelerate's format): " + ", ".join(
+                f"{scheduler.flag(name)}={getattr(self.config, name)} ({source})"
+                for name, source in self.file_sources.items()))
         lines.append("environment:")
         lines += [f"  {k}={v}" for k, v in sorted(env.items())]
         return "\n".join(lines)
@@ -322,6 +499,20 @@ class Launcher:
             except ChildFailedError as err:
                 return failures.report(err, sys.stderr)
         return 0
+
+
+_RENDEZVOUS = ("rdzv_endpoint", "master_addr", "master_port")
+
+
+def _launch_env(launch: Mapping[str, Any], env: dict[str, str]) -> None:
+    """The variables Accelerate's launch keys set: use_cpu (GRADSYNC_DEVICE=cpu), gpu_ids
+    (CUDA_VISIBLE_DEVICES), num_cpu_threads_per_process (OMP_NUM_THREADS)."""
+    if launch.get("use_cpu"):
+        env[ENV_PREFIX + "DEVICE"] = "cpu"
+    if "gpu_ids" in launch:
+        env["CUDA_VISIBLE_DEVICES"] = str(launch["gpu_ids"])
+    if "num_cpu_threads_per_process" in launch:
+        env["OMP_NUM_THREADS"] = str(launch["num_cpu_threads_per_process"])
 
 
 def torchrun_namespace(own: list[str], tail: list[str]) -> Any:
