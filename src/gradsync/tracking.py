@@ -15,6 +15,7 @@ scalar becomes a number. What each tracker does with the other kinds of value is
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
@@ -530,15 +531,22 @@ class CSVTracker(_FileTracker):
 
     def start(self) -> None:
         """Open the file, continuing an existing one with its columns."""
-        if self.path.exists() and self.path.stat().st_size:
+        header: list[str] = []
+        if self.path.exists():
             with open(self.path, newline="", encoding="utf-8") as f:
-                header = next(csv.reader(f), None)
-            if header:
-                self.columns = [*self.columns, *(c for c in header if c not in self.columns)]
+                header = next(csv.reader(f), [])
+        if not header and self.path.exists() and self.path.stat().st_size:
+            raise ConfigError(f"{self.path} exists and does not start with a CSV header; move it "
+                              "away, or give init_trackers another project name")
         super().start()
-        if not self.path.stat().st_size:
+        if not header:
             csv.writer(self._file).writerow(self.columns)
             self._file.flush()
+            return
+        self.columns = header
+        missing = [c for c in self.reserved_keys if c not in header]
+        if missing:
+            self._add_columns(missing)
 
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         """Append one row (adding columns first where needed) and flush.
@@ -736,27 +744,37 @@ class Trackers:
             raise ConfigError(f"init_trackers(config=...) got a {type(config).__name__}; pass a dict "
                               "of hyperparameters, e.g. config={'lr': 1e-3}")
         kwargs = self._per_tracker("init_kwargs", init_kwargs)
-        self._project = project_name
         self._main = dist.rank() == 0
         if not self._main:
+            self._project = project_name
             return
         if self.project_dir is not None and self._chosen:
             os.makedirs(self.project_dir, exist_ok=True)
-        for chosen in self._chosen:
-            if isinstance(chosen, str):
-                tracker = BUILTIN_TRACKERS[chosen](project_name, self.project_dir,
-                                                   **kwargs.get(chosen, {}))
-            else:
-                tracker = chosen
-            start = getattr(tracker, "start", None)
-            if callable(start):
-                start()
-            self._started.append(tracker)
-        if config is not None:
-            for tracker in self._started:
-                store = getattr(tracker, "store_init_configuration", None)
-                if callable(store):
-                    store(dict(config))
+        try:
+            for chosen in self._chosen:
+                if isinstance(chosen, str):
+                    tracker = BUILTIN_TRACKERS[chosen](project_name, self.project_dir,
+                                                       **kwargs.get(chosen, {}))
+                else:
+                    tracker = chosen
+                start = getattr(tracker, "start", None)
+                if callable(start):
+                    start()
+                self._started.append(tracker)
+            if config is not None:
+                for tracker in self._started:
+                    store = getattr(tracker, "store_init_configuration", None)
+                    if callable(store):
+                        store(dict(config))
+        except BaseException:
+            started, self._started = self._started, []
+            for tracker in started:  # close what was opened; the first error is the one raised
+                end = getattr(tracker, "finish", None)
+                if callable(end):
+                    with contextlib.suppress(Exception):
+                        end()
+            raise
+        self._project = project_name
 
     def log(self, values: Mapping[str, Any], step: int | None = None,
             log_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
@@ -777,10 +795,12 @@ class Trackers:
             raise UsageError("accel.log(...) after end_training(): the trackers are finished; "
                              "log before end_training()")
         if not self._chosen:
-            if not self._warned_empty and dist.rank() == 0:
+            if not self._warned_empty:
                 self._warned_empty = True
-                log.warning("gradsync: accel.log(...) records nothing: log_with is not set; "
-                            "pass e.g. Accelerator(log_with='tensorboard', project_dir='runs')")
+                if dist.rank() == 0:
+                        log.warning("gradsync: accel.log(...) records nothing: log_with is not "
+                                "set; pass e.g. Accelerator(log_with='tensorboard', "
+                                "project_dir='runs')")
             return
         if self._project is None:
             raise UsageError("accel.log(...) before init_trackers(): start the trackers first, "

@@ -213,6 +213,20 @@ def test_csv_rows_grow_columns_and_survive_a_crash(tmp_path):
     assert (rows[3]["step"], rows[3]["loss"], rows[3]["lr"], rows[0]["lr"]) == ("5", "0.125", "0.01", "")
 
 
+def test_csv_continues_a_file_of_other_columns(tmp_path):
+    path = tmp_path / "proj" / "metrics.csv"
+    path.parent.mkdir()
+    path.write_text("loss\n0.5\n")
+    t = _trackers(["csv"], tmp_path)
+    t.init("proj")
+    t.log({"loss": 0.25}, step=1)
+    t.finish()
+    assert [(r["loss"], r["step"]) for r in _rows(path)] == [("0.5", ""), ("0.25", "1")]
+    path.write_text("\n\n1,2\n")
+    with pytest.raises(ConfigError, match=r"metrics.csv exists and does not start with a CSV header"):
+        _trackers(["csv"], tmp_path).init("proj")
+
+
 def test_jsonl_one_line_per_log(tmp_path):
     t = _trackers(["jsonl"], tmp_path, step=9)
     t.init("proj")
@@ -334,6 +348,28 @@ def test_an_accelerate_tracker_fits():
     t.finish()
     assert mine.seen == ["start", {"lr": 0.5}, ({"loss": 2.0}, 3), "finish"]
     assert t.get("mine", unwrap=True) is mine.seen
+
+
+class FailsOnce(Recorder):
+    name = "fails_once"
+    failed = False
+
+    def start(self) -> None:
+        if not FailsOnce.failed:
+            FailsOnce.failed = True
+            raise RuntimeError("the tracking server is down")
+        super().start()
+
+
+def test_a_failed_init_closes_what_it_opened_and_can_be_retried(tmp_path):
+    rec, flaky = Recorder(), FailsOnce()
+    t = _trackers([rec, flaky, "csv"], tmp_path)
+    with pytest.raises(RuntimeError, match="server is down"):
+        t.init("proj")
+    assert rec.calls == [("start",), ("finish",)] and t.started == []
+    t.init("proj")
+    assert [x.name for x in t.started] == ["recorder", "fails_once", "csv"]
+    t.finish()
 
 
 def test_plain_values():
