@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from gradsync._version import __version__
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import CheckpointError, CollectiveError, ConfigError, UsageError
@@ -18,11 +19,23 @@ if TYPE_CHECKING:
     from gradsync import audit
     from gradsync.accelerator import Accelerator
     from gradsync.checkpoint import latest_checkpoint
+    from gradsync.seeding import set_seed
     from gradsync.tokens import count_label_tokens
 
-__all__ = ["Accelerator", "BatchPlan", "CheckpointError", "CollectiveError", "Config", "ConfigError",
-           "UsageError", "audit", "count_label_tokens", "latest_checkpoint"]
-__version__ = "0.1.0"
+__all__ = [
+    "Accelerator",
+    "BatchPlan",
+    "CheckpointError",
+    "CollectiveError",
+    "Config",
+    "ConfigError",
+    "UsageError",
+    "__version__",
+    "audit",
+    "count_label_tokens",
+    "latest_checkpoint",
+    "set_seed",
+]
 
 # name -> module that defines it (imported on first access: these import torch)
 _LAZY = {
@@ -30,6 +43,7 @@ _LAZY = {
     "audit": "gradsync.audit",
     "latest_checkpoint": "gradsync.checkpoint",
     "count_label_tokens": "gradsync.tokens",
+    "set_seed": "gradsync.seeding",
 }
 
 

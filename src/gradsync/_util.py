@@ -19,6 +19,13 @@ def check_positive_int(name: str, value: object) -> int:
     return value
 
 
+def check_non_negative_int(name: str, value: object) -> int:
+    """Return ``value`` as an int >= 0, or raise a ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name}={value!r} must be a whole number >= 0")
+    return value
+
+
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB'."""
     value = float(n)

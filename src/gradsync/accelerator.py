@@ -4,23 +4,27 @@ the micro-step runner and the checkpoint state. It wires them together and forwa
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
 import sys
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, overload
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any, overload
 
 import torch
 from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
 
 from gradsync import audit as audit_mod
 from gradsync import backends, dist, environment, metrics, selfcheck
-from gradsync._util import check_positive_int
+from gradsync._util import check_non_negative_int, check_positive_int
 from gradsync.accumulation import MicroStep, Window
 from gradsync.backends import _group
 from gradsync.backends._amp import WindowScaler
 from gradsync.batching import BatchPlan, solve_with_schedule
+from gradsync.checkpoint import export
 from gradsync.checkpoint.export import save_model
 from gradsync.checkpoint.signals import SignalWatch, requeue, requeue_command
 from gradsync.checkpoint.state import CheckpointState
@@ -39,6 +43,7 @@ from gradsync.settings import (
     ModuleSelector,
     RequestedPolicy,
 )
+from gradsync.window_loss import WindowLoss
 from gradsync.wrappers import PreparedOptimizer, PreparedScheduler
 
 REDUCTIONS = ("mean", "sum", "normalized")
@@ -197,8 +202,13 @@ class Accelerator:
         self._loaders = LoaderContext(self._window, self._backend.device, self._on_epoch_start,
                                       self.config.count_items)
         self._state = CheckpointState(self._prepared, self._window, self._backend, self._loaders)
+        self._loss: WindowLoss | None = None
+        if self.config.track_window_loss:
+            self._loss = WindowLoss(self._backend.device, world, self._runner.own_collective)
+            self._runner.at_boundary.append(self._loss.at_boundary)
         self._preparer = Preparer(self.config, plan, self._backend, self._window.view, self._prepared,
-                                  self._loaders, self._check_length)
+                                  self._loaders, self._check_length,
+                                  self._before_step if self._loss is not None else None)
         self._planned_steps: int | None = None
         self._length_warned: set[int] = set()
         self.audit: audit_mod.Recorder | None = None
@@ -277,6 +287,31 @@ class Accelerator:
         return self.local_rank == 0
 
     @property
+    def process_index(self) -> int:
+        """Accelerate's name for ``rank``."""
+        return self.rank
+
+    @property
+    def local_process_index(self) -> int:
+        """Accelerate's name for ``local_rank``."""
+        return self.local_rank
+
+    @property
+    def num_processes(self) -> int:
+        """Accelerate's name for ``world_size``."""
+        return self.world_size
+
+    @property
+    def is_last_process(self) -> bool:
+        """The process of the highest rank."""
+        return self.rank == self.world_size - 1
+
+    @property
+    def mixed_precision(self) -> str:
+        """"no", "bf16" or "fp16"."""
+        return self.config.mixed_precision
+
+    @property
     def device(self) -> torch.device:
         """The device this process trains on."""
         return self._backend.device
@@ -333,7 +368,8 @@ class Accelerator:
 
     @property
     def optimizer_steps(self) -> int:
-        """Optimizer steps really applied so far, all prepared optimizers together."""
+        """Optimizer steps really applied so far (with several optimizers, each stepping once
+        per window: the most any of them applied)."""
         return self._prepared.steps_applied()
 
     @property
@@ -424,6 +460,57 @@ class Accelerator:
         if not models:
             raise UsageError("accumulate() needs the prepared model: `with accel.accumulate(model):`")
         return self._runner.run(models)
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Manual control: one micro-step whose backward never synchronises, whatever the
+        window says (Accelerate's ``no_sync``). Inside it ``backward`` divides the loss by
+        ``gradient_accumulation_steps`` (as Accelerate does) and ``optimizer.step()`` does
+        nothing; the audit and the self-check see it as a micro-step off the boundary.
+
+        Args:
+            model: a prepared model.
+
+        Returns:
+            The context manager of the micro-step.
+        """
+        return self._runner.run((model,), force=False)
+
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Manual control: one micro-step that closes the window, so the next backward of
+        ``model`` reduces the gradients accumulated so far, even when the forward ran inside
+        ``no_sync`` (Accelerate's ``trigger_sync_in_backward``); ``optimizer.step()`` applies
+        inside and after it. ``backward`` divides the loss by ``gradient_accumulation_steps``.
+
+        Args:
+            model: a prepared model.
+
+        Returns:
+            The context manager of the micro-step.
+        """
+        return self._runner.run((model,), force=True)
+
+    def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
+        """The prepared ``dataloader``, whose next pass starts after its first
+        ``num_batches`` batches (on this rank), for resuming by hand. ``load_state`` already
+        resumes a prepared loader mid-epoch: calling this after it skips twice.
+
+        Args:
+            dataloader: a loader returned by ``prepare``.
+            num_batches: the batches to skip.
+
+        Returns:
+            The same loader (later passes are whole).
+
+        Raises:
+            ConfigError: a loader that was not prepared, or a negative ``num_batches``.
+        """
+        if not isinstance(dataloader, PreparedDataLoader):
+            raise ConfigError(
+                f"skip_first_batches() got a {type(dataloader).__name__}; pass the loader "
+                "returned by accel.prepare(loader), which knows where its epoch stands"
+            )
+        dataloader.skip_next(check_non_negative_int("num_batches", num_batches))
+        return dataloader
 
     def split_batch(self, batch: Any, micro_batch_size: int) -> list[Any]:
         """Cut a loader batch into micro-batches for several micro-steps per loader batch: run
@@ -516,7 +603,7 @@ class Accelerator:
             )
         return items
 
-    def backward(self, loss: torch.Tensor, reduction: str = "mean") -> None:
+    def backward(self, loss: torch.Tensor, reduction: str = "mean", **kwargs: Any) -> None:
         """Backward of the micro-batch's loss, scaled so the update is the window's mean.
 
         Args:
@@ -528,6 +615,7 @@ class Accelerator:
                 global window (needs ``count_items``). ``"normalized"``: ``loss`` is already
                 divided by ``accel.window_items``; gradsync only undoes the data-parallel
                 averaging of gradients.
+            **kwargs: passed on to torch's backward (``retain_graph=True``, ``inputs=...``).
 
         Raises:
             UsageError: called outside ``accumulate`` while accumulating (with ``"sum"`` or
@@ -544,8 +632,10 @@ class Accelerator:
                     "backward inside the accumulate block, which decides when gradients sync"
                 )
             scale = 1 if step is None else step.size
+            if self._loss is not None:
+                self._loss.add(loss, 1.0 / (scale * self._loss.world), step)
             with naming_collective(self._backward_name, self._timeout):
-                self._run_backward(loss / scale if scale != 1 else loss)
+                self._run_backward(loss / scale if scale != 1 else loss, kwargs)
             return
         if reduction not in REDUCTIONS:
             raise ConfigError(f"backward(reduction={reduction!r}) is unknown; use one of {', '.join(REDUCTIONS)}")
@@ -565,8 +655,10 @@ class Accelerator:
             return  # nothing to learn from; the boundary skips the step
         world = self.plan.data_parallel_size  # every backend averages gradients over it
         factor = world / items if reduction == "sum" else float(world)
+        if self._loss is not None:
+            self._loss.add(loss, 1.0 / items if reduction == "sum" else 1.0, step)
         with naming_collective(self._backward_name, self._timeout):
-            self._run_backward(loss * factor if factor != 1 else loss)
+            self._run_backward(loss * factor if factor != 1 else loss, kwargs)
 
     def _backward_name(self) -> str:
         step = self._window.current
@@ -574,10 +666,36 @@ class Accelerator:
             return "backward() at the window boundary (the gradient reduction)"
         return "backward()"
 
-    def _run_backward(self, loss: torch.Tensor) -> None:
-        self._backend.backward(loss)
+    def _run_backward(self, loss: torch.Tensor, kwargs: dict[str, Any]) -> None:
+        if kwargs:
+            self._backend.backward(loss, **kwargs)
+        else:
+            self._backend.backward(loss)
         if self._self_check is not None:
             self._self_check.check.saw_backward()
+
+    def _before_step(self) -> None:
+        assert self._loss is not None
+        self._loss.before_step(self._window.current)
+
+    @property
+    def window_loss(self) -> float:
+        """The loss the last window's update minimised: the global mean of the losses passed
+        to ``backward`` in that window, weighted exactly as the update weights them (per
+        micro-batch for ``reduction="mean"``, per item for ``"sum"`` and ``"normalized"``),
+        over every micro-batch of every rank; equal on every rank. It is taken at the
+        window's first ``optimizer.step()`` (or the end of its last micro-step) with one small
+        all-reduce on every rank, waited for on the first read: reading it on one rank only
+        never hangs. NaN for a window in which no backward ran.
+
+        Raises:
+            UsageError: no window has closed yet.
+            ConfigError: the Accelerator was built with ``track_window_loss=False``.
+        """
+        if self._loss is None:
+            raise ConfigError("accel.window_loss is off (track_window_loss=False); build the "
+                              "Accelerator without it to read the window's loss")
+        return self._loss.value
 
     def _self_check_over(self) -> None:
         self._self_check = None
@@ -715,20 +833,113 @@ class Accelerator:
                 )
             self._prepared.add_object(obj)
 
-    def save_model(self, model: torch.nn.Module, directory: str | os.PathLike[str]) -> str:
-        """The model's full weights as one safetensors file ``model.safetensors`` in
-        ``directory``, gathered from every rank and written by rank 0 (call on every rank).
-        Tied weights are written once.
+    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike[str],
+                   max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> str:
+        """The model's full weights, gathered from every rank and written by rank 0 into the
+        folder ``save_directory`` in Transformers' layout, which ``from_pretrained`` reads
+        (call it on every rank): ``model.safetensors``, or numbered shards and
+        ``model.safetensors.index.json`` when the weights exceed ``max_shard_size``, plus
+        ``config.json`` (and ``generation_config.json``) for a Transformers model. Tied
+        weights are written once; earlier weights files in the folder are replaced.
 
         Args:
             model: a prepared model.
-            directory: the folder to write into (created when missing).
+            save_directory: the folder to write into (created when missing).
+            max_shard_size: the largest shard: bytes as an int, or a string such as
+                ``"5GB"`` (5 * 10**9 bytes) or ``"5GiB"`` (5 * 2**30); a tensor larger than
+                it gets a shard of its own.
+            safe_serialization: safetensors files; False writes ``pytorch_model.bin``
+                (``torch.save``) files instead.
 
         Returns:
-            The file's path.
+            The folder's path.
+
+        Raises:
+            ConfigError: ``save_directory`` is an existing file, or ``max_shard_size`` is not
+                a size.
+            CollectiveError: another rank stopped answering while the weights were gathered.
         """
         with naming_collective("save_model() (gathering the weights)", self._timeout):
-            return save_model(self._backend, model, directory, self.rank)
+            return save_model(self._backend, model, save_directory, self.rank,
+                              max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+
+    def save(self, obj: Any, f: str | os.PathLike[str] | IO[bytes],
+             safe_serialization: bool = False) -> None:
+        """Save ``obj`` on the main process only, in place of ``torch.save`` (the other ranks
+        write nothing and do not wait). A path is written under a temporary name, then
+        renamed.
+
+        Args:
+            obj: anything ``torch.save`` takes; with ``safe_serialization``, a dict of tensors.
+            f: a path, or a binary file open for writing.
+            safe_serialization: write safetensors instead of ``torch.save``'s pickle.
+
+        Raises:
+            ConfigError: ``safe_serialization`` with something other than a dict of tensors.
+        """
+        export.save(obj, f, main=self.is_main_process, safe_serialization=safe_serialization)
+
+    def register_save_state_pre_hook(
+        self, hook: Callable[[list[torch.nn.Module], list[dict[str, Any]], str], None],
+    ) -> RemovableHandle:
+        """Call ``hook(models, weights, output_dir)`` in every ``save_state``, on every rank,
+        after gradsync wrote the models and optimizers into the folder being written
+        (``output_dir``: files the hook adds there are committed with the checkpoint).
+        ``models`` are the prepared models unwrapped, ``weights`` their full state dicts
+        (on rank 0 at least). Unlike Accelerate, removing entries from the lists does not
+        keep a model out of the checkpoint: gradsync always saves every model it resumes.
+
+        Args:
+            hook: the function to call.
+
+        Returns:
+            A handle whose ``remove()`` unregisters it.
+        """
+        def call(folder: Path) -> None:
+            hook([self.unwrap_model(m) for m in self._prepared.models],
+                 [self.get_state_dict(m) for m in self._prepared.models], str(folder))
+
+        handle = RemovableHandle(self._state.save_hooks)
+        self._state.save_hooks[handle.id] = call
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[[list[torch.nn.Module], str], None]) -> RemovableHandle:
+        """Call ``hook(models, input_dir)`` in every ``load_state``, on every rank, once the
+        checkpoint is verified and before anything is loaded (``models``: the prepared
+        models, unwrapped). gradsync then loads every model itself.
+
+        Args:
+            hook: the function to call.
+
+        Returns:
+            A handle whose ``remove()`` unregisters it.
+        """
+        def call(folder: Path) -> None:
+            hook([self.unwrap_model(m) for m in self._prepared.models], str(folder))
+
+        handle = RemovableHandle(self._state.load_hooks)
+        self._state.load_hooks[handle.id] = call
+        return handle
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Forget everything prepared (models, optimizers, schedulers, loaders, registered
+        objects) and drop an open window, then collect garbage and empty the CUDA cache, e.g.
+        between two trainings in one process. Reassign what you hold:
+        ``model, optimizer = accel.free_memory(model, optimizer)``.
+
+        Args:
+            *objects: your references to prepared objects.
+
+        Returns:
+            One None per object given.
+        """
+        if self._window.is_open:
+            self._runner.drop()
+        self._prepared.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return [None for _ in objects]
 
     @property
     def stop_requested(self) -> bool:

@@ -234,8 +234,11 @@ class Window:
         return best_feed
 
     # -- driven by the Accelerator ------------------------------------------
-    def begin(self, *, remaining: int | None = None, last: bool = False) -> MicroStep:
-        """Start a micro-step and decide whether it is a boundary."""
+    def begin(self, *, remaining: int | None = None, last: bool = False,
+              force: bool | None = None) -> MicroStep:
+        """Start a micro-step and decide whether it is a boundary (``force``: the caller
+        decides, as ``no_sync`` / ``trigger_sync_in_backward`` do; the loss is then scaled
+        by the planned k, whatever the number of micro-steps the window ends up with)."""
         if self._current is not None:
             raise UsageError(
                 "accumulate() was entered again before the previous micro-step ended; "
@@ -265,6 +268,10 @@ class Window:
                 remaining = feed.peek(self._steps)  # unsized: look up to a window ahead
                 last = remaining == 1
             self._size = self._steps if remaining is None else max(1, min(self._steps, remaining))
+        if force is not None:
+            self._current = MicroStep(self._index, self._steps, force)
+            self._boundary = force
+            return self._current
         boundary = last or self._index + 1 >= self._size
         if last and self._index + 1 < self._size:
             # An epoch ended early without a known length: the window is shorter than planned.

@@ -83,17 +83,20 @@ class Runner:
         self.observers: list[Observer] = []
         #: Runs before a micro-step that would open a window (the SIGTERM check), or None.
         self.before_window: Callable[[], None] | None = None
+        #: Run after a window's last micro-step ended without error (the window loss).
+        self.at_boundary: list[Callable[[MicroStep], None]] = []
 
     def drop(self) -> None:
         drop_window(self.window, self.backend, self.prepared)
 
     @contextlib.contextmanager
-    def run(self, models: Sequence[torch.nn.Module]) -> Iterator[None]:
-        """One micro-step over ``models`` (see the module's docstring for the order)."""
+    def run(self, models: Sequence[torch.nn.Module], force: bool | None = None) -> Iterator[None]:
+        """One micro-step over ``models`` (see the module's docstring for the order);
+        ``force``: the caller decides whether it closes the window (manual control)."""
         window, backend = self.window, self.backend
         if self.before_window is not None and not window.is_open:
             self.before_window()
-        step = window.begin()
+        step = window.begin(force=force)
         if step.index == 0:
             try:
                 # Every window starts from cleared gradients: the prepared optimizers' here,
@@ -111,19 +114,24 @@ class Runner:
                 began += 1
             with naming_collective(lambda: f"the forward/backward of micro-step {step.index + 1} of "
                                    f"{step.size} (window {window.completed_windows + 1})", self.timeout):
-                if len(models) == 1:
+                if len(models) == 1 and not force:
                     with backend.micro_step(models[0], boundary=step.boundary):
                         yield
                 else:
                     with contextlib.ExitStack() as stack:
                         for model in models:
                             stack.enter_context(backend.micro_step(model, boundary=step.boundary))
+                            if force:  # its forward may have run off the boundary (no_sync)
+                                backend.sync_next_backward(model)
                         yield
             if step.boundary:
                 with naming_collective("the end of the accumulation window", self.timeout):
                     backend.end_window(models)
             for observer in reversed(observers):
                 observer.end(step)
+            if step.boundary:
+                for hook in self.at_boundary:
+                    hook(step)
         except BaseException:
             for observer in reversed(observers[:began]):
                 with contextlib.suppress(Exception):  # the block's own error is the one to raise
@@ -131,7 +139,7 @@ class Runner:
             self.drop()  # a stray step() after the error applies nothing
             raise
         window.end()
-        if observers and any(o.done for o in observers):
+        if step.boundary and observers and any(o.done for o in observers):
             self.observers = [o for o in observers if not o.done]
 
     def own_collective(self) -> contextlib.AbstractContextManager[None]:

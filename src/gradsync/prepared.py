@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from gradsync.backends.base import Held
+
 if TYPE_CHECKING:
     import torch
 
@@ -61,13 +63,24 @@ class Prepared:
         """The prepared models whose parameters ``optimizer`` holds, in prepare order."""
         return [m for m in self.models if (id(m), id(optimizer)) in self._links]
 
-    def optimizer_per_model(self) -> list[torch.optim.Optimizer | None]:
-        """For each model, the (unwrapped) optimizer that holds it, or None: the layout of
-        the backends' checkpoint hooks (``optimizers[i]`` belongs to ``models[i]``)."""
-        out: list[torch.optim.Optimizer | None] = []
-        for model in self.models:
-            mine = self.optimizers_of(model)
-            out.append(mine[0].optimizer if mine else None)
+    def model_indices(self, optimizer: PreparedOptimizer) -> tuple[int, ...]:
+        """The positions of the models whose parameters ``optimizer`` holds."""
+        return tuple(i for i, m in enumerate(self.models) if (id(m), id(optimizer)) in self._links)
+
+    def held(self) -> list[Held]:
+        """Every prepared optimizer as the checkpoint hooks see it (numbered in prepare order)."""
+        return [Held(j, o.optimizer, self.model_indices(o)) for j, o in enumerate(self.optimizers)]
+
+    def held_by_model(self) -> list[Held]:
+        """The optimizers as gradsync 0.1 saved them: one per model, numbered by the model
+        (an optimizer that holds several models, or a model with several optimizers, has
+        no such layout: a ValueError)."""
+        out = []
+        for j, o in enumerate(self.optimizers):
+            mine = self.model_indices(o)
+            if len(mine) != 1 or len(self.optimizers_of(self.models[mine[0]])) != 1:
+                raise ValueError(f"optimizer {j} holds models {list(mine)}")
+            out.append(Held(mine[0], o.optimizer, mine, legacy=True))
         return out
 
     def holding(self, parameters: Iterable[torch.Tensor]) -> list[PreparedOptimizer]:
@@ -77,8 +90,8 @@ class Prepared:
                 if any(id(p) in wanted for group in o.param_groups for p in group["params"])]
 
     def step_counter(self, optimizer: Any) -> Callable[[], int]:
-        """The applied-step count of the prepared optimizer wrapping ``optimizer`` (all
-        prepared optimizers together when it is none of them)."""
+        """The applied-step count of the prepared optimizer wrapping ``optimizer`` (the
+        training's, ``steps_applied``, when it is none of them)."""
         for prepared in self.optimizers:
             if prepared.optimizer is optimizer or prepared is optimizer:
                 return lambda: prepared.steps_applied
@@ -92,14 +105,22 @@ class Prepared:
         return self.trained[-1] if self.trained else None
 
     def steps_applied(self) -> int:
-        """Optimizer steps really applied, all prepared optimizers together."""
-        return sum(o.steps_applied for o in self.optimizers)
+        """Optimizer steps really applied: the most any prepared optimizer applied (with an
+        optimizer per model, each steps once per window: the training's step count)."""
+        return max((o.steps_applied for o in self.optimizers), default=0)
 
     def counts(self) -> dict[str, int]:
         """How many of each kind were prepared (a checkpoint must match them)."""
         return {"models": len(self.models), "schedulers": len(self.schedulers),
                 "objects": len(self.objects), "loaders": len(self.loaders),
                 "optimizers": len(self.optimizers)}
+
+    def clear(self) -> None:
+        """Forget everything (``accel.free_memory``)."""
+        self.clear_models()
+        for kind in (self.optimizers, self.schedulers, self.loaders, self.objects):
+            kind.clear()
+        self._links.clear()
 
     def clear_models(self) -> None:
         """Forget the models (at the end of training: they may hold the process group)."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gradsync import dist
+from gradsync.backends.base import is_frozen
 from gradsync.batching import BatchPlan
 from gradsync.data import LoaderContext, PreparedDataLoader, shard_dataloader
 from gradsync.errors import ConfigError
@@ -44,7 +45,8 @@ class Preparer:
 
     def __init__(self, config: Config, plan: BatchPlan, backend: Backend, view: WindowView,
                  registry: Prepared, loaders: LoaderContext,
-                 on_scheduler: Callable[[PreparedScheduler], None]) -> None:
+                 on_scheduler: Callable[[PreparedScheduler], None],
+                 before_step: Callable[[], None] | None = None) -> None:
         self._config = config
         self.plan = plan
         self._backend = backend
@@ -52,12 +54,13 @@ class Preparer:
         self._registry = registry
         self._loaders = loaders
         self._on_scheduler = on_scheduler
+        self._before_step = before_step
 
     def prepare(self, objects: Sequence[Any]) -> Any:
         """The prepared ``objects``, in order (one object when one was given)."""
+        self._refuse(objects)
         models = [o for o in objects if isinstance(o, torch.nn.Module)]
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
-        self._refuse(objects, models, optimizers)
         for obj in objects:
             batch = getattr(obj, "batch_size", None) if is_dataloader(obj) else None
             if batch is not None and self.plan.micro_batch_size is None:
@@ -67,28 +70,32 @@ class Preparer:
                     micro_batch_size=batch,
                     gradient_accumulation_steps=self.plan.gradient_accumulation_steps,
                 )
+        owners = {id(opt): self._owners(opt, models) for opt in optimizers}
         out: dict[int, Any] = {}
-        new_optimizer: torch.optim.Optimizer | None = None
-        old_optimizer = optimizers[0] if optimizers else None
-        if models:
-            model = models[0]
-            if old_optimizer is not None:
-                _check_optimizer_holds(model, old_optimizer)
-            wrapped, new_optimizer = self._backend.prepare(model, old_optimizer, self.plan)
+        now: dict[int, torch.optim.Optimizer] = {id(o): o for o in optimizers}  # after the backend
+        built: list[tuple[torch.nn.Module, torch.optim.Optimizer]] = []
+        for model in models:
+            mine = [o for o in optimizers if any(m is model for m in owners[id(o)])]
+            wrapped, given = self._backend.prepare(model, [now[id(o)] for o in mine], self.plan)
+            if mine:
+                now.update((id(o), new) for o, new in zip(mine, given))
+            else:
+                built.extend((wrapped, new) for new in given)  # e.g. DeepSpeed's config optimizer
             self._registry.add_model(wrapped)
             out[id(model)] = wrapped
-            if new_optimizer is not None:
-                # The backend may build one itself (DeepSpeed's config optimizer): see .optimizer.
-                prepared = PreparedOptimizer(new_optimizer, self._backend, self._view, self._config.timeout)
-                self._registry.add_optimizer(prepared, [wrapped])
-                if old_optimizer is not None:
-                    out[id(old_optimizer)] = prepared
+        for opt in optimizers:
+            for earlier in (m for m in owners[id(opt)] if id(m) not in out):  # prepared before
+                now[id(opt)] = self._backend.attach(earlier, now[id(opt)])
+            out[id(opt)] = self._add_optimizer(now[id(opt)], [out.get(id(m), m) for m in owners[id(opt)]])
+        for wrapped, new in built:
+            self._add_optimizer(new, [wrapped])
         for obj in objects:
             if id(obj) in out:
                 continue
             if is_scheduler(obj):
-                if old_optimizer is not None and new_optimizer is not None and obj.optimizer is old_optimizer:
-                    obj.optimizer = new_optimizer
+                replaced = now.get(id(obj.optimizer))
+                if replaced is not None and replaced is not obj.optimizer:
+                    obj.optimizer = replaced
                 scheduler = PreparedScheduler(obj, self._registry.step_counter(obj.optimizer))
                 self._registry.add_scheduler(scheduler)
                 self._on_scheduler(scheduler)
@@ -97,18 +104,49 @@ class Preparer:
                 out[id(obj)] = self._prepare_dataloader(obj)
             else:
                 raise ConfigError(
-                    f"prepare() does not know what to do with a {type(obj).__name__}; pass a "
-                    "torch.nn.Module, a torch.optim.Optimizer, a DataLoader or an LR scheduler"
+                    f"prepare() does not know what to do with a {type(obj).__name__}; pass "
+                    "torch.nn.Modules, torch.optim.Optimizers, DataLoaders or LR schedulers"
                 )
         result = tuple(out[id(o)] for o in objects)
         return result[0] if len(result) == 1 else result
 
-    def _refuse(self, objects: Sequence[Any], models: list[Any], optimizers: list[Any]) -> None:
-        if len(models) > 1 or len(optimizers) > 1:
+    def _add_optimizer(self, optimizer: torch.optim.Optimizer,
+                       models: Sequence[torch.nn.Module]) -> PreparedOptimizer:
+        prepared = PreparedOptimizer(optimizer, self._backend, self._view, self._config.timeout)
+        prepared.before_step = self._before_step
+        self._registry.add_optimizer(prepared, models)
+        return prepared
+
+    def _owners(self, optimizer: torch.optim.Optimizer,
+                models: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+        """The models (of this call, or prepared before) whose parameters ``optimizer``
+        holds, matched by identity; a ConfigError for a parameter of no model, or of a frozen one."""
+        candidates = [*models, *self._registry.models]
+        owner: dict[int, int] = {}
+        for n, model in enumerate(candidates):
+            for p in model.parameters():
+                owner.setdefault(id(p), n)
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        found = sorted({owner[id(p)] for p in held if id(p) in owner})
+        orphans = sum(1 for p in held if id(p) not in owner)
+        name = type(optimizer).__name__
+        if orphans:
             raise ConfigError(
-                f"prepare() got {len(models)} models and {len(optimizers)} optimizers; "
-                "prepare one model and its optimizer per call"
+                f"the {name} holds {orphans} of its {len(held)} parameters that belong to no model "
+                "prepared in this call or before; prepare the models it trains together with it: "
+                "`model, optimizer = accel.prepare(model, optimizer)` (on FSDP, an optimizer built "
+                "over a model's parameters before prepare(model) must be prepared with it)"
             )
+        frozen = [candidates[n] for n in found if is_frozen(candidates[n])]
+        if frozen:
+            raise ConfigError(
+                f"the {name} holds parameters of a frozen {type(frozen[0]).__name__} (no parameter "
+                "requires grad): it would never train them; build the optimizer over the trained "
+                "models' parameters, or unfreeze that model before prepare()"
+            )
+        return [candidates[n] for n in found]
+
+    def _refuse(self, objects: Sequence[Any]) -> None:
         scalers = [o for o in objects if hasattr(o, "scale") and hasattr(o, "unscale_")]
         if scalers:
             raise ConfigError(
@@ -116,13 +154,13 @@ class Preparer:
                 f"run (mixed_precision={self._config.mixed_precision!r}); drop yours, set "
                 "mixed_precision='fp16' and use accel.backward(loss) (accel.scaler holds its state)"
             )
-        if any(isinstance(o, PreparedOptimizer) for o in optimizers):
+        if any(isinstance(o, PreparedOptimizer) for o in objects):
             raise ConfigError("prepare() got an optimizer that is already prepared; pass the original")
-        if optimizers and not models:
-            raise ConfigError(
-                "prepare() got an optimizer without its model; pass both: "
-                "`model, optimizer = accel.prepare(model, optimizer)`"
-            )
+        seen: set[int] = set()
+        for obj in objects:
+            if id(obj) in seen:
+                raise ConfigError(f"prepare() got the same {type(obj).__name__} twice; pass it once")
+            seen.add(id(obj))
 
     def _prepare_dataloader(self, loader: Any) -> PreparedDataLoader:
         batch = getattr(loader, "batch_size", None)
@@ -139,14 +177,3 @@ class Preparer:
         prepared = PreparedDataLoader(sharded, self._loaders)
         self._registry.add_loader(prepared)
         return prepared
-
-
-def _check_optimizer_holds(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    own = {id(p) for p in model.parameters()}
-    held = [p for group in optimizer.param_groups for p in group["params"]]
-    foreign = sum(1 for p in held if id(p) not in own)
-    if foreign:
-        raise ConfigError(
-            f"the optimizer holds {foreign} of {len(held)} parameters that are not the model's; "
-            "build the optimizer over model.parameters() of the model you prepare with it"
-        )

@@ -36,6 +36,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._timeout = timeout
         self.steps_applied = 0
         self.step_was_skipped = False  # the last boundary's step was skipped (fp16 overflow)
+        #: Called before a step at a boundary (the window loss is taken there), or None.
+        self.before_step: Callable[[], None] | None = None
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -82,7 +84,11 @@ class PreparedOptimizer(torch.optim.Optimizer):
                 "step(closure) is not supported under gradient accumulation; "
                 "call the closure yourself inside accel.accumulate()"
             )
-        if not self._window.boundary or self._window.skips_step:
+        if not self._window.boundary:
+            return
+        if self.before_step is not None:
+            self.before_step()
+        if self._window.skips_step:
             return
         with naming_collective("optimizer.step()", self._timeout):
             applied = self._backend.step(self.optimizer)

@@ -12,7 +12,7 @@ from scenarios import safety
 
 TARGETS = {
     "ddp": (["model_0.pt", "optimizer_0.pt", "rng_rank1.pt"], None),
-    "fsdp": (["pickle:dcp_0/.metadata", "dcp-item:dcp_0", "schedulers.pt"], None),
+    "fsdp": (["pickle:dcp_0/.metadata", "dcp-item:dcp_optimizer_0", "schedulers.pt"], None),
     "zero2": (["deepspeed/state/mp_rank_00_model_states.pt",
                "deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt"], 2),
     "zero3": (["deepspeed/state/zero_pp_rank_0_mp_rank_00_model_states.pt",

@@ -134,7 +134,7 @@ def test_misuse_gives_clear_errors(results):
         assert "outside `with accel.accumulate(model):`" in messages["outside"]
         assert "gradient_accumulation_steps=4" in messages["outside"]
         assert messages["foreign_optimizer"].startswith("ConfigError")
-        assert "not the model's" in messages["foreign_optimizer"]
+        assert "belong to no model prepared" in messages["foreign_optimizer"]
 
 
 def torch_flat(value):

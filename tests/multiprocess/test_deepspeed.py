@@ -257,6 +257,10 @@ def test_contradicting_config_fails_before_training(results):
         assert "micro batch size" in m["no_micro"] and "DataLoader" in m["no_micro"]
         assert "every_step" in m["every_step_stage1"] and "stage 1" in m["every_step_stage1"]
         assert m["auto_ok"] == "no error"
+        assert m["one_optimizer_two_models"].startswith("ConfigError")
+        assert "one optimizer over several models" in m["one_optimizer_two_models"]
+        assert m["two_optimizers_one_model"].startswith("ConfigError")
+        assert "one optimizer per model" in m["two_optimizers_one_model"]
 
 
 def test_clip_value_is_set_once(results):

@@ -300,7 +300,7 @@ def test_misuse_gives_clear_errors(results):
     for m in results["misuse"]:
         assert m["no_parameters"].startswith("ConfigError") and "no parameters" in m["no_parameters"]
         assert m["foreign_optimizer"].startswith("ConfigError")
-        assert "not the model's" in m["foreign_optimizer"]
+        assert "belong to no model prepared" in m["foreign_optimizer"]
         assert "already has state" in m["optimizer_with_state"]
         assert "prepare before the first optimizer step" in m["optimizer_with_state"]
         assert "fsdp_wrap=['Transformer']" in m["unknown_wrap"] and "Block" in m["unknown_wrap"]

@@ -149,6 +149,17 @@ def config_errors() -> dict[str, str]:
             lambda: Accelerator(backend="deepspeed", sync_policy="every_step",
                                 deepspeed_config=ds_config(1))),
     }
+    def two_models(shared: bool) -> None:
+        accel = Accelerator(backend="deepspeed", deepspeed_config=ds_config(0), micro_batch_size=2)
+        a, b = make_model(), make_model(1)
+        if shared:  # one optimizer over two engines
+            accel.prepare(a, b, make_optimizer([*a.parameters(), *b.parameters()], "sgd", 0.1))
+        else:  # two optimizers for one engine
+            accel.prepare(a, make_optimizer(a.blocks.parameters(), "sgd", 0.1),
+                          make_optimizer(a.head.parameters(), "sgd", 0.1))
+
+    out["one_optimizer_two_models"] = _expect_error(lambda: two_models(True))
+    out["two_optimizers_one_model"] = _expect_error(lambda: two_models(False))
     # "auto" and matching values are accepted; prepare without a loader works given micro_batch_size
     ok_ds = ds_config(0, gradient_accumulation_steps="auto", train_batch_size=16)
     out["auto_ok"] = _expect_error(lambda: prepare(4, ok_ds, with_loader=False, micro_batch_size=2))

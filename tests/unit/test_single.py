@@ -129,7 +129,7 @@ def test_prepare_returns_in_order_and_rejects_unknown(clean_env):
     assert out[2] is model and len(out[1].get_last_lr()) == 1 and len(out[0]) == 2
     with pytest.raises(ConfigError, match="does not know what to do with a str"):
         a.prepare("model.pt")
-    with pytest.raises(ConfigError, match="optimizer without its model"):
+    with pytest.raises(ConfigError, match="belong to no model prepared"):
         a.prepare(torch.optim.SGD(make_model().parameters(), lr=0.1))
 
 

@@ -57,3 +57,12 @@ def unused_parameters(message: str, module: torch.nn.Module,
         except IndexError:
             return int(found.group(1)), None
     return None, None
+
+
+def expect_backward(model: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Have DDP's reducer reduce in the next backward although the forward ran under
+    ``no_sync()`` (what DDP's own forward does when it will sync). With
+    ``find_unused_parameters`` the reducer needs the forward's outputs: nothing is done, the
+    forward must run inside the syncing micro-step."""
+    if not model.find_unused_parameters:
+        model.reducer.prepare_for_backward([])

@@ -1,7 +1,12 @@
 """FSDP2 checkpoints through ``torch.distributed.checkpoint``: each rank writes its shards,
 and a checkpoint saved on N ranks loads on M (DCP reshards). An open window's gradients
 (this rank's unsharded local sums, or its reduced shards under "every_step") are written
-per rank and load only on the same world size."""
+per rank and load only on the same world size.
+
+Layout: ``dcp_<i>`` holds model ``i``, ``dcp_optimizer_<j>`` optimizer ``j``, keyed by the
+names of the parameters of the models it holds (prefixed by their position among them when
+it holds several). gradsync 0.1 kept a model's one optimizer in the model's ``dcp_<i>``:
+a ``Held`` marked ``legacy`` is read from there."""
 
 from __future__ import annotations
 
@@ -22,17 +27,31 @@ from torch.distributed.tensor import DTensor
 
 from gradsync import dist
 from gradsync.backends import _fsdp_compat
+from gradsync.backends.base import Held
 from gradsync.checkpoint import safety
 from gradsync.checkpoint.folder import load_file, save_file
 from gradsync.errors import CheckpointError
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer is not None else [])
-    state: dict[str, Any] = {"model": model_sd}
-    if optimizer is not None:
-        state["optim"] = optim_sd
-    return state
+def _model_state(model: nn.Module) -> dict[str, Any]:
+    model_sd, _ = get_state_dict(model, [])
+    return {"model": model_sd}
+
+
+def _holder(models: Sequence[nn.Module], held: Held) -> nn.Module:
+    """The module whose parameter names key ``held``'s state: its one model, or its models
+    side by side in a ModuleList (which leaves them as they are)."""
+    mine = [models[i] for i in held.models]
+    return mine[0] if len(mine) == 1 else nn.ModuleList(mine)
+
+
+def _optim_state(models: Sequence[nn.Module], held: Held) -> dict[str, Any]:
+    _, optim_sd = get_state_dict(_holder(models, held), [held.optimizer])
+    return {"optim": optim_sd}
+
+
+def _folder(path: Path, held: Held) -> Path:
+    return path / (f"dcp_{held.index}" if held.legacy else f"dcp_optimizer_{held.index}")
 
 
 def _sharded_grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -55,10 +74,12 @@ def _put_sharded_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None
         local.copy_(g)
 
 
-def save(path: Path, models: Sequence[nn.Module], optimizers: Sequence[Any], *,
+def save(path: Path, models: Sequence[nn.Module], optimizers: Sequence[Held], *,
          window_open: bool, device: torch.device) -> None:
-    for i, (model, opt) in enumerate(zip(models, optimizers)):
-        dcp_save(_state(model, opt), checkpoint_id=str(path / f"dcp_{i}"))
+    for i, model in enumerate(models):
+        dcp_save(_model_state(model), checkpoint_id=str(path / f"dcp_{i}"))
+    for held in optimizers:
+        dcp_save(_optim_state(models, held), checkpoint_id=str(_folder(path, held)))
     if window_open:
         window = [{"sharded": _sharded_grads(m),
                    "unsharded": _fsdp_compat.window_grads(m) if isinstance(m, FSDPModule) else []}
@@ -102,28 +123,43 @@ class _CheckedPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
-def load(path: Path, models: Sequence[nn.Module], optimizers: Sequence[Any], *,
+def _read(folder: Path, state: dict[str, Any], what: str, *, trusted: bool,
+          allowed: Callable[[str], bool] | None) -> None:
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint {str(folder.parent)!r} has no {folder.name} (it holds fewer {what}s)")
+    try:
+        if trusted or allowed is None:
+            dcp_load(state, checkpoint_id=str(folder))
+        else:
+            dcp_load(state, storage_reader=_CheckedReader(folder, allowed),
+                     planner=_CheckedPlanner(folder, allowed))
+    except CheckpointError:
+        raise
+    except Exception as err:
+        text = " ".join(str(err).split())[:300]
+        raise CheckpointError(f"checkpoint {str(folder)!r} does not fit the {what}: {text}") from None
+
+
+def load(path: Path, models: Sequence[nn.Module], optimizers: Sequence[Held], *,
          window_open: bool, device: torch.device, trusted: bool = False,
          allowed: Callable[[str], bool] | None = None) -> None:
     window = load_file(path / f"window_rank{dist.rank()}.pt", trusted=trusted) if window_open else None
-    for i, (model, opt) in enumerate(zip(models, optimizers)):
-        folder = path / f"dcp_{i}"
-        if not folder.is_dir():
-            raise CheckpointError(f"checkpoint {str(path)!r} has no {folder.name} (it holds fewer models)")
-        state = _state(model, opt)
-        try:
-            if trusted or allowed is None:
-                dcp_load(state, checkpoint_id=str(folder))
-            else:
-                dcp_load(state, storage_reader=_CheckedReader(folder, allowed),
-                         planner=_CheckedPlanner(folder, allowed))
-        except CheckpointError:
-            raise
-        except Exception as err:
-            text = " ".join(str(err).split())[:300]
-            raise CheckpointError(f"checkpoint {str(folder)!r} does not fit the model: {text}") from None
-        set_state_dict(model, [opt] if opt is not None else [], model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}))
+    # Read everything before anything is set: a file that does not fit changes nothing.
+    model_states = []
+    for i, model in enumerate(models):
+        state = _model_state(model)
+        _read(path / f"dcp_{i}", state, "model", trusted=trusted, allowed=allowed)
+        model_states.append(state)
+    optim_states = []
+    for held in optimizers:
+        state = _optim_state(models, held)
+        _read(_folder(path, held), state, "optimizer", trusted=trusted, allowed=allowed)
+        optim_states.append(state)
+    for model, state in zip(models, model_states):
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+    for held, state in zip(optimizers, optim_states):
+        set_state_dict(_holder(models, held), [held.optimizer], model_state_dict={},
+                       optim_state_dict=state["optim"])
     if window is not None:
         for model, saved in zip(models, window):
             _put_sharded_grads(model, saved["sharded"])

@@ -1,6 +1,8 @@
 """The "plain" checkpoint format of the replicated backends (single, DDP): the models'
-and optimizers' state dicts written once, by rank 0, and an open window's local
-gradients written by every rank (the one thing that differs between ranks)."""
+and optimizers' state dicts written once, by rank 0 (``model_<i>.pt`` per model,
+``optimizer_<j>.pt`` per optimizer; gradsync 0.1 numbered an optimizer by its model, which
+``Held.index`` carries for such a checkpoint), and an open window's local gradients written
+by every rank (the one thing that differs between ranks)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 
 import torch
 
+from gradsync.backends.base import Held
 from gradsync.checkpoint.folder import load_file, save_file
 from gradsync.errors import CheckpointError, UsageError
 
@@ -39,18 +42,18 @@ def put_grads(module: torch.nn.Module, grads: dict[str, torch.Tensor]) -> None:
         p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
 
 
-def save(path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Any],
+def save(path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Held],
          unwrap: Unwrap, rank: int, *, window_open: bool, gathered_optimizers: bool = False) -> None:
     """``gathered_optimizers``: an optimizer's ``state_dict()`` is a collective that gathers
     its shards (fairscale's OSS): every rank calls it, rank 0 writes it."""
     if gathered_optimizers:
-        states = [opt.state_dict() if opt is not None else None for opt in optimizers]
+        states = [held.optimizer.state_dict() for held in optimizers]
     if rank == 0:
         for i, model in enumerate(models):
             save_file(unwrap(model).state_dict(), path / f"model_{i}.pt")
-        for i, opt in enumerate(optimizers):
-            if opt is not None:
-                save_file(states[i] if gathered_optimizers else opt.state_dict(), path / f"optimizer_{i}.pt")
+        for n, held in enumerate(optimizers):
+            save_file(states[n] if gathered_optimizers else held.optimizer.state_dict(),
+                      path / f"optimizer_{held.index}.pt")
     if window_open:
         save_file([local_grads(unwrap(m)) for m in models], window_file(path, rank))
 
@@ -83,7 +86,7 @@ def check_optimizer(where: Path, optimizer: Any, state: Any) -> None:
         )
 
 
-def load(path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Any],
+def load(path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Held],
          unwrap: Unwrap, rank: int, *, window_open: bool, trusted: bool = False) -> None:
     # Read and check everything first: nothing reaches a model unless all of it fits.
     states = []
@@ -94,17 +97,18 @@ def load(path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Any
         state = load_file(file, trusted=trusted)
         check_model(file, unwrap(model), state)
         states.append(state)
-    opt_states = [load_file(path / f"optimizer_{i}.pt", trusted=trusted) if opt is not None else None
-                  for i, opt in enumerate(optimizers)]
-    for i, (opt, opt_state) in enumerate(zip(optimizers, opt_states)):
-        if opt is not None:
-            check_optimizer(path / f"optimizer_{i}.pt", opt, opt_state)
+    opt_states = []
+    for held in optimizers:
+        file = path / f"optimizer_{held.index}.pt"
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} has no {file.name} (it holds fewer optimizers)")
+        opt_states.append(load_file(file, trusted=trusted))
+        check_optimizer(file, held.optimizer, opt_states[-1])
     grads = load_file(window_file(path, rank), trusted=trusted) if window_open else None
     for model, state in zip(models, states):
         unwrap(model).load_state_dict(state)
-    for opt, opt_state in zip(optimizers, opt_states):
-        if opt is not None:
-            opt.load_state_dict(opt_state)
+    for held, opt_state in zip(optimizers, opt_states):
+        held.optimizer.load_state_dict(opt_state)
     if grads is not None:
         for model, g in zip(models, grads):
             put_grads(unwrap(model), g)

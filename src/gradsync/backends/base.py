@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -35,8 +36,45 @@ if TYPE_CHECKING:
     from gradsync.batching import BatchPlan
     from gradsync.config import Config
 
-__all__ = ["AdapterDefaults", "Backend", "RequestedPolicy", "SyncPolicy", "clear_grads", "is_frozen",
-           "not_prepared", "refuse_native"]
+__all__ = ["AdapterDefaults", "Backend", "Held", "RequestedPolicy", "SyncPolicy", "clear_grads", "is_frozen",
+           "not_prepared", "refuse_native", "single_optimizer"]
+
+
+@dataclass(frozen=True)
+class Held:
+    """A prepared optimizer as a checkpoint sees it: its number in the checkpoint (``index``),
+    the torch optimizer, and the indices of the prepared models whose parameters it holds.
+    ``legacy``: the checkpoint was written by gradsync 0.1, whose files paired the optimizer
+    with model ``index`` (one optimizer per model)."""
+
+    index: int
+    optimizer: torch.optim.Optimizer
+    models: tuple[int, ...]
+    legacy: bool = False
+
+
+def single_optimizer(backend: str, model: torch.nn.Module,
+                     optimizers: Sequence[torch.optim.Optimizer], why: str) -> torch.optim.Optimizer | None:
+    """The one optimizer of ``model`` on a backend that wraps model and optimizer together
+    (``why``): a ConfigError for several, or for one that also holds another model's
+    parameters."""
+    if len(optimizers) > 1:
+        raise ConfigError(
+            f"backend={backend!r} takes one optimizer per model ({why}); {len(optimizers)} "
+            f"optimizers hold parameters of the {type(model).__name__}: use one optimizer with "
+            "several parameter groups instead"
+        )
+    if not optimizers:
+        return None
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(1 for g in optimizers[0].param_groups for p in g["params"] if id(p) not in own)
+    if foreign:
+        raise ConfigError(
+            f"backend={backend!r} cannot run one optimizer over several models ({why}): the "
+            f"{type(optimizers[0]).__name__} also holds {foreign} parameters of another model; "
+            "give each trained model its own optimizer, or put the models in one nn.Module"
+        )
+    return optimizers[0]
 
 
 class Backend(Protocol):
@@ -63,9 +101,22 @@ class Backend(Protocol):
         and not kept for later: what the adapter needs of it, it copies."""
 
     def prepare(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
-    ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
-        """Wrap the model (DDP / FSDP2 / engine) and return the optimizer over its parameters."""
+        self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], plan: BatchPlan
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        """Wrap the model (DDP / FSDP2 / engine). ``optimizers`` are those that hold any of its
+        parameters (an optimizer may also hold other models'); the adapter re-points them at
+        what it made of the parameters and returns them in order (an adapter that builds
+        the optimizer itself returns its own in that place, or a new one when none was
+        given), or refuses in one line what the backend cannot do."""
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """An optimizer prepared in a later call than ``model`` (already wrapped), holding its
+        parameters: the optimizer to use, or a one-line refusal where the backend builds its
+        wrapper from model and optimizer together."""
+
+    def sync_next_backward(self, model: torch.nn.Module) -> None:
+        """Inside a boundary ``micro_step`` forced by the user (``trigger_sync_in_backward``):
+        make the next backward of ``model`` reduce even if its forward ran off the boundary."""
 
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
         """A window starts: clear the gradients ``models`` hold, the way the backend needs
@@ -85,9 +136,10 @@ class Backend(Protocol):
     def autocast(self) -> AbstractContextManager[Any]:
         """The autocast the micro-steps run under (a no-op context when there is none)."""
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Run the backward pass of a loss already divided by the window size (an fp16
-        adapter multiplies it by the loss scale)."""
+        adapter multiplies it by the loss scale); ``kwargs`` go to torch's backward
+        (``retain_graph``, ``inputs``, ...)."""
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """At a boundary, before clipping: bring the optimizer's gradients back to their true
@@ -123,17 +175,17 @@ class Backend(Protocol):
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
 
-    def save(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
-        """Write the models and their optimizers (``optimizers[i]`` belongs to ``models[i]``)
-        into the folder ``path`` (collective). With ``window_open``, also the open window's
-        local gradients of this rank, or a one-line error where the backend cannot."""
+    def save(self, path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Held], *,
+             window_open: bool) -> None:
+        """Write the models and the optimizers (each with the models whose parameters it
+        holds) into the folder ``path`` (collective). With ``window_open``, also the open
+        window's local gradients of this rank, or a one-line error where the backend cannot."""
 
-    def load(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool,
-             trusted: bool = False) -> None:
+    def load(self, path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Held], *,
+             window_open: bool, trusted: bool = False) -> None:
         """Read back what ``save`` wrote (collective); check before changing anything. Files
-        are read without running code from them unless ``trusted``."""
+        are read without running code from them unless ``trusted``. A ``Held`` with
+        ``legacy`` set was written by gradsync 0.1 (one optimizer per model, stored with it)."""
 
 
 class AdapterDefaults:
@@ -170,6 +222,12 @@ class AdapterDefaults:
     def device(self) -> torch.device:
         return self._device
 
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer  # the wrapper left the parameters (or replaced them before it was built)
+
+    def sync_next_backward(self, model: torch.nn.Module) -> None:
+        return None  # the boundary micro_step's state is read when backward runs
+
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
         clear_grads(models)
 
@@ -183,8 +241,8 @@ class AdapterDefaults:
     def autocast(self) -> AbstractContextManager[Any]:
         return _amp.autocast(self._device, self._dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward(**kwargs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync import _torch_compat, dist
 from gradsync.backends import _amp, _ddp_compat, _group, _modules, _plain_state
-from gradsync.backends.base import AdapterDefaults, is_frozen, not_prepared, refuse_native
+from gradsync.backends.base import AdapterDefaults, Held, is_frozen, not_prepared, refuse_native
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
@@ -58,23 +58,23 @@ class DDPBackend(AdapterDefaults):
         self.scaler = _amp.make_scaler(config, self._device, sharded=False)
 
     def prepare(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
-    ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+        self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], plan: BatchPlan
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         if isinstance(_torch_compat.uncompiled(model), DDP):
             _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
-            return model, optimizer
+            return model, list(optimizers)
         compiled = _torch_compat.uncompiled(model) is not model  # by the user, before prepare
         _modules.checkpoint_modules(_torch_compat.uncompiled(model), self._checkpointing)
         model = model.to(self._device)
         if is_frozen(model):
             # Nothing to synchronise (a reference or teacher model): never wrapped in DDP.
             _group.broadcast_from_rank0(model)
-            return model, optimizer
+            return model, list(optimizers)
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         wrapped = DDP(model, device_ids=device_ids, **self.ddp_kwargs)
         # Compiling the wrapped model lets torch split the graph at DDP's buckets.
         _modules.compile_in_place(wrapped, None if compiled else self._compile)
-        return wrapped, optimizer
+        return wrapped, list(optimizers)
 
     @contextlib.contextmanager
     def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
@@ -96,16 +96,21 @@ class DDPBackend(AdapterDefaults):
                 raise  # with the flag on, torch's own advice is the one that applies
             raise RuntimeError(_unused_message(model, str(err))) from None
 
+    def sync_next_backward(self, model: torch.nn.Module) -> None:
+        model = _torch_compat.uncompiled(model)
+        if isinstance(model, DDP) and self.policy != "every_step":
+            _ddp_compat.expect_backward(model)
+
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         model = _torch_compat.uncompiled(model)  # compiled after prepare, or before it
         return _torch_compat.uncompiled(model.module if isinstance(model, DDP) else model)
 
     def save(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
+             optimizers: Sequence[Held], *, window_open: bool) -> None:
         _plain_state.save(path, models, optimizers, self.unwrap, dist.rank(), window_open=window_open)
 
     def load(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool,
+             optimizers: Sequence[Held], *, window_open: bool,
              trusted: bool = False) -> None:
         _plain_state.load(path, models, optimizers, self.unwrap, dist.rank(), window_open=window_open,
                           trusted=trusted)

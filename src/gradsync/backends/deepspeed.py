@@ -36,10 +36,12 @@ from gradsync.backends._deepspeed_config import (
 )
 from gradsync.backends.base import (
     AdapterDefaults,
+    Held,
     RequestedPolicy,
     clear_grads,
     is_frozen,
     not_prepared,
+    single_optimizer,
 )
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
@@ -107,17 +109,18 @@ class DeepSpeedBackend(AdapterDefaults):
         self._device = _group.local_device()
 
     def prepare(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
-    ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+        self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], plan: BatchPlan
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         deepspeed = import_deepspeed()
+        optimizer = single_optimizer(self.name, model, optimizers, "one engine holds one model and its optimizer")
         if isinstance(model, deepspeed.DeepSpeedEngine):
             _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
-            return model, model.optimizer
+            return model, [model.optimizer] if model.optimizer is not None else []
         if is_frozen(model) and optimizer is None:
             # A reference / teacher model: no engine, kept whole on every rank (see docs).
             model = model.to(self._device)
             _group.broadcast_from_rank0(model)
-            return model, None
+            return model, []
         if self.engine is not None:
             raise ConfigError(
                 "backend='deepspeed' trains one model per Accelerator (one engine); a second "
@@ -154,7 +157,14 @@ class DeepSpeedBackend(AdapterDefaults):
                 engine, self.stage, self._budget, self._device, deepspeed.__version__)
         if dist.rank() == 0:
             log.info("gradsync deepspeed: sync_policy %s", self.policy_reason)
-        return engine, ds_optimizer
+        return engine, [ds_optimizer] if ds_optimizer is not None else []
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        raise ConfigError(
+            f"backend={self.name!r} got the {type(optimizer).__name__} in a later prepare() call "
+            "than its model (DeepSpeed builds its engine from the model and its optimizer together); prepare both in one call: "
+            "`model, optimizer = accel.prepare(model, optimizer)`"
+        )
 
     # -- the window -------------------------------------------------------------
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
@@ -204,9 +214,9 @@ class DeepSpeedBackend(AdapterDefaults):
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()  # the engine's module computes in the config's dtype
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         # gradsync already divided the loss by this window's size.
-        self.engine.backward(loss, scale_wrt_gas=False)
+        self.engine.backward(loss, scale_wrt_gas=False, **kwargs)
         if self.engine.is_gradient_accumulation_boundary():
             self._flush()
 
@@ -244,12 +254,12 @@ class DeepSpeedBackend(AdapterDefaults):
         return _deepspeed_checkpoint.full_weights(self.engine, self.unwrap(model))
 
     def save(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
+             optimizers: Sequence[Held], *, window_open: bool) -> None:
         if window_open:
             _deepspeed_checkpoint.refuse_open_window()
         _deepspeed_checkpoint.save(path, self.engine, models)
 
     def load(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool,
+             optimizers: Sequence[Held], *, window_open: bool,
              trusted: bool = False) -> None:
         _deepspeed_checkpoint.load(path, self.engine, models, trusted=trusted)

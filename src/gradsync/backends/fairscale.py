@@ -27,10 +27,12 @@ from gradsync.backends import _amp, _fairscale_compat, _group, _plain_state
 from gradsync.backends._fairscale_compat import OSS, FullyShardedDataParallel, ShardedDataParallel
 from gradsync.backends.base import (
     AdapterDefaults,
+    Held,
     clear_grads,
     is_frozen,
     not_prepared,
     refuse_native,
+    single_optimizer,
 )
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
@@ -98,8 +100,10 @@ class FairscaleBackend(AdapterDefaults):
         self._device = _group.local_device()
 
     def prepare(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
-    ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+        self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], plan: BatchPlan
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        optimizer = single_optimizer(self.name, model, optimizers,
+                                     "ShardedDataParallel reduces to the owner of each OSS shard")
         if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
             raise ConfigError(
                 "backend='fairscale' got a model wrapped in fairscale's FullyShardedDataParallel, "
@@ -116,7 +120,7 @@ class FairscaleBackend(AdapterDefaults):
             # A reference / teacher model: nothing to reduce, never wrapped.
             model = model.to(self._device)
             _group.broadcast_from_rank0(model)
-            return model, None
+            return model, []
         if optimizer is None:
             raise ConfigError(
                 "backend='fairscale' needs the optimizer in the same prepare() call "
@@ -135,7 +139,7 @@ class FairscaleBackend(AdapterDefaults):
         # Broadcasts rank 0's parameters and buffers, so every rank starts from the same weights.
         wrapped = ShardedDataParallel(model, oss, **self.sdp_kwargs)
         self._oss[wrapped] = oss
-        return wrapped, oss
+        return wrapped, [oss]
 
     def _sharded_optimizer(self, model: torch.nn.Module) -> Any:
         if not isinstance(model, ShardedDataParallel) or model not in self._oss:
@@ -143,6 +147,13 @@ class FairscaleBackend(AdapterDefaults):
                                why="gradients cannot be deferred or reduced correctly",
                                fix="`model, optimizer = accel.prepare(model, optimizer)`")
         return self._oss[model]
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        raise ConfigError(
+            f"backend={self.name!r} got the {type(optimizer).__name__} in a later prepare() call "
+            "than its model (ShardedDataParallel is built from the model and its OSS optimizer together); prepare both in one call: "
+            "`model, optimizer = accel.prepare(model, optimizer)`"
+        )
 
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
         for model in models:  # in place: a gradient set to None falls out of its reduce bucket
@@ -223,14 +234,14 @@ class FairscaleBackend(AdapterDefaults):
         return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrap(model).state_dict().items()}
 
     def save(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
+             optimizers: Sequence[Held], *, window_open: bool) -> None:
         if window_open:  # ShardedDataParallel's reduce buckets are views of the window's gradients
             _plain_state.refuse_open_window(self.name, "its window gradients live in its reduce buckets")
         _plain_state.save(path, models, optimizers, self.unwrap, dist.rank(), window_open=False,
                           gathered_optimizers=True)
 
     def load(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool,
+             optimizers: Sequence[Held], *, window_open: bool,
              trusted: bool = False) -> None:
         _plain_state.load(path, models, optimizers, self.unwrap, dist.rank(), window_open=False,
                           trusted=trusted)

@@ -34,6 +34,7 @@ from gradsync.backends._fsdp_policy import (
 from gradsync.backends._memory import agreed_budget
 from gradsync.backends.base import (
     AdapterDefaults,
+    Held,
     RequestedPolicy,
     clear_grads,
     is_frozen,
@@ -101,32 +102,34 @@ class FSDPBackend(AdapterDefaults):
 
     # -- prepare ------------------------------------------------------------
     def prepare(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
-    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], plan: BatchPlan
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
         given, model = model, _torch_compat.uncompiled(model)  # compiled before prepare: shard inside
         if not any(True for _ in model.parameters()):
             raise ConfigError(
                 f"backend='fsdp' got a {type(model).__name__} with no parameters; there is "
                 "nothing to shard: prepare the model that holds the trainable parameters"
             )
-        if optimizer is not None and optimizer.state:
-            raise ConfigError(
-                f"the {type(optimizer).__name__} already has state for {len(optimizer.state)} "
-                "parameters; backend='fsdp' re-points the optimizer at the sharded parameters, "
-                "which would orphan that state: prepare before the first optimizer step"
-            )
+        for optimizer in optimizers:
+            if optimizer.state:
+                raise ConfigError(
+                    f"the {type(optimizer).__name__} already has state for {len(optimizer.state)} "
+                    "parameters; backend='fsdp' re-points the optimizer at the sharded parameters, "
+                    "which would orphan that state: prepare before the first optimizer step"
+                )
         if not isinstance(model, FSDPModule | FSDP1):
             names = {id(p): n for n, p in model.named_parameters()}
             self._shard(model, compile_units=given is model)
-            if optimizer is not None:
-                sharded = dict(model.named_parameters())
+            sharded = dict(model.named_parameters())
+            for optimizer in optimizers:  # another model's parameters stay as they are
                 for group in optimizer.param_groups:
-                    group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+                    group["params"] = [sharded[names[id(p)]] if id(p) in names else p
+                                       for p in group["params"]]
         else:
             _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
         if not is_frozen(model):  # a frozen model is sharded for its forward only
             self._decide(model)
-        return given, optimizer
+        return given, list(optimizers)
 
     def _shard(self, model: nn.Module, *, compile_units: bool) -> None:
         assert self._mesh is not None, "setup() first"
@@ -234,11 +237,11 @@ class FSDPBackend(AdapterDefaults):
         return out
 
     def save(self, path: Path, models: Sequence[nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
+             optimizers: Sequence[Held], *, window_open: bool) -> None:
         _fsdp_checkpoint.save(path, models, optimizers, window_open=window_open, device=self._device)
 
     def load(self, path: Path, models: Sequence[nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool,
+             optimizers: Sequence[Held], *, window_open: bool,
              trusted: bool = False) -> None:
         _fsdp_checkpoint.load(path, models, optimizers, window_open=window_open, device=self._device,
                               trusted=trusted, allowed=allow_list(self.checkpoint_globals).__contains__)

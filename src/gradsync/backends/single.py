@@ -11,7 +11,7 @@ import torch
 
 from gradsync import _torch_compat
 from gradsync.backends import _amp, _group, _modules, _plain_state
-from gradsync.backends.base import AdapterDefaults
+from gradsync.backends.base import AdapterDefaults, Held
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
 
@@ -32,12 +32,12 @@ class SingleBackend(AdapterDefaults):
         self._compile = _modules.compile_kwargs(config)
 
     def prepare(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: BatchPlan
-    ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+        self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], plan: BatchPlan
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         _modules.checkpoint_modules(_torch_compat.uncompiled(model), self._checkpointing)
         model = model.to(self._device)
         _modules.compile_in_place(model, self._compile)
-        return model, optimizer
+        return model, list(optimizers)
 
     @contextlib.contextmanager
     def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
@@ -51,11 +51,11 @@ class SingleBackend(AdapterDefaults):
         return None  # one process: nothing to wait for
 
     def save(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool) -> None:
+             optimizers: Sequence[Held], *, window_open: bool) -> None:
         _plain_state.save(path, models, optimizers, self.unwrap, 0, window_open=window_open)
 
     def load(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[torch.optim.Optimizer | None], *, window_open: bool,
+             optimizers: Sequence[Held], *, window_open: bool,
              trusted: bool = False) -> None:
         _plain_state.load(path, models, optimizers, self.unwrap, 0, window_open=window_open,
                           trusted=trusted)

@@ -25,12 +25,18 @@ from typing import Any, TypedDict
 
 import torch
 
+from gradsync._version import __version__
 from gradsync.checkpoint.safety import check_name, scan_folder
 from gradsync.dist import broadcast_object, rank
 from gradsync.errors import CheckpointError, ConfigError
 
 MANIFEST = "gradsync_checkpoint.json"
-FORMAT_VERSION = 1
+#: 2: an optimizer is numbered by its own order and names the models it holds
+#: (``optimizer_models``); 1 (gradsync 0.1): one optimizer per model, numbered by the model.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+#: The release that wrote each readable version, for messages.
+WRITTEN_BY = {1: "gradsync 0.1", 2: "gradsync 0.2"}
 TMP_SUFFIX = ".gradsync-tmp"
 OLD_SUFFIX = ".gradsync-old"
 
@@ -58,13 +64,15 @@ class LoaderPosition(TypedDict):
 class Manifest(TypedDict, total=False):
     """``gradsync_checkpoint.json``: what the folder holds and how it was saved."""
 
-    gradsync_checkpoint: int  # FORMAT_VERSION
+    gradsync_checkpoint: int  # FORMAT_VERSION (or an older readable one)
+    gradsync_version: str  # the release that wrote it
     created: float  # seconds since the epoch
     backend: str
     format: str  # the backend's checkpoint format: backends of one format load each other's
     world_size: int
     optimizer_steps: int
     steps_applied: list[int]  # per prepared optimizer
+    optimizer_models: list[list[int]]  # per prepared optimizer: the models whose parameters it holds
     window: WindowState
     models: int
     schedulers: int
@@ -200,7 +208,7 @@ def _complete(root: Path) -> list[tuple[tuple[int, int, int, float], Path]]:
             manifest = json.loads(marker.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(manifest, dict) and manifest.get("gradsync_checkpoint") == FORMAT_VERSION:
+        if isinstance(manifest, dict) and manifest.get("gradsync_checkpoint") in READABLE_VERSIONS:
             try:
                 found.append((_order(manifest), child))
             except (AttributeError, TypeError, ValueError):
@@ -275,8 +283,16 @@ def _verify(folder: Path, allowed: Callable[[str], bool] | None) -> Manifest:
         manifest = json.loads(marker.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"checkpoint {where!r}: {MANIFEST} is unreadable ({one_line(err)})") from None
-    if not isinstance(manifest, dict) or manifest.get("gradsync_checkpoint") != FORMAT_VERSION:
+    if not isinstance(manifest, dict) or "gradsync_checkpoint" not in manifest:
         raise CheckpointError(f"checkpoint {where!r}: {MANIFEST} is not a gradsync checkpoint manifest")
+    version = manifest["gradsync_checkpoint"]
+    if version not in READABLE_VERSIONS:
+        writer = manifest.get("gradsync_version", "a gradsync release newer than this one")
+        raise CheckpointError(
+            f"checkpoint {where!r} has layout {version!r}, written by {writer}; this gradsync "
+            f"reads layouts {', '.join(map(str, READABLE_VERSIONS))}: load it with the release "
+            "that wrote it (or a newer one)"
+        )
     names = list(manifest["files"])
     for name in names:
         check_name(folder, name)  # before anything is read
@@ -299,8 +315,13 @@ def _verify(folder: Path, allowed: Callable[[str], bool] | None) -> Manifest:
     return manifest  # type: ignore[return-value]  # checked above: a gradsync manifest
 
 
+def _release() -> str:
+    return f"gradsync {__version__}"
+
+
 def new_manifest(**fields: Any) -> Manifest:
     """A manifest for a checkpoint being written (its ``files`` are added at the commit)."""
-    manifest: Manifest = {"gradsync_checkpoint": FORMAT_VERSION, "created": time.time()}
+    manifest: Manifest = {"gradsync_checkpoint": FORMAT_VERSION, "created": time.time(),
+                          "gradsync_version": _release()}
     manifest.update(fields)  # type: ignore[typeddict-item]
     return manifest

@@ -10,9 +10,11 @@ window and the backend; it never sees the Accelerator.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +36,7 @@ from gradsync.microstep import drop_window
 
 if TYPE_CHECKING:
     from gradsync.accumulation import Window
-    from gradsync.backends.base import Backend
+    from gradsync.backends.base import Backend, Held
     from gradsync.data import LoaderContext
     from gradsync.prepared import Prepared
 
@@ -53,6 +55,10 @@ class CheckpointState:
         self._loaders = loaders
         self._committer = Committer()
         self._allowed: frozenset[str] | None = None
+        #: Called with the folder being written, after the models and optimizers (every rank).
+        self.save_hooks: dict[int, Callable[[Path], None]] = collections.OrderedDict()
+        #: Called with the folder, once it is verified and before anything is loaded.
+        self.load_hooks: dict[int, Callable[[Path], None]] = collections.OrderedDict()
 
     def save(self, path: str | os.PathLike[str], keep_last: int | None, pending: int = 0,
              background: bool = False) -> str:
@@ -72,6 +78,7 @@ class CheckpointState:
         manifest = new_manifest(
             backend=backend.name, format=backend.checkpoint_format, world_size=dist.world_size(),
             optimizer_steps=p.steps_applied(), steps_applied=[o.steps_applied for o in p.optimizers],
+            optimizer_models=[list(p.model_indices(o)) for o in p.optimizers],
             window=window.state_dict(), models=len(p.models), schedulers=len(p.schedulers),
             objects=len(p.objects), scaler=backend.scaler is not None,
             loaders=[{k: pos[k] for k in ("epoch", "consumed", "read")} for pos in positions],
@@ -79,7 +86,9 @@ class CheckpointState:
         rank = dist.rank()
         with self._committer.writing(target, manifest, keep_last=keep_last, background=background,
                                      device=backend.device) as tmp:
-            backend.save(tmp, p.models, p.optimizer_per_model(), window_open=window.is_open)
+            backend.save(tmp, p.models, p.held(), window_open=window.is_open)
+            for hook in list(self.save_hooks.values()):
+                hook(tmp)
             if rank == 0:
                 save_file([s.state_dict() for s in p.schedulers], tmp / "schedulers.pt")
                 save_file([o.state_dict() for o in p.objects], tmp / "objects.pt")
@@ -138,6 +147,29 @@ class CheckpointState:
                 f"cannot reshard it to {here}; resume on {world} rank(s)"
             )
 
+    def _held(self, where: str, manifest: Manifest) -> list[Held]:
+        """The optimizers in the checkpoint's layout; a ``CheckpointError`` when the models
+        each one holds differ from this training's."""
+        p = self._prepared
+        if manifest["gradsync_checkpoint"] == 1:  # gradsync 0.1: one optimizer per model
+            try:
+                return p.held_by_model()
+            except ValueError as err:
+                raise CheckpointError(
+                    f"checkpoint {where!r} was written by gradsync 0.1 (one optimizer per model), "
+                    f"but here {err}: prepare one optimizer per model to resume it"
+                ) from None
+        held = p.held()
+        saved = [tuple(m) for m in manifest["optimizer_models"]]
+        for h, models in zip(held, saved):
+            if h.models != models:
+                raise CheckpointError(
+                    f"checkpoint {where!r} does not fit this training: its optimizer {h.index} "
+                    f"holds models {list(models)}, here {list(h.models)}; prepare the same "
+                    "models and optimizers, in the same order, before load_state()"
+                )
+        return held
+
     def allowed(self) -> frozenset[str]:
         """The globals this backend's checkpoints may name: torch's ``weights_only`` set and
         the backend's own."""
@@ -156,6 +188,8 @@ class CheckpointState:
         manifest = read_manifest(path, None if trusted else self.allowed().__contains__)
         folder = Path(path)
         self._check(str(folder), manifest)
+        for hook in list(self.load_hooks.values()):
+            hook(folder)
         world = int(manifest["world_size"])
         same_world = world == here
         # Everything gradsync itself keeps is read before the backend changes anything.
@@ -166,7 +200,7 @@ class CheckpointState:
         scaler_state = load_file(folder / "scaler.pt", trusted=trusted) if scaler is not None and manifest.get("scaler") else None
         if window.is_open:
             drop_window(window, backend, p)
-        backend.load(folder, p.models, p.optimizer_per_model(), trusted=trusted,
+        backend.load(folder, p.models, self._held(str(folder), manifest), trusted=trusted,
                      window_open=int(manifest["window"]["index"]) > 0)
         for opt, steps in zip(p.optimizers, manifest["steps_applied"]):
             opt.steps_applied = int(steps)

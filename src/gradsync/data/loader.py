@@ -236,6 +236,16 @@ class PreparedDataLoader:
         started = position["consumed"] or position.get("rng") is not None
         self._resume = dict(position, rng_now=rng_now) if started else None
 
+    def skip_next(self, batches: int) -> None:
+        """The next pass starts after its first ``batches`` batches (added to a resume
+        that ``load_state`` set up)."""
+        if not batches:
+            return
+        resume = self._resume or {"consumed": 0, "read": 0, "rng": None, "rng_now": lambda: None}
+        resume["consumed"] = int(resume["consumed"]) + batches
+        resume["read"] = max(int(resume["read"]), int(resume["consumed"]))
+        self._resume = resume
+
     @property
     def sampler(self) -> Any:
         return getattr(self.loader, "sampler", None)

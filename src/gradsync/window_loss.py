@@ -1,0 +1,115 @@
+"""``accel.window_loss``: the loss a window's update really minimised, equal on every rank.
+
+Each ``accel.backward(loss, reduction=...)`` adds this rank's share of the window's
+objective, weighted exactly as the update weights it: ``loss / (n * world)`` for
+``"mean"`` (n micro-batches in this window), ``loss / items`` for ``"sum"`` (the global
+window's items), ``loss`` for ``"normalized"`` (already divided by them). The shares stay on
+the device (no synchronisation per micro-step). When the boundary micro-step ends, one
+small all-reduce of ``[share, backward calls]`` starts on every rank — so reading the value
+on the main process only can never hang — and the first read waits for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.errors import UsageError
+
+if TYPE_CHECKING:
+    from gradsync.accumulation import MicroStep
+
+log = logging.getLogger("gradsync")
+
+
+class WindowLoss:
+    """The window loss of one Accelerator (see the module docstring). The micro-step runner
+    calls ``at_boundary`` after a window's last micro-step; nothing runs on the others."""
+
+    def __init__(self, device: torch.device, world: int,
+                 own: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
+        self._device = device
+        self.world = world
+        self._own = own
+        self._share: torch.Tensor | None = None  # [weighted loss, backward calls] of this rank
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._value: float | None = None
+        self._closed: MicroStep | None = None  # the boundary micro-step whose loss was taken
+        self._outside = False  # a backward outside accumulate() added to the share
+        self._first: MicroStep | None = None  # the first micro-step of the share's window
+        self.windows = 0  # windows whose loss was taken
+
+    def add(self, loss: torch.Tensor, weight: float, step: MicroStep | None) -> None:
+        """This rank's ``loss`` counts ``weight`` times in the objective of the window of
+        ``step`` (None: a backward outside ``accumulate``, a window of its own)."""
+        if step is None:
+            self._outside = True
+        elif step.index == 0 and step is not self._first:
+            self._share, self._first = None, step  # what a dropped window left is not this one's
+        elif step is self._closed:
+            log.warning("gradsync: backward() after optimizer.step() in a window's last micro-step: "
+                        "its gradients reach no update, and accel.window_loss leaves it out")
+            return
+        value = loss.detach().reshape(()).to(torch.float32) * weight
+        if self._share is None:
+            self._share = torch.stack([value, torch.ones((), dtype=torch.float32, device=value.device)])
+        else:
+            self._share[0] += value
+            self._share[1] += 1
+
+    def at_boundary(self, step: MicroStep) -> None:
+        """The window's last micro-step ended: take its loss unless a step already did."""
+        if self._closed is not step:
+            self.close()
+        self._closed = None
+
+    def before_step(self, step: MicroStep | None) -> None:
+        """A prepared optimizer is about to step (every rank does, in program order): the
+        window's backward passes are all done, so its loss is taken now (once)."""
+        if step is not None and step.boundary and self._closed is not step:
+            self.close()
+            self._closed = step
+        elif step is None and self._outside:
+            self.close()
+
+    def close(self) -> None:
+        """The window's update is done: start the all-reduce of its loss (every rank)."""
+        self._settle()
+        share = self._share if self._share is not None else torch.zeros(2, device=self._device)
+        self._share = None
+        share = share.to(self._device)
+        self._outside = False
+        if self.world > 1 and dist.is_available() and dist.is_initialized():
+            with self._own():
+                work = dist.all_reduce(share, async_op=True)
+            self._pending = (work, share)
+        else:
+            self._pending = (None, share)
+        self.windows += 1
+
+    def _settle(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        work, total = pending
+        if work is not None:
+            work.wait()
+        loss, calls = total.tolist()
+        self._value = loss if calls > 0 else math.nan  # a window without any backward
+
+    @property
+    def value(self) -> float:
+        """The last closed window's loss (waits for its all-reduce on first read)."""
+        self._settle()
+        if self._value is None:
+            raise UsageError(
+                "accel.window_loss is known once a window closed: read it after optimizer.step() "
+                "in the boundary micro-step (accel.sync_gradients is True), or after its block"
+            )
+        return self._value

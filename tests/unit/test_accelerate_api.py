@@ -1,0 +1,155 @@
+"""Accelerate's names on the Accelerator, in one process: the process facts, manual
+``no_sync`` / ``trigger_sync_in_backward``, ``skip_first_batches``, ``free_memory``, the
+checkpoint hooks, ``backward(**kwargs)`` and ``window_loss``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from gradsync import Accelerator, ConfigError, UsageError
+
+
+def _setup(k: int = 2, samples: int = 8, **kw):
+    accel = Accelerator(backend="single", gradient_accumulation_steps=k, **kw)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    data = list(zip(torch.randn(samples, 3, generator=g), torch.randn(samples, 1, generator=g)))
+    loader = DataLoader(data, batch_size=2)
+    return (accel, *accel.prepare(model, opt, loader))
+
+
+def test_process_facts_have_accelerates_names(clean_env):
+    accel = Accelerator(backend="single", mixed_precision="bf16")
+    assert (accel.process_index, accel.local_process_index, accel.num_processes) == (0, 0, 1)
+    assert accel.is_last_process and accel.is_main_process
+    assert accel.mixed_precision == "bf16"
+
+
+def test_window_loss_is_the_mean_of_the_windows_micro_batch_losses(clean_env):
+    accel, model, opt, loader = _setup(k=3, samples=10)  # windows of 3, then a partial one of 2
+    losses, seen = [], []
+    for x, y in loader:
+        with accel.accumulate(model):
+            loss = F.mse_loss(model(x), y)
+            losses.append(loss.item())
+            accel.backward(loss)
+            opt.step()
+            if accel.sync_gradients:  # read inside the block, after the step
+                seen.append(accel.window_loss)
+            opt.zero_grad()
+    assert seen == pytest.approx([sum(losses[:3]) / 3, sum(losses[3:]) / 2], rel=1e-6)
+    assert accel.window_loss == seen[-1]  # and after the block
+
+
+def test_window_loss_weights_items_like_the_update(clean_env):
+    accel = Accelerator(backend="single", gradient_accumulation_steps=2, count_items=lambda b: int(b[1].sum()))
+    model = nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    # (x, mask): 3 items then 1 item: a token-weighted window
+    data = [(torch.ones(1, 1) * v, torch.tensor([n])) for v, n in ((1.0, 3), (2.0, 1))]
+    model, opt, loader = accel.prepare(model, opt, DataLoader(data, batch_size=None))
+    sums = []
+    for x, n in loader:
+        with accel.accumulate(model):
+            per_item = model(x).pow(2).sum()  # the same value for each of its n items
+            loss = per_item * n.sum()
+            sums.append(loss.item())
+            accel.backward(loss, reduction="sum")
+            opt.step()
+    assert accel.window_loss == pytest.approx(sum(sums) / 4, rel=1e-6)
+
+
+def test_window_loss_bad_reads(clean_env):
+    accel, _model, _opt, _loader = _setup()
+    with pytest.raises(UsageError, match="known once a window closed"):
+        _ = accel.window_loss
+    off = Accelerator(backend="single", track_window_loss=False)
+    with pytest.raises(ConfigError, match="track_window_loss=False"):
+        _ = off.window_loss
+
+
+def test_backward_passes_keywords_to_torch(clean_env):
+    accel, model, _opt, loader = _setup(k=1)
+    x, y = next(iter(loader))
+    with accel.accumulate(model):
+        loss = F.mse_loss(model(x), y)
+        accel.backward(loss, retain_graph=True)
+        accel.backward(loss)  # the graph is still there
+    with pytest.raises(RuntimeError, match="second time"):
+        with accel.accumulate(model):
+            loss = F.mse_loss(model(x), y)
+            accel.backward(loss)
+            accel.backward(loss)
+
+
+def test_manual_no_sync_and_trigger_close_the_window_where_told(clean_env):
+    accel, model, opt, loader = _setup(k=4)
+    before = model.weight.detach().clone()
+    batches = list(loader)
+    reference = nn.Linear(3, 1)
+    reference.load_state_dict(model.state_dict())
+    losses = []
+    with accel.no_sync(model):
+        loss = F.mse_loss(model(batches[0][0]), batches[0][1])
+        losses.append(loss.item())
+        accel.backward(loss)
+        opt.step()  # off the boundary: nothing
+    assert not accel.sync_gradients and torch.equal(model.weight, before)
+    with accel.trigger_sync_in_backward(model):
+        loss = F.mse_loss(model(batches[1][0]), batches[1][1])
+        losses.append(loss.item())
+        accel.backward(loss)
+    assert accel.sync_gradients
+    opt.step()
+    assert opt.steps_applied == 1 and not torch.equal(model.weight, before)
+    # backward divided each loss by k = 4 (as Accelerate does), whatever the micro-steps
+    (sum(F.mse_loss(reference(x), y) for x, y in batches[:2]) / 4).backward()
+    assert torch.allclose(model.weight, before - 0.1 * reference.weight.grad)
+    assert accel.window_loss == pytest.approx(sum(losses) / 4, rel=1e-6)
+
+
+def test_skip_first_batches_skips_the_next_pass_only(clean_env):
+    accel, _model, _opt, loader = _setup(k=1, samples=8)
+    first = [x for x, _ in loader]
+    assert accel.skip_first_batches(loader, 3) is loader
+    skipped = [x for x, _ in loader]
+    assert len(skipped) == 1 and torch.equal(skipped[0], first[3])
+    assert len([x for x, _ in loader]) == 4  # the pass after is whole
+    with pytest.raises(ConfigError, match="returned by accel.prepare"):
+        accel.skip_first_batches(DataLoader(list(range(4))), 1)
+    with pytest.raises(ConfigError, match="num_batches=-1"):
+        accel.skip_first_batches(loader, -1)
+
+
+def test_free_memory_forgets_what_was_prepared(clean_env):
+    accel, model, opt, loader = _setup()
+    assert accel.free_memory(model, opt, loader) == [None, None, None]
+    with pytest.raises(UsageError, match="no optimizer was prepared"):
+        _ = accel.optimizer
+
+
+def test_checkpoint_hooks_run_with_the_folder(tmp_path: Path, clean_env):
+    accel, _model, _opt, _loader = _setup()
+    calls = []
+
+    def on_save(models, weights, output_dir):
+        calls.append(("save", len(models), sorted(weights[0]), Path(output_dir).name))
+        (Path(output_dir) / "extra.json").write_text("{}")
+
+    handle = accel.register_save_state_pre_hook(on_save)
+    accel.register_load_state_pre_hook(lambda models, input_dir: calls.append(("load", len(models), input_dir)))
+    path = accel.save_state(tmp_path / "ckpt")
+    assert (Path(path) / "extra.json").is_file()  # committed with the checkpoint
+    accel.load_state(path)
+    assert calls[0][:3] == ("save", 1, ["bias", "weight"]) and calls[1] == ("load", 1, path)
+    handle.remove()
+    accel.save_state(tmp_path / "again")
+    assert len(calls) == 2
