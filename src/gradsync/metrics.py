@@ -1,4 +1,5 @@
-"""Metrics across ranks: gather, reduce, pad, over tensors and nested dicts / lists of them.
+"""Metrics across ranks: gather, reduce, pad, over tensors and nested dicts / lists of them,
+and gather of picklable objects.
 
 Every function here is a collective: call it on every rank, in the same order. In one
 process (no process group) each returns its input as one process would see it.
@@ -6,20 +7,21 @@ process (no process group) each returns its input as one process would see it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from gradsync.data.batches import tree_map
-from gradsync.dist import is_multiprocess
+from gradsync.dist import all_gather_object, is_multiprocess
 from gradsync.errors import ConfigError
 
 if TYPE_CHECKING:
     from gradsync.data import LoaderIteration
 
-ReduceOp = Literal["sum", "mean"]
+#: What ``reduce`` takes as ``reduction``.
+REDUCTIONS: tuple[str, ...] = ("sum", "mean", "max", "min", "none")
 
 
 def apply(fn: Callable[[torch.Tensor], Any], data: Any, what: str) -> Any:
@@ -65,11 +67,39 @@ def gather(data: Any) -> Any:
     return apply(lambda t: torch.cat(gather_pieces(t)), data, "gather")
 
 
-def gather_for_metrics(data: Any, last_pass: LoaderIteration | None, world: int) -> Any:
+def gather_for_metrics(data: Any, last_pass: LoaderIteration | None, world: int,
+                       use_gather_object: bool = False) -> Any:
     """``gather``, with the rows put back in the sampler's order and its end-of-pass padding
     dropped when ``data`` holds one row per sample of the batch ``last_pass`` (the pass of a
-    prepared loader that yielded last) just yielded from a sample-sharded sampler."""
+    prepared loader that yielded last) just yielded from a sample-sharded sampler.
+
+    With ``use_gather_object``, or when ``data`` holds anything but tensors (Accelerate's
+    rule), the objects are gathered instead (``gather_object``); a list (or tuple) with one
+    entry per sample of that batch comes back in the sampler's order with the padding
+    dropped, exactly as the tensor rows do. A list longer than the batch on some rank is not
+    one entry per sample: its lists are concatenated in rank order.
+
+    Args:
+        data: tensors (nested dicts / lists / tuples of them), or any picklable object.
+        last_pass: the pass of a prepared loader that yielded last, if any.
+        world: the number of processes.
+        use_gather_object: gather ``data`` as objects even when it holds only tensors.
+
+    Returns:
+        The gathered tensors in ``data``'s structure, or on the object path a list.
+    """
     layout = last_pass.owner.sample_layout(world) if last_pass is not None else None
+    if use_gather_object or not _all_tensors(data):
+        if last_pass is None or layout is None or world == 1 or not isinstance(data, list | tuple):
+            return gather_object(data)
+        pieces = [list(piece) if isinstance(piece, list | tuple) else [piece]
+                  for piece in all_gather_object(data)]
+        batch_size, total = layout
+        if any(len(piece) > batch_size for piece in pieces):
+            return [entry for piece in pieces for entry in piece]
+        return [pieces[rank][row] for rank, row in sample_positions(
+            [len(piece) for piece in pieces], batch_index=last_pass.yielded - 1,
+            batch_size=batch_size, total=total)]
     if last_pass is None or layout is None or world == 1:
         return gather(data)
     batch_size, total = layout
@@ -81,19 +111,87 @@ def gather_for_metrics(data: Any, last_pass: LoaderIteration | None, world: int)
     return apply(one, data, "gather_for_metrics")
 
 
-def reduce(data: Any, op: str = "sum") -> Any:
-    """Each tensor of ``data`` summed (``op="sum"``) or averaged (``"mean"``) over ranks."""
-    if op not in ("sum", "mean"):
-        raise ConfigError(f"reduce(op={op!r}) is unknown; use 'sum' or 'mean'")
+def _all_tensors(data: Any) -> bool:
+    """``data`` is a tensor or a nested dict / list / tuple with only tensors as leaves."""
+    if isinstance(data, torch.Tensor):
+        return True
+    if isinstance(data, list | tuple):
+        return all(_all_tensors(value) for value in data)
+    if isinstance(data, Mapping):
+        return all(_all_tensors(value) for value in data.values())
+    return False
+
+
+def gather_object(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order, on every rank (a collective).
+
+    A list or tuple is concatenated with the other ranks' (rank 0's entries first); any
+    other object comes back as a list of one per rank. Accelerate's ``gather_object``
+    flattens whatever each rank gives (a string into its characters, a dict into its keys)
+    and returns the object itself without a process group; here the result is that list in
+    one process too.
+
+    Args:
+        obj: a picklable object; tensors in it travel pickled (through the CPU).
+
+    Returns:
+        The list described above.
+    """
+    out: list[Any] = []
+    for piece in all_gather_object(obj):
+        if isinstance(piece, list | tuple):
+            out.extend(piece)
+        else:
+            out.append(piece)
+    return out
+
+
+def reduce(data: Any, reduction: str = "sum", scale: float = 1.0, op: str | None = None) -> Any:
+    """Each tensor of ``data`` reduced over ranks, as Accelerate's ``Accelerator.reduce``
+    documents it, then multiplied by ``scale``.
+
+    ``"sum"``, ``"mean"``, ``"max"`` and ``"min"`` give every rank the result (integer
+    tensors are averaged, or scaled by a ``scale`` other than 1, as float64); ``"none"``
+    runs no collective and gives this rank's own tensor (a copy). Accelerate's code differs
+    from its documentation in two places, and gradsync follows the documentation: there
+    ``scale`` is applied on XLA only and ``"none"`` still sums; here ``scale`` applies on
+    every backend and ``"none"`` does not reduce.
+
+    Args:
+        data: a tensor, or dicts / lists / tuples of tensors.
+        reduction: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"none"``.
+        scale: a factor every result is multiplied by.
+        op: the former name of ``reduction``, kept as an alias; it replaces the default
+            ``"sum"``, and may be given with another ``reduction`` only when the two agree.
+
+    Returns:
+        The same structure with reduced tensors.
+
+    Raises:
+        ConfigError: an unknown reduction, or ``op`` and ``reduction`` that disagree.
+    """
+    name = "reduction"
+    if op is not None:
+        if reduction not in ("sum", op):
+            raise ConfigError(f"reduce(reduction={reduction!r}, op={op!r}) disagree; op is the "
+                              "former name of reduction: give one of them")
+        reduction, name = op, "op"
+    if reduction not in REDUCTIONS:
+        raise ConfigError(f"reduce({name}={reduction!r}) is unknown; use one of "
+                          + ", ".join(repr(r) for r in REDUCTIONS))
+    torch_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(reduction, dist.ReduceOp.SUM)
 
     def one(t: torch.Tensor) -> torch.Tensor:
         out = t.detach().clone()
-        if op == "mean" and not (out.is_floating_point() or out.is_complex()):
+        exact = out.is_floating_point() or out.is_complex()
+        if not exact and (reduction == "mean" or scale != 1.0):
             out = out.double()
-        if is_multiprocess():
-            dist.all_reduce(out)
-            if op == "mean":
+        if reduction != "none" and is_multiprocess():
+            dist.all_reduce(out, op=torch_op)
+            if reduction == "mean":
                 out /= dist.get_world_size()
+        if scale != 1.0:
+            out *= scale
         return out
 
     return apply(one, data, "reduce")
@@ -125,23 +223,32 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: float = 0, pad_firs
     return apply(one, data, "pad_across_processes")
 
 
-def sampler_order(pieces: Sequence[torch.Tensor], *, batch_index: int, batch_size: int, total: int) -> torch.Tensor:
-    """Rows gathered from one batch of a sample-sharded evaluation pass, put back in the
-    sampler's order with the padding dropped.
+def sample_positions(lengths: Sequence[int], *, batch_index: int, batch_size: int,
+                     total: int) -> list[tuple[int, int]]:
+    """(rank, row) of each row gathered from one batch of a sample-sharded evaluation pass,
+    in the sampler's order, the padding dropped; ``lengths`` holds each rank's row count.
 
     A ``DistributedSampler`` over ``total`` samples gives rank ``r`` the positions
     ``r, r + N, r + 2N, ...`` of its (padded) order, so row ``t`` of batch ``j`` on rank
     ``r`` sits at position ``(j * batch_size + t) * N + r``; positions from ``total`` on
     repeat earlier samples to even out the ranks, and are dropped.
     """
-    world = len(pieces)
-    placed: list[tuple[int, torch.Tensor]] = []
-    for rank, piece in enumerate(pieces):
-        for t in range(piece.shape[0]):
+    world = len(lengths)
+    placed: list[tuple[int, int, int]] = []
+    for rank, length in enumerate(lengths):
+        for t in range(length):
             position = (batch_index * batch_size + t) * world + rank
             if position < total:
-                placed.append((position, piece[t]))
-    placed.sort(key=lambda item: item[0])
-    if not placed:
+                placed.append((position, rank, t))
+    placed.sort()
+    return [(rank, t) for _, rank, t in placed]
+
+
+def sampler_order(pieces: Sequence[torch.Tensor], *, batch_index: int, batch_size: int, total: int) -> torch.Tensor:
+    """Rows gathered from one batch of a sample-sharded evaluation pass, put back in the
+    sampler's order with the padding dropped (see ``sample_positions``)."""
+    order = sample_positions([piece.shape[0] for piece in pieces], batch_index=batch_index,
+                             batch_size=batch_size, total=total)
+    if not order:
         return pieces[0][:0]
-    return torch.stack([row for _, row in placed])
+    return torch.stack([pieces[rank][t] for rank, t in order])
