@@ -354,7 +354,7 @@ def test_contradictions_and_refused_flags_are_one_line(argv, message, here):
     ("distributed_type: FSDP\nparallelism_config:\n  parallelism_config_tp_size: 2\n",
      "parallelism_config.parallelism_config_tp_size=2 in 'x.yaml': gradsync runs data parallelism only"),
     ("distributed_type: MULTI_GPU\nnum_procesess: 2\n", "unknown key(s) num_procesess (did you mean num_processes?) in 'x.yaml'"),
-    ("distributed_type: MULTI_GPU\nnum_processes: two\n", "num_processes='two' in 'x.yaml' must be a whole number >= -1"),
+    ("distributed_type: MULTI_GPU\nnum_processes: two\n", "num_processes='two' in 'x.yaml' must be a whole number >= 1"),
     ("distributed_type: MULTI_GPU\nnum_machines: 2\nmachine_rank: 2\n", "machine_rank=2 in 'x.yaml' must be below num_machines=2"),
 ])
 def test_a_value_gradsync_cannot_honour_is_a_config_error(yaml, message, here):
@@ -424,3 +424,16 @@ def test_launch_config_takes_accelerates_flags_from_python(here):
     assert run.config.nproc_per_node == 2 and run.worker_env()["GRADSYNC_BACKEND"] == "fsdp"
     with pytest.raises(ConfigError, match=r"'num_process' is not an accelerate launch flag gradsync takes \(did you mean num_processes\?\)"):
         Launcher(LaunchConfig(script=SCRIPT, accelerate={"num_process": 2}), environ={})
+
+
+def test_a_section_counts_with_its_backend_only(here, capsys):
+    given = launcher("--backend", "fsdp", "--fsdp_transformer_layer_cls_to_wrap", "Block,Head")._given()
+    assert given["fsdp_wrap"] == ["Block", "Head"] and given["backend"] == "fsdp"
+    run = launcher("--fsdp_transformer_layer_cls_to_wrap", "Block", "--nproc-per-node", "2")
+    assert "fsdp_wrap" not in run._given()
+    assert run.warnings == ["--fsdp_transformer_layer_cls_to_wrap=Block is ignored: fsdp_config is read "
+                            "with distributed_type FSDP (--use_fsdp), and the backend here is not given"]
+    file_run = launcher("--config_file", "fsdp.yaml", "--backend", "ddp")
+    assert "fsdp_wrap" not in file_run._from_file() and file_run.worker_env()["GRADSYNC_BACKEND"] == "ddp"
+    assert any(w.startswith("fsdp_config.fsdp_activation_checkpointing=True in 'fsdp.yaml' (and 7 more of fsdp_config) is ignored")
+               for w in file_run.warnings), file_run.warnings

@@ -388,13 +388,16 @@ def _bool(value: Any, item: str) -> bool:
     raise ConfigError(f"{item} must be true or false")
 
 
-def _int(value: Any, item: str, low: int, high: int | None = None) -> int:
+def _int(value: Any, item: str, low: int, high: int | None = None, *, shown: int | None = None) -> int:
+    """A whole number from low to high; ``shown``: the lower bound messages name (when
+    ``low`` admits a value that means "not set", such as num_processes' -1)."""
     try:
         number = int(str(value).strip()) if not isinstance(value, bool) else None
     except ValueError:
         number = None
     if number is None or number < low or (high is not None and number > high):
-        span = f"{low} to {high}" if high is not None else f">= {low}"
+        first = low if shown is None else shown
+        span = f"{first} to {high}" if high is not None else f">= {first}"
         raise ConfigError(f"{item} must be a whole number {span}")
     return number
 
@@ -423,7 +426,8 @@ def _section(data: Mapping[str, Any], key: str, source: Source, prefix: str = ""
 
 # -- the translation ----------------------------------------------------------------------
 def translate(data: Mapping[str, Any], source: Source | None = None, *,
-              deepspeed_base: Any = None, base_label: str = "") -> Translation:
+              deepspeed_base: Any = None, base_label: str = "",
+              backend: str | None = None) -> Translation:
     """Accelerate's config keys (a file's, ``from_flags``' or both ``merge``d) in gradsync's
     terms.
 
@@ -434,6 +438,9 @@ def translate(data: Mapping[str, Any], source: Source | None = None, *,
             ``deepspeed_config`` setting from elsewhere: a dict, a path or JSON text); the
             keys win over it. Unused when ``deepspeed_config_file`` is given.
         base_label: names ``deepspeed_base`` in messages.
+        backend: the backend given elsewhere (``--backend``), which wins over
+            ``distributed_type`` in choosing the section that counts (``fsdp_config`` or
+            ``deepspeed_config``).
 
     Returns:
         The settings, launch options and notes.
@@ -472,21 +479,22 @@ def translate(data: Mapping[str, Any], source: Source | None = None, *,
             "Accelerate's nor gradsync's; rename or remove them"
         )
     _top_level(data, src, out)
-    backend = out.settings.get("backend")
+    backend = backend or out.settings.get("backend")
     _mixed_precision(data, src, out)
     _dynamo(_section(data, "dynamo_config", src, "dynamo_"), src, out)
-    fsdp = _section(data, "fsdp_config", src, "fsdp_")
-    if backend == "fsdp":
-        _fsdp(fsdp, src, out)
-    elif fsdp:
-        out.notes.append(f"{_first(src, 'fsdp_config', fsdp)} is ignored: the backend is "
-                         f"{backend or 'not fsdp'}, not fsdp")
-    ds = _section(data, "deepspeed_config", src)
-    if backend == "deepspeed":
-        _deepspeed(ds, src, out, deepspeed_base, base_label)
-    elif ds:
-        out.notes.append(f"{_first(src, 'deepspeed_config', ds)} is ignored: the backend is "
-                         f"{backend or 'not deepspeed'}, not deepspeed")
+    for section, name, switch, read in (("fsdp_config", "fsdp", "FSDP (--use_fsdp)", _fsdp),
+                                        ("deepspeed_config", "deepspeed",
+                                         "DEEPSPEED (--use_deepspeed)", None)):
+        keys = _section(data, section, src, "fsdp_" if name == "fsdp" else "")
+        if backend == name:
+            if read is not None:
+                read(keys, src, out)
+            else:
+                _deepspeed(keys, src, out, deepspeed_base, base_label)
+        elif keys:
+            out.notes.append(
+                f"{_first(src, section, keys)} is ignored: {section} is read with "
+                f"distributed_type {switch}, and the backend here is {backend or 'not given'}")
     _parallelism(_section(data, "parallelism_config", src, "parallelism_config_"), src)
     _gradsync_keys(data, src, out)
     return out
@@ -527,7 +535,8 @@ def _top_level(data: Mapping[str, Any], src: Source, out: Translation) -> None:
         value = data.get(key)
         if value is None:
             continue
-        number = _int(value, src.item(None, key, value), low, high)
+        number = _int(value, src.item(None, key, value), low, high,
+                      shown=1 if key == "num_processes" else None)
         if key == "num_processes" and number == 0:
             raise ConfigError(f"{src.item(None, key, value)} must be a whole number >= 1")
         if (key, number) in (("num_processes", -1), ("main_process_port", 0)):

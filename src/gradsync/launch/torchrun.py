@@ -175,12 +175,13 @@ class Launcher:
             return config
         base = self._file_settings.get("deepspeed_config")
         by_flags = accelerate_config.translate(
-            flags, flag_source, deepspeed_base=base, base_label=f"deepspeed_config in {path!r}")
+            flags, flag_source, deepspeed_base=base, base_label=f"deepspeed_config in {path!r}",
+            backend=config.backend)
         everything = by_flags
         if file_data is not None:
             everything = accelerate_config.translate(
                 accelerate_config.merge(file_data, flags),
-                accelerate_config.Source(repr(path), flag_source.flags))
+                accelerate_config.Source(repr(path), flag_source.flags), backend=config.backend)
         self.warnings += everything.notes
         for name in by_flags.settings:
             value = everything.settings[name]
