@@ -180,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("-m", "--module", dest="module", action="store_true",
                         help="run SCRIPT as a module")
     _add_accelerate_flags(launch.add_argument_group(
-        "accelerate launch's flags", "Accelerate's spellings; each stands for the key of "
-        "Accelerate's config file of its name (see docs/launch-accelerate.md)"))
+        "accelerate launch's flags", "in both spellings (--num_processes or --num-processes); "
+        "each means what the key of its name in Accelerate's config file means "
+        "(docs/launch-accelerate.md)"))
     launch.add_argument("script", help="the training script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
