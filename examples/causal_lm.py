@@ -87,9 +87,14 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--log-with", default=None,
+                        help="trackers for the loss, e.g. tensorboard or csv (files in --project-dir)")
+    parser.add_argument("--project-dir", default="runs")
     args = parser.parse_args()
 
-    accel = Accelerator(seed=0, count_items=gradsync.count_label_tokens)
+    accel = Accelerator(seed=0, count_items=gradsync.count_label_tokens, log_with=args.log_with,
+                        project_dir=args.project_dir if args.log_with else None)
+    accel.init_trackers("causal_lm", config=vars(args))
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loader = DataLoader(Sequences(args.samples), batch_size=args.micro_batch_size, shuffle=True,
@@ -98,23 +103,22 @@ def main() -> None:
     accel.print(f"backend={accel.backend} world={accel.world_size} "
                 f"accumulation={accel.gradient_accumulation_steps} batches/rank/epoch={len(loader)}")
     losses: list[float] = []
-    window_sum = torch.zeros(())
     for _ in range(args.epochs):
         for batch in loader:
             with accel.accumulate(model):
                 loss = summed_loss(model, batch)
                 accel.backward(loss, reduction="sum")  # update = mean over the window's tokens
-                window_sum += loss.detach()
                 optimizer.step()
                 optimizer.zero_grad()
             if accel.sync_gradients:
-                # the global token mean of the window, the same number on every rank
-                mean = float(accel.reduce(window_sum, "sum")) / max(accel.window_items, 1)
-                losses.append(mean)
-                accel.print(f"step {len(losses):3d}  tokens {accel.window_items:5d}  loss {mean:.4f}")
-                window_sum = torch.zeros(())
+                # the global token mean of the window, the same number on every rank: what
+                # the update minimised (not the last micro-batch's loss)
+                losses.append(accel.window_loss)
+                accel.log({"loss": accel.window_loss, "tokens": accel.window_items})
+                accel.print(f"step {len(losses):3d}  tokens {accel.window_items:5d}  loss {losses[-1]:.4f}")
     accel.print(f"token-mean loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f} "
                 f"over {len(losses)} optimizer steps")
+    accel.end_training()
 
 
 if __name__ == "__main__":

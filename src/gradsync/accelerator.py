@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 from gradsync import audit as audit_mod
-from gradsync import backends, dist, environment, metrics, selfcheck
+from gradsync import backends, dist, environment, metrics, selfcheck, tracking
 from gradsync._util import check_non_negative_int, check_positive_int
 from gradsync.accumulation import MicroStep, Window
 from gradsync.backends import _group
@@ -198,6 +198,8 @@ class Accelerator:
         self._backend.setup(self.config)
         self._window = Window(schedule, follow_data=self.config.sync_with_dataloader)
         self._prepared = Prepared()
+        self._trackers = tracking.Trackers(self.config.log_with, self.config.project_dir,
+                                           step=self._prepared.steps_applied)
         self._runner = Runner(self._window, self._backend, self._prepared, self._timeout)
         self._loaders = LoaderContext(self._window, self._backend.device, self._on_epoch_start,
                                       self.config.count_items)
@@ -624,6 +626,12 @@ class Accelerator:
             CollectiveError: another rank stopped answering during the gradient reduction.
         """
         step = self._window.current
+        if step is None and self._window.is_open and self._window.steps == 1:
+            # After no_sync() micro-steps, a plain backward closes their window (Accelerate's
+            # manual loop): it runs as the window's last micro-step, seen by every observer.
+            with self._runner.run(tuple(self._prepared.trained), force=True):
+                self.backward(loss, reduction, **kwargs)
+            return
         if reduction == "mean":
             if step is None and self._window.steps > 1:
                 raise UsageError(
@@ -1012,6 +1020,90 @@ class Accelerator:
             if self.is_main_process:
                 self._backend.barrier()
 
+    # -- experiment tracking ------------------------------------------------
+    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
+                      init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+        """Start the trackers of ``log_with`` (created on the main process only) and record
+        ``config`` with the run. Call it once, on every rank, before ``log``.
+
+        Args:
+            project_name: the run's name: its folder under ``project_dir`` (TensorBoard, CSV,
+                JSON lines), the W&B project, the MLflow experiment.
+            config: hyperparameters to record with the run.
+            init_kwargs: per tracker name, the keyword arguments of that library's init,
+                e.g. ``{"wandb": {"tags": ["k4"]}, "tensorboard": {"flush_secs": 30}}``.
+
+        Raises:
+            UsageError: called a second time.
+            ConfigError: an empty project name, a config that is not a dict, or an
+                ``init_kwargs`` entry for a name that is no tracker.
+        """
+        self._trackers.init(project_name, config, init_kwargs)
+
+    def log(self, values: dict[str, Any], step: int | None = None,
+            log_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+        """Record ``values`` with every tracker, on the main process only; on the other
+        processes it returns at once and never waits for another rank. One-element tensors
+        (any device) and NumPy scalars are recorded as Python numbers; what each tracker
+        does with strings, dicts and other values: the tracking guide.
+
+        Args:
+            values: name -> value, e.g. ``{"loss": accel.window_loss}``.
+            step: the step to record them at (None: ``optimizer_steps``, the optimizer
+                steps applied so far).
+            log_kwargs: per tracker name, keyword arguments for that tracker's ``log``,
+                e.g. ``{"wandb": {"commit": False}}``.
+
+        Raises:
+            UsageError: before ``init_trackers`` (with ``log_with`` set), or after
+                ``end_training``.
+            ConfigError: ``values`` is not a dict with str keys, holds a key the csv or
+                jsonl tracker writes itself ("step", "wall_time"), or a ``log_kwargs``
+                entry names no tracker.
+        """
+        self._trackers.log(values, step, log_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """A started tracker: gradsync's wrapper, or with ``unwrap=True`` the library's own
+        object (TensorBoard's ``SummaryWriter``, the wandb ``Run``, the ``MlflowClient``,
+        the CSV or JSON-lines file's path). On the other processes a tracker that does
+        nothing: every method called on it returns None.
+
+        Args:
+            name: the tracker's name ("tensorboard", "wandb", "mlflow", "csv", "jsonl", or a
+                tracker object's ``name``).
+            unwrap: return the library's object instead of gradsync's wrapper.
+
+        Returns:
+            The tracker, or its library object.
+
+        Raises:
+            UsageError: before ``init_trackers``.
+            ConfigError: no tracker of that name (the message lists the started ones).
+        """
+        return self._trackers.get(name, unwrap)
+
+    @property
+    def trackers(self) -> list[Any]:
+        """The started trackers (gradsync's wrappers and the tracker objects given in
+        ``log_with``) on the main process after ``init_trackers``; an empty list on the
+        other processes."""
+        return self._trackers.started
+
+    def end_training(self) -> None:
+        """Finish every tracker on the main process (flush and close its files, finish the
+        wandb run, end the MLflow run), then ``end()``. Call it on every rank when training
+        is over.
+
+        Raises:
+            CheckpointError: a background checkpoint commit failed (from ``end()``).
+            Exception: the first error a tracker raised while finishing (``end()`` has run).
+        """
+        try:
+            self._trackers.finish()
+        finally:
+            self.end()
+
     # -- metrics across ranks (collectives: call them on every rank) --------
     def gather(self, data: Any) -> Any:
         """Each tensor of ``data`` from every rank, concatenated along the first dimension in
@@ -1082,15 +1174,19 @@ class Accelerator:
             print(*args, **kwargs, flush=True)
 
     def end(self) -> None:
-        """Wait for a background checkpoint commit, then destroy the process group if
-        gradsync created it (also done at exit).
+        """Wait for a background checkpoint commit, finish the trackers (as ``end_training``
+        does), then destroy the process group if gradsync created it (also done at exit).
 
         Raises:
             CheckpointError: a background commit failed (on rank 0, which committed).
+            Exception: the first error a tracker raised while finishing.
         """
         failed = self._state.finish()
-        if self._backend.owns_group:
-            self._prepared.clear_models()
-            _group.release_process_group()
+        try:
+            self._trackers.finish()
+        finally:
+            if self._backend.owns_group:
+                self._prepared.clear_models()
+                _group.release_process_group()
         if failed is not None:
             raise failed
