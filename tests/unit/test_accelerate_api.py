@@ -153,3 +153,35 @@ def test_checkpoint_hooks_run_with_the_folder(tmp_path: Path, clean_env):
     handle.remove()
     accel.save_state(tmp_path / "again")
     assert len(calls) == 2
+
+
+def test_two_blocks_per_batch_advance_the_window_twice(clean_env):
+    """The GAN pattern is one accumulate(G, D) block per batch; a block per model is two
+    micro-steps, so with k=2 each batch is a whole window."""
+    def run(blocks_per_batch: int) -> tuple[int, int]:
+        accel = Accelerator(backend="single", gradient_accumulation_steps=2)
+        torch.manual_seed(0)
+        g, d = nn.Linear(2, 2), nn.Linear(2, 1)
+        opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+        loader = DataLoader(torch.randn(8, 2), batch_size=2)
+        g, d, opt_g, opt_d, loader = accel.prepare(g, d, opt_g, opt_d, loader)
+        for x in loader:
+            if blocks_per_batch == 1:
+                with accel.accumulate(g, d):
+                    accel.backward(d(g(x).detach()).pow(2).mean())
+                    opt_d.step()
+                    accel.backward(g(x).pow(2).mean())
+                    opt_g.step()
+            else:
+                with accel.accumulate(d):
+                    accel.backward(d(g(x).detach()).pow(2).mean())
+                    opt_d.step()
+                with accel.accumulate(g):
+                    accel.backward(g(x).pow(2).mean())
+                    opt_g.step()
+        return opt_d.steps_applied, opt_g.steps_applied
+
+    assert run(1) == (2, 2)  # 4 batches, windows of 2 batches: each model updated twice
+    # A block per model: D's block opens each window and G's closes it, so G is updated
+    # after every batch and D only where the end of the data closed a window early.
+    assert run(2) == (1, 3)
