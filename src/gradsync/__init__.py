@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from gradsync import audit
     from gradsync.accelerator import Accelerator
     from gradsync.checkpoint import latest_checkpoint
+    from gradsync.metrics import gather_object
     from gradsync.seeding import set_seed
     from gradsync.tokens import count_label_tokens
 
@@ -33,6 +34,7 @@ __all__ = [
     "__version__",
     "audit",
     "count_label_tokens",
+    "gather_object",
     "latest_checkpoint",
     "set_seed",
 ]
@@ -43,6 +45,7 @@ _LAZY = {
     "audit": "gradsync.audit",
     "latest_checkpoint": "gradsync.checkpoint",
     "count_label_tokens": "gradsync.tokens",
+    "gather_object": "gradsync.metrics",
     "set_seed": "gradsync.seeding",
 }
 

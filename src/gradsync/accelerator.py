@@ -11,14 +11,14 @@ import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any, overload
+from typing import IO, Any, ParamSpec, TypeVar, overload
 
 import torch
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 from gradsync import audit as audit_mod
-from gradsync import backends, dist, environment, metrics, selfcheck, tracking
+from gradsync import backends, dist, environment, metrics, processes, selfcheck, tracking
 from gradsync._util import check_non_negative_int, check_positive_int
 from gradsync.accumulation import MicroStep, Window
 from gradsync.backends import _group
@@ -47,6 +47,9 @@ from gradsync.window_loss import WindowLoss
 from gradsync.wrappers import PreparedOptimizer, PreparedScheduler
 
 REDUCTIONS = ("mean", "sum", "normalized")
+P = ParamSpec("P")
+R = TypeVar("R")
+S = TypeVar("S")
 
 log = logging.getLogger("gradsync")
 
@@ -763,8 +766,8 @@ class Accelerator:
         return params
 
     # -- checkpoints ---------------------------------------------------------
-    def save_state(self, path: str | os.PathLike[str], *, keep_last: int | None = None,
-                   background: bool = False) -> str:
+    def save_state(self, path: str | os.PathLike[str] | None = None, *, keep_last: int | None = None,
+                   background: bool = False, output_dir: str | os.PathLike[str] | None = None) -> str:
         """Save everything training needs to go on exactly: models, optimizers, schedulers,
         the window (also mid-window, with each rank's local gradients, where the backend
         can: DeepSpeed and fairscale save only at a boundary), every rank's RNG, every
@@ -772,7 +775,8 @@ class Accelerator:
         (atomically). Call it on every rank, outside the accumulate block.
 
         Args:
-            path: the checkpoint folder to write.
+            path: the checkpoint folder to write (None: ``project_dir/checkpoints/step-N``,
+                N the optimizer steps so far).
             keep_last: then keep only the newest N checkpoints in ``path``'s parent folder.
             background: return as soon as every rank has written its files; rank 0 then
                 makes them durable (fsync), marks the folder complete and renames it into
@@ -781,17 +785,33 @@ class Accelerator:
                 waits for it, and the next ``save_state``, ``load_state`` and ``end()`` do so
                 first. A failed commit raises from ``wait_for_checkpoint()`` or ``end()``; the
                 next save or load warns about it and goes on.
+            output_dir: Accelerate's name for ``path``.
 
         Returns:
             The folder.
 
         Raises:
+            ConfigError: no folder given and no ``project_dir`` set, or both ``path`` and
+                ``output_dir``.
             UsageError: called inside ``accumulate``.
             CheckpointError: the backend cannot save the open window, or a rank failed.
             CollectiveError: another rank stopped answering.
         """
+        path = self._folder("save_state", path, "output_dir", output_dir)
         with naming_collective(f"save_state({os.fspath(path)!r})", self._timeout):
             return self._state.save(path, keep_last, background=background)
+
+    def _folder(self, call: str, path: str | os.PathLike[str] | None, alias: str,
+                other: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
+        if path is not None and other is not None:
+            raise ConfigError(f"{call}() got both path and {alias}; give one of them")
+        chosen = path if path is not None else other
+        if chosen is not None:
+            return chosen
+        if self.config.project_dir is None or call != "save_state":
+            raise ConfigError(f"{call}() needs the checkpoint folder: {call}(path), or set "
+                              "project_dir to save under project_dir/checkpoints")
+        return os.path.join(self.config.project_dir, "checkpoints", f"step-{self.optimizer_steps}")
 
     def wait_for_checkpoint(self) -> str | None:
         """Wait until a ``save_state(..., background=True)`` is committed (on every rank).
@@ -806,7 +826,8 @@ class Accelerator:
         with naming_collective("wait_for_checkpoint()", self._timeout):
             return self._state.settle()
 
-    def load_state(self, path: str | os.PathLike[str], *, trusted: bool = False) -> None:
+    def load_state(self, path: str | os.PathLike[str] | None = None, *, trusted: bool = False,
+                   input_dir: str | os.PathLike[str] | None = None) -> None:
         """Restore a checkpoint written by ``save_state`` (on every rank, after ``prepare``).
         The next pass over each prepared loader resumes at the first batch not yet consumed;
         ``loader.epoch`` is that pass's epoch. Loading never runs code from the folder: every
@@ -816,11 +837,14 @@ class Accelerator:
             path: the checkpoint folder.
             trusted: skip that check and load whatever objects the files hold. Such a load
                 can run code from the folder: only for checkpoints whose origin you trust.
+            input_dir: Accelerate's name for ``path``.
 
         Raises:
+            ConfigError: no folder given, or both ``path`` and ``input_dir``.
             CheckpointError: a missing, incomplete, corrupted, incompatible or unsafe
                 checkpoint (one error on every rank; nothing is changed).
         """
+        path = self._folder("load_state", path, "input_dir", input_dir)
         with naming_collective(f"load_state({os.fspath(path)!r})", self._timeout):
             self._state.load(path, trusted=trusted)
 
@@ -976,23 +1000,29 @@ class Accelerator:
         raise SystemExit(0)
 
     # -- models and processes ----------------------------------------------
-    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> torch.nn.Module:
         """The user's module inside whatever wrapper ``prepare`` put around it.
 
         Args:
             model: a prepared model.
+            keep_fp32_wrapper: Accelerate's; gradsync puts no precision wrapper around the
+                forward, so there is none to keep or drop.
+            keep_torch_compile: Accelerate's; gradsync returns the module itself (not a
+                compiled wrapper) either way, so its state dict keys are the model's own.
 
         Returns:
             The module as it was passed to ``prepare``.
         """
         return self._backend.unwrap(model)
 
-    def get_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """The full, unsharded state dict on CPU (on rank 0 at least; a collective on sharded
         backends).
 
         Args:
             model: a prepared model.
+            unwrap: Accelerate's; the keys are always the unwrapped module's.
 
         Returns:
             Parameter and buffer names mapped to tensors.
@@ -1118,34 +1148,187 @@ class Accelerator:
         with self._runner.own_collective():
             return metrics.gather(data)
 
-    def gather_for_metrics(self, data: Any) -> Any:
-        """``gather`` for evaluation: when ``data`` holds one row per sample of the batch a
-        prepared loader just yielded, the rows come back in the sampler's order (the dataset's
-        order without shuffling) and the duplicates that the sampler padded in at the end of
-        the pass are dropped, so each sample is counted exactly once.
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """``gather`` for evaluation: when ``input_data`` holds one row per sample of the
+        batch a prepared loader just yielded, the rows come back in the sampler's order (the
+        dataset's order without shuffling) and the duplicates that the sampler padded in at
+        the end of the pass are dropped, so each sample is counted exactly once.
+
+        Objects are gathered instead of tensors with ``use_gather_object``, or when
+        ``input_data`` holds anything but tensors (a list of generated strings, say): a list
+        with one entry per sample of that batch comes back in the sampler's order with the
+        padding dropped, like the rows; any other object as ``gradsync.gather_object``
+        gives it (a list, one entry per rank; lists concatenated).
 
         Args:
-            data: a tensor, or dicts / lists / tuples of tensors.
+            input_data: a tensor, dicts / lists / tuples of tensors, or any picklable
+                object.
+            use_gather_object: gather as objects even when ``input_data`` holds only tensors
+                (tensors of different shapes per sample, which ``gather`` would have to pad);
+                they travel pickled through the CPU.
 
         Returns:
-            The same structure with gathered tensors.
+            The same structure with gathered tensors, or on the object path a list.
         """
         it = self._loaders.last_pass() if self._loaders.last_pass is not None else None
         with self._runner.own_collective():
-            return metrics.gather_for_metrics(data, it, self.world_size)
+            return metrics.gather_for_metrics(input_data, it, self.world_size,
+                                              use_gather_object=use_gather_object)
 
-    def reduce(self, data: Any, op: str = "sum") -> Any:
-        """Each tensor of ``data`` summed or averaged over ranks.
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0,
+               op: str | None = None) -> Any:
+        """Each tensor of ``tensor`` reduced over ranks, then multiplied by ``scale``, as
+        Accelerate's ``Accelerator.reduce`` documents it. Where Accelerate's code differs
+        from its documentation, gradsync follows the documentation: ``scale`` applies on
+        every backend (Accelerate: XLA only) and ``"none"`` reduces nothing (Accelerate's
+        code sums).
 
         Args:
-            data: a tensor, or dicts / lists / tuples of tensors.
-            op: ``"sum"`` or ``"mean"``.
+            tensor: a tensor, or dicts / lists / tuples of tensors.
+            reduction: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` (every rank gets the
+                result; integers are averaged as float64), or ``"none"`` (no collective:
+                this rank's own values).
+            scale: a factor every result is multiplied by (integers scaled by a factor other
+                than 1 become float64).
+            op: the former name of ``reduction``, kept as an alias; with a ``reduction``
+                other than the default ``"sum"`` the two must agree.
 
         Returns:
             The same structure with reduced tensors.
+
+        Raises:
+            ConfigError: an unknown reduction, or ``op`` and ``reduction`` that disagree.
         """
         with self._runner.own_collective():
-            return metrics.reduce(data, op)
+            return metrics.reduce(tensor, reduction, scale, op)
+
+    # -- where code runs (no collectives, except the *_process_first barriers) --
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: S, apply_padding: bool = False) -> Iterator[S]:
+        """This rank's contiguous share of ``inputs`` (e.g. prompts for distributed
+        inference)::
+
+            with accel.split_between_processes(["A", "B", "C"]) as prompts:
+                ...  # rank 0 of 2: ["A", "B"]; rank 1: ["C"] (["C", "C"] with apply_padding)
+
+        The first ``len(inputs) % world_size`` ranks get one entry more. Not a collective.
+
+        Args:
+            inputs: a list, a tuple, a tensor (split along its first dimension), a dataset
+                with ``select`` (a Hugging Face ``datasets.Dataset``), or a dict of them
+                with one length.
+            apply_padding: repeat the last entry of ``inputs`` at the end of the shorter
+                shares so every rank gets as many, which ``gather`` needs (drop the repeats
+                after gathering).
+
+        Yields:
+            The share (``inputs`` itself in one process).
+
+        Raises:
+            ConfigError: an input that cannot be split, or a dict whose values differ in
+                length.
+        """
+        with processes.split_between_processes(inputs, self.rank, self.world_size,
+                                               apply_padding) as share:
+            yield share
+
+    def on_main_process(self, function: Callable[P, R]) -> Callable[P, R | None]:
+        """A decorator: ``function`` runs on the main process (rank 0) only; elsewhere a
+        call returns None. The rank is read at each call.
+
+        Args:
+            function: the function to decorate.
+
+        Returns:
+            The decorated function.
+        """
+        return processes.on_main_process(function, ranks=self)
+
+    def on_local_main_process(self, function: Callable[P, R]) -> Callable[P, R | None]:
+        """A decorator: ``function`` runs on the first process of each machine only;
+        elsewhere a call returns None.
+
+        Args:
+            function: the function to decorate.
+
+        Returns:
+            The decorated function.
+        """
+        return processes.on_local_main_process(function, ranks=self)
+
+    def on_last_process(self, function: Callable[P, R]) -> Callable[P, R | None]:
+        """A decorator: ``function`` runs on the last process (rank ``world_size - 1``)
+        only; elsewhere a call returns None.
+
+        Args:
+            function: the function to decorate.
+
+        Returns:
+            The decorated function.
+        """
+        return processes.on_last_process(function, ranks=self)
+
+    @overload
+    def on_process(self, function: Callable[P, R], process_index: int | None = None) -> Callable[P, R | None]: ...
+    @overload
+    def on_process(self, function: None = None, process_index: int | None = None) -> processes.Decorator: ...
+    def on_process(self, function: Callable[..., Any] | None = None,
+                   process_index: int | None = None) -> Callable[..., Any] | processes.Decorator:
+        """A decorator: ``function`` runs on the process of rank ``process_index`` only;
+        elsewhere a call returns None. Written ``@accel.on_process(process_index=1)``. In
+        one process it runs whatever the index (as in Accelerate).
+
+        Args:
+            function: the function to decorate (None: return the decorator).
+            process_index: the rank that runs it.
+
+        Returns:
+            The decorated function, or without ``function`` the decorator.
+
+        Raises:
+            ConfigError: no ``process_index`` or a negative one; at a call, an index that
+                no process has (with more than one process).
+        """
+        if function is None:
+            return processes.on_process(process_index=process_index, ranks=self)
+        return processes.on_process(function, process_index=process_index, ranks=self)
+
+    @overload
+    def on_local_process(self, function: Callable[P, R],
+                         local_process_index: int | None = None) -> Callable[P, R | None]: ...
+    @overload
+    def on_local_process(self, function: None = None,
+                         local_process_index: int | None = None) -> processes.Decorator: ...
+    def on_local_process(self, function: Callable[..., Any] | None = None,
+                         local_process_index: int | None = None) -> Callable[..., Any] | processes.Decorator:
+        """A decorator: ``function`` runs on the process of local rank
+        ``local_process_index`` of each machine only; elsewhere a call returns None.
+        Written ``@accel.on_local_process(local_process_index=1)``. In one process it runs
+        whatever the index.
+
+        Args:
+            function: the function to decorate (None: return the decorator).
+            local_process_index: the local rank that runs it, on every machine.
+
+        Returns:
+            The decorated function, or without ``function`` the decorator.
+
+        Raises:
+            ConfigError: no ``local_process_index`` or a negative one; at a call, an index
+                not below the number of processes (with more than one process).
+        """
+        if function is None:
+            return processes.on_local_process(local_process_index=local_process_index, ranks=self)
+        return processes.on_local_process(function, local_process_index=local_process_index,
+                                          ranks=self)
+
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        """The first process of each machine runs the block first, the others on that
+        machine once it is done (e.g. to build a cache on each machine's disk once). Call
+        it on every rank."""
+        with processes.goes_first(self.is_local_main_process, self._backend.barrier):
+            yield
 
     def pad_across_processes(self, data: Any, dim: int = 0, pad_index: float = 0,
                              pad_first: bool = False) -> Any:

@@ -80,10 +80,8 @@ class Samples(torch.utils.data.Dataset[dict[str, Any]]):
 
 
 def _for_metrics(accel: Accelerator, data: Any, use_gather_object: bool = False) -> Any:
-    """metrics.gather_for_metrics with the accelerator's last loader pass (what
-    ``accel.gather_for_metrics(data, use_gather_object=...)`` forwards to)."""
-    last = accel._loaders.last_pass() if accel._loaders.last_pass is not None else None
-    return metrics.gather_for_metrics(data, last, accel.world_size, use_gather_object=use_gather_object)
+    """Through the Accelerator, as a user calls it."""
+    return accel.gather_for_metrics(data, use_gather_object=use_gather_object)
 
 
 def evaluation(shuffle: bool) -> dict[str, Any]:
