@@ -185,3 +185,52 @@ def test_two_blocks_per_batch_advance_the_window_twice(clean_env):
     # A block per model: D's block opens each window and G's closes it, so G is updated
     # after every batch and D only where the end of the data closed a window early.
     assert run(2) == (1, 3)
+
+
+def test_logged_window_losses_one_record_per_optimizer_step(tmp_path: Path, clean_env):
+    """accel.log with W&B (offline), MLflow (local store) and CSV: one record per applied
+    optimizer step, at steps 1, 2, 3 (the default step), with the window's loss."""
+    import csv
+    import json
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    from harness.trackers import wandb_records
+
+    accel, model, opt, loader = _setup(k=2, samples=12, log_with=["wandb", "mlflow", "csv"],
+                                       project_dir=str(tmp_path))
+    accel.init_trackers("run")
+    losses = []
+    for x, y in loader:
+        with accel.accumulate(model):
+            accel.backward(F.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        if accel.sync_gradients:
+            losses.append(accel.window_loss)
+            accel.log({"loss": accel.window_loss})
+    run_id = accel.get_tracker("mlflow").run_id
+    accel.end_training()
+    assert len(losses) == 3
+
+    client = MlflowClient(f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}")
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
+    assert history == [(s + 1, pytest.approx(v)) for s, v in enumerate(losses)]
+
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(int(r["step"]), float(r["loss"])) for r in rows] == [
+        (s + 1, pytest.approx(v)) for s, v in enumerate(losses)]
+
+    (log_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + 60
+    while True:  # W&B's service may end the file a moment after finish() returns
+        records = wandb_records(log_file)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    history = [r.history for r in records if r.WhichOneof("record_type") == "history"]
+    assert [h.step.num for h in history] == [1, 2, 3]
+    assert [json.loads(next(i.value_json for i in h.item if i.nested_key[0] == "loss")) for h in history] == [
+        pytest.approx(v) for v in losses]

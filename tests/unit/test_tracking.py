@@ -11,7 +11,6 @@ import csv
 import json
 import logging
 import math
-import struct
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,8 @@ from gradsync.tracking import (
     plain,
     tracker_available,
 )
+
+from harness.trackers import wandb_records
 
 
 @pytest.fixture(autouse=True)
@@ -77,34 +78,6 @@ def test_tensorboard_events_read_back_exactly(tmp_path):
 
 
 # -- Weights & Biases ----------------------------------------------------------------------
-def _wandb_records(path: Path) -> list[Any]:
-    """The records of a .wandb file (W&B's LevelDB-style log of its Record protobufs)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", data[:7]
-    block, pos, pending, out = 32768, 7, b"", []
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:  # a block's tail too short for a header is padding
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0:
-            pos += left
-            continue
-        if pos + 7 + length > len(data):  # still being written
-            break
-        pending += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # full, or the last piece of a record
-            record = pb.Record()
-            record.ParseFromString(pending)
-            out.append(record)
-            pending = b""
-    return out
-
-
 def test_wandb_offline_run_has_one_history_record_per_log(tmp_path):
     t = _trackers(["wandb"], tmp_path)
     t.init("proj", config={"lr": 0.5}, init_kwargs={"wandb": {"name": "first"}})
@@ -120,7 +93,7 @@ def test_wandb_offline_run_has_one_history_record_per_log(tmp_path):
     # W&B's service process writes the file: it may end it a moment after finish() returns.
     deadline = time.monotonic() + 60
     while True:
-        records = _wandb_records(log_file)
+        records = wandb_records(log_file)
         if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
