@@ -53,3 +53,12 @@ def test_checkpoint_io(tmp_path):
     # The same tensors: a checkpoint holds the bare file's bytes plus small state.
     assert result["bytes"]["save_state"] >= result["bytes"]["torch.save"] > 0
     assert not (tmp_path / "checkpoint_io").exists()  # what it wrote is removed
+
+
+def test_window_loss_overhead(tmp_path):
+    result = quick("window_loss_overhead", tmp_path)
+    assert result["off_step_ms"] > 0 and result["on_step_ms"] > 0 and result["control_step_ms"] > 0
+    assert result["add_us"] > 0 and result["allreduce_us"] > 0 and result["read_in_loop_us"] >= 0
+    assert 0 < result["estimated_share"] < 1
+    assert result["windows_read"] == 6 and 0 < result["window_loss_last"] < float("inf"), \
+        "the tracked loop reads one finite window loss per timed step"
