@@ -54,6 +54,7 @@ class Preparer:
         self._registry = registry
         self._loaders = loaders
         self._on_scheduler = on_scheduler
+        self._sized_by_settings = plan.micro_batch_size is not None  # else the first loader sizes it
         self._before_step = before_step
 
     def prepare(self, objects: Sequence[Any]) -> Any:
@@ -164,7 +165,11 @@ class Preparer:
 
     def _prepare_dataloader(self, loader: Any) -> PreparedDataLoader:
         batch = getattr(loader, "batch_size", None)
-        if self.plan.micro_batch_size is not None and batch is not None and batch != self.plan.micro_batch_size:
+        # The first loader must fit batch sizes the settings fixed; a later one (an
+        # evaluation loader, say) may batch as it likes: it does not define the plan.
+        first = not self._registry.loaders
+        if (first and self._sized_by_settings and batch is not None
+                and batch != self.plan.micro_batch_size):
             raise ConfigError(
                 f"the dataloader's batch_size={batch} contradicts micro_batch_size="
                 f"{self.plan.micro_batch_size} ({self.plan.describe()}); build the DataLoader with "
