@@ -30,6 +30,13 @@ import torch.distributed as dist
 from gradsync import _torch_compat
 from gradsync._util import human_bytes
 from gradsync.dist import is_distributed
+from gradsync.errors import ConfigError
+
+GROUP_LABELS = ("world", "shard", "replicate", "other")
+"""The labels a recorded collective's group can carry: ``"shard"`` and ``"replicate"`` for the
+groups of a 2-D (HSDP) device mesh, labelled by ``label_group``; an unlabelled group is
+``"world"`` when it spans every rank (the world group, or a copy of it such as a 1-D mesh's),
+else ``"other"``."""
 
 REDUCTIONS = frozenset({"allreduce", "reduce_scatter", "reduce"})
 """Ops that reduce data (the gradient synchronisation of every backend is one of these)."""
@@ -59,30 +66,55 @@ class MicroStepRecord:
     as the process group's methods: ``"allreduce"``, ``"allgather"``, ...)."""
     own: list[tuple[str, int]] = field(default_factory=list)
     """gradsync's own collectives (item counts, metrics), kept apart: never gradient traffic."""
+    groups: list[str] = field(default_factory=list)
+    """The group label (``GROUP_LABELS``) of each op in ``ops``, in the same order: where the
+    collective ran (``"shard"`` / ``"replicate"`` on a 2-D mesh, else ``"world"``)."""
 
-    def count(self, *names: str) -> int:
+    def labelled(self) -> list[tuple[str, int, str]]:
+        """The ops with their groups.
+
+        Returns:
+            ``(op, payload bytes, group label)`` of each op in ``ops``, in order (an op
+                recorded without a group counts as ``"world"``).
+        """
+        labels = self.groups + ["world"] * (len(self.ops) - len(self.groups))
+        return [(op, b, g) for (op, b), g in zip(self.ops, labels)]
+
+    def group_labels(self) -> list[str]:
+        """The distinct group labels of the micro-step's ops.
+
+        Returns:
+            The labels (``GROUP_LABELS``), in order of first use.
+        """
+        return list(dict.fromkeys(g for _, _, g in self.labelled()))
+
+    def count(self, *names: str, group: str | None = None) -> int:
         """How many collectives of the micro-step are among ``names``.
 
         Args:
             *names: op names such as ``"allreduce"``; none: every op.
+            group: only those in the group of this label (``GROUP_LABELS``); None: any.
 
         Returns:
             The number of those ops in ``ops`` (gradsync's own are not counted).
         """
         wanted = set(names) or None
-        return sum(1 for op, _ in self.ops if wanted is None or op in wanted)
+        return sum(1 for op, _, g in self.labelled()
+                   if (wanted is None or op in wanted) and (group is None or g == group))
 
-    def nbytes(self, *names: str) -> int:
+    def nbytes(self, *names: str, group: str | None = None) -> int:
         """The payload bytes of the micro-step's collectives among ``names``.
 
         Args:
             *names: op names such as ``"allreduce"``; none: every op.
+            group: only those in the group of this label (``GROUP_LABELS``); None: any.
 
         Returns:
             The summed payload bytes of those ops in ``ops``.
         """
         wanted = set(names) or None
-        return sum(b for op, b in self.ops if wanted is None or op in wanted)
+        return sum(b for op, b, g in self.labelled()
+                   if (wanted is None or op in wanted) and (group is None or g == group))
 
     @property
     def reductions(self) -> int:
@@ -99,10 +131,19 @@ class MicroStepRecord:
 
         Returns:
             The keys ``index``, ``boundary``, ``ops`` (op name -> count),
-                ``reductions``, ``reduction_bytes``, ``bytes`` (all ops) and ``own`` (op
-                name -> count).
+                ``reductions``, ``reduction_bytes``, ``bytes`` (all ops), ``own`` (op
+                name -> count) and ``groups`` (group label -> ``{"ops": {op name:
+                count}, "bytes": n, "reduction_bytes": n}``, for the labels that occur).
         """
         counts = Counter(op for op, _ in self.ops)
+        groups = {
+            label: {
+                "ops": dict(Counter(op for op, _, g in self.labelled() if g == label)),
+                "bytes": self.nbytes(group=label),
+                "reduction_bytes": self.nbytes(*REDUCTIONS, group=label),
+            }
+            for label in self.group_labels()
+        }
         return {
             "index": self.index,
             "boundary": self.boundary,
@@ -111,6 +152,7 @@ class MicroStepRecord:
             "reduction_bytes": self.reduction_bytes,
             "bytes": self.nbytes(),
             "own": dict(Counter(op for op, _ in self.own)),
+            "groups": groups,
         }
 
 
@@ -129,20 +171,24 @@ class Recorder:
         """``(op, payload bytes)`` of the collectives issued outside any micro-step."""
         self._own_depth = 0
 
-    def record(self, op: str, nbytes: int) -> None:
+    def record(self, op: str, nbytes: int, group: str = "world") -> None:
         """Note one collective: in the open micro-step's record (its ``own`` list inside
         ``own()``), or in ``outside`` when no micro-step is open. Thread-safe.
 
         Args:
             op: the collective's name, e.g. ``"allreduce"``.
             nbytes: its payload bytes.
+            group: the label of the group it ran in (``GROUP_LABELS``; kept for the
+                micro-step's ``ops``, in its ``groups``).
         """
         with self._lock:
             if self._current is None:
-                target = self.outside
+                self.outside.append((op, nbytes))
+            elif self._own_depth:
+                self._current.own.append((op, nbytes))
             else:
-                target = self._current.own if self._own_depth else self._current.ops
-            target.append((op, nbytes))
+                self._current.ops.append((op, nbytes))
+                self._current.groups.append(group)
 
     @contextlib.contextmanager
     def own(self) -> Iterator[None]:
@@ -218,16 +264,28 @@ class Recorder:
         Returns:
             The micro-steps, the reductions per micro-step and their bytes, the
                 all-gathers and gradsync's own collectives, e.g. ``micro-steps 4:
-                reductions per micro-step [0,0,0,1] (44.0 KiB), all-gathers 0``.
+                reductions per micro-step [0,0,0,1] (44.0 KiB), all-gathers 0``. When the
+                window's collectives ran in more than one group (a 2-D mesh), the reductions
+                per micro-step and their bytes of each group follow, e.g. ``; by group:
+                shard [1,1,1,1] (40.0 KiB), replicate [0,0,0,1] (10.0 KiB)``.
         """
         per = ",".join(str(r.reductions) for r in window)
         red_bytes = sum(r.reduction_bytes for r in window)
         gathers = sum(r.count("allgather") for r in window)
         own = sum(len(r.own) for r in window)
+        labels = list(dict.fromkeys(g for r in window for g in r.group_labels()))
+        by_group = ""
+        if len(labels) > 1:
+            by_group = "; by group: " + ", ".join(
+                f"{label} [{','.join(str(r.count(*REDUCTIONS, group=label)) for r in window)}] "
+                f"({human_bytes(sum(r.nbytes(*REDUCTIONS, group=label) for r in window))})"
+                for label in labels
+            )
         return (
             f"micro-steps {len(window)}: reductions per micro-step [{per}] "
             f"({human_bytes(red_bytes)}), all-gathers {gathers}"
             + (f"; gradsync's own collectives {own}" if own else "")
+            + by_group
         )
 
 
@@ -270,6 +328,8 @@ class AuditProcessGroup(dist.ProcessGroup):
         self.recorder = recorder if recorder is not None else Recorder()
         self._backend_name = name
         self._group_name = name
+        self.audit_label: str | None = None
+        """The label ``label_group`` gave the group (None: ``"world"`` or ``"other"``)."""
 
     # -- identity ---------------------------------------------------------
     def getBackendName(self) -> str:
@@ -287,10 +347,23 @@ class AuditProcessGroup(dist.ProcessGroup):
     def _set_group_name(self, name: str) -> None:
         self._group_name = name
 
+    def label(self) -> str:
+        """The group's label in the records (``GROUP_LABELS``).
+
+        Returns:
+            What ``label_group`` set; else ``"world"`` when the group spans every rank (the
+                world group, or a copy of it), ``"other"`` when it does not.
+        """
+        if self.audit_label is not None:
+            return self.audit_label
+        if is_distributed() and (self is dist.group.WORLD or self.size() == dist.get_world_size()):
+            return "world"
+        return "other"
+
     # -- collectives ------------------------------------------------------
     def _rec(self, op: str, payload: Any) -> None:
         if self.recorder.enabled:
-            self.recorder.record(op, _nbytes(payload))
+            self.recorder.record(op, _nbytes(payload), self.label())
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         self._rec("allreduce", tensors)
@@ -380,7 +453,7 @@ class AuditProcessGroup(dist.ProcessGroup):
 # The collectives run eagerly even when called from inside a torch.compile'd model (DDP's
 # forward issues some): dynamo cannot trace a Python process group, and must not try.
 for _name, _method in list(vars(AuditProcessGroup).items()):
-    if callable(_method) and not _name.startswith("__") and _name != "_rec":
+    if callable(_method) and not _name.startswith("__") and _name not in ("_rec", "label"):
         setattr(AuditProcessGroup, _name, torch.compiler.disable(_method))
 
 
@@ -424,3 +497,25 @@ def recorder_of(group: Any = None) -> Recorder | None:
         return None
     pg = group if group is not None else dist.group.WORLD
     return pg.recorder if isinstance(pg, AuditProcessGroup) else None
+
+
+def label_group(group: Any, name: str) -> None:
+    """Label a process group in the audit's records, e.g. the groups of a 2-D device mesh.
+
+    The collectives the group issues from then on carry ``name`` (``MicroStepRecord.groups``,
+    ``to_dict()["groups"]``, the per-group part of ``Recorder.summary``). The group is known
+    by its object (what ``DeviceMesh.get_group(dim)`` returns, the same object each time),
+    never by its size: on a (2, 2) mesh both groups have 2 ranks. A group that is not
+    audited (a plain gloo or NCCL group) records nothing, and is left as it is.
+
+    Args:
+        group: a process group.
+        name: its label, ``"shard"`` or ``"replicate"`` (any of ``GROUP_LABELS``).
+
+    Raises:
+        ConfigError: ``name`` is not one of ``GROUP_LABELS``.
+    """
+    if name not in GROUP_LABELS:
+        raise ConfigError(f"label_group(name={name!r}): use one of {', '.join(GROUP_LABELS)}")
+    if isinstance(group, AuditProcessGroup):
+        group.audit_label = name

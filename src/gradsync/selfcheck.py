@@ -9,6 +9,12 @@ gradsync does not know. The check reads the audit's process-group wrapper during
 ``STEPS`` optimizer steps, warns once with the fix, and then turns itself off: afterwards
 the wrapper only reads one flag per collective (see benchmarks/selfcheck_overhead.py).
 
+On a 2-D (HSDP) mesh with ``defer_replicate`` the reduce-scatter inside the shard group
+runs on every micro-step by design; what must not run off the boundary is a reduction in
+any other group, the all-reduce across replicas above all (the process groups are told
+apart by the labels the FSDP adapter gives them, ``gradsync.audit.label_group``), and a
+boundary micro-step whose backward ran must all-reduce across replicas.
+
 It needs the counting wrapper, so it works when gradsync created the process group; for a
 group created outside gradsync it says so once at debug level and does nothing.
 """
@@ -19,12 +25,15 @@ import logging
 from collections.abc import Callable
 
 from gradsync._util import human_bytes
-from gradsync.audit import MicroStepRecord, Recorder, recorder_of
+from gradsync.audit import REDUCTIONS, MicroStepRecord, Recorder, recorder_of
 
 log = logging.getLogger("gradsync")
 
 #: Optimizer steps (windows) checked from the start of training.
 STEPS = 3
+
+#: The policies the check judges (the others sync on every micro-step, or natively).
+DEFERRING = ("defer", "defer_replicate")
 
 
 class SelfCheck:
@@ -51,7 +60,7 @@ class SelfCheck:
     def begin(self, boundary: bool) -> None:
         """A micro-step starts (after the audit opened its record, when the audit is on)."""
         self._backward = False
-        if self._policy() != "defer":  # e.g. FSDP's "auto" chose every_step at prepare
+        if self._policy() not in DEFERRING:  # e.g. FSDP's "auto" chose every_step at prepare
             self.done = True
             return
         if self.audited:
@@ -74,7 +83,10 @@ class SelfCheck:
         record = self._record
         self._release()
         if record is not None and not self.done:
-            self._judge(record, boundary)
+            if self._policy() == "defer_replicate":
+                self._judge_replicate(record, boundary)
+            else:
+                self._judge(record, boundary)
         if boundary:
             self._windows += 1
             self.done = self.done or self._windows >= self._steps
@@ -87,21 +99,50 @@ class SelfCheck:
 
     def _judge(self, record: MicroStepRecord, boundary: bool) -> None:
         if not boundary and record.reductions:
-            self._warn(
-                f"a micro-step off the boundary issued {record.reductions} gradient "
-                f"reduction(s) ({human_bytes(record.reduction_bytes)}), so gradients are "
-                "synchronised on every micro-step; run the forward inside `with "
-                "accel.accumulate(model):` (DDP decides at the forward whether its backward "
-                "syncs), and pass accumulate() the model accel.prepare() returned, not one "
-                "wrapped again (if the reduction is your own, e.g. SyncBatchNorm or a metric, "
-                "pass self_check=False)"
-            )
+            self._warn_off_boundary(record.reductions, record.reduction_bytes)
         elif boundary and self._backward and not record.reductions:
             self._warn(
                 "a boundary micro-step ran accel.backward but reduced nothing, so the ranks' "
                 "gradients were not averaged; call the forward and accel.backward inside "
                 "`with accel.accumulate(model):` on the model accel.prepare() returned, and do "
                 "not turn the backend's gradient sync off yourself (e.g. a no_sync() of your own)"
+            )
+
+    def _warn_off_boundary(self, reductions: int, nbytes: int) -> None:
+        self._warn(
+            f"a micro-step off the boundary issued {reductions} gradient "
+            f"reduction(s) ({human_bytes(nbytes)}), so gradients are "
+            "synchronised on every micro-step; run the forward inside `with "
+            "accel.accumulate(model):` (DDP decides at the forward whether its backward "
+            "syncs), and pass accumulate() the model accel.prepare() returned, not one "
+            "wrapped again (if the reduction is your own, e.g. SyncBatchNorm or a metric, "
+            "pass self_check=False)"
+        )
+
+    def _judge_replicate(self, record: MicroStepRecord, boundary: bool) -> None:
+        """``defer_replicate`` on a 2-D mesh: the shard group reduces on every micro-step, the
+        replicate group (and any other) only at the boundary."""
+        across = record.count("allreduce", group="replicate")
+        others = [g for g in record.group_labels() if g not in ("shard", "replicate")]
+        elsewhere = sum(record.count(*REDUCTIONS, group=g) for g in others)
+        if not boundary and across:
+            self._warn(
+                f"a micro-step off the boundary all-reduced across replicas {across} time(s) "
+                f"({human_bytes(record.nbytes('allreduce', group='replicate'))}) under "
+                "sync_policy='defer_replicate', so the cross-node all-reduce runs on every "
+                "micro-step; call the forward and accel.backward inside `with "
+                "accel.accumulate(model):` on the model accel.prepare() returned, and do not call "
+                "set_requires_all_reduce(True) on it yourself"
+            )
+        elif not boundary and elsewhere:  # a reduction outside the mesh's groups: as under defer
+            self._warn_off_boundary(elsewhere, sum(record.nbytes(*REDUCTIONS, group=g) for g in others))
+        elif boundary and self._backward and not across:
+            self._warn(
+                "a boundary micro-step ran accel.backward but did not all-reduce across replicas "
+                "under sync_policy='defer_replicate', so the replicas' gradients were not averaged; "
+                "call the forward and accel.backward inside `with accel.accumulate(model):` on the "
+                "model accel.prepare() returned, and do not call set_requires_all_reduce(False) on "
+                "it yourself"
             )
 
     def _warn(self, problem: str) -> None:
@@ -113,12 +154,12 @@ def start(*, enabled: bool, audit: Recorder | None, policy: Callable[[], str], r
           world_size: int, backend: str) -> SelfCheck | None:
     """The self-check for a new Accelerator, or None when it is off or has nothing to count
     (one process, or a process group created outside gradsync)."""
-    if not enabled or world_size < 2 or policy() not in ("defer", "every_step"):
+    if not enabled or world_size < 2 or policy() not in (*DEFERRING, "every_step"):
         return None
     recorder = audit if audit is not None else recorder_of()
-    where = f"rank {rank}, {backend}, defer"
+    where = f"rank {rank}, {backend}, {policy() if policy() in DEFERRING else 'defer'}"
     if recorder is None:
-        if policy() == "defer":
+        if policy() in DEFERRING:
             log.debug(
                 "gradsync: the deferral self-check cannot count collectives: the process group was "
                 "created outside gradsync (let gradsync create it to have the first steps checked)"
