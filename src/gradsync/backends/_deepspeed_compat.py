@@ -1,9 +1,10 @@
 """The only place gradsync touches DeepSpeed's private state.
 
 DeepSpeed has no public API for: changing the clipping value after ``initialize``, the
-fp32 master weights of its stage-0 mixed-precision optimizers, and dropping the gradients
+fp32 master weights of its stage-0 mixed-precision optimizers, dropping the gradients
 a micro-step has already accumulated (its ``zero_grad`` after a ZeRO 1/2 reduction leaves
-the averaged partitions in place). Every access goes through ``_require`` so that a
+the averaged partitions in place), and checking a config for the keys it removed before
+``initialize`` (and so before any collective). Every access goes through ``_require`` so that a
 DeepSpeed that renamed one fails with a message naming the supported versions.
 """
 
@@ -48,6 +49,24 @@ def can_coalesce(engine: Any) -> bool:
     return hasattr(engine, "coalesce_grad_reduction") and hasattr(
         engine.optimizer, "_coalesce_grad_reduction"
     )
+
+
+def removed_key_message(ds: dict[str, Any]) -> str | None:
+    """DeepSpeed's own message for a config key it has removed (``deepspeed.initialize``
+    raises it), or None where the config has none or this DeepSpeed has no such check."""
+    try:
+        from deepspeed.runtime import config as ds_config
+    except ImportError:  # pragma: no cover - the adapter checks the import first
+        return None
+    reject = getattr(ds_config, "_reject_removed_config_keys", None)
+    error = getattr(ds_config, "DeepSpeedConfigError", None)
+    if reject is None or error is None:
+        return None
+    try:
+        reject(ds)
+    except error as err:
+        return str(err)
+    return None
 
 
 def full_gradient_bytes(engine: Any) -> int:

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gradsync.backends import _deepspeed_compat
 from gradsync.batching import solve_with_schedule
 from gradsync.errors import ConfigError
 
@@ -94,6 +95,46 @@ def check_batch(ds: dict[str, Any], *, micro: int | None, steps: int, world: int
                 "the Accelerator's batch settings to agree"
             )
     return ds
+
+
+#: The ``zero_optimization`` keys of MiCS, which DeepSpeed removed: sharding inside a node and
+#: replicating across nodes is what gradsync's FSDP2 2-D mesh does.
+MICS_KEYS = ("mics_shard_size", "mics_hierarchical_params_gather")
+
+
+def check_removed_keys(ds: dict[str, Any]) -> None:
+    """Refuse, before any collective, a key DeepSpeed removed and would refuse in
+    ``deepspeed.initialize``: its own message, and for MiCS's keys gradsync's way instead."""
+    message = _deepspeed_compat.removed_key_message(ds)
+    if message is None:
+        return
+    zero = ds.get("zero_optimization")
+    mics = [key for key in MICS_KEYS if isinstance(zero, dict) and key in zero]
+    if not mics:
+        raise ConfigError(f"deepspeed_config: {message}")
+    assert isinstance(zero, dict)
+    raise ConfigError(
+        f"deepspeed_config zero_optimization.{mics[0]}={zero[mics[0]]!r}: {message.strip()} "
+        "In gradsync, shard inside a node and replicate across nodes with backend='fsdp', "
+        "fsdp_mesh=(R, S) (R nodes x S processes per node, or fsdp_mesh='node'); or drop "
+        "the key and stay on ZeRO 3 (zero_hpz_partition_size keeps its parameter gathers "
+        "inside a node)"
+    )
+
+
+def check_hpz(ds: dict[str, Any], stage: int, world: int) -> None:
+    """ZeRO 3's ``zero_hpz_partition_size`` (ZeRO++ hpZ) must divide the world size:
+    DeepSpeed builds its secondary partition groups from consecutive ranks (and asserts
+    only after it has started creating them)."""
+    zero = ds.get("zero_optimization")
+    hpz = zero.get("zero_hpz_partition_size", 1) if isinstance(zero, dict) else 1
+    if stage != 3 or not isinstance(hpz, int) or hpz <= 1 or hpz >= world or world % hpz == 0:
+        return
+    raise ConfigError(
+        f"deepspeed_config zero_optimization.zero_hpz_partition_size={hpz} does not divide "
+        f"world_size={world} (DeepSpeed's hpZ groups are {hpz} consecutive ranks); use a "
+        f"divisor of {world}, usually the processes per node, or drop the key"
+    )
 
 
 def check_setup_batch(ds: dict[str, Any], config: Config, world: int) -> None:

@@ -30,7 +30,9 @@ from gradsync.backends import (
 from gradsync.backends._deepspeed_clip import Clipping, global_norm, refuse_clip_by_value
 from gradsync.backends._deepspeed_config import (
     build_config,
+    check_hpz,
     check_precision,
+    check_removed_keys,
     check_setup_batch,
     load_ds_config,
 )
@@ -96,6 +98,8 @@ class DeepSpeedBackend(AdapterDefaults):
         self.stage = int(self._ds.get("zero_optimization", {}).get("stage", 0))
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"deepspeed_config zero_optimization.stage={self.stage} must be 0, 1, 2 or 3")
+        check_removed_keys(self._ds)
+        check_hpz(self._ds, self.stage, dist.world_size())
         self._asked: RequestedPolicy = config.sync_policy
         self._budget = config.memory_budget()
         self.policy, self.policy_reason = _deepspeed_policy.resolve(config.sync_policy, self.stage)
