@@ -217,7 +217,17 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--bucket-mib", type=float, default=25.0, metavar="MIB",
                      help="gradient bucket size: one collective call per bucket (default 25, DDP's)")
     est.add_argument("--estimate-backends", default="ddp,fsdp,zero2,zero3", metavar="LIST",
-                     help="comma list of ddp, fsdp, zero2, zero3")
+                     help="comma list of ddp, fsdp, zero2, zero3, hsdp (hsdp: FSDP2 hybrid sharding "
+                          "on --fsdp-mesh, default 'node')")
+    est.add_argument("--fsdp-mesh", default=None, metavar="R,S|node",
+                     help="also estimate FSDP2 hybrid sharding on an R x S mesh (R replicas across "
+                          "nodes, S shards in a node; one may be -1; 'node': S = processes per node)")
+    est.add_argument("--intra-bandwidth", type=float, default=None, metavar="GB/s",
+                     help="HSDP: bus bandwidth per rank inside a node (default 476: 8x H100 over "
+                          "NVLink 4 / NVSwitch, measured all-reduce busbw)")
+    est.add_argument("--inter-bandwidth", type=float, default=None, metavar="GB/s",
+                     help="HSDP: bus bandwidth per rank across nodes (default 46: one NDR 400 Gb/s "
+                          "InfiniBand NIC per GPU; one 100 Gb/s Ethernet NIC per 8-GPU node: 1.56)")
 
     sub.add_parser("env", help="print versions, the backends available here and where this "
                                "process runs (scheduler, rank and world, master)", allow_abbrev=False)
@@ -312,13 +322,17 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         print(plan.render(table))
     if args.estimate:
+        mesh = args.fsdp_mesh
+        if mesh is None and settings.get("fsdp_mesh") is not None:  # from the config file
+            value = settings["fsdp_mesh"]
+            mesh = value if isinstance(value, str) else ",".join(str(n) for n in value)
         for row in table:
             if "error" not in row:
-                _estimate(args, row)
+                _estimate(args, row, mesh)
     return 2 if any("error" in row for row in table) else 0
 
 
-def _estimate(args: argparse.Namespace, row: dict[str, str]) -> None:
+def _estimate(args: argparse.Namespace, row: dict[str, str], mesh: str | None = None) -> None:
     from gradsync.estimate import Cluster, estimate, format_table
 
     if not row["k"].isdigit():
@@ -330,7 +344,11 @@ def _estimate(args: argparse.Namespace, row: dict[str, str]) -> None:
 
     if (args.params is None) == (args.grad_bytes is None):
         raise ConfigError("--estimate needs the model size: give --params N (e.g. 7e9) or --grad-bytes B, not both")
-    missing = [flag for flag, value in (("--bandwidth", args.bandwidth), ("--latency-us", args.latency_us),
+    backends = tuple(b.strip() for b in args.estimate_backends.split(",") if b.strip())
+    hybrid = "hsdp" in backends or mesh is not None
+    backends = tuple(b for b in backends if b != "hsdp")
+    needed = (("--bandwidth", args.bandwidth),) if backends else ()
+    missing = [flag for flag, value in (*needed, ("--latency-us", args.latency_us),
                                         ("--compute-ms", args.compute_ms)) if value is None]
     if missing:
         raise ConfigError(f"--estimate needs {', '.join(missing)}: the interconnect and the compute "
@@ -338,15 +356,41 @@ def _estimate(args: argparse.Namespace, row: dict[str, str]) -> None:
     grad_bytes = args.grad_bytes if args.grad_bytes is not None else args.params * args.dtype_bytes
     numel = grad_bytes / args.dtype_bytes
     param_dtype = args.param_dtype_bytes if args.param_dtype_bytes is not None else args.dtype_bytes
-    cluster = Cluster(
-        grad_bytes=grad_bytes, param_bytes=numel * param_dtype, world=world, k=k,
-        bandwidth_gbs=args.bandwidth, latency_us=args.latency_us, compute_ms=args.compute_ms,
-        optimizer_ms=args.optimizer_ms, bucket_bytes=args.bucket_mib * 2**20, sync_ms=args.sync_ms,
+    if backends:
+        cluster = Cluster(
+            grad_bytes=grad_bytes, param_bytes=numel * param_dtype, world=world, k=k,
+            bandwidth_gbs=args.bandwidth, latency_us=args.latency_us, compute_ms=args.compute_ms,
+            optimizer_ms=args.optimizer_ms, bucket_bytes=args.bucket_mib * 2**20, sync_ms=args.sync_ms,
+        )
+        rows = estimate(cluster, backends)
+        print()
+        print(format_table(cluster, rows, nodes=int(row["nodes"]), per_node=int(row["per_node"])))
+    if hybrid:
+        _estimate_hybrid(args, row, mesh or "node", grad_bytes, numel * param_dtype, k)
+
+
+def _estimate_hybrid(args: argparse.Namespace, row: dict[str, str], mesh: str, grad_bytes: float,
+                     param_bytes: float, k: int) -> None:
+    from gradsync.estimate import (
+        INTER_GBS,
+        INTRA_GBS,
+        HybridCluster,
+        estimate_hybrid,
+        format_hybrid,
+        hybrid_mesh,
     )
-    backends = tuple(b.strip() for b in args.estimate_backends.split(",") if b.strip())
-    rows = estimate(cluster, backends)
+
+    per_node = int(row["per_node"])
+    replicas, shards = hybrid_mesh(mesh, int(row["world"]), per_node)
+    cluster = HybridCluster(
+        grad_bytes=grad_bytes, param_bytes=param_bytes, replicas=replicas, shards=shards, k=k,
+        intra_gbs=args.intra_bandwidth if args.intra_bandwidth is not None else INTRA_GBS,
+        inter_gbs=args.inter_bandwidth if args.inter_bandwidth is not None else INTER_GBS,
+        latency_us=args.latency_us, compute_ms=args.compute_ms, optimizer_ms=args.optimizer_ms,
+        bucket_bytes=args.bucket_mib * 2**20, per_node=per_node,
+    )
     print()
-    print(format_table(cluster, rows, nodes=int(row["nodes"]), per_node=int(row["per_node"])))
+    print(format_hybrid(cluster, estimate_hybrid(cluster)))
 
 
 def _env() -> int:

@@ -1,0 +1,102 @@
+"""The HSDP rows of the communication estimate: bytes across nodes per policy (the figures of
+an 8 B-parameter model on 16 nodes x 8 GPUs), gradient memory, the mesh flag and its errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradsync import ConfigError
+from gradsync.estimate import HYBRID_POLICIES, HybridCluster, estimate_hybrid, hybrid_mesh
+from gradsync.launch.cli import main
+
+GB = 1e9
+
+
+def _rows(**kw):
+    base = {"grad_bytes": 8e9 * 4, "param_bytes": 8e9 * 2, "replicas": 16, "shards": 8, "k": 8,
+            "intra_gbs": 476.0, "inter_gbs": 46.0, "per_node": 8}
+    base.update(kw)
+    return {row.policy: row for row in estimate_hybrid(HybridCluster(**base))}
+
+
+def test_eight_billion_parameters_on_16_by_8_cross_nodes_60_vs_7_5_gb_and_defer_holds_28_gb_more():
+    rows = _rows()
+    assert list(rows) == list(HYBRID_POLICIES)
+    # the shard (32 GB / 8 = 4 GB) all-reduced across 16 replicas: 2 x 15/16 x 4 GB = 7.5 GB a call
+    assert rows["every_step"].cross_bytes == pytest.approx(60 * GB)
+    assert rows["defer_replicate"].cross_bytes == pytest.approx(7.5 * GB)
+    assert rows["defer"].cross_bytes == pytest.approx(7.5 * GB)
+    assert [rows[p].cross_allreduces for p in HYBRID_POLICIES] == [8, 1, 1, 1]
+    # gradient memory: the sharded 4 GB (every_step), the partial buffer in its place
+    # (defer_replicate), the unsharded 32 GB (defer): 28 GB more
+    assert rows["every_step"].grad_memory == rows["defer_replicate"].grad_memory == pytest.approx(4 * GB)
+    assert rows["defer_replicate"].extra_memory == 0
+    assert rows["defer"].extra_memory == pytest.approx(28 * GB)
+
+
+def test_inside_the_node_the_reduce_scatter_and_the_all_gathers_follow_the_ring():
+    rows, r = _rows(), 7 / 8
+    rs, ag = r * 32 * GB, r * 16 * GB
+    assert rows["every_step"].intra_bytes == pytest.approx(8 * rs + 16 * ag)
+    assert rows["defer_replicate"].intra_bytes == pytest.approx(8 * rs + 16 * ag)
+    assert rows["defer"].intra_bytes == pytest.approx(rs + 16 * ag)
+    assert rows["defer + params"].intra_bytes == pytest.approx(rs + ag)
+    # time: bytes over each link's bandwidth (no latency here), compute 0
+    row = rows["defer_replicate"]
+    assert row.comm_ms == pytest.approx((row.intra_bytes / 476e9 + row.cross_bytes / 46e9) * 1e3)
+    assert row.speedup == pytest.approx(rows["every_step"].step_ms / row.step_ms)
+    assert row.speedup > 1
+
+
+def test_shards_that_cross_nodes_count_as_cross_node_traffic():
+    rows = _rows(shards=16, replicas=8)  # 16 shards on 8-GPU nodes
+    assert rows["defer"].intra_bytes == 0
+    assert rows["defer"].cross_bytes > 2 * (7 / 8) * (32 * GB / 16)
+
+
+def test_one_replica_or_one_shard_sends_nothing_there():
+    assert all(r.cross_bytes == 0 and r.cross_allreduces == 0 for r in _rows(replicas=1).values())
+    assert all(r.intra_bytes == 0 for r in _rows(shards=1).values())
+
+
+@pytest.mark.parametrize(("text", "mesh"), [("16,8", (16, 8)), ("-1,8", (16, 8)), ("16,-1", (16, 8)),
+                                            ("node", (16, 8))])
+def test_the_mesh_reads_like_fsdp_mesh(text, mesh):
+    assert hybrid_mesh(text, 128, 8) == mesh
+
+
+@pytest.mark.parametrize(("text", "match"), [("3,8", "does not fit 128 ranks"), ("-1,-1", "two positive"),
+                                             ("0,128", "two positive"), ("2x64", "give R,S"),
+                                             ("-1,3", "does not fit")])
+def test_a_bad_mesh_names_the_value_and_the_fix(text, match):
+    with pytest.raises(ConfigError, match=match):
+        hybrid_mesh(text, 128, 8)
+
+
+def test_plan_estimate_prints_the_hsdp_rows(capsys):
+    code = main(["plan", "--gradient-accumulation-steps", "8", "--nproc-per-node", "8", "--nnodes", "16",
+                 "--estimate", "--params", "8e9", "--dtype-bytes", "4", "--param-dtype-bytes", "2",
+                 "--latency-us", "25", "--compute-ms", "1000", "--fsdp-mesh", "16,8",
+                 "--estimate-backends", "hsdp"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "HSDP on a 16 x 8 mesh" in out and "46 GB/s across nodes" in out  # the defaults
+    lines = {line.split()[0]: line.split() for line in out.splitlines()
+             if line.split() and line.split()[0] in ("every_step", "defer_replicate", "defer")
+             and "+" not in line}
+    assert lines["every_step"][3:5] == ["60.00", "GB"]
+    assert lines["defer_replicate"][3:5] == ["7.50", "GB"]
+    assert lines["defer"][8:10] == ["28.00", "GB"]
+    assert "ddp " not in out  # only the backends asked for; --bandwidth not needed for them
+
+
+def test_plan_estimate_adds_hsdp_to_the_other_backends_when_given_a_mesh(capsys):
+    code = main(["plan", "--gradient-accumulation-steps", "4", "--nproc-per-node", "8", "--nnodes", "2",
+                 "--estimate", "--params", "1e9", "--bandwidth", "46", "--latency-us", "25",
+                 "--compute-ms", "100", "--fsdp-mesh", "node", "--inter-bandwidth", "1.56"])
+    out = capsys.readouterr().out
+    assert code == 0 and "ddp " in out and "HSDP on a 2 x 8 mesh" in out and "1.56 GB/s across nodes" in out
+    code = main(["plan", "--gradient-accumulation-steps", "4", "--nproc-per-node", "8", "--nnodes", "2",
+                 "--estimate", "--params", "1e9", "--latency-us", "25", "--compute-ms", "100",
+                 "--fsdp-mesh", "3,8", "--estimate-backends", "hsdp"])
+    assert code == 2 and "--fsdp-mesh='3,8' does not fit 16 ranks" in capsys.readouterr().err
