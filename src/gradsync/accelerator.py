@@ -71,7 +71,8 @@ class Accelerator:
             to derive the third.
         global_batch_size: samples per optimizer step over all processes
             (micro x k x processes).
-        sync_policy: "auto", "defer", "every_step" or "native" (see the docs).
+        sync_policy: "auto", "defer", "every_step", "native" (DeepSpeed) or "defer_replicate"
+            (FSDP2 on a 2-D ``fsdp_mesh``: one all-reduce across replicas per window) (see the docs).
         mixed_precision: "no", "bf16" or "fp16" (autocast plus a loss scaler, see ``scaler``).
         seed: seeds torch on every rank and the sharded sampler.
         audit: count collectives per micro-step and print a summary per optimizer step.
@@ -108,7 +109,7 @@ class Accelerator:
         config_file: a YAML (or JSON) file of settings (default: ``GRADSYNC_CONFIG``).
         **options: a backend's options: ``ddp_kwargs``, ``find_unused_parameters`` (ddp);
             ``fsdp_wrap``, ``fsdp_keep_params_in_window``, ``fsdp_reshard_after_backward``,
-            ``fsdp_memory_budget`` (fsdp); ``deepspeed_config`` (deepspeed);
+            ``fsdp_memory_budget``, ``fsdp_mesh`` (fsdp); ``deepspeed_config`` (deepspeed);
             ``fairscale_kwargs`` (fairscale). The settings reference lists every setting.
 
     Attributes:
@@ -258,8 +259,14 @@ class Accelerator:
 
     @property
     def sync_policy(self) -> SyncPolicy:
-        """The resolved sync policy: "defer", "every_step" or "native"."""
+        """The resolved sync policy: "defer", "every_step", "native" or "defer_replicate"."""
         return self._backend.policy
+
+    @property
+    def mesh(self) -> Any:
+        """The ``DeviceMesh`` FSDP2 shards over (2-D under ``fsdp_mesh``: replicate, shard);
+        None on a backend without one."""
+        return getattr(self._backend, "mesh", None)
 
     @property
     def sync_policy_reason(self) -> str:

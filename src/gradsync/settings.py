@@ -22,7 +22,7 @@ from gradsync._util import check_positive_int
 from gradsync.backends.ddp_options import DDPOptions
 from gradsync.backends.deepspeed_options import DeepSpeedOptions
 from gradsync.backends.fairscale_options import FairscaleOptions
-from gradsync.backends.fsdp_options import FSDPOptions
+from gradsync.backends.fsdp_options import FSDPOptions, check_replicate_policy
 from gradsync.declaration import (
     ENV_PREFIX,
     ModuleSelector,
@@ -42,11 +42,13 @@ __all__ = [
 ]
 
 #: A resolved sync policy: "defer" (no gradient collective off the boundary), "every_step"
-#: (reduce on every micro-step) or "native" (whatever the backend does by itself).
-SyncPolicy = Literal["defer", "every_step", "native"]
+#: (reduce on every micro-step), "native" (whatever the backend does by itself) or
+#: "defer_replicate" (FSDP2 on a 2-D mesh: reduce-scatter inside the shard group every
+#: micro-step, all-reduce across the replicas only at the boundary).
+SyncPolicy = Literal["defer", "every_step", "native", "defer_replicate"]
 #: A requested policy: a resolved one, or "auto" (the backend decides).
-RequestedPolicy = Literal["auto", "defer", "every_step", "native"]
-SYNC_POLICIES: tuple[RequestedPolicy, ...] = ("auto", "defer", "every_step", "native")
+RequestedPolicy = Literal["auto", "defer", "every_step", "native", "defer_replicate"]
+SYNC_POLICIES: tuple[RequestedPolicy, ...] = ("auto", "defer", "every_step", "native", "defer_replicate")
 MixedPrecision = Literal["no", "bf16", "fp16"]
 MIXED_PRECISION: tuple[MixedPrecision, ...] = ("no", "bf16", "fp16")
 GRAD_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
@@ -67,6 +69,13 @@ def _check_backend(name: str, value: Any, config: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"backend={value!r} must be a backend name such as 'ddp'")
     return value.lower()
+
+
+def _check_policy(name: str, value: Any, config: Any) -> Any:
+    if value not in SYNC_POLICIES:
+        raise ConfigError(f"{name}={value!r} is unknown; use one of {', '.join(SYNC_POLICIES)}")
+    check_replicate_policy(name, value, config)  # the backends' own limits on a policy
+    return value
 
 
 def _check_steps(name: str, value: Any, config: Any) -> Any:
@@ -258,7 +267,8 @@ class CoreSettings:
         flag=True, minimum=1, metavar="G"))
     sync_policy: RequestedPolicy = field(default="auto", metadata=setting(
         "when gradients are reduced: auto (the backend decides), defer (only at the window's "
-        "boundary), every_step, native", flag=True, metavar="P"))
+        "boundary), every_step, native, defer_replicate (fsdp on a 2-D mesh: across replicas "
+        "only at the boundary)", flag=True, check=_check_policy, metavar="P"))
     mixed_precision: MixedPrecision = field(default="no", metadata=setting(
         "no, bf16 or fp16 (autocast, and a window-aware loss scaler for fp16)",
         flag=True, metavar="MP"))

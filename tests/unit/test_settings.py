@@ -113,7 +113,9 @@ def test_every_flag_reaches_launch_config_and_the_workers(s, clean_env):
     value = sample(s)
     assert s.flag is not None
     spellings = {s.flag, "--" + s.flag[2:].replace("-", "_")}
-    companions = ["--micro-batch-size", "1"] if s.name == "global_batch_size" else []
+    # settings that need another one given with them (a backend option: its backend)
+    companions = {"global_batch_size": ["--micro-batch-size", "1"],
+                  "fsdp_mesh": ["--backend", "fsdp"]}.get(s.name, [])
     for spelling in sorted(spellings):
         words = [spelling] if s.switch else [spelling, to_text(value)]
         args = build_parser().parse_args(["launch", *companions, *words, SCRIPT])

@@ -1,7 +1,8 @@
 """FSDP2 checkpoints through ``torch.distributed.checkpoint``: each rank writes its shards,
-and a checkpoint saved on N ranks loads on M (DCP reshards). An open window's gradients
-(this rank's unsharded local sums, or its reduced shards under "every_step") are written
-per rank and load only on the same world size.
+and a checkpoint saved on N ranks loads on M (DCP reshards; a 2-D mesh's replicated shards
+are written once and load on a 1-D mesh or in one process). An open window's gradients
+(this rank's unsharded local sums, its reduced shards under "every_step", or its partial
+buffers under "defer_replicate") are written per rank and load only on the same mesh.
 
 Layout: ``dcp_<i>`` holds model ``i``, ``dcp_optimizer_<j>`` optimizer ``j``, keyed by the
 names of the parameters of the models it holds (prefixed by their position among them when
@@ -82,7 +83,8 @@ def save(path: Path, models: Sequence[nn.Module], optimizers: Sequence[Held], *,
         dcp_save(_optim_state(models, held), checkpoint_id=str(_folder(path, held)))
     if window_open:
         window = [{"sharded": _sharded_grads(m),
-                   "unsharded": _fsdp_compat.window_grads(m) if isinstance(m, FSDPModule) else []}
+                   "unsharded": _fsdp_compat.window_grads(m) if isinstance(m, FSDPModule) else [],
+                   "partial": _fsdp_compat.partial_buffers(m) if isinstance(m, FSDPModule) else []}
                   for m in models]
         save_file(window, path / f"window_rank{dist.rank()}.pt")
 
@@ -165,3 +167,5 @@ def load(path: Path, models: Sequence[nn.Module], optimizers: Sequence[Held], *,
             _put_sharded_grads(model, saved["sharded"])
             if isinstance(model, FSDPModule):
                 _fsdp_compat.put_window_grads(model, saved["unsharded"], device)
+                if "partial" in saved:  # older files: no 2-D mesh, no partial buffers
+                    _fsdp_compat.put_partial_buffers(model, saved["partial"], device)

@@ -5,8 +5,9 @@ reading and restoring the per-group flags that ``set_requires_gradient_sync``,
 ``set_reshard_after_backward`` and ``set_reshard_after_forward`` write (the public setter of
 the last also turns off the root's automatic choice, so gradsync sets the group's flag
 itself), running FSDP2's lazy initialisation before the first forward (it resets the root's
-flag), the unpadded full size of a sharded parameter, and the unsharded gradients that a
-deferred window accumulates. Each access goes through
+flag), the unpadded full size of a sharded parameter, the unsharded gradients that a
+deferred window accumulates, and, on a 2-D mesh (HSDP), the partial buffers in which a window
+whose all-reduce across replicas is deferred accumulates its reduce-scattered shards. Each access goes through
 ``_require`` so that a torch that renamed one fails with a message naming the supported
 versions instead of an AttributeError from deep inside.
 """
@@ -131,3 +132,37 @@ def put_window_grads(model: nn.Module, grads: list[torch.Tensor | None], device:
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
         if unsharded is not None:
             unsharded.grad = None
+
+
+def reset_iter_state(model: nn.Module) -> None:
+    """Drop what a broken-off window left in FSDP2's per-iteration state, the partial buffers
+    of a deferred all-reduce across replicas (HSDP) included: torch's public
+    ``reset_iter_state()`` on the root where it exists, else the buffers cleared directly."""
+    reset = getattr(model, "reset_iter_state", None)
+    if callable(reset):
+        reset()
+        return
+    for group in param_groups(model):  # older torch: only the partial buffers to drop
+        _require(group, "_partial_reduce_output", "partial all-reduce buffer")
+        group._partial_reduce_output = None
+
+
+def partial_buffers(model: nn.Module) -> list[torch.Tensor | None]:
+    """Each group's partial buffer on this rank (HSDP with the all-reduce deferred: the
+    window's reduce-scattered shard sums, not yet all-reduced across replicas), on the CPU."""
+    out: list[torch.Tensor | None] = []
+    for group in param_groups(model):
+        buffer = _require(group, "_partial_reduce_output", "partial all-reduce buffer")
+        out.append(None if buffer is None else buffer.detach().cpu().clone())
+    return out
+
+
+def put_partial_buffers(model: nn.Module, buffers: list[torch.Tensor | None], device: torch.device) -> None:
+    """Give saved partial buffers back to their groups: the boundary adds them before its
+    all-reduce across replicas."""
+    groups = list(param_groups(model))
+    if len(groups) != len(buffers):
+        raise ValueError(f"the window holds {len(buffers)} partial buffers, the model has {len(groups)} groups")
+    for group, buffer in zip(groups, buffers):
+        _require(group, "_partial_reduce_output", "partial all-reduce buffer")
+        group._partial_reduce_output = None if buffer is None else buffer.to(device)

@@ -16,8 +16,45 @@ from gradsync.backends._memory import AUTO_BUDGET_FRACTION, Budget, available_me
 from gradsync.config import RequestedPolicy, SyncPolicy
 from gradsync.errors import ConfigError
 
-__all__ = ["AUTO_BUDGET_FRACTION", "Keep", "available_memory", "decide", "deferral_cost",
-           "select_units"]
+__all__ = ["AUTO_BUDGET_FRACTION", "Keep", "available_memory", "crosses_nodes", "decide",
+           "deferral_cost", "mesh_shape", "partial_cost", "select_units"]
+
+_MESH_FIX = "give (R, S) with R x S = the world size (one of them may be -1), or 'node'"
+
+
+def mesh_shape(spec: Any, world: int, per_node: int) -> tuple[int, int]:
+    """(R replicas, S shards) of ``fsdp_mesh`` (None, "node" or (R, S) with at most one -1,
+    as the settings checked it) on ``world`` processes, ``per_node`` of them per node;
+    a ConfigError naming the value and the fix when the product is not the world size."""
+    if spec is None:
+        return 1, world
+    if spec == "node":
+        if per_node < 1 or world % per_node:
+            raise ConfigError(
+                f"fsdp_mesh='node' shards over the {per_node} processes of a node, which does "
+                f"not divide the world of {world}; {_MESH_FIX}"
+            )
+        return world // per_node, per_node
+    replicas, shards = int(spec[0]), int(spec[1])
+    known = shards if replicas == -1 else replicas if shards == -1 else None
+    if known is not None:
+        if world % known:
+            raise ConfigError(
+                f"fsdp_mesh={tuple(spec)!r}: {known} does not divide the world of {world} "
+                f"processes, so the -1 cannot be inferred; {_MESH_FIX}"
+            )
+        replicas, shards = (world // known, known) if replicas == -1 else (known, world // known)
+    if replicas * shards != world:
+        raise ConfigError(
+            f"fsdp_mesh={tuple(spec)!r} holds {replicas} x {shards} = {replicas * shards} "
+            f"processes, but the world has {world}; {_MESH_FIX}, e.g. (-1, {shards})"
+        )
+    return replicas, shards
+
+
+def crosses_nodes(shards: int, per_node: int) -> bool:
+    """A shard group of ``shards`` ranks spans nodes: it does not divide the processes per node."""
+    return shards > 1 and per_node % shards != 0
 
 #: How long a deferred window keeps the parameters gathered: "no" (FSDP2's default: gathered
 #: for forward, again for backward), "after_backward" (the deprecated
@@ -66,7 +103,8 @@ def select_units(model: nn.Module, wrap: Any = None) -> list[nn.Module]:
 
 def deferral_cost(model: nn.Module, world: int, *, grad_bytes: int | None, keep_params: bool) -> int:
     """Extra bytes per rank that deferring holds: the unsharded gradients minus their shard
-    (in the gradient dtype), plus the unsharded parameters when they stay gathered."""
+    (in the gradient dtype), plus the unsharded parameters when they stay gathered.
+    ``world``: the ranks a parameter is sharded over (S on a 2-D mesh)."""
     # FSDP2 parameters are DTensors (numel is the full size); FSDP1's are local flat shards.
     sizes = [(unsharded_numel(p), p.element_size()) for p in model.parameters()]
     full = sum(n * (grad_bytes or size) for n, size in sizes)
@@ -75,16 +113,31 @@ def deferral_cost(model: nn.Module, world: int, *, grad_bytes: int | None, keep_
     return full - full // world
 
 
+def partial_cost(model: nn.Module, shards: int, *, grad_bytes: int | None) -> int:
+    """Bytes per rank of defer_replicate's partial buffer: this rank's 1/S shard of the
+    reduced gradients (in the reduction dtype), held through the window."""
+    full = sum(unsharded_numel(p) * (grad_bytes or p.element_size()) for p in model.parameters())
+    return -(-full // shards)
+
+
 def decide(asked: RequestedPolicy, keep: bool | None, legacy_keep: bool, *, grads: int, full: int,
-           budget: Budget | None, world: int) -> tuple[SyncPolicy, Keep, int, str]:
+           budget: Budget | None, world: int, replicas: int = 1,
+           partial: int = 0) -> tuple[SyncPolicy, Keep, int, str]:
     """Pick the deferral level. ``grads`` / ``full``: extra bytes per rank that deferring
     holds for the gradients alone / for gradients and parameters. ``keep``: the option
     fsdp_keep_params_in_window (None: auto decides by the budget; explicit policies do not
-    consult it). ``legacy_keep``: the deprecated fsdp_reshard_after_backward=False."""
+    consult it). ``legacy_keep``: the deprecated fsdp_reshard_after_backward=False.
+    ``world``: the ranks a parameter is sharded over (S); ``replicas``: R of a 2-D mesh (1:
+    1-D), where ``partial`` bytes per rank are what defer_replicate holds."""
     g_text = extra_text(grads, "unsharded gradients", world)
     f_text = extra_text(full, "unsharded gradients and parameters", world)
+    p_text = (f"defer_replicate holds a partial buffer of {human_bytes(partial)} ({partial} bytes) "
+              f"per rank (1/{world} of the gradients) and all-reduces across the {replicas} "
+              "replicas once per window")
     if asked == "every_step":
         return "every_step", "no", 0, f"every_step (requested): {g_text} when deferring"
+    if asked == "defer_replicate":
+        return "defer_replicate", "no", partial, f"defer_replicate (requested): {p_text}"
     if asked == "defer":
         if keep:
             return "defer", "window", full, f"defer (requested), parameters kept gathered in the window: {f_text}"
@@ -108,4 +161,10 @@ def decide(asked: RequestedPolicy, keep: bool | None, legacy_keep: bool, *, grad
                     f"({full} bytes), which exceeds it") if i > 0 else ""
             return "defer", level, extra, f"auto -> defer{how}: {texts[level]}, which fits the budget {b}{also}"
     level, _ = options[-1]
+    if replicas > 1 and partial <= budget.nbytes:
+        return ("defer_replicate", "no", partial,
+                f"auto -> defer_replicate: {texts[level]}, which exceeds the budget {b}; {p_text}, which fits it")
+    if replicas > 1:
+        return ("every_step", "no", 0, f"auto -> every_step: {texts[level]}, and {p_text}: both "
+                f"exceed the budget {b}")
     return "every_step", "no", 0, f"auto -> every_step: {texts[level]}, which exceeds the budget {b}"

@@ -5,6 +5,11 @@ rank until the boundary; keeping the parameters gathered for the window as well 
 all-gathers of all but the window's first micro-step. The policy says which: "defer",
 "every_step", or "auto" (the deepest level whose extra bytes fit a memory budget). FSDP1
 models wrapped by the user are deferred through their ``no_sync()``.
+
+On a 2-D mesh (``fsdp_mesh``: R replicas x S shards, HSDP) "defer_replicate" reduce-scatters
+inside the shard group every micro-step into a partial buffer (1/S of the gradients) and
+all-reduces across the replicas only at the boundary; "auto" picks it when full deferral
+does not fit the budget.
 """
 
 from __future__ import annotations
@@ -22,13 +27,16 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.tensor import DTensor
 
-from gradsync import _torch_compat, dist
+from gradsync import _torch_compat, dist, environment
 from gradsync.backends import _amp, _fsdp_checkpoint, _fsdp_compat, _group, _modules
 from gradsync.backends._fsdp_policy import (
     Keep,
     available_memory,
+    crosses_nodes,
     decide,
     deferral_cost,
+    mesh_shape,
+    partial_cost,
     select_units,
 )
 from gradsync.backends._memory import agreed_budget
@@ -63,6 +71,7 @@ class FSDPBackend(AdapterDefaults):
         super().__init__()
         self.memory: dict[str, int] = {}
         self._mesh: DeviceMesh | None = None
+        self._shape = (1, 1)  # (R replicas, S shards); R = 1: a 1-D mesh
         # Copied from the Config at setup (the adapter keeps no reference to it).
         self._asked: RequestedPolicy = "auto"
         self._bf16 = False  # bf16 through FSDP2's MixedPrecisionPolicy
@@ -81,12 +90,15 @@ class FSDPBackend(AdapterDefaults):
         self._checkpointing = config.activation_checkpointing
         self._compile = _modules.compile_kwargs(config)
         self._wrap = config.fsdp_wrap
-        if config.fsdp_keep_params_in_window and config.sync_policy == "every_step":
+        if config.fsdp_keep_params_in_window and config.sync_policy in ("every_step", "defer_replicate"):
             raise ConfigError(
                 "fsdp_keep_params_in_window=True keeps the parameters gathered through a deferred "
-                "window, and sync_policy='every_step' defers nothing; use sync_policy='defer' or "
-                "'auto', or drop fsdp_keep_params_in_window"
+                f"window, and sync_policy={config.sync_policy!r} "
+                + ("defers nothing" if config.sync_policy == "every_step" else "reduces every micro-step")
+                + "; use sync_policy='defer' or 'auto', or drop fsdp_keep_params_in_window"
             )
+        # The mesh's size against the world, before any collective runs.
+        self._shape = self._mesh_shape(config.fsdp_mesh)
         self._budget = config.memory_budget()
         self._keep_option = config.fsdp_keep_params_in_window
         self._legacy_keep = config.fsdp_reshard_after_backward is False
@@ -97,8 +109,52 @@ class FSDPBackend(AdapterDefaults):
             timeout=config.timeout,
         )
         self._device = _group.local_device()
-        self._mesh = init_device_mesh(self._device.type, (dist.world_size(),))
+        self._mesh = self._build_mesh(config.fsdp_mesh)
         self.scaler = _amp.make_scaler(config, self._device, sharded=True)
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards over: 1-D (shard), or 2-D (replicate, shard)."""
+        return self._mesh
+
+    def _mesh_shape(self, spec: Any) -> tuple[int, int]:
+        """(R, S) of ``fsdp_mesh`` on this world; ConfigError / warning before any collective."""
+        world = dist.world_size()
+        per_node = environment.detect().local_world_size
+        if isinstance(spec, DeviceMesh):
+            if spec.size() != world:
+                raise ConfigError(
+                    f"fsdp_mesh=DeviceMesh(shape={tuple(spec.shape)}) holds {spec.size()} ranks, but "
+                    f"the world has {world}; build the mesh over every rank, e.g. "
+                    f"init_device_mesh(device, (-1, S), mesh_dim_names=('replicate', 'shard'))"
+                )
+            shape = (1, spec.size()) if spec.ndim == 1 else (spec.shape[0], spec.shape[1])
+        else:
+            shape = mesh_shape(spec, world, per_node)
+        replicas, shards = shape
+        if self._asked == "defer_replicate" and replicas == 1:
+            raise ConfigError(
+                f"sync_policy='defer_replicate' defers the all-reduce across replicas, and "
+                f"fsdp_mesh={spec if not isinstance(spec, DeviceMesh) else tuple(spec.shape)!r} "
+                f"has one replica (a 1-D mesh of {shards}); give fsdp_mesh=(R, S) with R > 1, "
+                "or use sync_policy='defer'"
+            )
+        if replicas > 1 and crosses_nodes(shards, per_node):
+            log.warning(
+                "gradsync fsdp: fsdp_mesh=(%d, %d) shards over %d ranks, which does not divide the "
+                "%d processes per node: shard groups cross nodes (their reduce-scatters and "
+                "all-gathers go over the network); pick S dividing %d, or fsdp_mesh='node'",
+                replicas, shards, shards, per_node, per_node)
+        return replicas, shards
+
+    def _build_mesh(self, spec: Any) -> DeviceMesh:
+        replicas, shards = self._shape
+        if isinstance(spec, DeviceMesh):
+            names = spec.mesh_dim_names or ()
+            return spec[names[1]] if spec.ndim == 2 and replicas == 1 else spec
+        if replicas == 1:  # R = 1 is 1-D
+            return init_device_mesh(self._device.type, (shards,))
+        return init_device_mesh(self._device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
 
     # -- prepare ------------------------------------------------------------
     def prepare(
@@ -155,15 +211,24 @@ class FSDPBackend(AdapterDefaults):
 
     def _decide(self, model: nn.Module) -> None:
         world = dist.world_size()
+        replicas, shards = self._shape if not isinstance(model, FSDP1) else (1, world)
+        if isinstance(model, FSDP1) and self._asked == "defer_replicate":
+            raise ConfigError(
+                "sync_policy='defer_replicate' needs FSDP2 on a 2-D mesh, and the model is wrapped "
+                "in FSDP1; pass the unwrapped model to prepare(), or use sync_policy='defer'"
+            )
         grad_bytes = 4 if self._bf16 else None
-        grads = deferral_cost(model, world, grad_bytes=grad_bytes, keep_params=False)
-        full = deferral_cost(model, world, grad_bytes=grad_bytes, keep_params=True)
+        grads = deferral_cost(model, shards, grad_bytes=grad_bytes, keep_params=False)
+        full = deferral_cost(model, shards, grad_bytes=grad_bytes, keep_params=True)
+        partial = partial_cost(model, shards, grad_bytes=grad_bytes) if replicas > 1 else 0
         budget = agreed_budget(*self._budget, self._device) if self._asked == "auto" else None
         keep = False if isinstance(model, FSDP1) else self._keep_option  # FSDP1: no_sync only
         self.policy, self.keep, extra, self.policy_reason = decide(
             self._asked, keep, self._legacy_keep and keep is not False, grads=grads, full=full,
-            budget=budget, world=world)
+            budget=budget, world=shards, replicas=replicas, partial=partial)
         self.memory = {"deferral_extra_bytes": extra, "world_size": world}
+        if replicas > 1:
+            self.memory.update(replicas=replicas, shards=shards)
         if budget is not None:
             self.memory["budget_bytes"] = budget.nbytes
         if self.keep == "window":
@@ -183,7 +248,11 @@ class FSDPBackend(AdapterDefaults):
         if not isinstance(model, FSDPModule):
             raise not_prepared(model, "sharded model", why="gradient sync cannot be controlled")
         saved = _fsdp_compat.save_flags(model)
-        model.set_requires_gradient_sync(reduce)
+        if self.policy == "defer_replicate":  # reduce-scatter always, all-reduce at the boundary
+            model.set_requires_gradient_sync(True)
+            model.set_requires_all_reduce(boundary)
+        else:
+            model.set_requires_gradient_sync(reduce)
         if self.keep == "window" and self.policy == "defer" and not is_frozen(model):
             # Gathered from the window's first forward until the boundary's backward reshards.
             _fsdp_compat.keep_gathered(model, after_forward=True, after_backward=not reduce)
@@ -198,9 +267,12 @@ class FSDPBackend(AdapterDefaults):
     def abort_window(self, models: Sequence[nn.Module]) -> None:
         # Reduced gradients sit on the sharded parameters; a deferred window's gradients sit
         # unsharded inside FSDP2's own state (FSDP1's no_sync: on its flat parameters).
+        # On a 2-D mesh a window whose all-reduce was deferred sits in partial buffers.
         clear_grads(models)
         for model in map(_torch_compat.uncompiled, models):
             if isinstance(model, FSDPModule):
+                if self._shape[0] > 1:
+                    _fsdp_compat.reset_iter_state(model)
                 _fsdp_compat.clear_unsharded_grads(model)
                 if self.keep != "no":  # the window kept its parameters gathered: free them
                     _fsdp_compat.reshard(model)

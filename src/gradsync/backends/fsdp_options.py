@@ -4,10 +4,96 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from gradsync.declaration import ModuleSelector, check_bytes, setting
 from gradsync.errors import ConfigError
+
+#: The policy that needs a 2-D mesh: reduce-scatter every micro-step, all-reduce across the
+#: replicas once per window.
+REPLICATE_POLICY = "defer_replicate"
+_MESH_FIX = ("give (R, S) with R x S = the world size (one of them may be -1: inferred), "
+             "'node', or a DeviceMesh with named dimensions (replicate, shard)")
+
+
+@runtime_checkable
+class DeviceMeshLike(Protocol):
+    """A ``torch.distributed.device_mesh.DeviceMesh`` as the settings see it (no torch here)."""
+
+    @property
+    def ndim(self) -> int: ...
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None: ...
+
+
+#: ``fsdp_mesh``: "node" (shard inside a node, replicate across nodes), (R, S) replicas x
+#: shards, or a DeviceMesh (dimension 0 replicates, dimension 1 shards).
+MeshSpec = Literal["node"] | tuple[int, int] | DeviceMeshLike
+
+
+def check_replicate_policy(name: str, value: Any, config: Any) -> None:
+    """sync_policy='defer_replicate' belongs to FSDP2 on a 2-D mesh: refused on any other
+    backend here; on FSDP, a 1-D mesh is refused at setup (it needs the world size)."""
+    if value == REPLICATE_POLICY and config.backend != "fsdp":
+        raise ConfigError(
+            f"{name}='defer_replicate' defers the all-reduce across the replicas of FSDP2's "
+            f"2-D mesh, and backend={config.backend!r} has none; use backend='fsdp' with "
+            "fsdp_mesh=(R, S), or sync_policy='defer'"
+        )
+
+
+def mesh_from_text(raw: str, source: str) -> str | tuple[int, int]:
+    """``GRADSYNC_FSDP_MESH`` / ``--fsdp-mesh``: "R,S" (one may be -1) or "node"."""
+    text = raw.strip().lower()
+    if text == "node":
+        return "node"
+    parts = [p.strip() for p in text.replace("x", ",").split(",")]
+    if len(parts) == 2 and all(p.lstrip("-").isdigit() for p in parts):
+        return int(parts[0]), int(parts[1])
+    raise ConfigError(f"{source}={raw!r} is not a mesh; give 'R,S' (replicas, shards), e.g. '2,8', or 'node'")
+
+
+def _check_mesh(name: str, value: Any, config: Any) -> Any:
+    """The mesh's form (its size against the world is checked at setup, before any collective)."""
+    if config.backend != "fsdp":
+        raise ConfigError(
+            f"{name}={_show(value)} shapes FSDP2's device mesh, and backend={config.backend!r} "
+            "shards nothing; use backend='fsdp', or drop fsdp_mesh"
+        )
+    if isinstance(value, str):
+        if value.strip().lower() == "node":
+            return "node"
+        return mesh_from_text(value, name)
+    if isinstance(value, list | tuple):
+        if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{name}={value!r} must be two whole numbers (R, S); {_MESH_FIX}")
+        shape = (int(value[0]), int(value[1]))
+        if any(v == 0 or v < -1 for v in shape):
+            raise ConfigError(f"{name}={shape!r} has an entry that is not positive; {_MESH_FIX}")
+        if shape == (-1, -1):
+            raise ConfigError(f"{name}={shape!r} has two -1: only one can be inferred; {_MESH_FIX}")
+        return shape
+    if isinstance(value, DeviceMeshLike):
+        if value.ndim > 2:
+            raise ConfigError(
+                f"{name}={_show(value)} has {value.ndim} dimensions; FSDP2 takes 1 (shard) or 2 "
+                "(replicate, shard): pass mesh[('replicate', 'shard')] or build a 2-D mesh"
+            )
+        if value.mesh_dim_names is None:
+            raise ConfigError(
+                f"{name}={_show(value)} has no dimension names; build it with "
+                "init_device_mesh(..., mesh_dim_names=('replicate', 'shard')) (or ('shard',) for 1-D)"
+            )
+        return value
+    raise ConfigError(f"{name}={value!r} is not a mesh; {_MESH_FIX}")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, DeviceMeshLike):
+        shape = getattr(value, "shape", "?")
+        return f"DeviceMesh(shape={tuple(shape)}, names={value.mesh_dim_names})"
+    return repr(value)
 
 
 def _check_old_budget(name: str, value: Any, config: Any) -> int:
@@ -56,6 +142,11 @@ class FSDPOptions:
     fsdp_reshard_after_backward: bool | None = field(default=None, metadata=setting(
         "deprecated: False keeps the parameters gathered only after backward; use "
         "fsdp_keep_params_in_window", backend="fsdp", check=_check_reshard))
+    fsdp_mesh: MeshSpec | None = field(default=None, metadata=setting(
+        "the device mesh: None (1-D, shard over all ranks), (R, S) replicas x shards (HSDP; "
+        "one may be -1), 'node' (shard inside a node, replicate across nodes), or a 2-D "
+        "DeviceMesh (replicate, shard); from text 'R,S' or 'node'",
+        backend="fsdp", flag=True, check=_check_mesh, parse=mesh_from_text, metavar="R,S"))
     fsdp_memory_budget: int | None = field(default=None, metadata=setting(
         "the old name of sync_memory_budget", backend="fsdp", check=_check_old_budget,
         minimum=0))

@@ -25,6 +25,7 @@ from typing import Any
 
 from gradsync import backends
 from gradsync._util import check_positive_int
+from gradsync.backends.fsdp_options import MeshSpec
 from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.config import ENV_PREFIX, Config, env_vars, from_yaml, read_yaml
 from gradsync.errors import ConfigError
@@ -80,6 +81,7 @@ class LaunchConfig:
     mixed_precision: MixedPrecision | None = None
     seed: int | None = None
     audit: bool = False
+    fsdp_mesh: MeshSpec | None = None
     #: A YAML (or JSON) file: gradsync's settings, or Accelerate's config file (``accelerate
     #: config``), told apart by its keys.
     config_file: str | None = None
