@@ -1,9 +1,10 @@
 """``accel.window_loss``: the loss a window's update really minimised, equal on every rank.
 
 Each ``accel.backward(loss, reduction=...)`` adds this rank's share of the window's
-objective, weighted exactly as the update weights it: ``loss / (n * world)`` for
+objective (kept as a list of detached losses and weights, combined once per window),
+weighted exactly as the update weights it: ``loss / (n * world)`` for
 ``"mean"`` (n micro-batches in this window), ``loss / items`` for ``"sum"`` (the global
-window's items), ``loss`` for ``"normalized"`` (already divided by them). The shares stay on
+window's items), ``loss`` for ``"normalized"`` (already divided by them). The losses stay on
 the device (no synchronisation per micro-step). When the boundary micro-step ends, one
 small all-reduce of ``[share, backward calls]`` starts on every rank — so reading the value
 on the main process only can never hang — and the first read waits for it.
@@ -37,7 +38,10 @@ class WindowLoss:
         self._device = device
         self.world = world
         self._own = own
-        self._share: torch.Tensor | None = None  # [weighted loss, backward calls] of this rank
+        # This rank's share of the open window: each backward's detached loss and weight,
+        # combined into one tensor when the window closes (cheaper than adding per backward).
+        self._losses: list[torch.Tensor] = []
+        self._weights: list[float] = []
         self._pending: tuple[Any, torch.Tensor] | None = None
         self._value: float | None = None
         self._closed: MicroStep | None = None  # the boundary micro-step whose loss was taken
@@ -51,17 +55,14 @@ class WindowLoss:
         if step is None:
             self._outside = True
         elif step.index == 0 and step is not self._first:
-            self._share, self._first = None, step  # what a dropped window left is not this one's
+            self._first = step  # what a dropped window left is not this one's
+            self._losses, self._weights = [], []
         elif step is self._closed:
             log.warning("gradsync: backward() after optimizer.step() in a window's last micro-step: "
                         "its gradients reach no update, and accel.window_loss leaves it out")
             return
-        value = loss.detach().reshape(()).to(torch.float32) * weight
-        if self._share is None:
-            self._share = torch.stack([value, torch.ones((), dtype=torch.float32, device=value.device)])
-        else:
-            self._share[0] += value
-            self._share[1] += 1
+        self._losses.append(loss.detach())
+        self._weights.append(weight)
 
     def at_boundary(self, step: MicroStep) -> None:
         """The window's last micro-step ended: take its loss unless a step already did."""
@@ -81,9 +82,14 @@ class WindowLoss:
     def close(self) -> None:
         """The window's update is done: start the all-reduce of its loss (every rank)."""
         self._settle()
-        share = self._share if self._share is not None else torch.zeros(2, device=self._device)
-        self._share = None
-        share = share.to(self._device)
+        losses, weights = self._losses, self._weights
+        self._losses, self._weights = [], []
+        if losses:
+            values = torch.stack([t.reshape(()) for t in losses]).to(device=self._device, dtype=torch.float32)
+            total = values @ torch.tensor(weights, dtype=torch.float32, device=self._device)
+            share = torch.stack([total, torch.tensor(float(len(losses)), device=self._device)])
+        else:
+            share = torch.zeros(2, device=self._device)
         self._outside = False
         if self.world > 1 and dist.is_available() and dist.is_initialized():
             with self._own():
