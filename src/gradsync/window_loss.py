@@ -85,7 +85,11 @@ class WindowLoss:
         losses, weights = self._losses, self._weights
         self._losses, self._weights = [], []
         if losses:
-            values = torch.stack([t.reshape(()) for t in losses]).to(device=self._device, dtype=torch.float32)
+            try:
+                stacked = torch.stack(losses).reshape(-1)  # scalars (the usual case)
+            except RuntimeError:  # losses of different shapes, each with one element
+                stacked = torch.stack([t.reshape(()) for t in losses])
+            values = stacked.to(device=self._device, dtype=torch.float32)
             total = values @ torch.tensor(weights, dtype=torch.float32, device=self._device)
             share = torch.stack([total, torch.tensor(float(len(losses)), device=self._device)])
         else:
