@@ -47,7 +47,8 @@ defer + params         -                                          all-gather P, 
 
 and the gradient memory each rank holds beyond ``every_step``'s sharded gradients (G/S):
 ``defer_replicate`` the partial all-reduce buffer, G/S (its sharded ``.grad`` is set only at
-the boundary, so at most G/S more); ``defer`` the unsharded gradients, G instead of G/S.
+the boundary, so at most G/S more); ``defer`` the unsharded gradients, G instead of G/S;
+``defer + params`` those and the parameters kept gathered, P - P/S more.
 """
 
 from __future__ import annotations
@@ -277,7 +278,7 @@ class HybridRow:
     cross_bytes: float  # bytes each rank sends per optimizer step across nodes (replicate group)
     cross_allreduces: float  # all-reduces across replicas per optimizer step
     grad_memory: float  # gradient bytes a rank holds through the window
-    extra_memory: float  # grad_memory - every_step's (G/S)
+    extra_memory: float  # memory beyond every_step's: grad_memory - G/S (+ P - P/S kept gathered)
     comm_ms: float
     step_ms: float
     speedup: float  # every_step step time / this step time
@@ -316,8 +317,9 @@ def estimate_hybrid(cluster: HybridCluster) -> list[HybridRow]:
         comm = calls * c.latency_us / 1e3 + (in_shard / intra_bw + across / (c.inter_gbs * 1e9)) * 1e3
         intra, cross = (0.0, in_shard + across) if c.shard_crosses_nodes else (in_shard, across)
         step = k * c.compute_ms + c.optimizer_ms + comm
-        rows.append(HybridRow(policy, intra, cross, float(n_ar if r > 1 else 0), held, held - shard,
-                              comm, step, 1.0))
+        kept = p - p / s if policy == "defer + params" else 0.0  # parameters kept gathered
+        rows.append(HybridRow(policy, intra, cross, float(n_ar if r > 1 else 0), held,
+                              held - shard + kept, comm, step, 1.0))
     base = rows[0].step_ms
     return [HybridRow(**{**vars(row), "speedup": base / row.step_ms if row.step_ms else 1.0}) for row in rows]
 
@@ -339,8 +341,9 @@ def format_hybrid(cluster: HybridCluster, rows: list[HybridRow]) -> str:
         f"{c.intra_gbs:g} GB/s per rank inside a node, {c.inter_gbs:g} GB/s across nodes, "
         f"{c.latency_us:g} us per collective call",
         "(reduce-scatter and all-gathers in the shard group, (S-1)/S x bytes per rank; the shard "
-        "all-reduced across replicas, 2(R-1)/R x G/S per rank; gradient memory: what a rank holds "
-        "through the window, and beyond every_step's sharded G/S)",
+        "all-reduced across replicas, 2(R-1)/R x G/S per rank; grad memory: the gradients a rank holds "
+        "through the window; extra: memory beyond every_step's (gradients above G/S, parameters kept "
+        "gathered)",
     ]
     if c.shard_crosses_nodes:
         lines.append(f"warning: S={c.shards} does not divide the {c.per_node} processes per node: shard "
