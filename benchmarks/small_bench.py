@@ -1,5 +1,5 @@
 """What the small one-question benchmarks share (token_weighting.py, selfcheck_overhead.py):
-the model sizes, starting a 2-rank worker group on the script itself, and writing the result
+the model sizes, starting a worker group (2 ranks unless asked) on the script itself, and writing the result
 as JSON and a Markdown table."""
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ SIZES = {"width": 1024, "depth": 3, "features": 1024, "outputs": 16, "micro_batc
 QUICK_SIZES = {"width": 64, "depth": 2, "features": 64, "outputs": 4, "micro_batch": 8}
 
 
-def run_workers(script: str, spec: dict[str, Any], title: str) -> dict[str, Any] | None:
-    """Run ``script --worker SPEC DIR`` on 2 ranks; the ``result.json`` rank 0 wrote, or None
-    (with the workers' output on stderr) when there is none."""
+def run_workers(script: str, spec: dict[str, Any], title: str, nproc: int = 2) -> dict[str, Any] | None:
+    """Run ``script --worker SPEC DIR`` on ``nproc`` ranks; the ``result.json`` rank 0 wrote,
+    or None (with the workers' output on stderr) when there is none."""
     work = Path(tempfile.mkdtemp(prefix="gradsync-bench-"))
     (work / "spec.json").write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
     env.setdefault("OMP_NUM_THREADS", "1")
     print(f"{title} ...", flush=True)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=2", str(Path(script).resolve()), "--worker",
+                           f"--nproc-per-node={nproc}", str(Path(script).resolve()), "--worker",
                            str(work / "spec.json"), str(work)], env=env, capture_output=True, text=True)
     if not (work / "result.json").exists():
         print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)

@@ -3,6 +3,9 @@ an 8 B-parameter model on 16 nodes x 8 GPUs), gradient memory, the mesh flag and
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from gradsync import ConfigError
@@ -101,3 +104,27 @@ def test_plan_estimate_adds_hsdp_to_the_other_backends_when_given_a_mesh(capsys)
                  "--estimate", "--params", "1e9", "--latency-us", "25", "--compute-ms", "100",
                  "--fsdp-mesh", "3,8", "--estimate-backends", "hsdp"])
     assert code == 2 and "--fsdp-mesh='3,8' does not fit 16 ranks" in capsys.readouterr().err
+
+
+BENCH = Path(__file__).resolve().parents[2] / "docs" / "img" / "hsdp_bytes.json"
+
+
+def test_the_estimate_matches_the_bytes_the_4_rank_benchmark_measured():
+    """benchmarks/hsdp_bytes.py on a (2, 2) mesh (docs/img/hsdp_bytes.json): per optimizer
+    step, the replicate group's all-reduce payload sent as a ring (2(R-1)/R x payload) is the
+    estimate's cross-node bytes, and the shard group reduce-scatters the gradients as often
+    as the estimate says, for every policy and k."""
+    result = json.loads(BENCH.read_text())
+    assert {(c["k"], c["policy"]) for c in result["cells"]} == {
+        (k, p) for k in (4, 8) for p in ("every_step", "defer_replicate", "defer")}
+    for cell in result["cells"]:
+        (r, s), k, g = cell["mesh"], cell["k"], cell["grad_bytes"]
+        est = {row.policy: row for row in estimate_hybrid(HybridCluster(
+            grad_bytes=g, param_bytes=g, replicas=r, shards=s, k=k, per_node=s))}[cell["policy"]]
+        for window in cell["windows"]:
+            shard, replicate = window["groups"]["shard"], window["groups"]["replicate"]
+            assert 2 * (r - 1) / r * replicate["reduction_bytes"] == pytest.approx(est.cross_bytes)
+            reduce_scatters = k if cell["policy"] != "defer" else 1
+            assert shard["reduction_bytes"] == pytest.approx(reduce_scatters * g)  # the RS input: G
+            if cell["policy"] != "every_step":
+                assert window["replicate_allreduces_off_boundary"] == 0
