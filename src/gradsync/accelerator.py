@@ -246,7 +246,7 @@ class Accelerator:
             self._runner.observers.append(self._count)
         self._signals = SignalWatch(self.config.signal_folder(), self.config.save_signals)
         if self._signals.enabled:
-            self._runner.before_window = self._stop_if_told
+            self._runner.before_window.append(self._stop_if_told)
         if self.config.requeue and requeue_command() is None:
             log.warning("gradsync: requeue=True outside a SLURM job (no SLURM_JOB_ID): the job "
                         "will not be requeued")

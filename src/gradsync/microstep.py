@@ -81,8 +81,8 @@ class Runner:
         self.prepared = prepared
         self.timeout = timeout
         self.observers: list[Observer] = []
-        #: Runs before a micro-step that would open a window (the SIGTERM check), or None.
-        self.before_window: Callable[[], None] | None = None
+        #: Run before a micro-step that would open a window (the stop-signal check, verify).
+        self.before_window: list[Callable[[], None]] = []
         #: Run after a window's last micro-step ended without error (the window loss).
         self.at_boundary: list[Callable[[MicroStep], None]] = []
 
@@ -94,8 +94,9 @@ class Runner:
         """One micro-step over ``models`` (see the module's docstring for the order);
         ``force``: the caller decides whether it closes the window (manual control)."""
         window, backend = self.window, self.backend
-        if self.before_window is not None and not window.is_open:
-            self.before_window()
+        if self.before_window and not window.is_open:
+            for hook in self.before_window:
+                hook()
         step = window.begin(force=force)
         if step.index == 0:
             try:
