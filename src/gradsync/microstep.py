@@ -95,8 +95,8 @@ class Runner:
         ``force``: the caller decides whether it closes the window (manual control)."""
         window, backend = self.window, self.backend
         if self.before_window and not window.is_open:
-            for hook in self.before_window:
-                hook()
+            for before in self.before_window:
+                before()
         step = window.begin(force=force)
         if step.index == 0:
             try:
