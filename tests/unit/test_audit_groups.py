@@ -128,6 +128,12 @@ def test_defer_replicate_judges_a_reduction_in_another_group_as_defer_does(caplo
     assert check.done and "issued 1 gradient reduction(s)" in caplog.text
 
 
+def test_defer_replicate_on_groups_without_labels_ends_quietly(caplog):
+    with caplog.at_level(logging.WARNING, logger="gradsync"):
+        check = _run("defer_replicate", [("reduce_scatter", "other")], [("allreduce", "other")])
+    assert check.done and caplog.text == ""  # cannot tell the groups apart: no false alarm
+
+
 def test_defer_on_a_mesh_still_wants_nothing_off_the_boundary(caplog):
     with caplog.at_level(logging.WARNING, logger="gradsync"):
         assert not _run("defer", [], [], [RS, AR_REP]).done
