@@ -12,6 +12,11 @@ Turn it on with ``Accelerator(audit=True)`` or ``GRADSYNC_AUDIT=1``; gradsync th
 creates its process group through the wrapper. Read it back from ``accel.audit``. The
 deferral self-check (``gradsync.selfcheck``) also creates the group through the wrapper,
 with its recorder off (``Recorder.enabled``) except during the micro-steps it checks.
+
+Groups made after the world group (a device mesh's, DeepSpeed's) are wrapped too and record
+into the world's recorder. Each recorded op carries its group's label (``GROUP_LABELS``):
+the FSDP adapter labels a 2-D mesh's groups ``"shard"`` and ``"replicate"`` with
+``label_group``, so the records and the summary line split the bytes by group.
 """
 
 from __future__ import annotations
