@@ -19,13 +19,33 @@ from gradsync.errors import UsageError
 from gradsync.schedule import Constant, Schedule
 
 
-@dataclass(frozen=True)
 class MicroStep:
-    """One micro-step's place in its window."""
+    """One micro-step's place in its window (read-only by convention: a plain slotted class,
+    made on every micro-step, where a frozen dataclass costs microseconds to create).
 
-    index: int  # position in the window, from 0
-    size: int  # micro-batches in this window (the loss is scaled by 1/size)
-    boundary: bool  # this micro-step closes the window: synchronise and step
+    Attributes:
+        index: the position in the window, from 0.
+        size: the micro-batches in this window (the loss is scaled by 1/size).
+        boundary: this micro-step closes the window: synchronise and step.
+    """
+
+    __slots__ = ("boundary", "index", "size")
+
+    def __init__(self, index: int, size: int, boundary: bool) -> None:
+        self.index = index
+        self.size = size
+        self.boundary = boundary
+
+    def __repr__(self) -> str:
+        return f"MicroStep(index={self.index}, size={self.size}, boundary={self.boundary})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MicroStep):
+            return NotImplemented
+        return (self.index, self.size, self.boundary) == (other.index, other.size, other.boundary)
+
+    def __hash__(self) -> int:
+        return hash((self.index, self.size, self.boundary))
 
 
 class Feed(Protocol):
@@ -218,6 +238,17 @@ class Window:
         """The pass that fed this micro-step: of the passes that yielded since the previous
         micro-step, the one started last (an inner loop of a nested pair); among passes
         started together (``zip``), the first."""
+        tickets = self._tickets
+        if len(tickets) == 1:  # one loader: the common case, without the bookkeeping below
+            only = tickets[0]
+            feed = only.ref()
+            if feed is None or feed.done:
+                self._tickets = []
+                return None
+            if not only.fresh:
+                return None
+            only.fresh = False
+            return feed
         best: FeedTicket | None = None
         best_feed: Feed | None = None
         live: list[FeedTicket] = []

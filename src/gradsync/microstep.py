@@ -22,11 +22,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from gradsync import dist
 from gradsync.errors import naming_collective
 
 if TYPE_CHECKING:
@@ -85,63 +86,16 @@ class Runner:
         self.before_window: list[Callable[[], None]] = []
         #: Run after a window's last micro-step ended without error (the window loss).
         self.at_boundary: list[Callable[[MicroStep], None]] = []
+        #: Name a hung or broken collective in the error (only where collectives run).
+        self.names = dist.is_distributed() and dist.world_size() > 1
 
     def drop(self) -> None:
         drop_window(self.window, self.backend, self.prepared)
 
-    @contextlib.contextmanager
-    def run(self, models: Sequence[torch.nn.Module], force: bool | None = None) -> Iterator[None]:
+    def run(self, models: Sequence[torch.nn.Module], force: bool | None = None) -> MicroStepBlock:
         """One micro-step over ``models`` (see the module's docstring for the order);
         ``force``: the caller decides whether it closes the window (manual control)."""
-        window, backend = self.window, self.backend
-        if self.before_window and not window.is_open:
-            for before in self.before_window:
-                before()
-        step = window.begin(force=force)
-        if step.index == 0:
-            try:
-                # Every window starts from cleared gradients: the prepared optimizers' here,
-                # the models' (also where no optimizer was prepared) in begin_window.
-                clear_optimizer_grads(backend, self.prepared)
-                backend.begin_window(models)
-            except BaseException:
-                window.drop()
-                raise
-        observers = self.observers
-        began = 0
-        try:
-            for observer in observers:
-                observer.begin(step)
-                began += 1
-            with naming_collective(lambda: f"the forward/backward of micro-step {step.index + 1} of "
-                                   f"{step.size} (window {window.completed_windows + 1})", self.timeout):
-                if len(models) == 1 and not force:
-                    with backend.micro_step(models[0], boundary=step.boundary):
-                        yield
-                else:
-                    with contextlib.ExitStack() as stack:
-                        for model in models:
-                            stack.enter_context(backend.micro_step(model, boundary=step.boundary))
-                            if force:  # its forward may have run off the boundary (no_sync)
-                                backend.sync_next_backward(model)
-                        yield
-            if step.boundary:
-                with naming_collective("the end of the accumulation window", self.timeout):
-                    backend.end_window(models)
-            for observer in reversed(observers):
-                observer.end(step)
-            if step.boundary:
-                for hook in self.at_boundary:
-                    hook(step)
-        except BaseException:
-            for observer in reversed(observers[:began]):
-                with contextlib.suppress(Exception):  # the block's own error is the one to raise
-                    observer.abort()
-            self.drop()  # a stray step() after the error applies nothing
-            raise
-        window.end()
-        if step.boundary and observers and any(o.done for o in observers):
-            self.observers = [o for o in observers if not o.done]
+        return MicroStepBlock(self, models, force)
 
     def own_collective(self) -> contextlib.AbstractContextManager[None]:
         """Around a collective of gradsync's own (a metric, a count): never counted as
@@ -151,6 +105,116 @@ class Runner:
             if own is not None:
                 return own()  # type: ignore[no-any-return]
         return contextlib.nullcontext()
+
+
+class MicroStepBlock:
+    """One ``accumulate`` block: ``Runner.run``'s order as a plain context manager (it runs
+    around every micro-step, where a generator-based one costs several microseconds)."""
+
+    __slots__ = ("_began", "_force", "_inner", "_models", "_runner", "_step")
+
+    def __init__(self, runner: Runner, models: Sequence[torch.nn.Module], force: bool | None) -> None:
+        self._runner = runner
+        self._models = models
+        self._force = force
+        self._began = 0
+        self._inner: contextlib.AbstractContextManager[Any] | None = None
+        self._step: MicroStep | None = None
+
+    def __enter__(self) -> None:
+        runner, models, force = self._runner, self._models, self._force
+        window, backend = runner.window, runner.backend
+        if runner.before_window and not window.is_open:
+            for before in runner.before_window:
+                before()
+        step = self._step = window.begin(force=force)
+        if step.index == 0:
+            try:
+                # Every window starts from cleared gradients: the prepared optimizers' here,
+                # the models' (also where no optimizer was prepared) in begin_window.
+                clear_optimizer_grads(backend, runner.prepared)
+                backend.begin_window(models)
+            except BaseException:
+                window.drop()
+                raise
+        try:
+            for observer in runner.observers:
+                observer.begin(step)
+                self._began += 1
+            if len(models) == 1 and not force:
+                inner = backend.micro_step(models[0], boundary=step.boundary)
+                inner.__enter__()
+                self._inner = inner
+            else:
+                stack = contextlib.ExitStack()
+                try:
+                    for model in models:
+                        stack.enter_context(backend.micro_step(model, boundary=step.boundary))
+                        if force:  # its forward may have run off the boundary (no_sync)
+                            backend.sync_next_backward(model)
+                except BaseException:
+                    stack.close()
+                    raise
+                self._inner = stack
+        except BaseException:
+            self._fail()
+            raise
+
+    def _describe(self) -> str:
+        step = self._step
+        assert step is not None
+        return (f"the forward/backward of micro-step {step.index + 1} of {step.size} "
+                f"(window {self._runner.window.completed_windows + 1})")
+
+    def _fail(self) -> None:
+        """The micro-step raised: every observer that began aborts (in reverse order) and the
+        open window is dropped on every layer, so a stray step() after the error applies
+        nothing."""
+        observers = self._runner.observers
+        for observer in reversed(observers[:self._began]):
+            with contextlib.suppress(Exception):  # the block's own error is the one to raise
+                observer.abort()
+        self._runner.drop()
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> bool:
+        runner, step, inner = self._runner, self._step, self._inner
+        assert step is not None and inner is not None
+        naming = naming_collective(self._describe, runner.timeout) if runner.names else None
+        try:
+            try:
+                swallowed = inner.__exit__(kind, err, tb)
+            except BaseException as new:  # the backend's exit raised (e.g. DDP's unused parameters)
+                if naming is not None:
+                    naming.__exit__(type(new), new, new.__traceback__)
+                raise
+            if err is not None and not swallowed and naming is not None:
+                naming.__exit__(kind, err, tb)  # a hung collective becomes a CollectiveError
+        except BaseException:
+            self._fail()
+            raise
+        if err is not None and not swallowed:
+            self._fail()
+            return False
+        window, observers = runner.window, runner.observers
+        try:
+            if step.boundary:
+                if runner.names:
+                    with naming_collective("the end of the accumulation window", runner.timeout):
+                        runner.backend.end_window(self._models)
+                else:
+                    runner.backend.end_window(self._models)
+            for observer in reversed(observers):
+                observer.end(step)
+            if step.boundary:
+                for hook in runner.at_boundary:
+                    hook(step)
+        except BaseException:
+            self._fail()
+            raise
+        window.end()
+        if step.boundary and observers and any(o.done for o in observers):
+            runner.observers = [o for o in observers if not o.done]
+        return bool(swallowed)
 
 
 # -- the observers -------------------------------------------------------------------

@@ -56,6 +56,8 @@ class Preparer:
         self._on_scheduler = on_scheduler
         self._sized_by_settings = plan.micro_batch_size is not None  # else the first loader sizes it
         self._before_step = before_step
+        #: ``gradsync verify``: replaces each loader's sharded source (records or replays it).
+        self.loader_hook: Callable[[Any], Any] | None = None
 
     def prepare(self, objects: Sequence[Any]) -> Any:
         """The prepared ``objects``, in order (one object when one was given)."""
@@ -115,6 +117,7 @@ class Preparer:
                        models: Sequence[torch.nn.Module]) -> PreparedOptimizer:
         prepared = PreparedOptimizer(optimizer, self._backend, self._view, self._config.timeout)
         prepared.before_step = self._before_step
+        prepared.names = dist.is_distributed() and dist.world_size() > 1
         self._registry.add_optimizer(prepared, models)
         return prepared
 
@@ -179,6 +182,8 @@ class Preparer:
         rank, world, _ = dist.rank_info()
         sharded = shard_dataloader(loader, rank=rank, world_size=world, seed=seed,
                                    dataset_shards_itself=self._config.dataset_shards_itself)
+        if self.loader_hook is not None:  # gradsync verify (gradsync.verify_hooks)
+            sharded = self.loader_hook(sharded)
         prepared = PreparedDataLoader(sharded, self._loaders)
         self._registry.add_loader(prepared)
         return prepared

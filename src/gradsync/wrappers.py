@@ -38,6 +38,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = False  # the last boundary's step was skipped (fp16 overflow)
         #: Called before a step at a boundary (the window loss is taken there), or None.
         self.before_step: Callable[[], None] | None = None
+        #: Name a hung collective of the step in the error (where collectives run).
+        self.names = True
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -90,7 +92,10 @@ class PreparedOptimizer(torch.optim.Optimizer):
             self.before_step()
         if self._window.skips_step:
             return
-        with naming_collective("optimizer.step()", self._timeout):
+        if self.names:
+            with naming_collective("optimizer.step()", self._timeout):
+                applied = self._backend.step(self.optimizer)
+        else:
             applied = self._backend.step(self.optimizer)
         self.step_was_skipped = not applied
         if applied:

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.tensor import DTensor
 
-from gradsync import _torch_compat, dist, environment
+from gradsync import _torch_compat, audit, dist, environment
 from gradsync.backends import _amp, _fsdp_checkpoint, _fsdp_compat, _group, _modules
 from gradsync.backends._fsdp_policy import (
     Keep,
@@ -110,6 +110,9 @@ class FSDPBackend(AdapterDefaults):
         )
         self._device = _group.local_device()
         self._mesh = self._build_mesh(config.fsdp_mesh)
+        if self._mesh.ndim == 2:  # the audit tells the mesh's groups apart by object, not by size
+            audit.label_group(self._mesh.get_group(0), "replicate")
+            audit.label_group(self._mesh.get_group(1), "shard")
         self.scaler = _amp.make_scaler(config, self._device, sharded=True)
 
     @property

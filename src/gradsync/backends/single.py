@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -14,6 +15,8 @@ from gradsync.backends import _amp, _group, _modules, _plain_state
 from gradsync.backends.base import AdapterDefaults, Held
 from gradsync.batching import BatchPlan
 from gradsync.config import Config
+
+_NOTHING = contextlib.nullcontext()
 
 
 class SingleBackend(AdapterDefaults):
@@ -39,13 +42,10 @@ class SingleBackend(AdapterDefaults):
         _modules.compile_in_place(model, self._compile)
         return model, list(optimizers)
 
-    @contextlib.contextmanager
-    def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
-        if self._dtype is None:  # entering even a disabled autocast costs microseconds per step
-            yield
-            return
-        with self.autocast():
-            yield
+    def micro_step(self, model: torch.nn.Module, *, boundary: bool) -> AbstractContextManager[Any]:
+        # Nothing to defer: without autocast, a shared do-nothing context (entering even a
+        # disabled autocast, or a generator-based context, costs microseconds per step).
+        return _NOTHING if self._dtype is None else self.autocast()
 
     def barrier(self) -> None:
         return None  # one process: nothing to wait for

@@ -91,6 +91,7 @@ class LoaderIteration:
         self._ticket = self._window.track(self)
         self._weak = weakref.ref(self)
         self._last_batch: Any = None  # the last yielded batch as loaded (kept to count its items)
+        self._move = owner._context.device.type != "cpu"
 
     def __iter__(self) -> LoaderIteration:
         return self
@@ -168,7 +169,8 @@ class LoaderIteration:
         self._context.last_pass = self._weak
         if self._context.count_items is not None:
             self._last_batch = batch
-        return to_device(batch, self._context.device)
+        # Training on the CPU, a loader's tensors are where they must be: no tree walk.
+        return to_device(batch, self._context.device) if self._move else batch
 
 
 class PreparedDataLoader:
