@@ -652,6 +652,9 @@ class Accelerator:
             scale = 1 if step is None else step.size
             if self._loss is not None:
                 self._loss.add(loss, 1.0 / (scale * self._loss.world), step)
+            if not self._runner.names:  # no collective to name: the common one-process path
+                self._run_backward(loss / scale if scale != 1 else loss, kwargs)
+                return
             with naming_collective(self._backward_name, self._timeout):
                 self._run_backward(loss / scale if scale != 1 else loss, kwargs)
             return
