@@ -250,6 +250,9 @@ class Accelerator:
         if self.config.requeue and requeue_command() is None:
             log.warning("gradsync: requeue=True outside a SLURM job (no SLURM_JOB_ID): the job "
                         "will not be requeued")
+        from gradsync import verify_hooks  # under `gradsync verify`: record or replay this run
+
+        self._verifier = verify_hooks.attach(self, self._runner, self._preparer, self._prepared)
 
     # -- where we are -----------------------------------------------------
     @property

@@ -1,8 +1,9 @@
 """Settings from every source, merged into one ``Config``.
 
 Later sources win: defaults < YAML (``config_file`` / ``GRADSYNC_CONFIG``) < environment <
-keywords. The settings themselves (names, types, defaults, checks) are declared once in
-gradsync.settings; this module reads them from the sources.
+keywords; under ``gradsync verify`` the settings it forces win over all of them
+(``gradsync.verify_hooks.overrides``). The settings themselves (names, types, defaults,
+checks) are declared once in gradsync.settings; this module reads them from the sources.
 """
 
 from __future__ import annotations
@@ -240,6 +241,10 @@ def load_config(
             f"unknown setting(s) {', '.join(f'{k}={extra[k]!r}{did_you_mean(k)}' for k in sorted(extra))}; "
             f"rename or remove them (known: {_KNOWN})"
         )
+    if ENV_PREFIX + "VERIFY" in env:  # the one exception to "keywords last": gradsync verify
+        from gradsync import verify_hooks
+
+        merged.update(verify_hooks.overrides(env))
     return Config(**merged).validate()
 
 

@@ -1,0 +1,511 @@
+"""The in-process side of ``gradsync verify``: what an Accelerator records (or replays) while
+the script runs under verification.
+
+``gradsync verify`` (``gradsync.verify``) runs the user's script twice and sets these
+variables; an ``Accelerator`` built while ``GRADSYNC_VERIFY`` is set attaches a ``Verifier``:
+
+* ``GRADSYNC_VERIFY=<folder>``: record into the folder: every batch each prepared loader's
+  source yields on this rank (a copy on the CPU, per pass, in order); at the start of the
+  first window and after every window, every trained model's full state dict (rank 0 keeps
+  it) and the window's loss (``window_loss``) and the audit's gradient reduction bytes off
+  and on the boundary. Dropout modules of the prepared models get ``p=0``. After
+  ``GRADSYNC_VERIFY_STEPS`` windows, at the start of the next one, the Accelerator ends and
+  every rank exits with status 0.
+* ``GRADSYNC_VERIFY_REPLAY=<folder of the launched run>`` as well: the reference, one
+  process. The settings are forced (``overrides``: backend ``single``, each window k x N
+  micro-batches, no backend option), the models start from the launched run's initial
+  parameters, and each prepared loader (matched by prepare order) replays the batches the N
+  ranks read: position by position, rank by rank within a position, with the passes ending
+  where they ended. A window of k micro-steps on N ranks is thus one window of the same k x N
+  micro-batches, in (micro-step, rank) order; partial windows, schedules and item counts
+  are the global window's.
+
+Nothing here runs unless those variables are set.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradsync.settings import SETTINGS
+
+log = logging.getLogger("gradsync")
+
+ENV_RECORD = "GRADSYNC_VERIFY"
+"""The folder this run records into (set on both runs)."""
+ENV_STEPS = "GRADSYNC_VERIFY_STEPS"
+"""The optimizer steps (windows) to run before stopping."""
+ENV_REPLAY = "GRADSYNC_VERIFY_REPLAY"
+"""The launched run's folder, whose batches the reference replays (the reference only)."""
+
+META = "meta.json"
+"""Rank 0's record of the run: the steps' losses and bytes, what was set, why it stopped."""
+
+
+def batches_file(rank: int) -> str:
+    """The file a rank's loader records go to.
+
+    Args:
+        rank: the rank.
+
+    Returns:
+        The file's name in the run's folder.
+    """
+    return f"batches-rank{rank}.pt"
+
+
+def params_file(step: int) -> str:
+    """The file of the trained models' state dicts after ``step`` windows (0: before any).
+
+    Args:
+        step: windows completed.
+
+    Returns:
+        The file's name in the run's folder.
+    """
+    return f"params-{step}.pt"
+
+
+def read_meta(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """A run's ``meta.json``.
+
+    Args:
+        folder: the run's folder.
+
+    Returns:
+        Its content ({} when it was never written).
+    """
+    path = Path(folder) / META
+    if not path.is_file():
+        return {}
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+class GlobalWindows:
+    """The reference's accumulation schedule: window ``w`` holds ``world`` times the
+    micro-steps the launched run's window ``w`` had (its k, not a partial size: the end
+    of the replayed pass makes the partial windows)."""
+
+    def __init__(self, steps: list[int], world: int) -> None:
+        self.steps = list(steps) or [1]
+        self.world = world
+
+    def __call__(self, optimizer_step: int) -> int:
+        return self.world * self.steps[min(optimizer_step, len(self.steps) - 1)]
+
+    def __repr__(self) -> str:
+        return f"GlobalWindows({self.steps}, world={self.world})"
+
+
+def overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The settings verification forces, over every other source (the script's keywords too).
+
+    The launched run: the audit (for the gradient bytes off the boundary) and the window
+    loss are on. The reference: one process on the ``single`` backend, window ``w`` of
+    k x N micro-batches (the launched run's k of that window, N its world size), the sync
+    policy ``auto``, no backend option, no audit, the window loss on.
+
+    Args:
+        environ: the variables (``ENV_RECORD``, ``ENV_REPLAY``).
+
+    Returns:
+        Setting name -> value (None is a value here: "unset"); {} outside verification.
+    """
+    if ENV_RECORD not in environ:
+        return {}
+    if ENV_REPLAY not in environ:
+        return {"audit": True, "track_window_loss": True}
+    meta = read_meta(environ[ENV_REPLAY])
+    forced: dict[str, Any] = {s.name: s.default for s in SETTINGS if s.backend is not None}
+    forced.update(
+        backend="single", sync_policy="auto", audit=False, track_window_loss=True,
+        global_batch_size=None,
+        gradient_accumulation_steps=GlobalWindows(meta.get("k", [1]), int(meta.get("world", 1))),
+    )
+    return forced
+
+
+class ReplayExhausted(RuntimeError):
+    """The reference asked for a batch the launched run never read."""
+
+
+def _cpu_copy(batch: Any) -> Any:
+    """``batch`` with every tensor copied to the CPU (the script may change its batch in place)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.detach().to("cpu", copy=True)
+    if isinstance(batch, Mapping):
+        items = {k: _cpu_copy(v) for k, v in batch.items()}
+        try:
+            return type(batch)(items)  # type: ignore[call-arg]
+        except Exception:
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_cpu_copy(v) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(_cpu_copy(v) for v in batch)
+    return batch
+
+
+def _sized(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+class RecordingLoader:
+    """Stands in for a prepared loader's source: yields what it yields and keeps a copy of
+    each batch, per pass (``passes``: ``{"batches", "exhausted", "len"}`` each)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.passes: list[dict[str, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        record: dict[str, Any] = {"batches": [], "exhausted": False, "len": _sized(self.loader)}
+        self.passes.append(record)
+        return self._record(iter(self.loader), record)
+
+    @staticmethod
+    def _record(source: Iterator[Any], record: dict[str, Any]) -> Iterator[Any]:
+        for batch in source:
+            record["batches"].append(_cpu_copy(batch))
+            yield batch
+        record["exhausted"] = True
+
+
+class ReplayLoader:
+    """Stands in for a prepared loader's source in the reference: pass ``p`` yields the
+    batches the launched run's ranks read in their pass ``p``, position by position and rank
+    by rank within a position; its length is the ranks' lengths summed."""
+
+    def __init__(self, loader: Any, passes: list[list[dict[str, Any]]], index: int) -> None:
+        self.loader = loader
+        self._passes = passes  # pass -> rank -> record
+        self._index = index
+        self._next = 0
+        self._shown = 0  # the pass len() describes
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        if self._shown >= len(self._passes):
+            raise TypeError("the launched run recorded no such pass")
+        lengths = [r["len"] for r in self._passes[self._shown]]
+        if any(n is None for n in lengths):
+            raise TypeError("the launched run's loader has no length")
+        return int(sum(lengths))
+
+    def __iter__(self) -> Iterator[Any]:
+        number, self._next = self._next, self._next + 1
+        self._shown = number
+        return self._replay(number)
+
+    def _replay(self, number: int) -> Iterator[Any]:
+        where = f"prepared loader {self._index + 1}, pass {number + 1}"
+        if number >= len(self._passes):
+            raise ReplayExhausted(f"the reference started {where}, which the launched run never started")
+        ranks = self._passes[number]
+        longest = max((len(r["batches"]) for r in ranks), default=0)
+        for position in range(longest):
+            for record in ranks:
+                if position < len(record["batches"]):
+                    yield record["batches"][position]
+        if not all(r["exhausted"] for r in ranks):
+            raise ReplayExhausted(
+                f"the reference needed batch {longest + 1} per rank of {where}, which the "
+                "launched run never read")
+
+
+def _rng_states() -> dict[str, Any]:
+    """Every random generator a training step may draw from (torch's, CUDA's, Python's,
+    NumPy's)."""
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    with contextlib.suppress(ImportError):
+        import numpy
+
+        states["numpy"] = numpy.random.get_state()
+    return states
+
+
+def _advanced(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The generators whose state changed."""
+    out = []
+    for name, old in before.items():
+        new: Any = after.get(name)
+        if name in ("torch",):
+            same = torch.equal(old, new)
+        elif name == "cuda":
+            same = len(old) == len(new) and all(torch.equal(a, b) for a, b in zip(old, new))
+        elif name == "numpy":
+            same = old[0] == new[0] and bool((old[1] == new[1]).all()) and old[2:] == new[2:]
+        else:
+            same = old == new
+        if not same:
+            out.append(name)
+    return out
+
+
+def _quiet_dropout(model: torch.nn.Module) -> list[str]:
+    """Set every dropout of ``model`` to p=0; the modules changed (name: old p)."""
+    changed = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            changed.append(f"{name or type(module).__name__} (p={module.p:g})")
+            module.p = 0.0
+        elif isinstance(module, torch.nn.MultiheadAttention) and module.dropout > 0:
+            changed.append(f"{name or 'MultiheadAttention'} (dropout={module.dropout:g})")
+            module.dropout = 0.0
+    return changed
+
+
+def _save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class Verifier:
+    """Records (or replays) one run under ``gradsync verify``; made by ``attach``.
+
+    Args:
+        accel: the Accelerator (its public API: ``get_state_dict``, ``unwrap_model``,
+            ``window_loss``, ``audit``, ``end`` ...).
+        runner: its micro-step runner (``before_window`` and ``at_boundary`` hooks).
+        preparer: its preparer (``loader_hook``).
+        prepared: its registry of prepared objects.
+        folder: where to record.
+        steps: the windows to run before stopping.
+        replay_from: the launched run's folder (the reference), or None (the launched run).
+    """
+
+    def __init__(self, accel: Any, runner: Any, preparer: Any, prepared: Any, folder: str,
+                 steps: int, replay_from: str | None) -> None:
+        self.accel = accel
+        self.prepared = prepared
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.steps = steps
+        self.replay_from = Path(replay_from) if replay_from else None
+        self.rank = int(accel.rank)
+        self.loaders: list[RecordingLoader] = []
+        self._replayed: list[list[list[dict[str, Any]]]] | None = None  # loader -> pass -> rank
+        self.windows = 0
+        self.snapshots = -1  # the last step snapshotted (0: the initial parameters)
+        self.pending = False
+        self._steps_at_start = 0
+        self._audit_seen = 0
+        self._rng_start: dict[str, Any] | None = None
+        self.meta: dict[str, Any] = {
+            "rank": self.rank, "world": int(accel.world_size), "reference": self.replay_from is not None,
+            "backend": accel.backend, "mixed_precision": accel.mixed_precision,
+            "steps_wanted": steps, "k": [], "rows": [], "dropout": [], "dtypes": [],
+            "param_names": [], "unverifiable": None, "rng_drawn": [], "loaders": 0,
+            "stopped": False,
+        }
+        runner.before_window.append(self._before_window)
+        runner.at_boundary.append(self._at_boundary)
+        preparer.loader_hook = self._wrap_loader
+        if self.replay_from is None:
+            atexit.register(self._write_batches)
+        self._write_meta()
+
+    # -- the loaders --------------------------------------------------------------
+    def _wrap_loader(self, loader: Any) -> Any:
+        index = self.meta["loaders"]  # loaders are matched by prepare order
+        self.meta["loaders"] += 1
+        if self.replay_from is not None:
+            if self._replayed is None:
+                self._replayed = self._read_batches()
+            passes = self._replayed[index] if index < len(self._replayed) else []
+            return ReplayLoader(loader, passes, index)
+        if (self.accel.config.dataset_shards_itself
+                and isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)):
+            self._unverifiable(
+                "the script prepares an IterableDataset with dataset_shards_itself=True: each rank "
+                "reads a stream gradsync does not shard, so the ranks' batches cannot be lined up "
+                "into one process's windows")
+        recording = RecordingLoader(loader)
+        self.loaders.append(recording)
+        return recording
+
+    def _read_batches(self) -> list[list[list[dict[str, Any]]]]:
+        assert self.replay_from is not None
+        world = int(read_meta(self.replay_from).get("world", 1))
+        per_rank = []
+        for rank in range(world):
+            path = self.replay_from / batches_file(rank)
+            if not path.is_file():
+                raise ReplayExhausted(f"the launched run left no {path.name} (rank {rank} recorded nothing)")
+            per_rank.append(torch.load(path, weights_only=False)["loaders"])
+        loaders = max((len(r) for r in per_rank), default=0)
+        out: list[list[list[dict[str, Any]]]] = []
+        for i in range(loaders):
+            passes = min(len(r[i]) if i < len(r) else 0 for r in per_rank)
+            out.append([[r[i][p] for r in per_rank] for p in range(passes)])
+        return out
+
+    def _write_batches(self) -> None:
+        with contextlib.suppress(Exception):
+            _save({"loaders": [loader.passes for loader in self.loaders]},
+                  self.folder / batches_file(self.rank))
+
+    # -- the windows --------------------------------------------------------------
+    def _before_window(self) -> None:
+        if self.windows == 0:
+            self._first()
+        elif self.pending:
+            self._snapshot()
+        if self.meta["unverifiable"] is not None or self.snapshots >= self.steps:
+            self._stop()
+        self.meta["k"].append(int(self.accel.gradient_accumulation_steps))
+        self.windows += 1
+        self._steps_at_start = self.prepared.steps_applied()
+        self.pending = False
+
+    def _at_boundary(self, step: Any) -> None:
+        if self.prepared.steps_applied() > self._steps_at_start:  # stepped inside the block
+            self._snapshot()
+        else:  # the step follows the block (or was skipped): at the next window's start
+            self.pending = True
+
+    def _first(self) -> None:
+        if not self.prepared.loaders:
+            self._unverifiable(
+                "the script prepared no dataloader: gradsync replays the batches of the loaders "
+                "passed to accel.prepare; prepare the training DataLoader")
+            return
+        if self.replay_from is not None and not self.prepared.optimizers:
+            self._unverifiable(
+                "one process has no optimizer: the script prepares none (an optimizer defined "
+                "only in the DeepSpeed config has no single-process equivalent); build it in "
+                "the script and pass it to accel.prepare")
+            return
+        for model in self.prepared.models:
+            self.meta["dropout"] += _quiet_dropout(self.accel.unwrap_model(model))
+        names = []
+        dtypes: set[str] = set()
+        for model in self.prepared.trained:
+            params = list(self.accel.unwrap_model(model).named_parameters())
+            names.append([n for n, _ in params])
+            dtypes.update(str(p.dtype).replace("torch.", "") for _, p in params)
+        self.meta["param_names"] = names
+        self.meta["dtypes"] = sorted(dtypes)
+        if self.replay_from is not None:
+            self._load_initial()
+            self._rng_start = _rng_states()
+        self._snapshot()
+
+    def _load_initial(self) -> None:
+        """The reference starts from the launched run's initial parameters (whatever the
+        script's seeding)."""
+        assert self.replay_from is not None
+        path = self.replay_from / params_file(0)
+        states = torch.load(path, weights_only=False)
+        for model, state in zip(self.prepared.trained, states):
+            module = self.accel.unwrap_model(model)
+            with torch.no_grad():
+                module.load_state_dict(state, strict=False)
+
+    def _snapshot(self) -> None:
+        step = self.snapshots + 1
+        states = [self.accel.get_state_dict(model) for model in self.prepared.trained]  # collective
+        loss = None
+        if step > 0:
+            with contextlib.suppress(Exception):
+                loss = float(self.accel.window_loss)
+        off = on = None
+        audit = getattr(self.accel, "audit", None)
+        if audit is not None and step > 0:
+            records = audit.records[self._audit_seen:]
+            self._audit_seen = len(audit.records)
+            off = sum(r.reduction_bytes for r in records if not r.boundary)
+            on = sum(r.reduction_bytes for r in records if r.boundary)
+        self.snapshots = step
+        self.pending = False
+        if self.rank == 0:
+            _save([{k: v.detach().to("cpu", copy=True) for k, v in s.items()
+                    if isinstance(v, torch.Tensor)} for s in states],
+                  self.folder / params_file(step))
+            if step > 0:
+                self.meta["rows"].append({
+                    "step": step, "loss": None if loss is None or math.isnan(loss) else loss,
+                    "off_boundary_bytes": off, "boundary_bytes": on,
+                    "optimizer_steps": self.prepared.steps_applied(),
+                    "k": self.meta["k"][step - 1] if step - 1 < len(self.meta["k"]) else None,
+                })
+            if self._rng_start is not None:
+                self.meta["rng_drawn"] = _advanced(self._rng_start, _rng_states())
+            self._write_meta()
+
+    def _unverifiable(self, why: str) -> None:
+        if self.meta["unverifiable"] is None:
+            self.meta["unverifiable"] = why
+            self._write_meta()
+
+    def _stop(self) -> None:
+        """Enough windows (or nothing to verify): record, end the Accelerator, exit 0."""
+        self.meta["stopped"] = True
+        self._write_meta()
+        if self.replay_from is None:
+            self._write_batches()
+        self.accel.end()
+        raise SystemExit(0)
+
+    def _write_meta(self) -> None:
+        if self.rank == 0:
+            path = self.folder / META
+            tmp = path.with_name(META + ".tmp")
+            tmp.write_text(json.dumps(self.meta, indent=1))
+            os.replace(tmp, path)
+
+
+def attach(accel: Any, runner: Any, preparer: Any, prepared: Any,
+           environ: Mapping[str, str] | None = None) -> Verifier | None:
+    """The Verifier of an Accelerator built under ``gradsync verify``, hooked into it.
+
+    Args:
+        accel: the Accelerator being built (at the end of its ``__init__``).
+        runner: its micro-step runner.
+        preparer: its preparer.
+        prepared: its registry of prepared objects.
+        environ: the variables (default: ``os.environ``).
+
+    Returns:
+        The Verifier, or None when ``GRADSYNC_VERIFY`` is not set.
+    """
+    env = os.environ if environ is None else environ
+    folder = env.get(ENV_RECORD)
+    if not folder:
+        return None
+    steps = int(env.get(ENV_STEPS, "3"))
+    return Verifier(accel, runner, preparer, prepared, folder, steps, env.get(ENV_REPLAY) or None)
+
+
+#: For type checkers: what ``Preparer.loader_hook`` holds.
+LoaderHook = Callable[[Any], Any]
