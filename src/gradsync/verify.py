@@ -67,10 +67,11 @@ class Step:
         loss: the launched run's window loss (None when unknown).
         reference_loss: the reference's window loss.
         max_abs: the largest absolute difference of any parameter element.
-        max_rel: the largest, over parameter tensors, of ``max |a - b| / max |b|``.
+        max_rel: ``||a - b||_2 / ||b||_2`` over every parameter (see ``param_difference``).
         off_boundary_bytes: the launched run's gradient reduction bytes (rank 0) off the
             boundary in the window (None: no audit).
         ok: within the tolerance.
+        worst: the parameter that differs most relative to its own size.
     """
 
     step: int
@@ -80,6 +81,7 @@ class Step:
     max_rel: float
     off_boundary_bytes: int | None
     ok: bool
+    worst: str = ""
 
 
 @dataclass
@@ -114,7 +116,7 @@ class Report:
         """
         lines = [f"gradsync verify: {self.title}"] if self.title else []
         if self.steps:
-            head = ("step", "loss (launched)", "loss (1 process)", "max abs diff", "max rel diff",
+            head = ("step", "loss (launched)", "loss (1 process)", "max abs diff", "rel diff",
                     "grad bytes off boundary", "verdict")
             rows = [head] + [(
                 str(s.step), _num(s.loss), _num(s.reference_loss), f"{s.max_abs:.2e}",
@@ -152,8 +154,13 @@ def _close(a: float | None, b: float | None, tol: float) -> bool:
 
 
 def param_difference(ours: Sequence[Mapping[str, Any]], theirs: Sequence[Mapping[str, Any]],
-                     names: Sequence[Sequence[str]]) -> tuple[float, float]:
-    """The largest differences between two lists of state dicts, over the parameters.
+                     names: Sequence[Sequence[str]]) -> tuple[float, float, str]:
+    """How far two lists of state dicts are apart, over the parameters.
+
+    The relative difference is norm-wise over every parameter of every model,
+    ``||a - b|| / ||b||``: an elementwise or per-tensor ratio would flag parameters whose
+    gradient is zero up to roundoff (a key projection's bias under softmax), which Adam
+    turns into updates of noise the size of the learning rate in both runs alike.
 
     Args:
         ours: one state dict per trained model.
@@ -162,15 +169,16 @@ def param_difference(ours: Sequence[Mapping[str, Any]], theirs: Sequence[Mapping
             legitimately differ between N ranks and one process).
 
     Returns:
-        (max absolute difference of any element, max over tensors of
-        ``max |a - b| / max |b|``).
+        (the largest absolute difference of any element, ``||a - b||_2 / ||b||_2`` over all
+        parameters, the parameter whose own ``max |a - b| / max |b|`` is the largest).
 
     Raises:
         ConfigError: the two runs hold different models or parameters.
     """
     if len(ours) != len(theirs):
         raise ConfigError(f"the launched run trained {len(ours)} model(s), the reference {len(theirs)}")
-    max_abs = max_rel = 0.0
+    max_abs = diff_sq = ref_sq = 0.0
+    worst, worst_rel = "", -1.0
     for j, (a_state, b_state) in enumerate(zip(ours, theirs)):
         keys = [k for k in (names[j] if j < len(names) else a_state) if k in a_state]
         if not keys:
@@ -185,11 +193,17 @@ def param_difference(ours: Sequence[Mapping[str, Any]], theirs: Sequence[Mapping
                                   f"and {tuple(b.shape)} in the reference")
             if a.numel() == 0:
                 continue
-            diff = float((a - b).abs().max())
-            scale = float(b.abs().max())
-            max_abs = max(max_abs, diff)
-            max_rel = max(max_rel, diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf))
-    return max_abs, max_rel
+            d = (a - b).abs()
+            top, scale = float(d.max()), float(b.abs().max())
+            max_abs = max(max_abs, top)
+            diff_sq += float((d * d).sum())
+            ref_sq += float((b * b).sum())
+            rel = top / scale if scale > 0 else (0.0 if top == 0 else math.inf)
+            if rel > worst_rel:
+                worst, worst_rel = (key if len(ours) == 1 else f"model {j + 1}: {key}"), rel
+    if ref_sq == 0:
+        return max_abs, 0.0 if diff_sq == 0 else math.inf, worst
+    return max_abs, math.sqrt(diff_sq / ref_sq), worst
 
 
 def compare(launched: str | os.PathLike[str], reference: str | os.PathLike[str],
@@ -228,10 +242,11 @@ def compare(launched: str | os.PathLike[str], reference: str | os.PathLike[str],
             break
         ours = torch.load(Path(launched) / params_file(n), weights_only=False)
         theirs = torch.load(Path(reference) / params_file(n), weights_only=False)
-        max_abs, max_rel = param_difference(ours, theirs, names)
+        max_abs, max_rel, worst = param_difference(ours, theirs, names)
         loss, ref_loss = row.get("loss"), rows_ref[n].get("loss")
         ok = max_rel <= tol and _close(loss, ref_loss, tol)
-        report.steps.append(Step(n, loss, ref_loss, max_abs, max_rel, row.get("off_boundary_bytes"), ok))
+        report.steps.append(Step(n, loss, ref_loss, max_abs, max_rel, row.get("off_boundary_bytes"),
+                                 ok, worst))
         if not ok and first_bad is None:
             first_bad = n
     if not report.steps:
@@ -261,7 +276,7 @@ def compare(launched: str | os.PathLike[str], reference: str | os.PathLike[str],
         report.exit_code = DIFFERS
         report.verdict = (
             f"the launched run differs from one process from step {first_bad} on (beyond "
-            f"{tol:g}): the update is not the global window's mean; look for a loss or "
+            f"{tol:g}; most in {report.steps[first_bad - 1].worst or 'the window loss'}): the update is not the global window's mean; look for a loss or "
             "gradient that depends on the rank or the world size, or a model changed outside "
             "gradsync (exit 1)")
     return report

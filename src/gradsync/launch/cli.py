@@ -1,4 +1,5 @@
-"""`gradsync launch | plan | env | bench`: argument parsing only; the work is done elsewhere.
+"""`gradsync launch | verify | plan | env | bench`: argument parsing only; the work is done
+elsewhere.
 
 No parser here abbreviates (``allow_abbrev=False``): a flag is taken only as spelled, and
 whatever follows `gradsync launch`'s script name reaches the script as given.
@@ -58,7 +59,7 @@ def _positive_list(text: str) -> list[int]:
     return [_positive(part.strip()) for part in text.split(",") if part.strip()]
 
 
-def _add(p: argparse.ArgumentParser, flag: str, dest: str | None = None, **kwargs: Any) -> None:
+def _add(p: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, dest: str | None = None, **kwargs: Any) -> None:
     """A flag in torchrun's two spellings, --max-restarts and --max_restarts (the second
     hidden from --help, so errors and usage name the first)."""
     dest = dest or flag[2:].replace("-", "_")
@@ -116,17 +117,9 @@ def _add_accelerate_flags(group: Any) -> None:
                  metavar=f.metavar or "V", help=help_)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gradsync", description="Gradient accumulation that is correct on every backend.",
-        allow_abbrev=False,
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    launch = sub.add_parser(
-        "launch", help="run a training script on N processes (torchrun)", allow_abbrev=False,
-        description="Under SLURM (srun --ntasks-per-node=1 gradsync launch ...) and Kubeflow "
-                    "(torchrun's PET_* variables), the flags not given come from the scheduler.")
+def _add_launch_flags(launch: argparse.ArgumentParser) -> None:
+    """The flags of ``gradsync launch`` (torchrun's, the settings', Accelerate's), which
+    ``gradsync verify`` takes too."""
     # torchrun's own flags, in both spellings (--nproc-per-node / --nproc_per_node). Not given
     # (None): from the scheduler's environment, else torchrun's default.
     _add(launch, "--nproc-per-node", type=_nproc, default=None, metavar="N",
@@ -183,8 +176,43 @@ def build_parser() -> argparse.ArgumentParser:
         "accelerate launch's flags", "in both spellings (--num_processes or --num-processes); "
         "each means what the key of its name in Accelerate's config file means "
         "(docs/launch-accelerate.md)"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gradsync", description="Gradient accumulation that is correct on every backend.",
+        allow_abbrev=False,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    launch = sub.add_parser(
+        "launch", help="run a training script on N processes (torchrun)", allow_abbrev=False,
+        description="Under SLURM (srun --ntasks-per-node=1 gradsync launch ...) and Kubeflow "
+                    "(torchrun's PET_* variables), the flags not given come from the scheduler.")
+    _add_launch_flags(launch)
     launch.add_argument("script", help="the training script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+    verify = sub.add_parser(
+        "verify", help="check that a script, launched so, equals one process on the same global "
+                       "windows", allow_abbrev=False,
+        description="Runs the script as `gradsync launch` would (the same flags) for --steps "
+                    "optimizer steps, then as one process whose windows hold the same k x N "
+                    "micro-batches, and compares the parameters and window losses step by step. "
+                    "Exit status: 0 equal within the tolerance, 1 different, 2 could not verify.")
+    _add_launch_flags(verify)
+    checks = verify.add_argument_group("verification")
+    checks.add_argument("--steps", type=_positive, default=3, metavar="S",
+                        help="optimizer steps to run and compare (default 3)")
+    _add(checks, "--max-seconds", type=float, default=900.0, metavar="S",
+         help="stop and exit 2 when both runs together take longer (default 900)")
+    checks.add_argument("--rtol", type=float, default=None, metavar="R",
+                        help="relative tolerance (default by precision: fp32 1e-5, bf16 1e-2, "
+                             "fp16 2e-3)")
+    _add(checks, "--verify-dir", default=None, metavar="DIR",
+         help="keep the records and both runs' output here (default: a temporary folder, removed)")
+    verify.add_argument("script", help="the training script")
+    verify.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
     plan = sub.add_parser("plan", help="derive and check the batch sizes, for one or several world sizes (--estimate: and the communication)",
                           allow_abbrev=False)
@@ -298,6 +326,23 @@ def _launch(args: argparse.Namespace) -> int:
         print(launcher.describe())
         return 0
     return launcher.run()
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from gradsync.launch.torchrun import Launcher
+    from gradsync.verify import verify
+
+    config = launch_config(args)
+    if args.dry_run:
+        launcher = Launcher(config)
+        print(launcher.describe())
+        print(f"then: the same script in one process (backend single, each window k x "
+              f"{launcher.config.world_size} micro-batches replayed), {args.steps} optimizer steps each")
+        return 0
+    report = verify(config, steps=args.steps, max_seconds=args.max_seconds, rtol=args.rtol,
+                    folder=args.verify_dir)
+    print(report.render(), flush=True)
+    return report.exit_code
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -428,9 +473,9 @@ def _unknown(parser: argparse.ArgumentParser, command: str, word: str) -> str:
         return f"unexpected argument {word!r} for gradsync {command}; see gradsync {command} --help"
     flag = word.split("=", 1)[0]
     name = flag.lstrip("-").replace("-", "_")
-    why = refused_flag(flag) if command == "launch" and flag.startswith("--") else None
+    why = refused_flag(flag) if command in ("launch", "verify") and flag.startswith("--") else None
     if why is not None:
-        return f"{flag} (accelerate launch's) is not taken by gradsync launch: {why}"
+        return f"{flag} (accelerate launch's) is not taken by gradsync {command}: {why}"
     if name in BY_NAME and BY_NAME[name].flag is None:
         return (f"unknown flag {flag} for gradsync {command}: the setting {name} has no flag; set "
                 f"it in the config file (--config) or as {BY_NAME[name].env}")
@@ -477,7 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench.main(argv[1:])
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if args.command == "launch":
+    if args.command in ("launch", "verify"):
         args.script_args = script_words(argv, args.script, args.script_args)
     if unknown:
         print(f"gradsync: error: {_unknown(parser, args.command, unknown[0])}", file=sys.stderr)
@@ -485,6 +530,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "launch":
             return _launch(args)
+        if args.command == "verify":
+            return _verify(args)
         if args.command == "plan":
             return _plan(args)
         if args.command == "env":
