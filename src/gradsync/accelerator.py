@@ -654,7 +654,8 @@ class Accelerator:
                 )
             scale = 1 if step is None else step.size
             if self._loss is not None:
-                self._loss.add(loss, 1.0 / (scale * self._loss.world), step)
+                self._loss.add(loss, 1.0 / (scale * self._loss.world), step,
+                               keeps_graph=bool(kwargs.get("retain_graph")))
             if not self._runner.names:  # no collective to name: the common one-process path
                 self._run_backward(loss / scale if scale != 1 else loss, kwargs)
                 return
@@ -680,7 +681,8 @@ class Accelerator:
         world = self.plan.data_parallel_size  # every backend averages gradients over it
         factor = world / items if reduction == "sum" else float(world)
         if self._loss is not None:
-            self._loss.add(loss, 1.0 / items if reduction == "sum" else 1.0, step)
+            self._loss.add(loss, 1.0 / items if reduction == "sum" else 1.0, step,
+                           keeps_graph=bool(kwargs.get("retain_graph")))
         with naming_collective(self._backward_name, self._timeout):
             self._run_backward(loss * factor if factor != 1 else loss, kwargs)
 
