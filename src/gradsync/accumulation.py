@@ -276,7 +276,7 @@ class Window:
                 "use one `with accel.accumulate(model):` block per micro-batch, not nested ones"
             )
         feed = self._feeding()
-        split = self._split_step(feed)
+        split = self._split_step(feed) if self._split is not None else None
         if split is not None:
             feed = split.feed
         if self._index == 0:  # a window starts: its k, from the schedule (or the user's change)

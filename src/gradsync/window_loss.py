@@ -42,16 +42,21 @@ class WindowLoss:
         # combined into one tensor when the window closes (cheaper than adding per backward).
         self._losses: list[torch.Tensor] = []
         self._weights: list[float] = []
-        self._pending: tuple[Any, torch.Tensor] | None = None
+        # The closed window's [loss, calls]: an all-reduce in flight, or (one process) the
+        # losses and weights themselves, combined when read.
+        self._pending: tuple[Any, Any] | None = None
         self._value: float | None = None
         self._closed: MicroStep | None = None  # the boundary micro-step whose loss was taken
         self._outside = False  # a backward outside accumulate() added to the share
         self._first: MicroStep | None = None  # the first micro-step of the share's window
         self.windows = 0  # windows whose loss was taken
 
-    def add(self, loss: torch.Tensor, weight: float, step: MicroStep | None) -> None:
+    def add(self, loss: torch.Tensor, weight: float, step: MicroStep | None, *,
+            keeps_graph: bool = False) -> None:
         """This rank's ``loss`` counts ``weight`` times in the objective of the window of
-        ``step`` (None: a backward outside ``accumulate``, a window of its own)."""
+        ``step`` (None: a backward outside ``accumulate``, a window of its own).
+        ``keeps_graph``: the backward keeps its graph (``retain_graph=True``): only a
+        detached copy is kept, so the window does not hold the graph's buffers."""
         if step is None:
             self._outside = True
         elif step.index == 0 and step is not self._first:
@@ -61,7 +66,9 @@ class WindowLoss:
             log.warning("gradsync: backward() after optimizer.step() in a window's last micro-step: "
                         "its gradients reach no update, and accel.window_loss leaves it out")
             return
-        self._losses.append(loss.detach())
+        # The loss itself (detaching costs a tensor per micro-step): after its backward the
+        # graph's buffers are freed, and only this scalar and its graph's nodes stay alive.
+        self._losses.append(loss.detach() if keeps_graph else loss)
         self._weights.append(weight)
 
     def at_boundary(self, step: MicroStep) -> None:
@@ -80,36 +87,43 @@ class WindowLoss:
             self.close()
 
     def close(self) -> None:
-        """The window's update is done: start the all-reduce of its loss (every rank)."""
-        self._settle()
+        """The window's update is done: start the all-reduce of its loss (every rank). In
+        one process nothing is computed until the value is read."""
+        if self._pending is not None and self._pending[0] is not None:
+            self._settle()  # the previous window's all-reduce (an unread one-process window is dropped)
         losses, weights = self._losses, self._weights
         self._losses, self._weights = [], []
-        if losses:
+        self._outside = False
+        self.windows += 1
+        if self.world > 1 and dist.is_available() and dist.is_initialized():
+            share = self._share(losses, weights)
+            with self._own():
+                work = dist.all_reduce(share, async_op=True)
+            self._pending = (work, share)
+        else:
+            self._pending = (None, (losses, weights))
+
+    def _share(self, losses: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        """[the weighted sum of ``losses``, how many] on this rank's device."""
+        if not losses:
+            return torch.zeros(2, device=self._device)
+        with torch.no_grad():
             try:
                 stacked = torch.stack(losses).reshape(-1)  # scalars (the usual case)
             except RuntimeError:  # losses of different shapes, each with one element
                 stacked = torch.stack([t.reshape(()) for t in losses])
             values = stacked.to(device=self._device, dtype=torch.float32)
             total = values @ torch.tensor(weights, dtype=torch.float32, device=self._device)
-            share = torch.stack([total, torch.tensor(float(len(losses)), device=self._device)])
-        else:
-            share = torch.zeros(2, device=self._device)
-        self._outside = False
-        if self.world > 1 and dist.is_available() and dist.is_initialized():
-            with self._own():
-                work = dist.all_reduce(share, async_op=True)
-            self._pending = (work, share)
-        else:
-            self._pending = (None, share)
-        self.windows += 1
+            return torch.stack([total, torch.tensor(float(len(losses)), device=self._device)])
 
     def _settle(self) -> None:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        work, total = pending
+        work, share = pending
         if work is not None:
             work.wait()
+        total = share if isinstance(share, torch.Tensor) else self._share(*share)
         loss, calls = total.tolist()
         self._value = loss if calls > 0 else math.nan  # a window without any backward
 
