@@ -206,6 +206,10 @@ def param_difference(ours: Sequence[Mapping[str, Any]], theirs: Sequence[Mapping
     return max_abs, math.sqrt(diff_sq / ref_sq), worst
 
 
+_NO_STEP = ("cannot verify: the script completed no optimizer step inside `with "
+            "accel.accumulate(model):` (it never entered accumulate, or its data ended first)")
+
+
 def compare(launched: str | os.PathLike[str], reference: str | os.PathLike[str],
             rtol: float | None = None) -> Report:
     """Compare the records of the launched run and of the reference.
@@ -229,9 +233,7 @@ def compare(launched: str | os.PathLike[str], reference: str | os.PathLike[str],
             report.verdict = f"cannot verify: {meta['unverifiable']}"
             return report
     if not run.get("rows"):
-        report.verdict = ("cannot verify: the script completed no optimizer step inside "
-                          "`with accel.accumulate(model):` (it never entered accumulate, or its "
-                          "data ended first)")
+        report.verdict = _NO_STEP
         return report
     names = run.get("param_names", [])
     rows_ref = {r["step"]: r for r in ref.get("rows", [])}
@@ -335,6 +337,9 @@ def _why(log: Path) -> str:
         lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return ""
+    for line in lines:  # the worker's own line: "gradsync: rank R failed: Error: message"
+        if line.startswith("gradsync: rank") and " failed: " in line:
+            return line
     for line in reversed(lines):
         if line.startswith("gradsync: rank") or line.startswith("gradsync: error"):
             return line
@@ -424,6 +429,8 @@ def _verify(launcher: Launcher, world: int, steps: int, max_seconds: float, rtol
              f"{steps} optimizer step(s)")
     if run.get("unverifiable"):
         return done(Report(UNVERIFIABLE, f"cannot verify: {run['unverifiable']}", title=title))
+    if not run.get("rows"):
+        return done(Report(UNVERIFIABLE, _NO_STEP, title=title))
     # 2. the reference: one process on the same global windows
     ref_env = _one_process_env(launcher)
     ref_env.update({ENV_RECORD: str(reference), ENV_STEPS: str(steps), ENV_REPLAY: str(launched)})

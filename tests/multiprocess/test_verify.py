@@ -1,0 +1,104 @@
+"""`gradsync verify` end to end: each verify is one launch (2 gloo ranks, or 1 for the bad
+inputs) and one single-process reference, as a user runs it from the command line."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = ROOT / "tests" / "scripts" / "verify_cases.py"
+TRAIN = ROOT / "examples" / "train.py"
+CAUSAL = ROOT / "examples" / "causal_lm.py"
+
+
+def run_verify(*words: str | Path, timeout: float = 240) -> tuple[int, str]:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "gradsync", "verify", *map(str, words)],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def table(out: str) -> list[list[str]]:
+    """The rows of the report's table (step, losses, diffs, bytes, verdict)."""
+    return [line.split() for line in out.splitlines() if re.match(r"^\s*\d+\s", line)]
+
+
+def rel_diffs(out: str) -> list[float]:
+    return [float(row[4]) for row in table(out)]
+
+
+@pytest.mark.parametrize("launch", [
+    ("--backend", "ddp"),
+    ("--backend", "fsdp"),
+    ("--use-deepspeed", "--zero-stage", "2"),
+], ids=["ddp", "fsdp2", "zero2"])
+def test_the_example_is_exact_on_every_backend(launch):
+    code, out = run_verify("--nproc-per-node", "2", *launch, "--gradient-accumulation-steps", "4",
+                           TRAIN, "--epochs", "1")
+    assert code == 0, out
+    rows = table(out)
+    assert [r[0] for r in rows] == ["1", "2", "3"], out
+    assert all(r[-1] == "ok" for r in rows)
+    assert max(rel_diffs(out)) <= 1e-5
+    assert "8 micro-batches per window" in out
+    if launch[1] == "ddp":
+        assert all(r[5] == "0" for r in rows), out  # no gradient bytes off the boundary
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_the_token_weighted_example_is_exact(backend):
+    code, out = run_verify("--nproc-per-node", "2", "--backend", backend,
+                           "--gradient-accumulation-steps", "4", "--steps", "2", CAUSAL)
+    assert code == 0, out
+    assert len(table(out)) == 2 and max(rel_diffs(out)) <= 1e-5, out
+
+
+def test_a_loss_scaled_by_the_rank_differs_from_the_first_step(tmp_path):
+    text = TRAIN.read_text()
+    line = "loss = nn.functional.mse_loss(model(x), y)"
+    assert line in text
+    buggy = tmp_path / "train_rank_bug.py"
+    buggy.write_text(text.replace(line, line + " * (1 + accel.rank)"))
+    code, out = run_verify("--nproc-per-node", "2", "--gradient-accumulation-steps", "4", buggy)
+    assert code == 1, out
+    rows = table(out)
+    assert rows and all(r[-1] == "DIFFERS" for r in rows), out
+    assert float(rows[0][1]) > 1.3 * float(rows[0][2])  # the window loss says it at step 1
+    assert "differs from one process from step 1 on" in out
+
+
+def test_noise_in_the_step_is_reported_as_non_determinism_and_dataset_noise_is_replayed():
+    code, out = run_verify("--nproc-per-node", "2", CASES, "--case", "forward-noise")
+    assert code == 2, out
+    assert "not deterministic" in out and "torch" in out, out
+    code, out = run_verify("--nproc-per-node", "2", CASES, "--case", "dataset-noise")
+    assert code == 0, out  # the augmented batches are recorded, and replayed
+    assert "dropout set to p=0 in both runs: 2 (p=0.2)" in out
+
+
+@pytest.mark.parametrize("case, words", [
+    ("fail", ["the script failed under gradsync launch", "fails on purpose"]),
+    ("hang", ["ran past --max-seconds=8"]),
+    ("no-loader", ["prepared no dataloader"]),
+    ("no-accumulate", ["completed no optimizer step"]),
+    ("shards-itself", ["dataset_shards_itself=True"]),
+])
+def test_what_cannot_be_verified_exits_2_with_one_line(case, words):
+    code, out = run_verify("--nproc-per-node", "1", "--max-seconds", "8", CASES, "--case", case)
+    assert code == 2, out
+    verdict = [line for line in out.splitlines() if line.startswith("verdict: cannot verify")]
+    assert len(verdict) == 1, out
+    for word in words:
+        assert word in verdict[0], out
+
+
+def test_a_multi_node_launch_is_refused_before_anything_starts():
+    code, out = run_verify("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "29999",
+                           TRAIN)
+    assert code == 2 and "one node" in out, out
