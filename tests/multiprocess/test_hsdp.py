@@ -225,3 +225,11 @@ def test_a_2x2_boundary_checkpoint_loads_on_a_1d_mesh_and_in_one_process(results
         assert r["world"] == world and r["mesh_ndim"] == 1
         assert r["steps"] == saved["steps"] == 2 and r["adam_steps"] == [2.0]
         assert max_diff(r["state"], saved["state"]) == 0.0
+
+
+def test_the_self_check_stays_silent_on_the_mesh(results):
+    # Every scenario above ran with the self-check on (the default) over labelled mesh groups,
+    # defer_replicate's reduce-scatters off the boundary included: it found nothing to warn
+    # about (tests/unit/test_audit_groups.py shows it warning for a replica all-reduce).
+    assert "gradsync self-check" not in results.log
+    assert any("defer_replicate" in name for name in SCENARIOS)
