@@ -657,10 +657,10 @@ class Accelerator:
                 self._loss.add(loss, 1.0 / (scale * self._loss.world), step,
                                keeps_graph=bool(kwargs.get("retain_graph")))
             if not self._runner.names:  # no collective to name: the common one-process path
-                self._run_backward(loss / scale if scale != 1 else loss, kwargs)
+                self._run_backward(loss, 1.0 / scale, kwargs)
                 return
             with naming_collective(self._backward_name, self._timeout):
-                self._run_backward(loss / scale if scale != 1 else loss, kwargs)
+                self._run_backward(loss, 1.0 / scale, kwargs)
             return
         if reduction not in REDUCTIONS:
             raise ConfigError(f"backward(reduction={reduction!r}) is unknown; use one of {', '.join(REDUCTIONS)}")
@@ -684,7 +684,7 @@ class Accelerator:
             self._loss.add(loss, 1.0 / items if reduction == "sum" else 1.0, step,
                            keeps_graph=bool(kwargs.get("retain_graph")))
         with naming_collective(self._backward_name, self._timeout):
-            self._run_backward(loss * factor if factor != 1 else loss, kwargs)
+            self._run_backward(loss, factor, kwargs)
 
     def _backward_name(self) -> str:
         step = self._window.current
@@ -692,11 +692,11 @@ class Accelerator:
             return "backward() at the window boundary (the gradient reduction)"
         return "backward()"
 
-    def _run_backward(self, loss: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    def _run_backward(self, loss: torch.Tensor, factor: float, kwargs: dict[str, Any]) -> None:
         if kwargs:
-            self._backend.backward(loss, **kwargs)
+            self._backend.backward(loss, factor, **kwargs)
         else:
-            self._backend.backward(loss)
+            self._backend.backward(loss, factor)
         if self._self_check is not None:
             self._self_check.check.saw_backward()
 

@@ -143,7 +143,8 @@ class MicroStepBlock:
                 self._began += 1
             if len(models) == 1 and not force:
                 inner = backend.micro_step(models[0], boundary=step.boundary)
-                inner.__enter__()
+                if type(inner) is not contextlib.nullcontext:  # nothing to enter: skip the calls
+                    inner.__enter__()
                 self._inner = inner
             else:
                 stack = contextlib.ExitStack()
@@ -182,7 +183,7 @@ class MicroStepBlock:
         naming = naming_collective(self._describe, runner.timeout) if runner.names else None
         try:
             try:
-                swallowed = inner.__exit__(kind, err, tb)
+                swallowed = type(inner) is not contextlib.nullcontext and inner.__exit__(kind, err, tb)
             except BaseException as new:  # the backend's exit raised (e.g. DDP's unused parameters)
                 if naming is not None:
                     naming.__exit__(type(new), new, new.__traceback__)

@@ -136,10 +136,10 @@ class Backend(Protocol):
     def autocast(self) -> AbstractContextManager[Any]:
         """The autocast the micro-steps run under (a no-op context when there is none)."""
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Run the backward pass of a loss already divided by the window size (an fp16
-        adapter multiplies it by the loss scale); ``kwargs`` go to torch's backward
-        (``retain_graph``, ``inputs``, ...)."""
+    def backward(self, loss: torch.Tensor, factor: float = 1.0, **kwargs: Any) -> None:
+        """Run the backward pass of ``loss * factor`` (``factor``: gradsync's scaling, e.g.
+        1 / the window's size; an fp16 adapter also multiplies by the loss scale);
+        ``kwargs`` go to torch's backward (``retain_graph``, ``inputs``, ...)."""
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """At a boundary, before clipping: bring the optimizer's gradients back to their true
@@ -188,6 +188,26 @@ class Backend(Protocol):
         ``legacy`` set was written by gradsync 0.1 (one optimizer per model, stored with it)."""
 
 
+_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+Seeds = dict[tuple[float, torch.dtype, torch.device], torch.Tensor]
+
+
+def _seed(seeds: Seeds, loss: torch.Tensor, factor: float) -> torch.Tensor | None:
+    """``factor`` as a scalar tensor like ``loss``, to seed its backward with (kept in
+    ``seeds``: made once per window size, dtype and device); None where that would not be
+    the same as ``(loss * factor).backward()``: a loss that is not a scalar, or a leaf
+    (autograd could keep the seed itself as its gradient and add into it)."""
+    if loss.dim() != 0 or loss.grad_fn is None:
+        return None
+    key = (factor, loss.dtype, loss.device)
+    seed = seeds.get(key)
+    if seed is None:
+        if len(seeds) > 64:  # token-weighted factors change every window
+            seeds.clear()
+        seed = seeds[key] = torch.full((), factor, dtype=loss.dtype, device=loss.device)
+    return seed
+
+
 class AdapterDefaults:
     """The hooks most adapters share. An adapter derives from this class once, sets what it
     needs in ``__init__`` and ``setup``, and overrides only the hooks that differ.
@@ -217,6 +237,7 @@ class AdapterDefaults:
         # that do it: activation_checkpointing, and torch.compile's arguments (None: off).
         self._checkpointing: Any = None
         self._compile: dict[str, Any] | None = None
+        self._seeds: Seeds = {}  # backward's seed per scaling factor (see _seed)
 
     @property
     def device(self) -> torch.device:
@@ -241,8 +262,15 @@ class AdapterDefaults:
     def autocast(self) -> AbstractContextManager[Any]:
         return _amp.autocast(self._device, self._dtype)
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        (loss if self.scaler is None else self.scaler.scale(loss)).backward(**kwargs)
+    def backward(self, loss: torch.Tensor, factor: float = 1.0, **kwargs: Any) -> None:
+        scaled = loss if self.scaler is None else self.scaler.scale(loss)
+        if factor != 1.0:
+            seed = _seed(self._seeds, scaled, factor)
+            if seed is None:  # not a plain scalar with a graph: scale the loss itself
+                scaled = scaled * factor
+            else:  # the scaling as backward's seed: no extra op in the graph
+                kwargs["gradient"] = seed
+        scaled.backward(**kwargs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:
@@ -255,6 +283,13 @@ class AdapterDefaults:
         return True
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        if set_to_none and type(optimizer).zero_grad is _TORCH_ZERO_GRAD:
+            # What torch's zero_grad(set_to_none=True) does, without its profiler record
+            # (tens of microseconds on the CPU, once per window).
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            return
         optimizer.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(

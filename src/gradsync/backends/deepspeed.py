@@ -218,9 +218,9 @@ class DeepSpeedBackend(AdapterDefaults):
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()  # the engine's module computes in the config's dtype
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        # gradsync already divided the loss by this window's size.
-        self.engine.backward(loss, scale_wrt_gas=False, **kwargs)
+    def backward(self, loss: torch.Tensor, factor: float = 1.0, **kwargs: Any) -> None:
+        # gradsync's own scaling (1 / this window's size), not DeepSpeed's.
+        self.engine.backward(loss * factor if factor != 1.0 else loss, scale_wrt_gas=False, **kwargs)
         if self.engine.is_gradient_accumulation_boundary():
             self._flush()
 

@@ -148,7 +148,8 @@ class LoaderIteration:
         self.yielded = consumed
 
     def __next__(self) -> Any:
-        self._fill(2)  # the batch to hand out and one more, to see the end coming
+        if len(self.buffer) < 2 and not self.exhausted:
+            self._fill(2)  # the batch to hand out and one more, to see the end coming
         if not self.buffer:
             self.done = True
             if self.error is not None:
