@@ -8,10 +8,16 @@ repetitions (the order alternates, so drift on a shared machine hits both alike)
 
 * bare: a plain DataLoader, ``loss / k``, ``backward``, ``step`` + ``zero_grad`` every k-th;
 * gradsync: the prepared DataLoader, ``accumulate``, ``accel.backward``, the gated
-  ``step`` / ``zero_grad`` on every micro-step.
+  ``step`` / ``zero_grad`` on every micro-step;
+* seeded: the bare loop tuned by hand the way gradsync scales and clears: the 1/k scaling
+  as backward's seed (``loss.backward(gradient=1/k)``: no division in the graph) and the
+  gradients set to None directly (no ``zero_grad`` profiler record) — the floor;
+* accelerate: Hugging Face Accelerate's ``accumulate`` loop (where it is installed).
 
 Prints and writes (``DIR/wrapper_overhead.json``) the median per-micro-step time of each
-loop and the median of the per-repetition differences (the overhead), with its range.
+loop and the median of the per-repetition differences to the bare loop (the overhead), with
+its range; and gradsync's difference to the seeded loop (what gradsync's own bookkeeping
+costs once its cheaper scaling is taken out).
 """
 
 from __future__ import annotations
@@ -68,22 +74,67 @@ def measure(reps: int, iters: int, k: int = 4) -> dict[str, Any]:
                 gs_opt.zero_grad()
         return time.perf_counter() - t0
 
-    bare()
-    wrapped()  # warm-up: one pass each
-    bare_us: list[float] = []
-    gs_us: list[float] = []
+    seed = torch.full((), 1.0 / k)
+    seeded_model, seeded_opt = model_opt()
+    seeded_loader = DataLoader(data, batch_size=4)
+
+    def seeded() -> float:
+        t0 = time.perf_counter()
+        for i, (x, y) in enumerate(seeded_loader):
+            F.mse_loss(seeded_model(x), y).backward(gradient=seed)
+            if (i + 1) % k == 0:
+                seeded_opt.step()
+                for group in seeded_opt.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
+        return time.perf_counter() - t0
+
+    loops: dict[str, Any] = {"bare": bare, "gradsync": wrapped, "seeded": seeded}
+    try:
+        os.environ.setdefault("ACCELERATE_USE_CPU", "1")
+        import accelerate
+
+        acc = accelerate.Accelerator(gradient_accumulation_steps=k, cpu=True)
+        acc_model, acc_opt, acc_loader = acc.prepare(*model_opt(), DataLoader(data, batch_size=4))
+
+        def accelerated() -> float:
+            t0 = time.perf_counter()
+            for x, y in acc_loader:
+                with acc.accumulate(acc_model):
+                    acc.backward(F.mse_loss(acc_model(x), y))
+                    acc_opt.step()
+                    acc_opt.zero_grad()
+            return time.perf_counter() - t0
+
+        loops["accelerate"] = accelerated
+    except ImportError:
+        pass
+    for fn in loops.values():
+        fn()  # warm-up: one pass each
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    names = list(loops)
     for r in range(reps):
-        pair = [(bare, bare_us), (wrapped, gs_us)]
-        for fn, sink in pair if r % 2 == 0 else reversed(pair):
-            sink.append(fn() / iters * 1e6)
-    diffs = [g - b for g, b in zip(gs_us, bare_us)]
-    return {
+        order = names[r % len(names):] + names[:r % len(names)]  # each loop first in turn
+        for name in order:
+            times[name].append(loops[name]() / iters * 1e6)
+
+    def over(name: str, base: str = "bare") -> list[float]:
+        return [a - b for a, b in zip(times[name], times[base])]
+
+    diffs = over("gradsync")
+    result: dict[str, Any] = {
         "model": "Linear(8, 1), micro-batch 4, SGD, backend 'single', prepared DataLoader",
         "k": k, "reps": reps, "micro_steps_per_rep": iters,
-        "bare_us": statistics.median(bare_us), "gradsync_us": statistics.median(gs_us),
+        "bare_us": statistics.median(times["bare"]), "gradsync_us": statistics.median(times["gradsync"]),
+        "seeded_us": statistics.median(times["seeded"]),
         "overhead_us": statistics.median(diffs), "overhead_us_min": min(diffs),
         "overhead_us_max": max(diffs),
+        "over_seeded_us": statistics.median(over("gradsync", "seeded")),
     }
+    if "accelerate" in times:
+        result["accelerate_us"] = statistics.median(times["accelerate"])
+        result["accelerate_overhead_us"] = statistics.median(over("accelerate"))
+    return result
 
 
 def main() -> None:
@@ -96,6 +147,9 @@ def main() -> None:
     print(f"bare {result['bare_us']:.1f} us, gradsync {result['gradsync_us']:.1f} us per micro-step; "
           f"overhead {result['overhead_us']:.1f} us (median of {args.reps} interleaved repetitions, "
           f"range {result['overhead_us_min']:.1f} to {result['overhead_us_max']:.1f})")
+    print(f"seeded hand loop {result['seeded_us']:.1f} us: gradsync - seeded = {result['over_seeded_us']:.1f} us")
+    if "accelerate_us" in result:
+        print(f"accelerate {result['accelerate_us']:.1f} us: overhead {result['accelerate_overhead_us']:.1f} us")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
