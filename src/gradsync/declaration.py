@@ -147,10 +147,12 @@ class Setting:
 
     @property
     def choices(self) -> tuple[Any, ...] | None:
-        """The allowed values of a ``Literal`` setting, else None."""
-        for member in self.members:
-            if get_origin(member) is Literal:
-                return get_args(member)
+        """The allowed values of a ``Literal`` setting (one that takes nothing else but
+        None), else None."""
+        literals = [m for m in self.members if get_origin(m) is Literal]
+        others = [m for m in self.members if get_origin(m) is not Literal and m is not type(None)]
+        if len(literals) == 1 and not others:
+            return get_args(literals[0])
         return None
 
     @property

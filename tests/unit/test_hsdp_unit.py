@@ -212,3 +212,14 @@ def test_defer_replicate_requested_says_what_it_holds():
     policy, keep, extra, reason = _decide("defer_replicate", 0)
     assert (policy, keep, extra) == ("defer_replicate", "no", 500)
     assert reason.startswith("defer_replicate (requested): ") and "500 bytes" in reason
+
+
+def test_the_launcher_takes_a_mesh_of_numbers(clean_env):
+    """--fsdp-mesh R,S passes the launcher's check (its type also allows "node")."""
+    from pathlib import Path
+
+    from gradsync.launch.cli import main
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "train.py"
+    assert main(["launch", "--dry-run", "--nproc-per-node", "4", "--backend", "fsdp",
+                 "--fsdp-mesh", "2,2", str(script)]) == 0

@@ -25,7 +25,7 @@ from gradsync.settings import CORE_SETTINGS, LAUNCH_SETTINGS, SETTINGS, referenc
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "report_rank.py")
 NONE = type(None)
 # Values a setting's type allows but its check refuses are replaced here (a backend must exist).
-VALID = {"backend": "ddp", "log_with": ["tensorboard", "csv"]}
+VALID = {"backend": "ddp", "log_with": ["tensorboard", "csv"], "fsdp_mesh": "node"}
 
 
 def ids(settings: tuple[Setting, ...]) -> list[str]:
