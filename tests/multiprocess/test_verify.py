@@ -51,6 +51,15 @@ def test_the_example_is_exact_on_every_backend(launch):
         assert all(r[5] == "0" for r in rows), out  # no gradient bytes off the boundary
 
 
+def test_the_example_is_exact_on_a_2x2_mesh_deferring_the_replica_all_reduce():
+    code, out = run_verify("--nproc-per-node", "4", "--backend", "fsdp", "--fsdp-mesh", "2,2",
+                           "--sync-policy", "defer_replicate", "--gradient-accumulation-steps", "4",
+                           TRAIN, "--epochs", "1", timeout=400)
+    assert code == 0, out
+    assert "16 micro-batches per window" in out and "with 4 process(es)" in out
+    assert max(rel_diffs(out)) <= 1e-5, out
+
+
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 def test_the_token_weighted_example_is_exact(backend):
     code, out = run_verify("--nproc-per-node", "2", "--backend", backend,
