@@ -234,3 +234,22 @@ def test_logged_window_losses_one_record_per_optimizer_step(tmp_path: Path, clea
     assert [h.step.num for h in history] == [1, 2, 3]
     assert [json.loads(next(i.value_json for i in h.item if i.nested_key[0] == "loss")) for h in history] == [
         pytest.approx(v) for v in losses]
+
+
+def test_the_scaling_seed_is_never_shared_between_backward_passes(clean_env):
+    """The window's 1/n scaling seeds backward; autograd may keep that seed (or a view of it)
+    as a parameter's gradient and add into it, so a shared seed would be corrupted."""
+    accel = Accelerator(backend="single", gradient_accumulation_steps=4)
+    p = nn.Parameter(torch.tensor([2.0]))
+    q = nn.Parameter(torch.tensor(3.0))
+    holder = nn.Module()
+    holder.p, holder.q = p, q
+    holder = accel.prepare(holder)
+    for _ in range(4):
+        with accel.accumulate(holder):
+            accel.backward(p.view(()))  # a loss that is a view of a parameter
+    assert torch.equal(p.grad, torch.tensor([1.0]))  # 4 x 1/4
+    for _ in range(4):
+        with accel.accumulate(holder):
+            accel.backward(q * 2.0)
+    assert torch.equal(q.grad, torch.tensor(2.0))  # 4 x 2/4

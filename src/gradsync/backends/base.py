@@ -189,23 +189,14 @@ class Backend(Protocol):
 
 
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
-Seeds = dict[tuple[float, torch.dtype, torch.device], torch.Tensor]
-
-
-def _seed(seeds: Seeds, loss: torch.Tensor, factor: float) -> torch.Tensor | None:
-    """``factor`` as a scalar tensor like ``loss``, to seed its backward with (kept in
-    ``seeds``: made once per window size, dtype and device); None where that would not be
-    the same as ``(loss * factor).backward()``: a loss that is not a scalar, or a leaf
-    (autograd could keep the seed itself as its gradient and add into it)."""
+def _seed(loss: torch.Tensor, factor: float) -> torch.Tensor | None:
+    """``factor`` as a new scalar tensor like ``loss``, to seed its backward with; None where
+    that would not be the same as ``(loss * factor).backward()``: a loss that is not a
+    scalar, or a leaf. New on every call, never cached: autograd may keep the seed (or a
+    view of it, for a loss that is a view of a parameter) as a gradient and add into it."""
     if loss.dim() != 0 or loss.grad_fn is None:
         return None
-    key = (factor, loss.dtype, loss.device)
-    seed = seeds.get(key)
-    if seed is None:
-        if len(seeds) > 64:  # token-weighted factors change every window
-            seeds.clear()
-        seed = seeds[key] = torch.full((), factor, dtype=loss.dtype, device=loss.device)
-    return seed
+    return torch.full((), factor, dtype=loss.dtype, device=loss.device)
 
 
 class AdapterDefaults:
@@ -237,7 +228,6 @@ class AdapterDefaults:
         # that do it: activation_checkpointing, and torch.compile's arguments (None: off).
         self._checkpointing: Any = None
         self._compile: dict[str, Any] | None = None
-        self._seeds: Seeds = {}  # backward's seed per scaling factor (see _seed)
 
     @property
     def device(self) -> torch.device:
@@ -265,7 +255,7 @@ class AdapterDefaults:
     def backward(self, loss: torch.Tensor, factor: float = 1.0, **kwargs: Any) -> None:
         scaled = loss if self.scaler is None else self.scaler.scale(loss)
         if factor != 1.0:
-            seed = _seed(self._seeds, scaled, factor)
+            seed = _seed(scaled, factor)
             if seed is None:  # not a plain scalar with a graph: scale the loss itself
                 scaled = scaled * factor
             else:  # the scaling as backward's seed: no extra op in the graph
