@@ -1057,13 +1057,8 @@ class Accelerator:
     def main_process_first(self) -> Iterator[None]:
         """The main process runs the block first, the others once it is done (e.g. to build
         a dataset cache once)."""
-        if not self.is_main_process:
-            self._backend.barrier()
-        try:
+        with processes.goes_first(self.is_main_process, self._backend.barrier):
             yield
-        finally:
-            if self.is_main_process:
-                self._backend.barrier()
 
     # -- experiment tracking ------------------------------------------------
     def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,

@@ -423,15 +423,14 @@ class WindowView:
     def __init__(self, window: Window) -> None:
         self._window = window
 
-    # The window's own fields, read directly: these run on every micro-step.
+    # ``boundary`` reads the window's field directly: it runs on every micro-step.
     @property
     def boundary(self) -> bool:
         return self._window._boundary
 
     @property
     def is_open(self) -> bool:
-        window = self._window
-        return window._index > 0 or window._current is not None
+        return self._window.is_open
 
     @property
     def skips_step(self) -> bool:

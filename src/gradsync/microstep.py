@@ -87,7 +87,7 @@ class Runner:
         #: Run after a window's last micro-step ended without error (the window loss).
         self.at_boundary: list[Callable[[MicroStep], None]] = []
         #: Name a hung or broken collective in the error (only where collectives run).
-        self.names = dist.is_distributed() and dist.world_size() > 1
+        self.names = dist.is_multiprocess()
 
     def drop(self) -> None:
         drop_window(self.window, self.backend, self.prepared)

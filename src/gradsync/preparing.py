@@ -117,7 +117,7 @@ class Preparer:
                        models: Sequence[torch.nn.Module]) -> PreparedOptimizer:
         prepared = PreparedOptimizer(optimizer, self._backend, self._view, self._config.timeout)
         prepared.before_step = self._before_step
-        prepared.names = dist.is_distributed() and dist.world_size() > 1
+        prepared.names = dist.is_multiprocess()
         self._registry.add_optimizer(prepared, models)
         return prepared
 
