@@ -26,7 +26,6 @@ Writes window_loss_overhead.json and window_loss_overhead.md to --out.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -38,7 +37,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from small_bench import QUICK_SIZES, SIZES, run_workers, write  # noqa: E402
+from small_bench import QUICK_SIZES, SIZES, parser, ran_as_worker, run_workers, write  # noqa: E402
 
 MODES = ("off", "control", "on")  # control: a second loop without tracking, the noise floor
 
@@ -139,16 +138,11 @@ def worker(spec: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="benchmark-results")
-    p.add_argument("--k", type=int, default=8)
+    p = parser(__doc__.splitlines()[0], "a tiny model and a few steps (a smoke run)")
     p.add_argument("--steps", type=int, default=90, help="timed optimizer steps per mode (after 2 warm-up)")
     p.add_argument("--windows", type=int, default=1000, help="windows in the timing of the parts alone")
-    p.add_argument("--quick", action="store_true", help="a tiny model and a few steps (a smoke run)")
-    p.add_argument("--worker", nargs=2, metavar=("SPEC", "DIR"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.worker:
-        worker(json.loads(Path(args.worker[0]).read_text()), Path(args.worker[1]))
+    if ran_as_worker(args, worker):
         return 0
     sizes = QUICK_SIZES if args.quick else SIZES
     spec = {"sizes": sizes, "k": args.k, "steps": 6 if args.quick else args.steps,
