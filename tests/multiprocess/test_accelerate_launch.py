@@ -15,30 +15,7 @@ import pytest
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "accelerate"
 
-REPORT = '''
-import json, os, sys
-from pathlib import Path
-
-import torch
-import torch.distributed as dist
-
-from gradsync import Accelerator
-
-accel = Accelerator()
-model = accel.prepare(torch.nn.Linear(4, 1))
-for _ in range(accel.gradient_accumulation_steps):
-    with accel.accumulate(model):
-        accel.backward(model(torch.ones(2, 4)).sum())
-total = torch.tensor([float(accel.rank)])
-dist.all_reduce(total)
-report = {"rank": accel.rank, "world_size": accel.world_size, "backend": accel.backend,
-          "mixed_precision": accel.config.mixed_precision,
-          "accumulation": accel.config.gradient_accumulation_steps, "rank_sum": float(total),
-          "device": os.environ.get("GRADSYNC_DEVICE"), "config": os.environ.get("GRADSYNC_CONFIG"),
-          "args": sys.argv[2:]}
-(Path(sys.argv[1]) / f"rank{accel.rank}.json").write_text(json.dumps(report))
-accel.end()
-'''
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "report_rank.py"  # reports each rank
 
 _OUTSIDE = ("GRADSYNC_", "PET_", "SLURM_", "PMI_", "OMPI_", "MV2_")
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -57,8 +34,7 @@ def reports(folder: Path) -> list[dict]:
 
 @pytest.mark.multiprocess
 def test_accelerate_flags_and_file_start_two_ranks_with_their_settings(tmp_path):
-    script = tmp_path / "report.py"
-    script.write_text(REPORT)
+    script = SCRIPT
     shutil.copy(DATA / "multi_cpu.yaml", tmp_path / "accelerate.yaml")  # as Accelerate wrote it
 
     # accelerate launch's flags: the total of processes, mixed precision, accumulation steps

@@ -32,6 +32,9 @@ def main() -> None:
         "rank_sum": float(total),
         "args": sys.argv[2:],
         "env_backend": os.environ.get("GRADSYNC_BACKEND"),
+        "mixed_precision": accel.mixed_precision,
+        "device": os.environ.get("GRADSYNC_DEVICE"),
+        "config": os.environ.get("GRADSYNC_CONFIG"),
     }
     (out / f"rank{accel.rank}.json").write_text(json.dumps(report))
     accel.end()
