@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
 from gradsync.errors import ConfigError
@@ -24,6 +26,13 @@ def check_non_negative_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"{name}={value!r} must be a whole number >= 0")
     return value
+
+
+def did_you_mean(name: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
+    """' (did you mean X?)' for the choice closest to ``name``, or '' when none is close
+    (difflib's ratio at least ``cutoff``)."""
+    close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=cutoff)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def human_bytes(n: float) -> str:

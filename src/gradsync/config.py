@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gradsync import environment
+from gradsync import _util, environment
 from gradsync.declaration import to_text
 from gradsync.errors import ConfigError
 from gradsync.settings import (
@@ -56,8 +56,7 @@ def did_you_mean(name: str, cutoff: float = 0.6) -> str:
     Returns:
         The suggestion, with a leading space, or ''.
     """
-    close = difflib.get_close_matches(name, sorted(BY_NAME), n=1, cutoff=cutoff)
-    return f" (did you mean {close[0]}?)" if close else ""
+    return _util.did_you_mean(name, BY_NAME, cutoff)
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -23,13 +23,13 @@ Imports no torch (and nothing that does): the launcher's dry run reads it.
 
 from __future__ import annotations
 
-import difflib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradsync._util import did_you_mean
 from gradsync.errors import ConfigError
 from gradsync.settings import SETTINGS
 
@@ -336,8 +336,7 @@ def from_flags(values: Mapping[str, Any]) -> tuple[dict[str, Any], Source]:
     for name, value in values.items():
         flag = _FLAGS_BY_NAME.get(name)
         if flag is None:
-            close = difflib.get_close_matches(name, sorted(_FLAGS_BY_NAME), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
+            hint = did_you_mean(name, _FLAGS_BY_NAME)
             raise ConfigError(
                 f"{name!r} is not an accelerate launch flag gradsync takes{hint}; see "
                 "gradsync launch --help"
@@ -470,8 +469,7 @@ def translate(data: Mapping[str, Any], source: Source | None = None, *,
         known = sorted(ACCELERATE_KEYS | set(_GRADSYNC_KEYS))
 
         def hint(k: str) -> str:
-            close = difflib.get_close_matches(k, known, n=1)
-            return f" (did you mean {close[0]}?)" if close else ""
+            return did_you_mean(k, known)
 
         where = f" in {src.label}" if src.label else ""
         raise ConfigError(
