@@ -31,13 +31,14 @@ import json
 import logging
 import math
 import os
-import random
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gradsync.checkpoint.rng import capture_rng
+from gradsync.data.batches import tree_map
 from gradsync.settings import SETTINGS
 
 log = logging.getLogger("gradsync")
@@ -143,19 +144,7 @@ class ReplayExhausted(RuntimeError):
 
 def _cpu_copy(batch: Any) -> Any:
     """``batch`` with every tensor copied to the CPU (the script may change its batch in place)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.detach().to("cpu", copy=True)
-    if isinstance(batch, Mapping):
-        items = {k: _cpu_copy(v) for k, v in batch.items()}
-        try:
-            return type(batch)(items)  # type: ignore[call-arg]
-        except Exception:
-            return items
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(_cpu_copy(v) for v in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(_cpu_copy(v) for v in batch)
-    return batch
+    return tree_map(lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, batch)
 
 
 def _sized(loader: Any) -> int | None:
@@ -242,15 +231,10 @@ class ReplayLoader:
 
 def _rng_states() -> dict[str, Any]:
     """Every random generator a training step may draw from (torch's, CUDA's, Python's,
-    NumPy's)."""
-    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+    NumPy's), as ``checkpoint.rng.capture_rng`` captures them."""
     with contextlib.suppress(ImportError):
-        import numpy
-
-        states["numpy"] = numpy.random.get_state()
-    return states
+        import numpy  # noqa: F401  (capture_rng reads NumPy's generator once it is imported)
+    return capture_rng()
 
 
 def _advanced(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
@@ -262,8 +246,8 @@ def _advanced(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
             same = torch.equal(old, new)
         elif name == "cuda":
             same = len(old) == len(new) and all(torch.equal(a, b) for a, b in zip(old, new))
-        elif name == "numpy":
-            same = old[0] == new[0] and bool((old[1] == new[1]).all()) and old[2:] == new[2:]
+        elif name == "numpy":  # [name, key (a tensor), position, has_gauss, cached]
+            same = old[0] == new[0] and torch.equal(old[1], new[1]) and old[2:] == new[2:]
         else:
             same = old == new
         if not same:
