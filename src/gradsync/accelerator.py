@@ -9,8 +9,10 @@ import logging
 import os
 import signal
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import IO, Any, ParamSpec, TypeVar, overload
 
 import torch
@@ -21,8 +23,9 @@ from gradsync import audit as audit_mod
 from gradsync import backends, dist, environment, metrics, processes, selfcheck, tracking
 from gradsync._util import check_non_negative_int, check_positive_int
 from gradsync.accumulation import MicroStep, Window
-from gradsync.backends import _group
+from gradsync.backends import _group, kinds
 from gradsync.backends._amp import WindowScaler
+from gradsync.backends.kinds import DistributedType
 from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.checkpoint import export
 from gradsync.checkpoint.export import save_model
@@ -32,9 +35,11 @@ from gradsync.config import Config, SyncPolicy, load_config
 from gradsync.data import LoaderContext, PreparedDataLoader, split_batch
 from gradsync.errors import ConfigError, UsageError, naming_collective
 from gradsync.microstep import AuditObserver, ItemCount, Runner, SelfCheckObserver
-from gradsync.planning import length_mismatch, plan_steps
+from gradsync.planning import length_mismatch, plan_steps, warn_unfinished
 from gradsync.prepared import Prepared
 from gradsync.preparing import Preparer
+from gradsync.rules import GRADSYNC, Rules
+from gradsync.run_state import RunState
 from gradsync.settings import (
     AccumulationSteps,
     CompileOption,
@@ -121,6 +126,10 @@ class Accelerator:
         ConfigError: an unknown setting, an invalid value, or batch sizes that contradict
             each other or the number of processes.
     """
+
+    #: Where gradsync's and Accelerate's rules differ, this Accelerator follows gradsync's
+    #: (``gradsync.accelerate.Accelerator`` follows Accelerate's): see ``gradsync.rules``.
+    _rules: Rules = GRADSYNC
 
     def __init__(
         self,
@@ -214,7 +223,11 @@ class Accelerator:
             self._runner.at_boundary.append(self._loss.at_boundary)
         self._preparer = Preparer(self.config, plan, self._backend, self._window.view, self._prepared,
                                   self._loaders, self._check_length,
-                                  self._before_step if self._loss is not None else None)
+                                  self._before_step if self._loss is not None else None,
+                                  rules=self._rules)
+        self._ended = weakref.finalize(  # a schedule sized for the other rule, said at the end
+            self, warn_unfinished, self._prepared.schedulers, self._prepared.steps_applied,
+            1 if self._rules.scheduler_per_process else world, dist.rank() == 0, log.warning)
         self._planned_steps: int | None = None
         self._length_warned: set[int] = set()
         self.audit: audit_mod.Recorder | None = None
@@ -270,6 +283,23 @@ class Accelerator:
         """The ``DeviceMesh`` FSDP2 shards over (2-D under ``fsdp_mesh``: replicate, shard);
         None on a backend without one."""
         return getattr(self._backend, "mesh", None)
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """Accelerate's name of this kind of run (``DistributedType.MULTI_CPU``, ``FSDP``...);
+        equal to Accelerate's own members."""
+        return kinds.distributed_type(self.backend, self.device.type, self.world_size)
+
+    @property
+    def state(self) -> RunState:
+        """Where the run stands, in Accelerate's ``AcceleratorState`` names."""
+        return RunState(self)
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        """Under DeepSpeed, an object whose ``deepspeed_config`` is the config in use; else None."""
+        config = getattr(self._backend, "ds_config", None)
+        return SimpleNamespace(deepspeed_config=config) if config is not None else None
 
     @property
     def sync_policy_reason(self) -> str:
@@ -507,7 +537,9 @@ class Accelerator:
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """The prepared ``dataloader``, whose next pass starts after its first
         ``num_batches`` batches (on this rank), for resuming by hand. ``load_state`` already
-        resumes a prepared loader mid-epoch: calling this after it skips twice.
+        resumes a prepared loader mid-epoch; called after it (Accelerate's resume pattern) it
+        skips nothing more: the count ``load_state`` restored is a no-op, another count is
+        said in one warning line (the checkpoint knows where the run stood).
 
         Args:
             dataloader: a loader returned by ``prepare``.
@@ -652,7 +684,8 @@ class Accelerator:
                     f"gradient_accumulation_steps={self._window.steps}; put the forward and the "
                     "backward inside the accumulate block, which decides when gradients sync"
                 )
-            scale = 1 if step is None else step.size
+            scale = 1 if step is None else (step.size if self._rules.loss_divisor == "window"
+                                            else self._window.steps)
             if self._loss is not None:
                 self._loss.add(loss, 1.0 / (scale * self._loss.world), step,
                                keeps_graph=bool(kwargs.get("retain_graph")))
@@ -1374,6 +1407,7 @@ class Accelerator:
             CheckpointError: a background commit failed (on rank 0, which committed).
             Exception: the first error a tracker raised while finishing.
         """
+        self._ended()
         failed = self._state.finish()
         try:
             self._trackers.finish()

@@ -88,6 +88,11 @@ def gather_for_metrics(data: Any, last_pass: LoaderIteration | None, world: int,
     Returns:
         The gathered tensors in ``data``'s structure, or on the object path a list.
     """
+    cut = last_pass.owner.dealt_remainder() if last_pass is not None and last_pass.last else None
+    if cut is not None and world > 1:  # whole batches dealt: drop the last round's padding
+        if use_gather_object or not _all_tensors(data):
+            return gather_object(data)[:cut]
+        return apply(lambda t: torch.cat(gather_pieces(t))[:cut], data, "gather_for_metrics")
     layout = last_pass.owner.sample_layout(world) if last_pass is not None else None
     if use_gather_object or not _all_tensors(data):
         if last_pass is None or layout is None or world == 1 or not isinstance(data, list | tuple):

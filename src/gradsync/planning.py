@@ -57,4 +57,41 @@ def length_mismatch(scheduler: Any, planned: int) -> str | None:
         f"gradsync: the LR scheduler was built for {total} steps ({where}), but the run will take "
         f"{planned} optimizer steps (accel.planned_optimizer_steps); build it with {planned} so "
         "its schedule ends with the training"
+        + (f" ({total} = {total // planned} x {planned}: sized for Accelerate's rule, one "
+           "scheduler step per process per update; gradsync.accelerate.Accelerator keeps "
+           "that rule)" if planned and total % planned == 0 and total > planned else "")
     )
+
+
+def sized_per_process(scheduler: Any, steps_done: int, processes: int) -> str | None:
+    """A warning when a run ends with its LR schedule about 1/``processes`` done: the
+    schedule was sized for Accelerate's rule (the scheduler steps once per process per
+    optimizer step), and under gradsync's rule (once per optimizer step) it stops early."""
+    found = declared_total(scheduler)
+    if found is None or processes < 2 or steps_done < 1:
+        return None
+    total, where = found
+    if steps_done >= total or abs(total / steps_done - processes) > 0.15 * processes:
+        return None
+    lr = ", ".join(f"{v:.3g}" for v in getattr(scheduler, "get_last_lr", list)())
+    return (
+        f"gradsync: the run ended after {steps_done} optimizer steps, but its LR scheduler was "
+        f"built for {total} steps ({where}), about {processes} x as many: it was sized for "
+        f"Accelerate's rule (the scheduler steps once per process per update) and stopped "
+        f"{'at LR ' + lr + ' ' if lr else ''}short of its end; import Accelerator from "
+        "gradsync.accelerate to keep Accelerate's rule, or build the scheduler for "
+        "accel.planned_optimizer_steps(num_epochs) steps"
+    )
+
+
+def warn_unfinished(schedulers: list[Any], steps: Any, processes: int, main: bool,
+                    warn: Any) -> None:
+    """At the end of a run (``end()``, or at exit): ``sized_per_process`` for each
+    scheduler, said once on the main process through ``warn``."""
+    if not main:
+        return
+    for scheduler in schedulers:
+        message = sized_per_process(scheduler, steps(), processes)
+        if message is not None:
+            warn(message)
+            return

@@ -17,7 +17,9 @@ from gradsync import dist
 from gradsync.backends.base import is_frozen
 from gradsync.batching import BatchPlan
 from gradsync.data import LoaderContext, PreparedDataLoader, shard_dataloader
+from gradsync.data.dealing import deal_batches, split_size
 from gradsync.errors import ConfigError
+from gradsync.rules import GRADSYNC, Rules
 from gradsync.wrappers import PreparedOptimizer, PreparedScheduler
 
 if TYPE_CHECKING:
@@ -46,8 +48,9 @@ class Preparer:
     def __init__(self, config: Config, plan: BatchPlan, backend: Backend, view: WindowView,
                  registry: Prepared, loaders: LoaderContext,
                  on_scheduler: Callable[[PreparedScheduler], None],
-                 before_step: Callable[[], None] | None = None) -> None:
+                 before_step: Callable[[], None] | None = None, rules: Rules = GRADSYNC) -> None:
         self._config = config
+        self._rules = rules
         self.plan = plan
         self._backend = backend
         self._view = view
@@ -66,6 +69,8 @@ class Preparer:
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
         for obj in objects:
             batch = getattr(obj, "batch_size", None) if is_dataloader(obj) else None
+            if batch is not None and self._rules.split_batches:
+                batch = split_size(batch, self.plan.data_parallel_size)  # each rank's slice
             if batch is not None and self.plan.micro_batch_size is None:
                 # The first prepared dataloader fixes the micro batch size (DeepSpeed needs it).
                 self.plan = BatchPlan.solve(
@@ -99,7 +104,8 @@ class Preparer:
                 replaced = now.get(id(obj.optimizer))
                 if replaced is not None and replaced is not obj.optimizer:
                     obj.optimizer = replaced
-                scheduler = PreparedScheduler(obj, self._registry.step_counter(obj.optimizer))
+                scheduler = PreparedScheduler(obj, self._registry.step_counter(obj.optimizer),
+                                              self._rules.scheduler_steps(self.plan.data_parallel_size))
                 self._registry.add_scheduler(scheduler)
                 self._on_scheduler(scheduler)
                 out[id(obj)] = scheduler
@@ -168,6 +174,8 @@ class Preparer:
 
     def _prepare_dataloader(self, loader: Any) -> PreparedDataLoader:
         batch = getattr(loader, "batch_size", None)
+        if batch is not None and self._rules.split_batches:
+            batch = split_size(batch, self.plan.data_parallel_size)
         # The first loader must fit batch sizes the settings fixed; a later one (an
         # evaluation loader, say) may batch as it likes: it does not define the plan.
         first = not self._registry.loaders
@@ -180,8 +188,14 @@ class Preparer:
             )
         seed = self._config.seed if self._config.seed is not None else 0
         rank, world, _ = dist.rank_info()
-        sharded = shard_dataloader(loader, rank=rank, world_size=world, seed=seed,
-                                   dataset_shards_itself=self._config.dataset_shards_itself)
+        rules = self._rules
+        if rules.dealing == "batches" and not self._config.dataset_shards_itself:
+            sharded = deal_batches(loader, rank=rank, world_size=world, split=rules.split_batches,
+                                   even=rules.even_batches, seedable=rules.seedable_sampler,
+                                   data_seed=rules.data_seed)
+        else:
+            sharded = shard_dataloader(loader, rank=rank, world_size=world, seed=seed,
+                                       dataset_shards_itself=self._config.dataset_shards_itself)
         if self.loader_hook is not None:  # gradsync verify (gradsync.verify_hooks)
             sharded = self.loader_hook(sharded)
         prepared = PreparedDataLoader(sharded, self._loaders)

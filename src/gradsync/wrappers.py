@@ -114,12 +114,17 @@ class PreparedScheduler:
     last call: once per optimizer step in a per-step loop, once per epoch in a per-epoch
     loop, never per micro-step or per skipped step. ``ReduceLROnPlateau`` (stepped with a
     metric, usually per epoch) passes straight through.
+
+    ``repeat``: the scheduler's own steps per optimizer step (Accelerate's rule: one per
+    process, for a schedule sized in one process's batches); a scheduler with
+    ``total_steps`` (OneCycleLR) is never stepped past them.
     """
 
-    def __init__(self, scheduler: Any, steps: Callable[[], int]) -> None:
+    def __init__(self, scheduler: Any, steps: Callable[[], int], repeat: int = 1) -> None:
         self.scheduler = scheduler
         self._steps = steps
         self._seen = steps()
+        self.repeat = repeat
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -132,7 +137,13 @@ class PreparedScheduler:
         with warnings.catch_warnings():
             # The wrapped optimizer's step was called through the backend; torch cannot see that order.
             warnings.filterwarnings("ignore", message=r".*lr_scheduler\.step\(\)")
-            self.scheduler.step(*args, **kwargs)
+            if self.repeat == 1:
+                self.scheduler.step(*args, **kwargs)
+                return
+            total = getattr(self.scheduler, "total_steps", None)
+            for _ in range(self.repeat):
+                if total is None or self.scheduler._step_count <= total:
+                    self.scheduler.step(*args, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.scheduler.state_dict())

@@ -87,6 +87,11 @@ class DeepSpeedBackend(AdapterDefaults):
         self.memory: dict[str, int] = {}
 
     # -- setup and prepare --------------------------------------------------
+    @property
+    def ds_config(self) -> dict[str, Any]:
+        """The DeepSpeed config in use (``accel.deepspeed_plugin.deepspeed_config``)."""
+        return self._ds
+
     def setup(self, config: Config) -> None:
         if not _group.use_cuda():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -41,18 +41,35 @@ def restore_rng(state: dict[str, Any]) -> None:
 RngState = dict[str, torch.Tensor]
 
 
+def _generators(loader: Any) -> dict[str, torch.Generator]:
+    """The loader's own generator and its batch sampler's (batches dealt whole), if any."""
+    found = {}
+    for key, owner in (("generator", loader), ("batches", getattr(loader, "batch_sampler", None))):
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator):
+            found[key] = generator
+    return found
+
+
 def get_rng(loader: Any) -> RngState:
-    """The global torch CPU RNG and the loader's own generator, if it has one."""
+    """The global torch CPU RNG and the loader's own generators, if it has any."""
     state = {"torch": torch.get_rng_state()}
-    generator = getattr(loader, "generator", None)
-    if isinstance(generator, torch.Generator):
-        state["generator"] = generator.get_state()
+    for key, generator in _generators(loader).items():
+        state[key] = generator.get_state()
     return state
 
 
+def dealing_rng(loader: Any) -> RngState | None:
+    """The state of the generator a loader that deals whole batches draws its batch
+    sequence from (it carries over from one pass to the next), or None."""
+    generator = _generators(loader).get("batches")
+    return {"batches": generator.get_state()} if generator is not None else None
+
+
 def set_rng(state: RngState, loader: Any) -> None:
-    """Put back what ``get_rng`` returned."""
-    torch.set_rng_state(state["torch"])
-    generator = getattr(loader, "generator", None)
-    if isinstance(generator, torch.Generator) and "generator" in state:
-        generator.set_state(state["generator"])
+    """Put back what ``get_rng`` (or ``dealing_rng``) returned."""
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    for key, generator in _generators(loader).items():
+        if key in state:
+            generator.set_state(state[key])

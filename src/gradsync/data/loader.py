@@ -9,6 +9,7 @@ and size the partial last window.
 from __future__ import annotations
 
 import collections
+import logging
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,14 +18,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from gradsync.checkpoint.rng import RngState, get_rng, set_rng
+from gradsync.checkpoint.rng import RngState, dealing_rng, get_rng, set_rng
 from gradsync.data.batches import batch_length, checked_count, to_device
+from gradsync.data.dealing import BatchDeal, IterableDeal
 from gradsync.data.sharding import BatchShard
 
 if TYPE_CHECKING:
     from gradsync.accumulation import Window
 
 ItemCounter = Callable[[Any], Any]
+log = logging.getLogger("gradsync")
 
 
 @dataclass
@@ -189,6 +192,7 @@ class PreparedDataLoader:
         self.epochs = Epochs()
         self._current: LoaderIteration | None = None
         self._resume: dict[str, Any] | None = None  # the pass to resume (from load_state)
+        self._restored: int | None = None  # batches of its pass load_state skipped, until it starts
 
     @property
     def epoch(self) -> int:
@@ -222,7 +226,8 @@ class PreparedDataLoader:
         that many of the batches the pass yielded are not trained on yet."""
         it = self._current
         if it is None or (it.finished and not unconsumed):
-            return {"epoch": self.epochs.next, "consumed": 0, "read": 0, "rng": None}
+            # Between passes only a generator that carries over to the next pass is kept.
+            return {"epoch": self.epochs.next, "consumed": 0, "read": 0, "rng": dealing_rng(self.loader)}
         return {"epoch": self.epochs.current, "consumed": it.yielded - unconsumed, "read": it.read,
                 "rng": it.rng_at_start}
 
@@ -236,12 +241,33 @@ class PreparedDataLoader:
         moment of the save (creating an iterator draws from it)."""
         self.set_epoch(int(position["epoch"]))
         self._current = None
-        started = position["consumed"] or position.get("rng") is not None
-        self._resume = dict(position, rng_now=rng_now) if started else None
+        rng = position.get("rng")
+        started = position["consumed"] or rng is not None
+        # The RNG of the moment of the save is put back only for a pass begun before it.
+        now = rng_now if rng is not None and "torch" in rng else (lambda: None)
+        self._resume = dict(position, rng_now=now) if started else None
+        self._restored = int(position["consumed"])
 
     def skip_next(self, batches: int) -> None:
-        """The next pass starts after its first ``batches`` batches (added to a resume
-        that ``load_state`` set up)."""
+        """The next pass starts after its first ``batches`` batches. After ``load_state``,
+        which already put the pass where the checkpoint was saved, nothing more is skipped:
+        the restored count is a no-op (a debug line), and another count is said in one
+        warning line and left out (the checkpoint knows where the run stood)."""
+        restored, self._restored = self._restored, None
+        if restored is not None:
+            if batches == restored:
+                log.debug("gradsync: skip_first_batches(%d) after load_state: the loader already "
+                          "resumes at batch %d of epoch %d; nothing more skipped",
+                          batches, restored, self.epochs.next)
+            else:
+                log.warning(
+                    "gradsync: skip_first_batches(%d) after load_state: the checkpoint was saved "
+                    "after batch %d of epoch %d, and the loader resumes there (skipping %d would "
+                    "%s); nothing more skipped",
+                    batches, restored, self.epochs.next, batches,
+                    "leave out batches never trained on" if batches > restored
+                    else "train again on batches already trained on")
+            return
         if not batches:
             return
         resume = self._resume or {"consumed": 0, "read": 0, "rng": None, "rng_now": lambda: None}
@@ -265,6 +291,23 @@ class PreparedDataLoader:
             return None
         return int(batch_size), len(sampler.dataset)  # type: ignore[arg-type]
 
+    def dealt_remainder(self) -> int | None:
+        """With whole batches dealt and the last round padded (Accelerate's rule): the real
+        samples in a pass's last global batch, when it is short; None otherwise."""
+        deal = getattr(self.loader, "batch_sampler", None)
+        dataset = getattr(self.loader, "dataset", None)
+        if isinstance(deal, BatchDeal) and deal.even and not deal.drop_last and deal.batch_size:
+            per_round = deal.batch_size * (1 if deal.split else deal.world_size)
+            source: Any = dataset
+        elif isinstance(dataset, IterableDeal) and not dataset.drop_last:
+            per_round, source = dataset.per_round, dataset.dataset
+        else:
+            return None
+        try:
+            return len(source) % per_round or None
+        except TypeError:
+            return None
+
     def __len__(self) -> int:
         return len(self.loader)
 
@@ -276,10 +319,11 @@ class PreparedDataLoader:
     def __iter__(self) -> LoaderIteration:
         epoch = self.epochs.start_pass(self.sampler)
         batches = getattr(self.loader, "batch_sampler", None)
-        if isinstance(batches, BatchShard):
+        if isinstance(batches, BatchShard | BatchDeal):
             batches.set_epoch(epoch)
         self._context.on_epoch_start(self)
         resume, self._resume = self._resume, None
+        self._restored = None
         if resume is not None and resume["rng"] is not None:
             set_rng(resume["rng"], self.loader)
         rng = get_rng(self.loader)

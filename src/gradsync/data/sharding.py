@@ -44,7 +44,7 @@ def shard_dataloader(
             return loader
         shard = IterableShard(loader.dataset, rank=rank, world_size=world_size,
                               batch_size=loader.batch_size or 1, drop_last=loader.drop_last)
-        return _rebuild(loader, shard, batch_size=loader.batch_size, drop_last=loader.drop_last)
+        return rebuild(loader, shard, batch_size=loader.batch_size, drop_last=loader.drop_last)
     if isinstance(loader.sampler, DistributedSampler):
         return loader
     plain_random = (
@@ -57,7 +57,7 @@ def shard_dataloader(
             loader.dataset, num_replicas=world_size, rank=rank,
             shuffle=plain_random, seed=seed, drop_last=loader.drop_last,
         )
-        return _rebuild(loader, loader.dataset, batch_size=loader.batch_size, sampler=sampler,
+        return rebuild(loader, loader.dataset, batch_size=loader.batch_size, sampler=sampler,
                         drop_last=loader.drop_last)
     if loader.batch_sampler is None:  # batch_size=None with a sampler: each index is a batch
         raise ConfigError(
@@ -66,10 +66,10 @@ def shard_dataloader(
             "or a batch_sampler, or shard it yourself (e.g. a DistributedSampler)"
         )
     shard_sampler = BatchShard(loader.batch_sampler, rank=rank, world_size=world_size, seed=seed)
-    return _rebuild(loader, loader.dataset, batch_sampler=shard_sampler)
+    return rebuild(loader, loader.dataset, batch_sampler=shard_sampler)
 
 
-def _rebuild(loader: DataLoader[Any], dataset: Any, **batching: Any) -> DataLoader[Any]:
+def rebuild(loader: DataLoader[Any], dataset: Any, **batching: Any) -> DataLoader[Any]:
     """``loader`` over ``dataset`` with other batching, everything else kept."""
     kwargs: dict[str, Any] = {
         **batching,

@@ -1,0 +1,40 @@
+"""Accelerate's module paths on gradsync: ``from gradsync.accelerate import Accelerator``
+(and ``gradsync.accelerate.utils``, ``gradsync.accelerate.logging``, ...) runs a script
+written for Accelerate with only its import lines changed, and follows Accelerate's rule
+book where gradsync's differs (``gradsync.rules``), so it ends with Accelerate's parameters.
+
+``gradsync.Accelerator`` keeps gradsync's own rules. The two are chosen by the import and
+never mixed. Names gradsync does not have raise one ImportError line saying what to use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradsync.accelerate._names import refuse
+from gradsync.accelerate.accelerator import Accelerator, GradientState
+from gradsync.accelerate.config import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProjectConfiguration,
+)
+from gradsync.accelerate.data_loader import skip_first_batches
+from gradsync.accelerate.state import AcceleratorState, PartialState
+from gradsync.accelerate.utils import find_executable_batch_size
+from gradsync.backends.kinds import DistributedType
+
+__all__ = [
+    "Accelerator", "AcceleratorState", "AutocastKwargs", "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs", "DistributedType", "GradScalerKwargs",
+    "GradientAccumulationPlugin", "GradientState", "InitProcessGroupKwargs", "PartialState",
+    "ProjectConfiguration", "find_executable_batch_size", "skip_first_batches",
+]
+
+
+def __getattr__(name: str) -> Any:
+    refuse("accelerate", name)
+    raise AttributeError(f"module 'gradsync.accelerate' has no attribute {name!r}")

@@ -1,0 +1,186 @@
+"""Accelerate's configuration objects, as plain dataclasses gradsync reads.
+
+``ProjectConfiguration``, ``DataLoaderConfiguration``, ``GradientAccumulationPlugin`` and the
+kwargs handlers (``DistributedDataParallelKwargs``, ``InitProcessGroupKwargs``,
+``GradScalerKwargs``, ``AutocastKwargs``): the same fields and defaults, turned into
+gradsync settings by ``translate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradsync.errors import ConfigError
+from gradsync.rules import Rules
+
+
+@dataclass
+class ProjectConfiguration:
+    """Where a run writes: ``project_dir`` (trackers and checkpoints), ``logging_dir``; with
+    ``automatic_checkpoint_naming``, ``save_state()`` writes
+    ``project_dir/checkpoints/checkpoint_{iteration}`` and keeps ``total_limit`` of them."""
+
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+    def set_directories(self, project_dir: str | None = None) -> None:
+        self.project_dir = project_dir
+        if self.logging_dir is None:
+            self.logging_dir = project_dir
+
+
+@dataclass
+class DataLoaderConfiguration:
+    """How prepared dataloaders deal batches (``gradsync.rules.Rules``)."""
+
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
+
+
+@dataclass
+class GradientAccumulationPlugin:
+    """Accumulation: ``num_steps`` micro-batches per update; ``sync_each_batch`` reduces
+    gradients on every micro-step (gradsync's ``sync_policy="every_step"``)."""
+
+    num_steps: int | None = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+
+class KwargsHandler:
+    """A kwargs handler: the fields that differ from their defaults (``to_kwargs``)."""
+
+    def to_kwargs(self) -> dict[str, Any]:
+        default = type(self)()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore[arg-type]
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+@dataclass
+class DistributedDataParallelKwargs(KwargsHandler):
+    """DDP's constructor arguments (gradsync's ``ddp_kwargs``)."""
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+
+@dataclass
+class InitProcessGroupKwargs(KwargsHandler):
+    """The process group's ``timeout`` (gradsync's ``timeout``); its backend follows the device."""
+
+    backend: str | None = "nccl"
+    init_method: str | None = None
+    timeout: datetime.timedelta | None = None
+
+
+@dataclass
+class GradScalerKwargs(KwargsHandler):
+    """fp16 loss-scaler settings (gradsync's ``grad_scaler``)."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclass
+class AutocastKwargs(KwargsHandler):
+    """Autocast settings: gradsync's autocast follows ``mixed_precision``."""
+
+    enabled: bool = True
+    cache_enabled: bool | None = None
+
+
+@dataclass
+class Translated:
+    """Accelerate's keywords as gradsync settings, the rule book and the project."""
+
+    settings: dict[str, Any] = field(default_factory=dict)
+    rules: Rules = field(default_factory=Rules.accelerate)
+    project: ProjectConfiguration = field(default_factory=ProjectConfiguration)
+
+
+def _handlers(handlers: list[Any], out: dict[str, Any]) -> None:
+    for handler in handlers:
+        if isinstance(handler, DistributedDataParallelKwargs):
+            out["ddp_kwargs"] = handler.to_kwargs()
+        elif isinstance(handler, InitProcessGroupKwargs):
+            if handler.timeout is not None:
+                out["timeout"] = handler.timeout.total_seconds()
+        elif isinstance(handler, GradScalerKwargs):
+            kwargs = handler.to_kwargs()
+            if not kwargs.pop("enabled", True):
+                raise ConfigError("GradScalerKwargs(enabled=False): use mixed_precision='bf16' or "
+                                  "'no' instead of fp16 without a scaler")
+            out["grad_scaler"] = kwargs
+        elif isinstance(handler, AutocastKwargs):
+            if not handler.enabled:
+                raise ConfigError("AutocastKwargs(enabled=False): use mixed_precision='no' for a "
+                                  "run without autocast")
+        else:
+            raise ConfigError(
+                f"kwargs_handlers got a {type(handler).__name__}, which gradsync does not take; "
+                "it takes DistributedDataParallelKwargs, InitProcessGroupKwargs, "
+                "GradScalerKwargs and AutocastKwargs from gradsync.accelerate.utils"
+            )
+
+
+def translate(*, split_batches: bool | None, cpu: bool, dataloader_config: DataLoaderConfiguration | None,
+              project_dir: str | None, project_config: ProjectConfiguration | None,
+              gradient_accumulation_steps: int, gradient_accumulation_plugin: GradientAccumulationPlugin | None,
+              kwargs_handlers: list[Any] | None, dynamo_backend: Any) -> Translated:
+    """Accelerate's ``Accelerator`` keywords as gradsync settings (one ConfigError line
+    for a contradiction or for what gradsync does not take)."""
+    out: dict[str, Any] = {}
+    loaders = dataloader_config or DataLoaderConfiguration()
+    if split_batches is not None:
+        loaders = dataclasses.replace(loaders, split_batches=split_batches)
+    if loaders.dispatch_batches:
+        raise ConfigError("DataLoaderConfiguration(dispatch_batches=True) is not supported: every "
+                          "rank reads its own batches; leave dispatch_batches unset")
+    if loaders.use_stateful_dataloader:
+        raise ConfigError("DataLoaderConfiguration(use_stateful_dataloader=True) is not needed: "
+                          "save_state/load_state resume a prepared loader mid-epoch by themselves")
+    project = project_config or ProjectConfiguration()
+    if project_dir is not None:
+        project.set_directories(str(project_dir))
+    if project.project_dir is not None:
+        out["project_dir"] = project.project_dir
+    if gradient_accumulation_plugin is not None:
+        if gradient_accumulation_steps != 1:
+            raise ConfigError("Accelerator got gradient_accumulation_steps and a "
+                              "gradient_accumulation_plugin; give the steps in the plugin only")
+        plugin = gradient_accumulation_plugin
+        out["gradient_accumulation_steps"] = plugin.num_steps or 1
+        out["sync_with_dataloader"] = plugin.sync_with_dataloader
+        if plugin.sync_each_batch:
+            out["sync_policy"] = "every_step"
+    elif gradient_accumulation_steps != 1:
+        out["gradient_accumulation_steps"] = gradient_accumulation_steps
+    _handlers(list(kwargs_handlers or []), out)
+    if dynamo_backend not in (None, "no", "NO"):
+        out["compile"] = {"backend": str(getattr(dynamo_backend, "value", dynamo_backend)).lower()}
+    if cpu:
+        out["device"] = "cpu"
+    rules = Rules.accelerate(split_batches=loaders.split_batches, even_batches=loaders.even_batches,
+                             seedable_sampler=loaders.use_seedable_sampler, data_seed=loaders.data_seed)
+    return Translated(out, rules, project)

@@ -1,0 +1,54 @@
+"""Runs Accelerate-style scripts one after the other in this launched process.
+
+    accelerate launch ... run_all.py PLAN.json            # each script as written
+    gradsync launch ...   run_all.py PLAN.json --gradsync  # each with its import lines respelled
+
+PLAN.json: a list of [script, [args...]]. With ``--gradsync`` every import line from
+``accelerate`` is respelled ``gradsync.accelerate`` (``respell``) and nothing else changes.
+Between two scripts under Accelerate its shared state is reset, as a fresh process would
+have it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+IMPORT = re.compile(r"^(\s*)(from|import)\s+accelerate(\.|\s|$)", re.MULTILINE)
+
+
+def respell(source: str) -> str:
+    """``source`` with every ``from accelerate...`` / ``import accelerate...`` line importing
+    from ``gradsync.accelerate`` instead; the changed lines' count must be the import lines'."""
+    return IMPORT.sub(lambda m: f"{m.group(1)}{m.group(2)} gradsync.accelerate{m.group(3)}", source)
+
+
+def run(script: Path, args: list[str], gradsync: bool) -> None:
+    source = script.read_text()
+    if gradsync:
+        source = respell(source)
+    sys.argv = [str(script), *args]
+    code = compile(source, str(script), "exec")
+    exec(code, {"__name__": "__main__", "__file__": str(script)})
+
+
+def reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def main() -> None:
+    plan = json.loads(Path(sys.argv[1]).read_text())
+    gradsync = "--gradsync" in sys.argv[2:]
+    for script, args in plan:
+        run(Path(script), list(args), gradsync)
+        if not gradsync:
+            reset_accelerate()
+
+
+if __name__ == "__main__":
+    main()
