@@ -5,8 +5,9 @@ group's ``_allgather_base`` / ``_reduce_scatter_base`` (the C++ methods that
 ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` end in), sets the NCCL options'
 timeout, and the dataloader sharding asks whether a ``RandomSampler`` was given
 ``num_samples``; the fp16 scaler asks GradScaler whether it found inf/NaN, and the adapters
-see through ``torch.compile``'s ``OptimizedModule``. A torch that renamed one fails here with
-a message naming the supported versions.
+see through ``torch.compile``'s ``OptimizedModule``; ranks that must all arrive at one call
+before a collective meet in the default group's key-value store. A torch that renamed one
+fails here with a message naming the supported versions.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ def require(obj: object, name: str, what: str) -> Any:
     """``getattr(obj, name)``, or a RuntimeError naming what is missing and the fix."""
     return require_attr(obj, name, what=what, library="torch", version=torch.__version__,
                         supported=SUPPORTED_TORCH)
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (the one its ranks met through)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return require(c10d, "_get_default_store", "default process group's store")()
 
 
 def allgather_base(pg: Any, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:

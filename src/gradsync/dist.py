@@ -7,12 +7,13 @@ group exists yet it reads the launch environment.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradsync import environment
+from gradsync import _torch_compat, environment
 
 
 def is_distributed() -> bool:
@@ -85,3 +86,28 @@ def min_over_ranks(value: int, device: torch.device) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
+
+
+def missing_ranks(name: str, timeout_s: float) -> list[int]:
+    """Mark this rank as arrived at ``name`` and wait up to ``timeout_s`` seconds for every
+    other rank to arrive there too, through the group's key-value store: no collective, so a
+    rank that never arrives costs the wait, not a hang. ``name`` must be new for each meeting.
+
+    Returns:
+        The ranks that did not arrive in time (empty when every rank did). This rank's mark
+        is withdrawn then, so that the same ``name`` can be met again.
+    """
+    if not is_multiprocess():
+        return []
+    store = _torch_compat.default_store()
+    me, world = dist.get_rank(), dist.get_world_size()
+    key = f"gradsync/arrived/{name}/"
+    store.set(f"{key}{me}", b"1")
+    others = [f"{key}{r}" for r in range(world) if r != me]
+    try:
+        store.wait(others, timedelta(seconds=timeout_s))
+        return []
+    except dist.DistStoreError:
+        missing = [r for r in range(world) if r != me and not store.check([f"{key}{r}"])]
+        store.delete_key(f"{key}{me}")
+        return missing

@@ -258,3 +258,40 @@ def test_save_with_safetensors_refuses_what_is_not_a_dict_of_tensors(tmp_path):
         with pytest.raises(ConfigError, match="takes a dict of str -> tensor.*safe_serialization=False"):
             save(obj, tmp_path / "x.safetensors", main=True, safe_serialization=True)
     assert not (tmp_path / "x.safetensors").exists()
+
+
+class _OwnSave(torch.nn.Module):
+    """A module whose ``save_pretrained`` records what it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.calls: list[tuple[str, bool, object]] = []
+
+    def save_pretrained(self, save_directory: str, is_main_process: bool = True,
+                        state_dict: dict | None = None) -> str:
+        self.calls.append((save_directory, is_main_process, state_dict))
+        return "written"
+
+
+class _NoStateDict(torch.nn.Module):
+    def save_pretrained(self, save_directory: str, is_main_process: bool = True) -> None:
+        raise AssertionError("never replaced")
+
+
+def test_gather_in_save_pretrained_gathers_only_when_no_whole_state_dict_is_given(clean_env):
+    module, gathered, barriers = _OwnSave(), {"lin.weight": torch.ones(2, 2)}, []
+    export.gather_in_save_pretrained(module, lambda: gathered, lambda: barriers.append(1))
+    export.gather_in_save_pretrained(module, lambda: {}, lambda: None)  # once is enough
+    assert module.save_pretrained("d", False) == "written"  # one process: nobody to wait for
+    assert module.calls == [("d", False, gathered)] and barriers == [1]
+    mine = {"lin.weight": torch.zeros(2, 2)}
+    module.save_pretrained("e", state_dict=mine)  # whole tensors: the module's own call
+    assert module.calls[-1] == ("e", True, mine) and barriers == [1]
+    assert "save_pretrained" not in vars(_OwnSave())  # other instances keep the class's
+
+
+def test_gather_in_save_pretrained_leaves_a_save_pretrained_without_state_dict_alone(clean_env):
+    module = _NoStateDict()
+    export.gather_in_save_pretrained(module, dict, lambda: None)
+    assert "save_pretrained" not in vars(module)

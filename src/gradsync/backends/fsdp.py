@@ -50,6 +50,7 @@ from gradsync.backends.base import (
     refuse_native,
 )
 from gradsync.batching import BatchPlan
+from gradsync.checkpoint import export
 from gradsync.checkpoint.safety import allow_list
 from gradsync.config import Config
 from gradsync.errors import ConfigError
@@ -188,6 +189,8 @@ class FSDPBackend(AdapterDefaults):
             _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
         if not is_frozen(model):  # a frozen model is sharded for its forward only
             self._decide(model)
+        if isinstance(model, FSDPModule):  # its own state dict holds DTensor shards
+            export.gather_in_save_pretrained(model, lambda: self.state_dict(model), self.barrier)
         return given, list(optimizers)
 
     def _shard(self, model: nn.Module, *, compile_units: bool) -> None:
