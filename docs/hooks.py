@@ -5,7 +5,10 @@ Two pages hold a placeholder comment that is replaced when the site is built:
 * ``<!-- gradsync:settings -->`` (docs/reference/settings.md): the settings table, from
   ``gradsync.settings.reference_markdown()`` (derived from the one declaration per setting);
 * ``<!-- gradsync:cli -->`` (docs/reference/cli.md): every ``gradsync`` subcommand and
-  flag, from ``gradsync.launch.cli.build_parser()``.
+  flag, from ``gradsync.launch.cli.build_parser()``;
+* ``<!-- gradsync:accelerate-names -->`` (docs/migrating-from-accelerate.md): every name of
+  Accelerate's module paths and what ``gradsync.accelerate`` makes of it, from
+  ``gradsync/accelerate/_names.py`` (loaded by its path: no torch).
 
 Both import without torch. A build in which either placeholder was not found fails.
 """
@@ -21,6 +24,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 SETTINGS_MARK = "<!-- gradsync:settings -->"
 CLI_MARK = "<!-- gradsync:cli -->"
+NAMES_MARK = "<!-- gradsync:accelerate-names -->"
 
 
 _filled: set[str] = set()
@@ -46,14 +50,30 @@ def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
     if CLI_MARK in markdown:
         markdown = markdown.replace(CLI_MARK, cli_markdown())
         _filled.add(CLI_MARK)
+    if NAMES_MARK in markdown:
+        markdown = markdown.replace(NAMES_MARK, names_markdown())
+        _filled.add(NAMES_MARK)
     return markdown
+
+
+def names_markdown() -> str:
+    """The table of Accelerate's names, from gradsync/accelerate/_names.py alone."""
+    import importlib.util
+
+    path = SRC / "gradsync" / "accelerate" / "_names.py"
+    spec = importlib.util.spec_from_file_location("gradsync_accelerate_names", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    table: str = module.table_markdown()
+    return table
 
 
 def on_post_build(config: Any, **kwargs: Any) -> None:
     """The generated references must be somewhere: a lost placeholder fails the build."""
     from mkdocs.exceptions import PluginError
 
-    missing = [mark for mark in (SETTINGS_MARK, CLI_MARK) if mark not in _filled]
+    missing = [mark for mark in (SETTINGS_MARK, CLI_MARK, NAMES_MARK) if mark not in _filled]
     if missing:
         raise PluginError(
             f"docs/hooks.py: no page holds {' or '.join(missing)}; put it back where the "

@@ -71,12 +71,14 @@ def sized_per_process(scheduler: Any, steps_done: int, processes: int) -> str | 
     if found is None or processes < 2 or steps_done < 1:
         return None
     total, where = found
-    if steps_done >= total or abs(total / steps_done - processes) > 0.15 * processes:
+    # Stopped short, and nearer N x the steps taken than the steps taken (Accelerate's sizing,
+    # whose per-epoch ceilings over the whole dataset make it only roughly N x).
+    if steps_done > 0.75 * total or abs(total - processes * steps_done) >= abs(total - steps_done):
         return None
     lr = ", ".join(f"{v:.3g}" for v in getattr(scheduler, "get_last_lr", list)())
     return (
         f"gradsync: the run ended after {steps_done} optimizer steps, but its LR scheduler was "
-        f"built for {total} steps ({where}), about {processes} x as many: it was sized for "
+        f"built for {total} steps ({where}), nearer {processes} x as many: it was sized for "
         f"Accelerate's rule (the scheduler steps once per process per update) and stopped "
         f"{'at LR ' + lr + ' ' if lr else ''}short of its end; import Accelerator from "
         "gradsync.accelerate to keep Accelerate's rule, or build the scheduler for "

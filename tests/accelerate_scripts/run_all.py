@@ -3,8 +3,10 @@
     accelerate launch ... run_all.py PLAN.json            # each script as written
     gradsync launch ...   run_all.py PLAN.json --gradsync  # each with its import lines respelled
 
-PLAN.json: a list of [script, [args...]]. With ``--gradsync`` every import line from
-``accelerate`` is respelled ``gradsync.accelerate`` (``respell``) and nothing else changes.
+PLAN.json: a list of [script, [args...]] (or [script, [args...], "core"]). With ``--gradsync``
+every import line from ``accelerate`` is respelled ``gradsync.accelerate`` (``respell``) and
+nothing else changes; a "core" entry takes its ``Accelerator`` from ``gradsync`` itself
+(gradsync's rule book) instead.
 Between two scripts under Accelerate its shared state is reset, as a fresh process would
 have it.
 """
@@ -25,8 +27,10 @@ def respell(source: str) -> str:
     return IMPORT.sub(lambda m: f"{m.group(1)}{m.group(2)} gradsync.accelerate{m.group(3)}", source)
 
 
-def run(script: Path, args: list[str], gradsync: bool) -> None:
+def run(script: Path, args: list[str], gradsync: bool, core: bool = False) -> None:
     source = script.read_text()
+    if core:
+        source = source.replace("from accelerate import Accelerator\n", "from gradsync import Accelerator\n")
     if gradsync:
         source = respell(source)
     sys.argv = [str(script), *args]
@@ -44,8 +48,8 @@ def reset_accelerate() -> None:
 def main() -> None:
     plan = json.loads(Path(sys.argv[1]).read_text())
     gradsync = "--gradsync" in sys.argv[2:]
-    for script, args in plan:
-        run(Path(script), list(args), gradsync)
+    for script, args, *mode in plan:
+        run(Path(script), list(args), gradsync, core=mode == ["core"])
         if not gradsync:
             reset_accelerate()
 

@@ -31,6 +31,7 @@ def plan(out: Path, resume: bool) -> list[list[object]]:
         [str(clm), ["--out", str(out / "clm"), "--checkpointing_steps", "2"]],
         [str(cls), ["--out", str(out / "cls")]],
         [str(fb), ["--out", str(out / "fb")]],
+        [str(SCRIPTS / "save_final.py"), ["--out", str(out / "save")]],
     ]
     last = [  # end_training() ends the process group (Accelerate's too): last in the launch
         [str(clm), ["--out", str(out / "clm-tb"), "--with_tracking"]],
@@ -46,13 +47,16 @@ def plan(out: Path, resume: bool) -> list[list[object]]:
                         "--resume_from_checkpoint", str(out / "clm" / "step_4")]],
             [str(cls), ["--out", str(out / "cls-cut"), "--stop_after_epoch", "0"]],
             [str(cls), ["--out", str(out / "cls-cut"), "--resume"]],
+            # gradsync's own Accelerator on a schedule sized for Accelerate's rule: said once
+            [str(clm), ["--out", str(out / "clm-core")], "core"],
         ]
     return steps + last
 
 
 def launch(tmp: Path, name: str, extra: list[str], gradsync: bool) -> Path:
     out = tmp / name
-    for sub in ("clm", "clm-tb", "cls", "fb", "clm-cut", "clm-res2", "clm-res4", "cls-cut"):
+    for sub in ("clm", "clm-tb", "cls", "fb", "save", "clm-cut", "clm-res2", "clm-res4", "cls-cut",
+                "clm-core"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(plan(out, resume=gradsync)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "GRADSYNC_DEVICE": "cpu",
@@ -88,7 +92,7 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: fl
 
 
 def test_only_import_lines_are_respelled() -> None:
-    for script in ("causal_lm.py", "classify.py", "find_batch.py"):
+    for script in ("causal_lm.py", "classify.py", "find_batch.py", "save_final.py"):
         before = (SCRIPTS / script).read_text().splitlines()
         after = respell("\n".join(before)).splitlines()
         changed = [(x, y) for x, y in zip(before, after) if x != y]
@@ -97,10 +101,15 @@ def test_only_import_lines_are_respelled() -> None:
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
-@pytest.mark.parametrize("script", ["clm", "cls", "fb"])
+@pytest.mark.parametrize("script", ["clm", "cls", "fb", "save"])
 def test_a_script_ends_with_accelerates_parameters(runs: dict[str, Path], backend: str, script: str) -> None:
     theirs, ours = runs[f"accelerate-{backend}"] / script, runs[f"gradsync-{backend}"] / script
     assert_close(params(theirs), params(ours))
+    if script == "save":  # what save_pretrained wrote is what trained, under either
+        for folder in (theirs, ours):
+            assert json.loads((folder / "final.json").read_text())["reloaded"] == {
+                "plain": 0.0, "with_state_dict": 0.0}
+        return
     assert json.loads((theirs / "final.json").read_text()) == json.loads((ours / "final.json").read_text())
 
 
@@ -132,3 +141,13 @@ def test_the_tracked_run_and_the_retried_batch_size(runs: dict[str, Path]) -> No
         assert json.loads((run / "fb" / "final.json").read_text())["tried"] == [32, 28, 25, 22, 19, 17, 15, 13, 11, 9, 8]
         assert list((run / "clm-tb").glob("**/events.out.tfevents.*"))
         assert_close(params(run / "clm"), params(run / "clm-tb"), tol=0.0)
+
+
+def test_gradsyncs_own_accelerator_says_when_a_schedule_was_sized_for_accelerates_rule(
+        runs: dict[str, Path]) -> None:
+    log = (runs["gradsync-ddp"] / "log.txt").read_text()
+    said = [line for line in log.splitlines() if "sized for Accelerate's rule" in line]
+    assert len(said) == 1, said  # once, on the main process, when the run ended
+    assert "the run ended after 6 optimizer steps" in said[0] and "built for 10 steps" in said[0]
+    final = json.loads((runs["gradsync-ddp"] / "clm-core" / "final.json").read_text())
+    assert final["lr"] > 0  # the schedule stopped halfway: what the warning is about

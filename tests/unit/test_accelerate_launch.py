@@ -302,6 +302,16 @@ def test_the_launcher_prints_each_warning_once(here, capsys):
     assert any(line.startswith("gradsync: warning: --enable_cpu_affinity is ignored: ") for line in err)
 
 
+def test_cpu_with_several_processes_says_accelerate_would_start_one(here, capsys):
+    assert cli.main(["launch", "--dry-run", "--cpu", "--num_processes", "2", SCRIPT]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert ("gradsync: warning: --cpu with --num_processes=2: gradsync starts 2 processes on the CPU, "
+            "where accelerate launch would start one (it needs --multi_gpu with ACCELERATE_USE_CPU=1 "
+            "for 2)") in err
+    assert cli.main(["launch", "--dry-run", "--cpu", "--multi_gpu", "--num_processes", "2", SCRIPT]) == 0
+    assert "accelerate launch would start one" not in capsys.readouterr().err
+
+
 def test_fsdp_config_without_a_version_says_fsdp1(here):
     (here / "old.yaml").write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n"
                                    "  fsdp_backward_prefetch: BACKWARD_PRE\n")

@@ -202,3 +202,54 @@ def test_a_loader_is_dealt_one_generator_for_every_rank(clean_env: pytest.Monkey
     assert isinstance(loader.sampler, RandomSampler)
     seen = sorted(x for d in dealt for b in d for x in b.tolist())
     assert len(seen) == 12  # 10 samples, the last round padded by 2 from the pass's start
+
+
+def test_every_name_in_the_migration_table_is_accelerates_and_imports_from_gradsync(
+        clean_env: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    from gradsync.accelerate import _names
+
+    for module, names in _names.SUPPORTED.items():
+        theirs = importlib.import_module(module)
+        ours = importlib.import_module("gradsync." + module)
+        for name in names:
+            assert hasattr(theirs, name), f"{module}.{name} is not Accelerate's"
+            assert hasattr(ours, name), f"gradsync.{module}.{name} is missing"
+        for name in getattr(ours, "__all__", []):
+            assert name in names, f"gradsync.{module}.{name} is not in the migration table"
+    for module, refused in _names.REFUSED.items():
+        theirs = importlib.import_module(module)
+        for name in refused:
+            assert hasattr(theirs, name), f"{module}.{name} is not Accelerate's"
+            with pytest.raises(ImportError, match=f"has no {name} "):
+                exec(f"from gradsync.{module} import {name}")
+    member_names = {n.strip() for key in _names.MEMBERS for n in key.split("/")}
+    from gradsync.accelerate import Accelerator
+
+    set_in_init = {"state", "gradient_state", "deepspeed_engine_wrapped"}  # Accelerate's instance attributes
+    for name in (member_names | set(_names.REFUSED_MEMBERS)) - set_in_init:
+        assert hasattr(importlib.import_module("accelerate").Accelerator, name), name
+    ours = Accelerator()
+    for name in member_names:
+        assert hasattr(ours, name), name
+
+
+def test_a_schedule_sized_for_accelerates_rule_is_said_when_the_run_ends() -> None:
+    from transformers import get_scheduler
+
+    from gradsync.planning import sized_per_process, warn_unfinished
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sized = get_scheduler("linear", optimizer, num_warmup_steps=2, num_training_steps=10)
+    message = sized_per_process(sized, 6, 2)
+    assert message is not None and "ended after 6 optimizer steps" in message and "built for 10 steps" in message
+    assert "gradsync.accelerate" in message
+    assert sized_per_process(sized, 10, 2) is None  # the schedule ran to its end
+    assert sized_per_process(sized, 9, 2) is None  # nearly so: not Accelerate's sizing
+    assert sized_per_process(sized, 6, 1) is None  # one process: both rules agree
+    said: list[str] = []
+    warn_unfinished([sized], lambda: 6, 2, False, said.append)
+    assert said == []  # said on the main process only
+    warn_unfinished([sized, sized], lambda: 6, 2, True, said.append)
+    assert len(said) == 1

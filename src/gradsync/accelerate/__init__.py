@@ -27,11 +27,12 @@ from gradsync.accelerate.state import AcceleratorState, PartialState
 from gradsync.accelerate.utils import find_executable_batch_size
 from gradsync.backends.kinds import DistributedType
 
+# Accelerate's top-level names (AcceleratorState, GradientState, ProjectConfiguration and
+# GradientAccumulationPlugin also import from here, as from gradsync.accelerate.state / .utils).
 __all__ = [
-    "Accelerator", "AcceleratorState", "AutocastKwargs", "DataLoaderConfiguration",
-    "DistributedDataParallelKwargs", "DistributedType", "GradScalerKwargs",
-    "GradientAccumulationPlugin", "GradientState", "InitProcessGroupKwargs", "PartialState",
-    "ProjectConfiguration", "find_executable_batch_size", "skip_first_batches",
+    "Accelerator", "AutocastKwargs", "DataLoaderConfiguration", "DistributedDataParallelKwargs",
+    "DistributedType", "GradScalerKwargs", "InitProcessGroupKwargs", "PartialState",
+    "find_executable_batch_size", "skip_first_batches",
 ]
 
 

@@ -4,6 +4,63 @@ migration guide's table is generated from these tables (``docs/hooks.py``)."""
 
 from __future__ import annotations
 
+#: module -> name -> what it is in gradsync.accelerate (Accelerate's meaning unless said)
+SUPPORTED: dict[str, dict[str, str]] = {
+    "accelerate": {
+        "Accelerator": "Accelerate's rule book where gradsync's differs: the loss divided by "
+                       "k in every window, the scheduler stepped once per process, whole batches dealt",
+        "PartialState": "read when asked (no shared singleton); `wait_for_everyone` and "
+                        "`main_process_first` create the process group an Accelerator then joins",
+        "DistributedType": "the same members, equal to Accelerate's (`TPU` kept as `XLA`'s old name)",
+        "DataLoaderConfiguration": "`split_batches`, `even_batches`, `use_seedable_sampler`, "
+                                   "`data_seed`; `dispatch_batches` and `use_stateful_dataloader` refused",
+        "DistributedDataParallelKwargs": "becomes `ddp_kwargs`",
+        "InitProcessGroupKwargs": "its `timeout` becomes `timeout`",
+        "GradScalerKwargs": "becomes `grad_scaler`",
+        "AutocastKwargs": "accepted; autocast follows `mixed_precision`",
+        "find_executable_batch_size": "the ranks agree on each retry (90 % steps, or `reduce_batch_size_fn`)",
+        "skip_first_batches": "after `load_state` it never skips twice",
+    },
+    "accelerate.utils": {
+        "set_seed": "", "gather": "", "gather_object": "", "broadcast": "",
+        "broadcast_object_list": "", "reduce": "", "pad_across_processes": "",
+        "send_to_device": "", "tqdm": "on the local main process only (`main_process_only`)",
+        "find_executable_batch_size": "as above", "LoggerType": "", "PrecisionType": "",
+        "DistributedType": "as above",
+        "ProjectConfiguration": "`project_dir`, `logging_dir`, `automatic_checkpoint_naming`, `total_limit`",
+        "DataLoaderConfiguration": "as above",
+        "GradientAccumulationPlugin": "`num_steps`, `sync_with_dataloader`; `sync_each_batch` is "
+                                      "`sync_policy='every_step'`",
+        "DistributedDataParallelKwargs": "as above", "InitProcessGroupKwargs": "as above",
+        "GradScalerKwargs": "as above", "AutocastKwargs": "as above", "release_memory": "",
+        "extract_model_from_parallel": "", "wait_for_everyone": "", "patch_environment": "",
+        "check_os_kernel": "does nothing", "is_tensorboard_available": "", "is_wandb_available": "",
+        "is_mlflow_available": "", "is_deepspeed_available": "",
+    },
+    "accelerate.logging": {
+        "get_logger": "`main_process_only=` (default True) and `in_order=`; needs no state first",
+    },
+    "accelerate.state": {
+        "PartialState": "as above",
+        "AcceleratorState": "as `PartialState`; `accelerator.state` gives one run's settings",
+        "GradientState": "`accelerator.gradient_state` (`sync_gradients`, `end_of_dataloader`, `remainder`)",
+    },
+    "accelerate.data_loader": {"skip_first_batches": "as above"},
+}
+
+#: Accelerator members whose meaning differs, or that exist in gradsync.accelerate only
+MEMBERS: dict[str, str] = {
+    "state": "`accelerator.state` (`num_processes`, `distributed_type`, `deepspeed_plugin`, ...)",
+    "distributed_type": "`MULTI_CPU` / `MULTI_GPU` / `FSDP` / `DEEPSPEED` / `NO`; also on `gradsync.Accelerator`",
+    "save_state": "with automatic checkpoint naming, `checkpoints/checkpoint_{i}` and `total_limit`",
+    "load_state": "also puts every prepared loader where the checkpoint was saved",
+    "skip_first_batches": "after `load_state`: the restored count is a no-op, another is one warning",
+    "gradient_state": "read-only view of the window",
+    "set_trigger / check_trigger": "one small all-reduce in `check_trigger`",
+    "prepare_model / prepare_optimizer / prepare_data_loader / prepare_scheduler": "`prepare(obj)`",
+    "clip_grad_norm_": "a no-op (None) off the boundary, as in `gradsync.Accelerator`",
+}
+
 #: module -> name -> what to use instead (an Accelerate name gradsync.accelerate lacks)
 REFUSED: dict[str, dict[str, str]] = {
     "accelerate": {
@@ -47,12 +104,10 @@ REFUSED: dict[str, dict[str, str]] = {
 REFUSED_MEMBERS: dict[str, str] = {
     "lomo_backward": "LOMO optimizers are not supported; use a torch optimizer",
     "profile": "`torch.profiler.profile(...)` around the loop",
-    "prepare_pippy": "pipeline parallelism is not supported; use FSDP2 (`backend='fsdp'`)",
     "verify_device_map": "big-model inference is not gradsync's: use Accelerate for it",
     "deepspeed_engine_wrapped": "`accel.unwrap_model(model)` is the DeepSpeed engine's module",
     "fp8_backend": "fp8 is not supported; use mixed_precision='bf16'",
     "torch_device_mesh": "`accel.mesh` (FSDP2's DeviceMesh)",
-    "state_dict_type": "`accel.get_state_dict(model)` returns the full state dict",
 }
 
 
@@ -72,3 +127,19 @@ def refuse_member(name: str) -> None:
     if fix is not None:
         raise AttributeError(f"gradsync.accelerate.Accelerator has no {name} (Accelerate's "
                              f"Accelerator.{name}): {fix}")
+
+
+def table_markdown() -> str:
+    """The migration guide's table: every name above, where it is, and what it is."""
+    rows = ["| Accelerate | gradsync | status |", "|---|---|---|"]
+    for module, names in SUPPORTED.items():
+        ours = "gradsync." + module
+        for name, note in names.items():
+            rows.append(f"| `{module}.{name}` | `{ours}.{name}` | the same{'; ' + note if note else ''} |")
+    for module, refused in REFUSED.items():
+        for name, fix in refused.items():
+            rows.append(f"| `{module}.{name}` | refused in one line | use {fix} |")
+    rows += ["", "| `Accelerator` member | in gradsync.accelerate |", "|---|---|"]
+    rows += [f"| `{name}` | {note} |" for name, note in MEMBERS.items()]
+    rows += [f"| `{name}` | refused in one line: {fix} |" for name, fix in REFUSED_MEMBERS.items()]
+    return "\n".join(rows)

@@ -23,6 +23,7 @@ from gradsync.accelerate.config import (
     ProjectConfiguration,
     translate,
 )
+from gradsync import dist
 from gradsync.accelerator import Accelerator as _Core
 from gradsync.errors import ConfigError
 
@@ -130,6 +131,7 @@ class Accelerator(_Core):
                 raise ConfigError(f"Accelerator got {key} twice, with different values; give it once")
         super().__init__(mixed_precision=mixed_precision, log_with=log_with, **options)  # type: ignore[arg-type]
         self.gradient_state = GradientState(self)
+        self._trigger = False
         self.dataloader_config = dataloader_config or DataLoaderConfiguration(
             split_batches=bool(split_batches))
 
@@ -176,6 +178,17 @@ class Accelerator(_Core):
     def prepare_data_loader(self, data_loader: Any, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Any = None) -> Any:
         return self.prepare(data_loader)
+
+    def set_trigger(self) -> None:
+        """Raise this process's flag (``check_trigger`` sees it on every process)."""
+        self._trigger = True
+
+    def check_trigger(self) -> bool:
+        """Whether any process raised its flag since the last check (a collective: call it
+        on every process); the flags are lowered."""
+        raised = dist.any_rank(self._trigger, self.device)
+        self._trigger = False
+        return raised
 
     def clear(self, *objects: Any) -> list[None]:
         return self.free_memory(*objects)

@@ -16,10 +16,13 @@ from typing import Any, TypeVar
 import torch
 
 from gradsync import dist, processes
+from gradsync.accelerate.accelerator import GradientState
 from gradsync.backends import kinds
 from gradsync.backends.kinds import DistributedType
 
 S = TypeVar("S")
+
+__all__ = ["AcceleratorState", "GradientState", "PartialState"]
 
 
 class PartialState:

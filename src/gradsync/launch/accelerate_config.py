@@ -550,6 +550,12 @@ def _top_level(data: Mapping[str, Any], src: Source, out: Translation) -> None:
     if "use_cpu" in data and _bool(data["use_cpu"], src.item(None, "use_cpu", data["use_cpu"])):
         out.launch["use_cpu"] = True
         out.origins["use_cpu"] = src.item(None, "use_cpu", data["use_cpu"])
+        processes = out.launch.get("num_processes", 1)
+        if processes > 1 and not str(data.get("distributed_type", "")).startswith("MULTI_"):
+            out.notes.append(
+                f"{out.origins['use_cpu']} with {out.origins['num_processes']}: gradsync starts "
+                f"{processes} processes on the CPU, where accelerate launch would start one (it "
+                f"needs --multi_gpu with ACCELERATE_USE_CPU=1 for {processes})")
     if out.launch.get("num_machines", 1) > 1 and out.launch.get("machine_rank", 0) >= out.launch["num_machines"]:
         raise ConfigError(
             f"{out.origins['machine_rank']} must be below num_machines={out.launch['num_machines']}"
