@@ -1,6 +1,11 @@
 """What `gradsync launch` says when workers fail: the first failing rank's exception as
 one block (its traceback, recorded by ``gradsync.launch.worker``), the ranks that only
-stopped because of it in one line, and a line per restart, instead of torchrun's logs."""
+stopped because of it in one line, and a line per restart, instead of torchrun's logs.
+
+The first rank is chosen from what each worker recorded, not from the order torchrun's
+agent saw the exits in: a rank that raised and was then stopped by the agent's SIGTERM
+while it was exiting is named with its own exception and the exit status its worker
+exits with."""
 
 from __future__ import annotations
 
