@@ -73,3 +73,18 @@ def test_the_error_file_is_whole_and_says_what_the_launcher_needs(tmp_path):
     assert extra["gradsync_consequence"] is True and extra["gradsync_exitcode"] == worker.EXIT_CODE
     assert abs(extra["gradsync_time"] - time.time()) < 60
     assert [p.name for p in tmp_path.iterdir()] == ["error.json"]  # no temporary file left
+
+
+def test_an_own_exception_behind_a_lost_collective_is_the_one_recorded(tmp_path):
+    """A rank raises ValueError; its cleanup then runs a collective that times out."""
+    try:
+        try:
+            raise ValueError("the data file is missing")
+        except ValueError:
+            raise CollectiveError("abort_window failed: timed out waiting for another rank")  # noqa: B904 (the implicit chain is what is tested)
+    except CollectiveError as err:
+        worker.record(err, str(tmp_path / "error.json"))
+    message = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert message["message"] == "ValueError: the data file is missing"
+    assert message["extraInfo"]["gradsync_consequence"] is False
+    assert "CollectiveError" in message["extraInfo"]["py_callstack"]  # the whole chain is shown

@@ -8,7 +8,8 @@ An exception is written to torchrun's per-worker error file (``TORCHELASTIC_ERRO
 as soon as it reaches this wrapper, before the process starts to exit: the rank, the
 wall-clock time, the exit status the worker exits with, the traceback, and whether it is
 the consequence of another rank's failure (a ``CollectiveError``, or a collective that lost
-its peer). The file is written whole or not at all (a temporary file renamed over it), with
+its peer; an exception of the rank's own earlier in its chain, e.g. one during whose cleanup
+a collective timed out, is named instead). The file is written whole or not at all (a temporary file renamed over it), with
 the launcher's stop signals held off while it is written, so that torchrun never reads half
 of one. `gradsync launch` then names the rank whose own exception came first, even when
 torchrun's agent saw another rank's exit first and stopped this one while it was exiting.
@@ -53,6 +54,21 @@ def _user_traceback(err: BaseException) -> str:
     return "".join(te.format())
 
 
+def own_error(err: BaseException) -> BaseException | None:
+    """The exception of this rank's own behind ``err``: ``err`` itself unless it is the
+    consequence of another rank's failure, else the first exception in its chain (``raise
+    ... from``, or raised while handling) that is not, e.g. the ValueError during whose
+    cleanup a collective then timed out; None when every one is a consequence."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if not is_consequence(current):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def is_consequence(err: BaseException) -> bool:
     """Whether ``err`` looks like the consequence of another rank's failure: gradsync's
     ``CollectiveError`` (a collective that timed out or lost its peer), or an error whose
@@ -89,7 +105,8 @@ def record(err: BaseException, path: str | None = None) -> None:
     if not path:
         return
     now = time.time()
-    text = f"{type(err).__name__}: {err}"
+    own = own_error(err)
+    text = f"{type(own or err).__name__}: {own or err}"
     data = {
         "message": {
             "message": text,
@@ -99,7 +116,7 @@ def record(err: BaseException, path: str | None = None) -> None:
                 "gradsync_time": now,
                 "gradsync_rank": os.environ.get("RANK", "?"),
                 "gradsync_exitcode": EXIT_CODE,
-                "gradsync_consequence": is_consequence(err),
+                "gradsync_consequence": own is None,
             },
         }
     }
