@@ -502,18 +502,22 @@ class Launcher:
         own, tail = self._torchrun_parts()
         args = torchrun_namespace(own, tail)
         stop: tuple[int, bool] | None = None
+        failed: Any = None
         with (_environ(self.run_env()), failures.quiet_torchrun(), signals.forwarding(),
               signals.stopping()):
             try:
                 run(args)
             except ChildFailedError as err:
-                return failures.report(err, sys.stderr)
+                failed = err
             except SignalException as err:  # torchrun's agent stopped the workers
                 stop = (int(err.sigval), True)
             except signals.Stopped as err:  # before the workers started
                 stop = (err.signum, False)
-        if stop is not None:  # said once the handlers from before are back
+        # Said once the handlers from before are back (torchrun's would raise in the middle).
+        if stop is not None:
             return signals.stopped(stop[0], sys.stderr, workers=stop[1])
+        if failed is not None:
+            return failures.report(failed, sys.stderr)
         return 0
 
 
