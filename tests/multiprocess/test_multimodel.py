@@ -76,7 +76,7 @@ def test_an_fsdp_checkpoint_written_by_gradsync_0_1_0_still_loads(results):
         assert r["loaded_steps"] == 3
         got = {k: torch.tensor(v) for k, v in r["student"].items()}
         assert got.keys() == want.keys()
-        # 2 ranks reduce-scatter the gradients, one process sums them: another order of the
-        # float32 additions (~1e-7), which Adam's 4th step passes on scaled by at most lr/sqrt(v)
+        # 2 ranks reduce-scatter the gradients, one process sums them: the float32 additions
+        # run in another order (a few ulps apart); 1e-6 bounds what one Adam step makes of that
         assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-6
         assert max(float((got[k] - stored[k]).abs().max()) for k in stored) <= releases.STORED_TOLERANCE
