@@ -141,7 +141,7 @@ def slow(*args):
 ck.mark_and_rename = slow
 accel, *_ = trained(micro=8)
 accel.save_state({str(tmp_path / 'pending')!r}, background=True)
-committing.wait(10)
+assert committing.wait(300), "the background commit never started"
 os.kill(os.getpid(), signal.SIGKILL)
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}

@@ -203,7 +203,7 @@ def gate(monkeypatch):
 
     def gated(*args: object) -> None:
         if threading.current_thread() is not threading.main_thread():
-            assert held.event.wait(30), "the gate was never opened"
+            assert held.event.wait(300), "the gate was never opened"
         real(*args)
 
     monkeypatch.setattr(ck, "mark_and_rename", gated)

@@ -1,6 +1,11 @@
 """What `gradsync launch` says when workers fail: the first failing rank's exception as
 one block (its traceback, recorded by ``gradsync.launch.worker``), the ranks that only
-stopped because of it in one line, and a line per restart, instead of torchrun's logs."""
+stopped because of it in one line, and a line per restart, instead of torchrun's logs.
+
+The first rank is chosen from what each worker recorded, not from the order torchrun's
+agent saw the exits in: a rank that raised and was then stopped by the agent's SIGTERM
+while it was exiting is named with its own exception and the exit status its worker
+exits with."""
 
 from __future__ import annotations
 
@@ -52,6 +57,8 @@ def quiet_torchrun() -> Iterator[None]:
 
 
 def _info(failure: Any) -> dict[str, Any]:
+    """What the worker recorded in its error file (``gradsync.launch.worker.record``):
+    ``message`` and gradsync's fields; empty when it recorded nothing."""
     data = getattr(failure, "error_file_data", None) or {}
     message = data.get("message") if isinstance(data, dict) else None
     if isinstance(message, dict):
@@ -60,16 +67,34 @@ def _info(failure: Any) -> dict[str, Any]:
     return {}
 
 
+def _exit_code(failure: Any, info: dict[str, Any]) -> int:
+    """The exit status of a rank: the one its worker exits with when it recorded an
+    exception (torchrun may have stopped it by SIGTERM while it was exiting), else what
+    torchrun saw."""
+    recorded = info.get("gradsync_exitcode")
+    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0:
+        return recorded
+    return int(failure.exitcode)
+
+
+def _how(failure: Any, info: dict[str, Any]) -> str:
+    code = _exit_code(failure, info)
+    return f"exit code {code}" if code >= 0 else f"killed by {failure.signal_name()}"
+
+
 def first_cause(failures: dict[int, Any]) -> tuple[int, Any]:
-    """The rank whose failure came first and was not the consequence of another's: an
-    exception that lost a peer counts only when nothing else is known."""
+    """The rank whose failure came first and was not the consequence of another's, whatever
+    order torchrun's agent saw the exits in: the earliest exception of a rank's own, else a
+    rank killed by a signal other than the launcher's SIGTERM, else the earliest exception
+    that lost a peer (or timed out waiting for one), else an exit code without a word, else
+    a rank the launcher stopped."""
 
     def key(item: tuple[int, Any]) -> tuple[int, float, int]:
         rank, failure = item
         info = _info(failure)
         consequence = bool(info.get("gradsync_consequence"))
         if info and not consequence:
-            order = 0  # an exception of its own
+            order = 0  # an exception of its own (even if torchrun then stopped it by SIGTERM)
         elif failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
             order = 1  # killed (SIGKILL, SIGSEGV...): the others lost it
         elif info:
@@ -88,16 +113,23 @@ def report(err: Any, stream: TextIO) -> int:
     failures: dict[int, Any] = dict(err.failures)
     rank, failure = first_cause(failures)
     info = _info(failure)
-    code = failure.exitcode
-    how = f"exit code {code}" if code >= 0 else f"killed by {failure.signal_name()}"
-    lines = [f"gradsync: rank {rank} (local rank {failure.local_rank}) failed ({how})"]
+    lines = [f"gradsync: rank {rank} (local rank {failure.local_rank}) failed ({_how(failure, info)})"]
     if info.get("py_callstack"):
         lines.append(str(info["py_callstack"]).rstrip())
     elif info.get("message"):
         lines.append(str(info["message"]))
-    others = [f"rank {r} ({'exit code ' + str(f.exitcode) if f.exitcode >= 0 else f.signal_name()})"
-              for r, f in sorted(failures.items()) if r != rank]
+    others = []
+    for other, f in sorted(failures.items()):
+        if other == rank:
+            continue
+        said = _info(f)
+        how = _how(f, said)
+        how = how.removeprefix("killed by ")
+        if said.get("message"):
+            how += f": {str(said['message']).split(':', 1)[0]}"
+        others.append(f"rank {other} ({how})")
     if others:
         lines.append(f"gradsync: also stopped: {', '.join(others)}")
     print("\n".join(lines), file=stream, flush=True)
+    code = _exit_code(failure, info)
     return code if code > 0 else 1

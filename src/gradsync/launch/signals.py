@@ -1,6 +1,12 @@
-"""Signals `gradsync launch` passes on to its workers itself.
+"""Signals `gradsync launch` passes on to its workers itself, and how it ends when it is stopped.
 
-torchrun's agent handles SIGTERM, SIGINT, SIGHUP and SIGQUIT (it stops the workers). SLURM
+torchrun's agent handles SIGTERM, SIGINT, SIGHUP and SIGQUIT once the workers run: it sends
+the same signal to each worker, waits for them (its grace period: ``--shutdown-timeout``,
+else ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30 s), kills those still running, and raises.
+`gradsync launch` then prints one line (``gradsync launch: stopped by SIGTERM: workers
+stopped``) and exits with 128 + the signal's number (143 for SIGTERM, 130 for SIGINT), as a
+shell reports a process a signal ended; before the workers start (``stopping``), such a
+signal ends the launch the same way, with nothing to stop. SLURM
 announces the end of a job's time or a preemption with SIGUSR1 (``--signal=USR1@90``), which
 would kill the launcher and leave its workers to be killed mid-save; `gradsync launch` catches
 it and sends it to each worker process of this node (the processes it started), then keeps
@@ -20,6 +26,12 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
+
+#: The signals that stop `gradsync launch` (torchrun's agent forwards them to the workers).
+STOPPING: tuple[signal.Signals, ...] = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    if hasattr(signal, name))
 
 #: The signals forwarded to the workers (POSIX only).
 FORWARDED: tuple[signal.Signals, ...] = tuple(
@@ -112,3 +124,66 @@ def forwarding() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+class Stopped(Exception):
+    """A stop signal reached `gradsync launch` before torchrun's agent handled it (before the
+    workers started)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stopping() -> Iterator[None]:
+    """While inside, a signal of STOPPING raises ``Stopped`` until torchrun's agent puts its
+    own handler in place (when it starts the workers; it raises its ``SignalException``).
+
+    Only in the main thread; the handlers from before are put back on leaving, so that a
+    second signal while the launcher prints its last line ends it as usual.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in STOPPING}
+    for sig in STOPPING:
+        signal.signal(sig, _stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stopped(signum: int, stream: TextIO, *, workers: bool) -> int:
+    """Say in one line that the launch was stopped by ``signum``; the exit status to use.
+
+    Worker processes of this node still alive (a second signal cut torchrun's grace period
+    short) are killed first, so that none outlives the launcher.
+
+    Args:
+        signum: the signal that stopped the launch.
+        stream: where the line goes.
+        workers: whether the workers had started (torchrun's agent stopped them).
+
+    Returns:
+        128 + ``signum`` (143 for SIGTERM, 130 for SIGINT).
+    """
+    name = signal.Signals(signum).name
+    left = forward(signal.SIGKILL, children(os.getpid())) if hasattr(signal, "SIGKILL") else []
+    for pid in left:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, 0)
+    if left:
+        what = f"{len(left)} worker process(es) still running were killed"
+    elif workers:
+        what = "workers stopped"
+    else:
+        what = "before any worker started"
+    print(f"gradsync launch: stopped by {name}: {what}", file=stream, flush=True)
+    return 128 + signum

@@ -482,25 +482,42 @@ class Launcher:
         return "\n".join(lines)
 
     def run(self) -> int:
-        """Start the workers and wait; return their exit status (0 when all succeeded)."""
-        try:
-            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-            from torch.distributed.run import run
-        except ImportError as err:
-            raise ImportError(
-                f"starting the workers needs torch, which cannot be imported here ({err}); "
-                "install it: pip install torch (the project's constraints.txt pins the tested version)"
-            ) from None
-
+        """Start the workers and wait; return their exit status (0 when all succeeded), or
+        128 + the signal's number when a signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) stopped
+        the launch (``gradsync.launch.signals``)."""
+        with signals.stopping():
+            try:
+                from torch.distributed.elastic.multiprocessing import SignalException
+                from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+                from torch.distributed.run import run
+            except ImportError as err:
+                raise ImportError(
+                    f"starting the workers needs torch, which cannot be imported here ({err}); "
+                    "install it: pip install torch (the project's constraints.txt pins the tested version)"
+                ) from None
+            except signals.Stopped as early:
+                return signals.stopped(early.signum, sys.stderr, workers=False)
         for line in self.warnings:
             print(f"gradsync: warning: {line}", file=sys.stderr, flush=True)
         own, tail = self._torchrun_parts()
         args = torchrun_namespace(own, tail)
-        with _environ(self.run_env()), failures.quiet_torchrun(), signals.forwarding():
+        stop: tuple[int, bool] | None = None
+        failed: Any = None
+        with (_environ(self.run_env()), failures.quiet_torchrun(), signals.forwarding(),
+              signals.stopping()):
             try:
                 run(args)
             except ChildFailedError as err:
-                return failures.report(err, sys.stderr)
+                failed = err
+            except SignalException as err:  # torchrun's agent stopped the workers
+                stop = (int(err.sigval), True)
+            except signals.Stopped as err:  # before the workers started
+                stop = (err.signum, False)
+        # Said once the handlers from before are back (torchrun's would raise in the middle).
+        if stop is not None:
+            return signals.stopped(stop[0], sys.stderr, workers=stop[1])
+        if failed is not None:
+            return failures.report(failed, sys.stderr)
         return 0
 
 

@@ -5,24 +5,43 @@ script.py`` would (or ``python -m module``), recording an exception for the laun
     python -m gradsync.launch.worker -m MODULE [ARGS...]
 
 An exception is written to torchrun's per-worker error file (``TORCHELASTIC_ERROR_FILE``)
-with the rank, the time, the traceback and whether it looks like the consequence of
-another rank's failure (a collective that lost its peer); `gradsync launch` then prints
-the first cause as one block instead of every rank's traceback. ``SystemExit`` passes
-through unchanged.
+as soon as it reaches this wrapper, before the process starts to exit: the rank, the
+wall-clock time, the exit status the worker exits with, the traceback, and whether it is
+the consequence of another rank's failure (a ``CollectiveError``, or a collective that lost
+its peer; an exception of the rank's own earlier in its chain, e.g. one during whose cleanup
+a collective timed out, is named instead). The file is written whole or not at all (a temporary file renamed over it), with
+the launcher's stop signals held off while it is written, so that torchrun never reads half
+of one. `gradsync launch` then names the rank whose own exception came first, even when
+torchrun's agent saw another rank's exit first and stopped this one while it was exiting.
+
+``SystemExit`` passes through unchanged. ``KeyboardInterrupt`` (SIGINT, which `gradsync
+launch` forwards when it is stopped) ends the worker as it ends ``python script.py``, killed
+by SIGINT, without its traceback: the launcher prints one line for the whole job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
+from collections.abc import Iterator
+from types import TracebackType
 
 #: Words of errors that follow another rank's failure (its connections closed, a timeout).
 _CONSEQUENCE = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
-                "connection refused", "peer closed", "stopped answering")
+                "connection refused", "peer closed", "stopped answering", "lost its connection")
+
+#: The exit status of a worker whose script raised.
+EXIT_CODE = 1
+
+#: The signals torchrun's agent stops workers with; held off while the error file is written.
+_STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+                      if hasattr(signal, name))
 
 
 def _user_traceback(err: BaseException) -> str:
@@ -35,28 +54,89 @@ def _user_traceback(err: BaseException) -> str:
     return "".join(te.format())
 
 
-def _record(err: BaseException) -> None:
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    text = f"{type(err).__name__}: {err}"
+def own_error(err: BaseException) -> BaseException | None:
+    """The exception of this rank's own behind ``err``: ``err`` itself unless it is the
+    consequence of another rank's failure, else the first exception in its chain (``raise
+    ... from``, or raised while handling) that is not, e.g. the ValueError during whose
+    cleanup a collective then timed out; None when every one is a consequence."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if not is_consequence(current):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def is_consequence(err: BaseException) -> bool:
+    """Whether ``err`` looks like the consequence of another rank's failure: gradsync's
+    ``CollectiveError`` (a collective that timed out or lost its peer), or an error whose
+    words say a connection went away or timed out."""
+    if any(kind.__name__ == "CollectiveError" for kind in type(err).__mro__):
+        return True
+    text = f"{type(err).__name__}: {err}".lower()
+    return any(word in text for word in _CONSEQUENCE)
+
+
+@contextlib.contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """Hold off torchrun's stop signals inside (delivered on leaving); a no-op where the
+    platform cannot."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def record(err: BaseException, path: str | None = None) -> None:
+    """Write ``err`` to this worker's error file (``TORCHELASTIC_ERROR_FILE``), in torchrun's
+    format with gradsync's fields; nothing where there is no such file.
+
+    Args:
+        err: the exception that ended the script.
+        path: the file (default: ``TORCHELASTIC_ERROR_FILE``).
+    """
+    path = path or os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    now = time.time()
+    own = own_error(err)
+    text = f"{type(own or err).__name__}: {own or err}"
     data = {
         "message": {
             "message": text,
             "extraInfo": {
                 "py_callstack": _user_traceback(err),
-                "timestamp": str(int(time.time())),
-                "gradsync_time": time.time(),
+                "timestamp": str(int(now)),
+                "gradsync_time": now,
                 "gradsync_rank": os.environ.get("RANK", "?"),
-                "gradsync_consequence": any(w in text.lower() for w in _CONSEQUENCE),
+                "gradsync_exitcode": EXIT_CODE,
+                "gradsync_consequence": own is None,
             },
         }
     }
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f)
-    except OSError:
-        pass
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with _stop_signals_held():
+        try:
+            with open(temporary, "w") as f:
+                json.dump(data, f)
+            os.replace(temporary, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+
+
+def _silent_interrupt(kind: type[BaseException], value: BaseException,
+                      tb: TracebackType | None) -> None:
+    """``sys.excepthook`` for a KeyboardInterrupt: no traceback (Python then ends the process
+    by SIGINT, after its exit handlers, as it does for any uncaught KeyboardInterrupt)."""
+    if not issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, tb)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,12 +158,15 @@ def main(argv: list[str] | None = None) -> None:
             runpy.run_path(target, run_name="__main__")
     except SystemExit:
         raise
+    except KeyboardInterrupt:
+        sys.excepthook = _silent_interrupt
+        raise
     except BaseException as err:
-        _record(err)
+        record(err)
         line = " ".join(str(err).split())[:200]
         print(f"gradsync: rank {os.environ.get('RANK', '?')} failed: {type(err).__name__}: {line}",
               file=sys.stderr, flush=True)
-        sys.exit(1)
+        sys.exit(EXIT_CODE)
 
 
 if __name__ == "__main__":
