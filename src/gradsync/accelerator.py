@@ -4,14 +4,9 @@ the micro-step runner and the checkpoint state. It wires them together and forwa
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
-import signal
-import sys
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, Any, ParamSpec, TypeVar, overload
 
@@ -20,24 +15,24 @@ from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 from gradsync import audit as audit_mod
-from gradsync import backends, dist, environment, metrics, processes, selfcheck, tracking
-from gradsync._util import check_non_negative_int, check_positive_int
+from gradsync import dist, metrics, processes
 from gradsync.accumulation import MicroStep, Window
-from gradsync.backends import _group, kinds
+from gradsync.assembly import assemble, end, free_memory
+from gradsync.backends import kinds
 from gradsync.backends._amp import WindowScaler
+from gradsync.backends.base import Backend
 from gradsync.backends.kinds import DistributedType
-from gradsync.batching import BatchPlan, solve_with_schedule
+from gradsync.batching import BatchPlan
 from gradsync.checkpoint import export
 from gradsync.checkpoint.export import save_model
-from gradsync.checkpoint.signals import SignalWatch, requeue, requeue_command
-from gradsync.checkpoint.state import CheckpointState
+from gradsync.checkpoint.signals import SignalWatch, stop_if_told
+from gradsync.checkpoint.state import choose_folder
 from gradsync.config import Config, SyncPolicy, load_config
-from gradsync.data import LoaderContext, PreparedDataLoader, split_batch
-from gradsync.errors import ConfigError, UsageError, naming_collective
-from gradsync.microstep import AuditObserver, ItemCount, Runner, SelfCheckObserver
-from gradsync.planning import length_mismatch, plan_steps, warn_unfinished
+from gradsync.data import LoaderContext, PreparedDataLoader
+from gradsync.data.loader import skip_first_batches, split_for_window
+from gradsync.errors import UsageError, naming_collective
+from gradsync.microstep import Runner, SelfCheckObserver
 from gradsync.prepared import Prepared
-from gradsync.preparing import Preparer
 from gradsync.rules import GRADSYNC, Rules
 from gradsync.run_state import RunState
 from gradsync.settings import (
@@ -48,7 +43,6 @@ from gradsync.settings import (
     ModuleSelector,
     RequestedPolicy,
 )
-from gradsync.window_loss import WindowLoss
 from gradsync.wrappers import PreparedOptimizer, PreparedScheduler
 
 REDUCTIONS = ("mean", "sum", "normalized")
@@ -189,83 +183,39 @@ class Accelerator:
             track_window_loss=track_window_loss,
             **options,
         )
-        where = environment.detect()
-        if where.problem is not None and not dist.is_distributed():
-            raise UsageError(where.problem)  # never N silent single-process runs
-        world = dist.world_size()
-        name = backends.resolve_auto(self.config.backend, world)
-        if name == "single" and world > 1 and not dist.is_distributed():
-            log.warning("gradsync: backend='single' while %s reports %d processes: each trains a "
-                        "model of its own; use backend='ddp' (or 'auto') to train one", where.scheduler, world)
-        plan, schedule = solve_with_schedule(
-            data_parallel_size=world,
-            global_batch_size=self.config.global_batch_size,
-            micro_batch_size=self.config.micro_batch_size,
-            gradient_accumulation_steps=self.config.gradient_accumulation_steps,
-        )
-        # The plan is the one source of truth for batch sizes; it reaches the backend at prepare.
-        if self.config.seed is not None:
-            torch.manual_seed(self.config.seed)
-        self._timeout = self.config.timeout
-        self._backend = backends.create(name)
-        self._backend.setup(self.config)
-        self._window = Window(schedule, follow_data=self.config.sync_with_dataloader)
-        self._prepared = Prepared()
-        self._trackers = tracking.Trackers(self.config.log_with, self.config.project_dir,
-                                           step=self._prepared.steps_applied)
-        self._runner = Runner(self._window, self._backend, self._prepared, self._timeout)
-        self._loaders = LoaderContext(self._window, self._backend.device, self._on_epoch_start,
-                                      self.config.count_items)
-        self._state = CheckpointState(self._prepared, self._window, self._backend, self._loaders)
-        self._loss: WindowLoss | None = None
-        if self.config.track_window_loss:
-            self._loss = WindowLoss(self._backend.device, world, self._runner.own_collective)
-            self._runner.at_boundary.append(self._loss.at_boundary)
-        self._preparer = Preparer(self.config, plan, self._backend, self._window.view, self._prepared,
-                                  self._loaders, self._check_length,
-                                  self._before_step if self._loss is not None else None,
-                                  rules=self._rules)
-        self._ended = weakref.finalize(  # a schedule sized for the other rule, said at the end
-            self, warn_unfinished, self._prepared.schedulers, self._prepared.steps_applied,
-            1 if self._rules.scheduler_per_process else world, dist.rank() == 0, log.warning)
-        self._planned_steps: int | None = None
-        self._length_warned: set[int] = set()
-        self.audit: audit_mod.Recorder | None = None
-        if self.config.audit:
-            if dist.is_distributed():
-                # None when the group was made outside gradsync: nothing is counted, and an
-                # empty record would read as "no collectives" (ensure_process_group warned).
-                self.audit = audit_mod.recorder_of()
-                if self.audit is not None:
-                    self.audit.enabled = True  # a group made for the self-check records nothing
-            else:
-                self.audit = audit_mod.Recorder()  # one process: there is nothing to count
-        if self.audit is not None:
-            self._runner.observers.append(AuditObserver(
-                self.audit, self._window, main_process=self.is_main_process,
-                describe=lambda n: f"rank {self.rank} step {n} ({self.backend}, {self.sync_policy})"))
-        check = selfcheck.start(
-            enabled=self.config.self_check, audit=self.audit, policy=lambda: self._backend.policy,
-            rank=self.rank, world_size=self.world_size, backend=self.backend,
-        )
-        self._self_check = SelfCheckObserver(check, self._self_check_over) if check is not None else None
-        if self._self_check is not None:
-            self._runner.observers.append(self._self_check)
-        self._count: ItemCount | None = None
-        if self.config.count_items is not None:
-            self._count = ItemCount(self.config.count_items, self._window, self._backend,
-                                    self._prepared, plan.data_parallel_size,
-                                    self._runner.own_collective)
-            self._runner.observers.append(self._count)
-        self._signals = SignalWatch(self.config.signal_folder(), self.config.save_signals)
-        if self._signals.enabled:
-            self._runner.before_window.append(self._stop_if_told)
-        if self.config.requeue and requeue_command() is None:
-            log.warning("gradsync: requeue=True outside a SLURM job (no SLURM_JOB_ID): the job "
-                        "will not be requeued")
-        from gradsync import verify_hooks  # under `gradsync verify`: record or replay this run
+        self._p = assemble(self, self.config, self._rules)
+        self.audit: audit_mod.Recorder | None = self._p.audit
+        if self._p.signals.enabled:
+            self._p.runner.before_window.append(lambda: stop_if_told(self._p, self.end))
 
-        self._verifier = verify_hooks.attach(self, self._runner, self._preparer, self._prepared)
+    # -- the parts (for gradsync's own tests and tools) ----------------------
+    @property
+    def _backend(self) -> Backend:
+        return self._p.backend
+
+    @property
+    def _window(self) -> Window:
+        return self._p.window
+
+    @property
+    def _prepared(self) -> Prepared:
+        return self._p.prepared
+
+    @property
+    def _runner(self) -> Runner:
+        return self._p.runner
+
+    @property
+    def _loaders(self) -> LoaderContext:
+        return self._p.loaders
+
+    @property
+    def _signals(self) -> SignalWatch:
+        return self._p.signals
+
+    @property
+    def _self_check(self) -> SelfCheckObserver | None:
+        return self._p.gradients.self_check
 
     # -- where we are -----------------------------------------------------
     @property
@@ -365,7 +315,7 @@ class Accelerator:
     def plan(self) -> BatchPlan:
         """The batch plan: micro batch size, accumulation steps, data-parallel size, global
         batch size (the first prepared dataloader fixes the micro batch size when unset)."""
-        return self._preparer.plan
+        return self._p.preparer.plan
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -399,11 +349,7 @@ class Accelerator:
         Raises:
             UsageError: no optimizer was prepared.
         """
-        if not self._prepared.optimizers:
-            raise UsageError(
-                "accel.optimizer: no optimizer was prepared; pass one to accel.prepare(model, optimizer)"
-            )
-        return self._prepared.optimizers[-1]
+        return self._prepared.last_optimizer()
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -471,18 +417,7 @@ class Accelerator:
             ConfigError: an object gradsync cannot prepare, several models or optimizers in
                 one call, an optimizer without its model or over another model's parameters.
         """
-        return self._preparer.prepare(objects)
-
-    def _on_epoch_start(self, loader: PreparedDataLoader) -> None:
-        """A loader starts a new pass. If the open window was being fed by that loader (its
-        last pass was broken off mid-window), the window cannot be completed: drop it rather
-        than carry its gradients into the next window."""
-        if self._window.fed_by(loader):
-            log.warning(
-                "gradsync: a new epoch starts inside an unfinished accumulation window (did the "
-                "loop break early?); dropping its gradients so they do not leak into the next window"
-            )
-            self._runner.drop()
+        return self._p.preparer.prepare(objects)
 
     # -- the micro-step ---------------------------------------------------
     def accumulate(self, *models: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -504,7 +439,7 @@ class Accelerator:
         """
         if not models:
             raise UsageError("accumulate() needs the prepared model: `with accel.accumulate(model):`")
-        return self._runner.run(models)
+        return self._p.runner.run(models)
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
         """Manual control: one micro-step whose backward never synchronises, whatever the
@@ -518,7 +453,7 @@ class Accelerator:
         Returns:
             The context manager of the micro-step.
         """
-        return self._runner.run((model,), force=False)
+        return self._p.runner.run((model,), force=False)
 
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
         """Manual control: one micro-step that closes the window, so the next backward of
@@ -532,7 +467,7 @@ class Accelerator:
         Returns:
             The context manager of the micro-step.
         """
-        return self._runner.run((model,), force=True)
+        return self._p.runner.run((model,), force=True)
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """The prepared ``dataloader``, whose next pass starts after its first
@@ -551,13 +486,7 @@ class Accelerator:
         Raises:
             ConfigError: a loader that was not prepared, or a negative ``num_batches``.
         """
-        if not isinstance(dataloader, PreparedDataLoader):
-            raise ConfigError(
-                f"skip_first_batches() got a {type(dataloader).__name__}; pass the loader "
-                "returned by accel.prepare(loader), which knows where its epoch stands"
-            )
-        dataloader.skip_next(check_non_negative_int("num_batches", num_batches))
-        return dataloader
+        return skip_first_batches(dataloader, num_batches)
 
     def split_batch(self, batch: Any, micro_batch_size: int) -> list[Any]:
         """Cut a loader batch into micro-batches for several micro-steps per loader batch: run
@@ -575,10 +504,7 @@ class Accelerator:
             ConfigError: ``micro_batch_size`` is not a whole number >= 1.
             UsageError: micro-batches of the previous split have not all run yet.
         """
-        size = check_positive_int("micro_batch_size", micro_batch_size)
-        pieces = split_batch(batch, size)
-        self._window.split(len(pieces), size)
-        return pieces
+        return split_for_window(self._window, batch, micro_batch_size)
 
     def planned_optimizer_steps(self, num_epochs: int, loader: Any = None) -> int:
         """The optimizer steps ``num_epochs`` passes over a prepared dataloader will give,
@@ -596,34 +522,7 @@ class Accelerator:
             ConfigError: ``num_epochs`` is not a whole number >= 1.
             UsageError: no prepared dataloader, or one without a length.
         """
-        check_positive_int("num_epochs", num_epochs)
-        loaders = self._prepared.loaders
-        loader = loader if loader is not None else (loaders[0] if loaders else None)
-        if loader is None:
-            raise UsageError("planned_optimizer_steps() needs a prepared dataloader: "
-                             "accel.prepare(loader) first, or pass loader=...")
-        try:
-            per_epoch = len(loader)
-        except TypeError:
-            raise UsageError(
-                "planned_optimizer_steps() needs a dataloader with a length; this one has none "
-                "(an IterableDataset without __len__): count the steps yourself"
-            ) from None
-        self._planned_steps = plan_steps(self._window.schedule, per_epoch, num_epochs,
-                                         start=self._window.completed_windows,
-                                         follow_data=self.config.sync_with_dataloader)
-        for scheduler in self._prepared.schedulers:
-            self._check_length(scheduler)
-        return self._planned_steps
-
-    def _check_length(self, scheduler: PreparedScheduler) -> None:
-        """Warn once per scheduler built for another number of steps than planned."""
-        if self._planned_steps is None or id(scheduler) in self._length_warned:
-            return
-        message = length_mismatch(scheduler, self._planned_steps)
-        if message is not None:
-            self._length_warned.add(id(scheduler))
-            log.warning(message)
+        return self._p.planner.planned_optimizer_steps(num_epochs, loader)
 
     @property
     def window_items(self) -> int:
@@ -635,20 +534,7 @@ class Accelerator:
             ConfigError: the Accelerator was built without ``count_items``.
             UsageError: no window fed by a prepared dataloader has started yet.
         """
-        if self._count is None:
-            raise ConfigError(
-                "accel.window_items needs count_items; build the Accelerator with "
-                "count_items=gradsync.count_label_tokens (or your own fn(batch) -> int)"
-            )
-        self._count.settle()
-        items = self._window.items
-        if items is None:
-            raise UsageError(
-                "accel.window_items is known once a window fed by a prepared dataloader has "
-                "started; read it inside `with accel.accumulate(model):` and iterate a loader "
-                "returned by accel.prepare(...)"
-            )
-        return items
+        return self._p.gradients.window_items
 
     def backward(self, loss: torch.Tensor, reduction: str = "mean", **kwargs: Any) -> None:
         """Backward of the micro-batch's loss, scaled so the update is the window's mean.
@@ -670,72 +556,7 @@ class Accelerator:
             ConfigError: an unknown ``reduction``, or one that needs ``count_items``.
             CollectiveError: another rank stopped answering during the gradient reduction.
         """
-        step = self._window.current
-        if step is None and self._window.is_open and self._window.steps == 1:
-            # After no_sync() micro-steps, a plain backward closes their window (Accelerate's
-            # manual loop): it runs as the window's last micro-step, seen by every observer.
-            with self._runner.run(tuple(self._prepared.trained), force=True):
-                self.backward(loss, reduction, **kwargs)
-            return
-        if reduction == "mean":
-            if step is None and self._window.steps > 1:
-                raise UsageError(
-                    f"accel.backward() was called outside `with accel.accumulate(model):` while "
-                    f"gradient_accumulation_steps={self._window.steps}; put the forward and the "
-                    "backward inside the accumulate block, which decides when gradients sync"
-                )
-            scale = 1 if step is None else (step.size if self._rules.loss_divisor == "window"
-                                            else self._window.steps)
-            if self._loss is not None:
-                self._loss.add(loss, 1.0 / (scale * self._loss.world), step,
-                               keeps_graph=bool(kwargs.get("retain_graph")))
-            if not self._runner.names:  # no collective to name: the common one-process path
-                self._run_backward(loss, 1.0 / scale, kwargs)
-                return
-            with naming_collective(self._backward_name, self._timeout):
-                self._run_backward(loss, 1.0 / scale, kwargs)
-            return
-        if reduction not in REDUCTIONS:
-            raise ConfigError(f"backward(reduction={reduction!r}) is unknown; use one of {', '.join(REDUCTIONS)}")
-        if self._count is None:
-            raise ConfigError(
-                f"backward(reduction={reduction!r}) needs count_items to know the window's items; "
-                "build the Accelerator with count_items=gradsync.count_label_tokens (or your own "
-                "fn(batch) -> int), or use reduction='mean'"
-            )
-        if step is None:
-            raise UsageError(
-                f"accel.backward(reduction={reduction!r}) was called outside `with "
-                "accel.accumulate(model):`; the window's item count is known only inside it"
-            )
-        items = self.window_items
-        if items == 0:
-            return  # nothing to learn from; the boundary skips the step
-        world = self.plan.data_parallel_size  # every backend averages gradients over it
-        factor = world / items if reduction == "sum" else float(world)
-        if self._loss is not None:
-            self._loss.add(loss, 1.0 / items if reduction == "sum" else 1.0, step,
-                           keeps_graph=bool(kwargs.get("retain_graph")))
-        with naming_collective(self._backward_name, self._timeout):
-            self._run_backward(loss, factor, kwargs)
-
-    def _backward_name(self) -> str:
-        step = self._window.current
-        if step is not None and step.boundary:
-            return "backward() at the window boundary (the gradient reduction)"
-        return "backward()"
-
-    def _run_backward(self, loss: torch.Tensor, factor: float, kwargs: dict[str, Any]) -> None:
-        if kwargs:
-            self._backend.backward(loss, factor, **kwargs)
-        else:
-            self._backend.backward(loss, factor)
-        if self._self_check is not None:
-            self._self_check.check.saw_backward()
-
-    def _before_step(self) -> None:
-        assert self._loss is not None
-        self._loss.before_step(self._window.current)
+        self._p.gradients.backward(loss, reduction, kwargs)
 
     @property
     def window_loss(self) -> float:
@@ -751,13 +572,7 @@ class Accelerator:
             UsageError: no window has closed yet.
             ConfigError: the Accelerator was built with ``track_window_loss=False``.
         """
-        if self._loss is None:
-            raise ConfigError("accel.window_loss is off (track_window_loss=False); build the "
-                              "Accelerator without it to read the window's loss")
-        return self._loss.value
-
-    def _self_check_over(self) -> None:
-        self._self_check = None
+        return self._p.gradients.window_loss
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
@@ -776,13 +591,7 @@ class Accelerator:
             UsageError: called at a boundary before a model was prepared.
             CollectiveError: another rank stopped answering while the norm was reduced.
         """
-        params = self._unscaled(parameters, "clip_grad_norm_")
-        if params is None:
-            return None
-        model = self._prepared.clipping_model
-        assert model is not None
-        with naming_collective("clip_grad_norm_() (the global gradient norm)", self._timeout):
-            return self._backend.clip_grad_norm_(model, params, max_norm, norm_type)
+        return self._p.gradients.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         """Clamp each gradient element to ``[-clip_value, clip_value]`` at a boundary; off
@@ -795,23 +604,7 @@ class Accelerator:
         Raises:
             UsageError: called at a boundary before a model was prepared.
         """
-        params = self._unscaled(parameters, "clip_grad_value_")
-        if params is not None:
-            model = self._prepared.clipping_model
-            assert model is not None
-            self._backend.clip_grad_value_(model, params, clip_value)
-
-    def _unscaled(self, parameters: Iterable[torch.Tensor], what: str) -> list[torch.Tensor] | None:
-        """At a boundary: the parameters, with the gradients of the optimizers holding them
-        unscaled (fp16: once per window, the step then does not unscale again); else None."""
-        if not self._window.boundary:
-            return None
-        if self._prepared.clipping_model is None:
-            raise UsageError(f"{what}() before prepare(); prepare the model first")
-        params = list(parameters)
-        for prepared in self._prepared.holding(params):
-            self._backend.unscale_(prepared.optimizer)
-        return params
+        self._p.gradients.clip_grad_value_(parameters, clip_value)
 
     # -- checkpoints ---------------------------------------------------------
     def save_state(self, path: str | os.PathLike[str] | None = None, *, keep_last: int | None = None,
@@ -845,21 +638,10 @@ class Accelerator:
             CheckpointError: the backend cannot save the open window, or a rank failed.
             CollectiveError: another rank stopped answering.
         """
-        path = self._folder("save_state", path, "output_dir", output_dir)
-        with naming_collective(f"save_state({os.fspath(path)!r})", self._timeout):
-            return self._state.save(path, keep_last, background=background)
-
-    def _folder(self, call: str, path: str | os.PathLike[str] | None, alias: str,
-                other: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
-        if path is not None and other is not None:
-            raise ConfigError(f"{call}() got both path and {alias}; give one of them")
-        chosen = path if path is not None else other
-        if chosen is not None:
-            return chosen
-        if self.config.project_dir is None or call != "save_state":
-            raise ConfigError(f"{call}() needs the checkpoint folder: {call}(path), or set "
-                              "project_dir to save under project_dir/checkpoints")
-        return os.path.join(self.config.project_dir, "checkpoints", f"step-{self.optimizer_steps}")
+        path = choose_folder("save_state", path, "output_dir", output_dir, self.config.project_dir,
+                             self.optimizer_steps)
+        with naming_collective(f"save_state({os.fspath(path)!r})", self.config.timeout):
+            return self._p.state.save(path, keep_last, background=background)
 
     def wait_for_checkpoint(self) -> str | None:
         """Wait until a ``save_state(..., background=True)`` is committed (on every rank).
@@ -871,8 +653,8 @@ class Accelerator:
             CheckpointError: the commit failed (on every rank; the previous checkpoint is
                 still there).
         """
-        with naming_collective("wait_for_checkpoint()", self._timeout):
-            return self._state.settle()
+        with naming_collective("wait_for_checkpoint()", self.config.timeout):
+            return self._p.state.settle()
 
     def load_state(self, path: str | os.PathLike[str] | None = None, *, trusted: bool = False,
                    input_dir: str | os.PathLike[str] | None = None) -> None:
@@ -892,9 +674,9 @@ class Accelerator:
             CheckpointError: a missing, incomplete, corrupted, incompatible or unsafe
                 checkpoint (one error on every rank; nothing is changed).
         """
-        path = self._folder("load_state", path, "input_dir", input_dir)
-        with naming_collective(f"load_state({os.fspath(path)!r})", self._timeout):
-            self._state.load(path, trusted=trusted)
+        path = choose_folder("load_state", path, "input_dir", input_dir, None, 0)
+        with naming_collective(f"load_state({os.fspath(path)!r})", self.config.timeout):
+            self._p.state.load(path, trusted=trusted)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Save and load these objects with the checkpoint; rank 0's state is saved.
@@ -905,13 +687,7 @@ class Accelerator:
         Raises:
             ConfigError: an object without ``state_dict()`` and ``load_state_dict()``.
         """
-        for obj in objects:
-            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise ConfigError(
-                    f"register_for_checkpointing() got a {type(obj).__name__}, which has no "
-                    "state_dict()/load_state_dict(); register objects that have both"
-                )
-            self._prepared.add_object(obj)
+        self._prepared.register(objects)
 
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike[str],
                    max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> str:
@@ -939,7 +715,7 @@ class Accelerator:
                 a size.
             CollectiveError: another rank stopped answering while the weights were gathered.
         """
-        with naming_collective("save_model() (gathering the weights)", self._timeout):
+        with naming_collective("save_model() (gathering the weights)", self.config.timeout):
             return save_model(self._backend, model, save_directory, self.rank,
                               max_shard_size=max_shard_size, safe_serialization=safe_serialization)
 
@@ -975,13 +751,7 @@ class Accelerator:
         Returns:
             A handle whose ``remove()`` unregisters it.
         """
-        def call(folder: Path) -> None:
-            hook([self.unwrap_model(m) for m in self._prepared.models],
-                 [self.get_state_dict(m) for m in self._prepared.models], str(folder))
-
-        handle = RemovableHandle(self._state.save_hooks)
-        self._state.save_hooks[handle.id] = call
-        return handle
+        return self._p.state.add_save_hook(hook, self.unwrap_model, self.get_state_dict)
 
     def register_load_state_pre_hook(self, hook: Callable[[list[torch.nn.Module], str], None]) -> RemovableHandle:
         """Call ``hook(models, input_dir)`` in every ``load_state``, on every rank, once the
@@ -994,12 +764,7 @@ class Accelerator:
         Returns:
             A handle whose ``remove()`` unregisters it.
         """
-        def call(folder: Path) -> None:
-            hook([self.unwrap_model(m) for m in self._prepared.models], str(folder))
-
-        handle = RemovableHandle(self._state.load_hooks)
-        self._state.load_hooks[handle.id] = call
-        return handle
+        return self._p.state.add_load_hook(hook, self.unwrap_model)
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Forget everything prepared (models, optimizers, schedulers, loaders, registered
@@ -1013,12 +778,7 @@ class Accelerator:
         Returns:
             One None per object given.
         """
-        if self._window.is_open:
-            self._runner.drop()
-        self._prepared.clear()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_memory(self._p)
         return [None for _ in objects]
 
     @property
@@ -1026,26 +786,6 @@ class Accelerator:
         """One of ``save_signals`` was received (with ``save_on_signal``): the job saves and
         exits when the next window starts."""
         return self._signals.received is not None
-
-    def _stop_if_told(self) -> None:
-        received = self._signals.received
-        number = int(getattr(signal, received)) if received is not None else 0
-        with self._runner.own_collective(), naming_collective("the stop-signal check", self._timeout):
-            told = -dist.min_over_ranks(-number, self.device)  # the signal any rank got
-        if not told:
-            return
-        root = self.config.signal_folder()
-        assert root is not None
-        path = os.path.join(root, f"step-{self.optimizer_steps}")
-        with naming_collective(f"save_state({path!r})", self._timeout):
-            self._state.save(path, None, pending=1)  # the batch just yielded is not trained on yet
-        if self.is_main_process:
-            what = signal.Signals(told).name
-            requeued = self.config.requeue and requeue()
-            print(f"gradsync: {what} received; saved {path}" + (", job requeued" if requeued else "")
-                  + ", exiting", file=sys.stderr, flush=True)
-        self.end()
-        raise SystemExit(0)
 
     # -- models and processes ----------------------------------------------
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
@@ -1083,7 +823,7 @@ class Accelerator:
         Raises:
             CollectiveError: another rank stopped answering.
         """
-        with naming_collective("wait_for_everyone() (a barrier)", self._timeout):
+        with naming_collective("wait_for_everyone() (a barrier)", self.config.timeout):
             self._backend.barrier()
 
     @contextlib.contextmanager
@@ -1111,7 +851,7 @@ class Accelerator:
             ConfigError: an empty project name, a config that is not a dict, or an
                 ``init_kwargs`` entry for a name that is no tracker.
         """
-        self._trackers.init(project_name, config, init_kwargs)
+        self._p.trackers.init(project_name, config, init_kwargs)
 
     def log(self, values: dict[str, Any], step: int | None = None,
             log_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
@@ -1134,7 +874,7 @@ class Accelerator:
                 jsonl tracker writes itself ("step", "wall_time"), or a ``log_kwargs``
                 entry names no tracker.
         """
-        self._trackers.log(values, step, log_kwargs)
+        self._p.trackers.log(values, step, log_kwargs)
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
         """A started tracker: gradsync's wrapper, or with ``unwrap=True`` the library's own
@@ -1154,14 +894,14 @@ class Accelerator:
             UsageError: before ``init_trackers``.
             ConfigError: no tracker of that name (the message lists the started ones).
         """
-        return self._trackers.get(name, unwrap)
+        return self._p.trackers.get(name, unwrap)
 
     @property
     def trackers(self) -> list[Any]:
         """The started trackers (gradsync's wrappers and the tracker objects given in
         ``log_with``) on the main process after ``init_trackers``; an empty list on the
         other processes."""
-        return self._trackers.started
+        return self._p.trackers.started
 
     def end_training(self) -> None:
         """Finish every tracker on the main process (flush and close its files, finish the
@@ -1173,7 +913,7 @@ class Accelerator:
             Exception: the first error a tracker raised while finishing (``end()`` has run).
         """
         try:
-            self._trackers.finish()
+            self._p.trackers.finish()
         finally:
             self.end()
 
@@ -1188,7 +928,7 @@ class Accelerator:
         Returns:
             The same structure with gathered tensors.
         """
-        with self._runner.own_collective():
+        with self._p.runner.own_collective():
             return metrics.gather(data)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
@@ -1214,7 +954,7 @@ class Accelerator:
             The same structure with gathered tensors, or on the object path a list.
         """
         it = self._loaders.last_pass() if self._loaders.last_pass is not None else None
-        with self._runner.own_collective():
+        with self._p.runner.own_collective():
             return metrics.gather_for_metrics(input_data, it, self.world_size,
                                               use_gather_object=use_gather_object)
 
@@ -1242,7 +982,7 @@ class Accelerator:
         Raises:
             ConfigError: an unknown reduction, or ``op`` and ``reduction`` that disagree.
         """
-        with self._runner.own_collective():
+        with self._p.runner.own_collective():
             return metrics.reduce(tensor, reduction, scale, op)
 
     # -- where code runs (no collectives, except the *_process_first barriers) --
@@ -1386,7 +1126,7 @@ class Accelerator:
         Returns:
             The same structure with padded tensors.
         """
-        with self._runner.own_collective():
+        with self._p.runner.own_collective():
             return metrics.pad_across_processes(data, dim, pad_index, pad_first)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -1407,13 +1147,4 @@ class Accelerator:
             CheckpointError: a background commit failed (on rank 0, which committed).
             Exception: the first error a tracker raised while finishing.
         """
-        self._ended()
-        failed = self._state.finish()
-        try:
-            self._trackers.finish()
-        finally:
-            if self._backend.owns_group:
-                self._prepared.clear_models()
-                _group.release_process_group()
-        if failed is not None:
-            raise failed
+        end(self._p)

@@ -2,7 +2,7 @@
 
 Later sources win: defaults < YAML (``config_file`` / ``GRADSYNC_CONFIG``) < environment <
 keywords; under ``gradsync verify`` the settings it forces win over all of them
-(``gradsync.verify_hooks.overrides``). The settings themselves (names, types, defaults,
+(an extension's ``overrides``: ``gradsync.extensions``). The settings themselves (names, types, defaults,
 checks) are declared once in gradsync.settings; this module reads them from the sources.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gradsync import _util, environment
+from gradsync import _util, environment, extensions
 from gradsync.declaration import to_text
 from gradsync.errors import ConfigError
 from gradsync.settings import (
@@ -240,10 +240,8 @@ def load_config(
             f"unknown setting(s) {', '.join(f'{k}={extra[k]!r}{did_you_mean(k)}' for k in sorted(extra))}; "
             f"rename or remove them (known: {_KNOWN})"
         )
-    if ENV_PREFIX + "VERIFY" in env:  # the one exception to "keywords last": gradsync verify
-        from gradsync import verify_hooks
-
-        merged.update(verify_hooks.overrides(env))
+    for extension in extensions.named(env):  # the one exception to "keywords last": gradsync verify
+        merged.update(extension.overrides(env))
     return Config(**merged).validate()
 
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch
 
+from gradsync._util import check_positive_int
+from gradsync.errors import UsageError
 from gradsync.schedule import Schedule
+
+log = logging.getLogger("gradsync")
 
 
 def plan_steps(schedule: Schedule, batches_per_epoch: int, num_epochs: int, *, start: int = 0,
@@ -97,3 +102,45 @@ def warn_unfinished(schedulers: list[Any], steps: Any, processes: int, main: boo
         if message is not None:
             warn(message)
             return
+
+
+class Planner:
+    """``accel.planned_optimizer_steps`` and the check of each prepared scheduler's length
+    against it (one warning per scheduler built for another number of steps)."""
+
+    def __init__(self, window: Any, prepared: Any, *, follow_data: bool) -> None:
+        self._window = window
+        self._prepared = prepared
+        self._follow_data = follow_data
+        self.planned: int | None = None
+        self._warned: set[int] = set()
+
+    def planned_optimizer_steps(self, num_epochs: int, loader: Any = None) -> int:
+        """See ``Accelerator.planned_optimizer_steps``."""
+        check_positive_int("num_epochs", num_epochs)
+        loaders = self._prepared.loaders
+        loader = loader if loader is not None else (loaders[0] if loaders else None)
+        if loader is None:
+            raise UsageError("planned_optimizer_steps() needs a prepared dataloader: "
+                             "accel.prepare(loader) first, or pass loader=...")
+        try:
+            per_epoch = len(loader)
+        except TypeError:
+            raise UsageError(
+                "planned_optimizer_steps() needs a dataloader with a length; this one has none "
+                "(an IterableDataset without __len__): count the steps yourself"
+            ) from None
+        self.planned = plan_steps(self._window.schedule, per_epoch, num_epochs,
+                                  start=self._window.completed_windows, follow_data=self._follow_data)
+        for scheduler in self._prepared.schedulers:
+            self.check_length(scheduler)
+        return self.planned
+
+    def check_length(self, scheduler: Any) -> None:
+        """Warn once per scheduler built for another number of steps than planned."""
+        if self.planned is None or id(scheduler) in self._warned:
+            return
+        message = length_mismatch(scheduler, self.planned)
+        if message is not None:
+            self._warned.add(id(scheduler))
+            log.warning(message)

@@ -9,10 +9,11 @@ identity; the Accelerator, the micro-step runner and the checkpoint state read i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gradsync.backends.base import Held
+from gradsync.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +54,24 @@ class Prepared:
 
     def add_object(self, obj: Any) -> None:
         self.objects.append(obj)
+
+    def register(self, objects: Sequence[Any]) -> None:
+        """``register_for_checkpointing``: objects with ``state_dict`` / ``load_state_dict``."""
+        for obj in objects:
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise ConfigError(
+                    f"register_for_checkpointing() got a {type(obj).__name__}, which has no "
+                    "state_dict()/load_state_dict(); register objects that have both"
+                )
+            self.add_object(obj)
+
+    def last_optimizer(self) -> PreparedOptimizer:
+        """The last prepared optimizer (``accel.optimizer``)."""
+        if not self.optimizers:
+            raise UsageError(
+                "accel.optimizer: no optimizer was prepared; pass one to accel.prepare(model, optimizer)"
+            )
+        return self.optimizers[-1]
 
     # -- relations ------------------------------------------------------------------
     def optimizers_of(self, model: torch.nn.Module) -> list[PreparedOptimizer]:

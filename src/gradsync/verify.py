@@ -35,9 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gradsync import extensions
 from gradsync._util import human_bytes
 from gradsync.errors import ConfigError
 from gradsync.verify_hooks import ENV_RECORD, ENV_REPLAY, ENV_STEPS, params_file, read_meta
+
+#: The module the launched and the reference run load as an extension (records or replays).
+RECORDER = "gradsync.verify_hooks"
 
 if TYPE_CHECKING:
     from gradsync.launch.torchrun import LaunchConfig, Launcher
@@ -411,7 +415,7 @@ def _verify(launcher: Launcher, world: int, steps: int, max_seconds: float, rtol
     pickled = folder / "launch.pickle"
     pickled.write_bytes(pickle.dumps(dataclasses.replace(c)))
     env = dict(os.environ)
-    env.update({ENV_RECORD: str(launched), ENV_STEPS: str(steps)})
+    env.update({ENV_RECORD: str(launched), ENV_STEPS: str(steps), extensions.ENV: RECORDER})
     env.pop(ENV_REPLAY, None)
     code = _run([python, "-m", "gradsync.verify", str(pickled)], env, folder / "launched.log", deadline)
     log_hint = f" (its output: {folder / 'launched.log'})" if keep else ""
@@ -433,7 +437,8 @@ def _verify(launcher: Launcher, world: int, steps: int, max_seconds: float, rtol
         return done(Report(UNVERIFIABLE, _NO_STEP, title=title))
     # 2. the reference: one process on the same global windows
     ref_env = _one_process_env(launcher)
-    ref_env.update({ENV_RECORD: str(reference), ENV_STEPS: str(steps), ENV_REPLAY: str(launched)})
+    ref_env.update({ENV_RECORD: str(reference), ENV_STEPS: str(steps), ENV_REPLAY: str(launched),
+                    extensions.ENV: RECORDER})
     argv = [python, "-m", "gradsync.launch.worker", *(["-m"] if c.module else []), c.script,
             *c.script_args]
     code = _run(argv, ref_env, folder / "reference.log", deadline)

@@ -469,15 +469,13 @@ class Verifier:
             os.replace(tmp, path)
 
 
-def attach(accel: Any, runner: Any, preparer: Any, prepared: Any,
-           environ: Mapping[str, str] | None = None) -> Verifier | None:
-    """The Verifier of an Accelerator built under ``gradsync verify``, hooked into it.
+def attach(accel: Any, parts: Any, environ: Mapping[str, str] | None = None) -> Verifier | None:
+    """The Verifier of an Accelerator built under ``gradsync verify``, hooked into it (the
+    core calls this through ``GRADSYNC_EXTENSIONS``, which ``gradsync verify`` sets).
 
     Args:
         accel: the Accelerator being built (at the end of its ``__init__``).
-        runner: its micro-step runner.
-        preparer: its preparer.
-        prepared: its registry of prepared objects.
+        parts: its ``assembly.Parts`` (the runner, the preparer, the registry).
         environ: the variables (default: ``os.environ``).
 
     Returns:
@@ -488,7 +486,8 @@ def attach(accel: Any, runner: Any, preparer: Any, prepared: Any,
     if not folder:
         return None
     steps = int(env.get(ENV_STEPS, "3"))
-    return Verifier(accel, runner, preparer, prepared, folder, steps, env.get(ENV_REPLAY) or None)
+    return Verifier(accel, parts.runner, parts.preparer, parts.prepared, folder, steps,
+                    env.get(ENV_REPLAY) or None)
 
 
 #: For type checkers: what ``Preparer.loader_hook`` holds.

@@ -161,3 +161,33 @@ def test_the_call_count_sees_an_observer(clean_env):
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
+
+
+def _statements(fn: ast.FunctionDef) -> int:
+    """Statements in a function, nested ones included, its docstring left out."""
+    body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(
+        getattr(fn.body[0], "value", None), ast.Constant) else fn.body
+    return sum(1 for node in body for n in ast.walk(node) if isinstance(n, ast.stmt))
+
+
+def test_the_accelerator_only_forwards():
+    """Every member of the facade is a few statements that forward to the parts
+    ``gradsync.assembly`` wires (its ``__init__``: the settings, the assembly, two hooks)."""
+    source = (SRC / "accelerator.py").read_text()
+    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Accelerator")
+    long = {fn.name: _statements(fn) for fn in cls.body if isinstance(fn, ast.FunctionDef)
+            and _statements(fn) > (5 if fn.name == "__init__" else 3)}
+    assert long == {}, f"members with logic in the facade (statements): {long}"
+
+
+#: The tools around the core: the core (every other module) never imports them.
+TOOLS = ("gradsync.__main__", "gradsync.launch", "gradsync.verify", "gradsync.verify_hooks", "gradsync.accelerate")
+
+
+def test_the_core_never_imports_its_tools():
+    tools = [t for t in TOOLS]
+    core = {m: imported for m, imported in import_graph().items()
+            if not any(m == t or m.startswith(t + ".") for t in tools)}
+    found = sorted(f"{m} -> {t}" for m, imported in core.items() for t in imported
+                   if any(t == tool or t.startswith(tool + ".") for tool in tools))
+    assert found == []

@@ -12,18 +12,24 @@ from __future__ import annotations
 from typing import Any
 
 from gradsync.accelerate._names import refuse
-from gradsync.accelerate.accelerator import Accelerator, GradientState
+from gradsync.accelerate.accelerator import Accelerator
+from gradsync.accelerate.accelerator import GradientState as GradientState
 from gradsync.accelerate.config import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
-    GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
-    ProjectConfiguration,
+)
+from gradsync.accelerate.config import (
+    GradientAccumulationPlugin as GradientAccumulationPlugin,
+)
+from gradsync.accelerate.config import (
+    ProjectConfiguration as ProjectConfiguration,
 )
 from gradsync.accelerate.data_loader import skip_first_batches
-from gradsync.accelerate.state import AcceleratorState, PartialState
+from gradsync.accelerate.state import AcceleratorState as AcceleratorState
+from gradsync.accelerate.state import PartialState
 from gradsync.accelerate.utils import find_executable_batch_size
 from gradsync.backends.kinds import DistributedType
 

@@ -9,14 +9,18 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gradsync.errors import ConfigError
 
 log = logging.getLogger("gradsync")
 
+#: The exit status of a process whose save on a stop signal failed (a full disk, ...): not
+#: 0, so the scheduler never takes the job for saved; it is not requeued either.
+SAVE_FAILED_STATUS = 1
 
 class SignalWatch:
     """Remembers which of ``signals`` arrived first (with ``save_on_signal``); the Accelerator
@@ -62,3 +66,42 @@ def requeue(environ: Mapping[str, str] | None = None) -> bool:
         log.warning("gradsync: %s failed: %s", " ".join(command), " ".join(done.stderr.split())[:300])
         return False
     return True
+
+
+def stop_if_told(parts: Any, end: Callable[[], None]) -> None:
+    """When the next window starts under ``save_on_signal``: if any rank received one of
+    ``save_signals`` (one small all-reduce), every rank saves ``step-N`` into the signal
+    folder, rank 0 requeues the SLURM job when asked, and the process exits with status 0;
+    a failed save exits with ``SAVE_FAILED_STATUS`` and no requeue. ``parts``: the
+    Accelerator's ``assembly.Parts``; ``end``: its ``end()``."""
+    from gradsync import dist
+    from gradsync.errors import CheckpointError, naming_collective
+
+    received = parts.signals.received
+    number = int(getattr(signal, received)) if received is not None else 0
+    timeout = parts.config.timeout
+    with parts.runner.own_collective(), naming_collective("the stop-signal check", timeout):
+        told = -dist.min_over_ranks(-number, parts.backend.device)  # the signal any rank got
+    if not told:
+        return
+    root = parts.config.signal_folder()
+    assert root is not None
+    path = os.path.join(root, f"step-{parts.prepared.steps_applied()}")
+    what = signal.Signals(told).name
+    main = dist.rank() == 0
+    try:
+        with naming_collective(f"save_state({path!r})", timeout):
+            parts.state.save(path, None, pending=1)  # the batch just yielded is not trained on yet
+    except CheckpointError as err:
+        # Not saved: exit non-zero so the scheduler never believes it was, and no requeue.
+        if main:
+            print(f"gradsync: {what} received; {err}; not requeued, exiting with status "
+                  f"{SAVE_FAILED_STATUS}", file=sys.stderr, flush=True)
+        end()
+        raise SystemExit(SAVE_FAILED_STATUS) from None
+    if main:
+        requeued = parts.config.requeue and requeue()
+        print(f"gradsync: {what} received; saved {path}" + (", job requeued" if requeued else "")
+              + ", exiting", file=sys.stderr, flush=True)
+    end()
+    raise SystemExit(0)

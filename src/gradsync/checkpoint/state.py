@@ -16,7 +16,9 @@ import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.hooks import RemovableHandle
 
 from gradsync import dist
 from gradsync.checkpoint.commit import Committer
@@ -31,7 +33,7 @@ from gradsync.checkpoint.folder import (
 )
 from gradsync.checkpoint.rng import capture_rng, restore_rng
 from gradsync.checkpoint.safety import allow_list
-from gradsync.errors import CheckpointError, UsageError
+from gradsync.errors import CheckpointError, ConfigError, UsageError
 from gradsync.microstep import drop_window
 
 if TYPE_CHECKING:
@@ -97,6 +99,27 @@ class CheckpointState:
             save_file({"rng": capture_rng(), "loaders": [pos["rng"] for pos in positions]},
                       tmp / f"rng_rank{rank}.pt")
         return str(target)
+
+    def add_save_hook(self, hook: Callable[[list[Any], list[dict[str, Any]], str], None],
+                      unwrap: Callable[[Any], Any], state_dict: Callable[[Any], dict[str, Any]]) -> RemovableHandle:
+        """``register_save_state_pre_hook``: ``hook(models, weights, folder)`` in every save."""
+        def call(folder: Path) -> None:
+            hook([unwrap(m) for m in self._prepared.models],
+                 [state_dict(m) for m in self._prepared.models], str(folder))
+
+        handle = RemovableHandle(self.save_hooks)
+        self.save_hooks[handle.id] = call
+        return handle
+
+    def add_load_hook(self, hook: Callable[[list[Any], str], None],
+                      unwrap: Callable[[Any], Any]) -> RemovableHandle:
+        """``register_load_state_pre_hook``: ``hook(models, folder)`` in every load."""
+        def call(folder: Path) -> None:
+            hook([unwrap(m) for m in self._prepared.models], str(folder))
+
+        handle = RemovableHandle(self.load_hooks)
+        self.load_hooks[handle.id] = call
+        return handle
 
     def settle(self) -> str | None:
         """Wait for an outstanding background save (collective); its folder, or None. Its
@@ -220,6 +243,22 @@ class CheckpointState:
                 pos, pass_rng = _rescale(pos, world, here), None
             loader.resume({**pos, "rng": pass_rng}, now)
         now()
+
+
+def choose_folder(call: str, path: str | os.PathLike[str] | None, alias: str,
+                  other: str | os.PathLike[str] | None, project_dir: str | None,
+                  steps: int) -> str | os.PathLike[str]:
+    """The folder of ``save_state`` / ``load_state``: ``path`` or Accelerate's name for it
+    (never both); for ``save_state`` without either, ``project_dir/checkpoints/step-N``."""
+    if path is not None and other is not None:
+        raise ConfigError(f"{call}() got both path and {alias}; give one of them")
+    chosen = path if path is not None else other
+    if chosen is not None:
+        return chosen
+    if project_dir is None or call != "save_state":
+        raise ConfigError(f"{call}() needs the checkpoint folder: {call}(path), or set "
+                          "project_dir to save under project_dir/checkpoints")
+    return os.path.join(project_dir, "checkpoints", f"step-{steps}")
 
 
 def _rescale(pos: LoaderPosition, saved_world: int, world: int) -> LoaderPosition:

@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
+from gradsync._util import check_non_negative_int, check_positive_int
 from gradsync.checkpoint.rng import RngState, dealing_rng, get_rng, set_rng
-from gradsync.data.batches import batch_length, checked_count, to_device
+from gradsync.data.batches import batch_length, checked_count, split_batch, to_device
 from gradsync.data.dealing import BatchDeal, IterableDeal
 from gradsync.data.sharding import BatchShard
+from gradsync.errors import ConfigError
 
 if TYPE_CHECKING:
     from gradsync.accumulation import Window
@@ -339,3 +341,24 @@ class PreparedDataLoader:
             return len(self.loader)
         except TypeError:
             return None
+
+
+def skip_first_batches(dataloader: Any, num_batches: int) -> PreparedDataLoader:
+    """``accel.skip_first_batches``: the prepared ``dataloader``, its next pass starting
+    after ``num_batches`` batches (nothing more after ``load_state``: see ``skip_next``)."""
+    if not isinstance(dataloader, PreparedDataLoader):
+        raise ConfigError(
+            f"skip_first_batches() got a {type(dataloader).__name__}; pass the loader "
+            "returned by accel.prepare(loader), which knows where its epoch stands"
+        )
+    dataloader.skip_next(check_non_negative_int("num_batches", num_batches))
+    return dataloader
+
+
+def split_for_window(window: Window, batch: Any, micro_batch_size: int) -> list[Any]:
+    """``accel.split_batch``: ``batch`` cut into micro-batches of ``micro_batch_size`` rows,
+    each of which the window counts as a micro-step."""
+    size = check_positive_int("micro_batch_size", micro_batch_size)
+    pieces = split_batch(batch, size)
+    window.split(len(pieces), size)
+    return pieces
