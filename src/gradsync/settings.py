@@ -55,7 +55,8 @@ GRAD_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_int
 #: Micro-batches per optimizer step: a number, or a schedule (see gradsync.schedule): text such
 #: as "0:2 100:4", a mapping (step -> k, or a ramp-up {"start", "increment", "samples"}), or a
 #: callable optimizer_step -> k.
-AccumulationSteps = int | str | Mapping[str, Any] | Callable[[int], int]
+AccumulationSteps = (int | str | Mapping[int, int] | Mapping[str, int] | Mapping[str, Any]
+                     | Callable[[int], int])
 #: fn(batch) -> the items (e.g. tokens) it holds.
 ItemCounter = Callable[[Any], int]
 #: True, or a dict of torch.compile arguments.
