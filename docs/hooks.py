@@ -8,6 +8,8 @@ Two pages hold a placeholder comment that is replaced when the site is built:
   flag, from ``gradsync.launch.cli.build_parser()``;
 * ``<!-- gradsync:cli-count -->`` (docs/reference/cli.md): how many subcommands there are,
   in words, with their names;
+* ``<!-- gradsync:version -->`` (docs/changelog.md): the release, ``gradsync.__version__``
+  (also in the site's name, next to the logo);
 * ``<!-- gradsync:accelerate-names -->`` (docs/migrating-from-accelerate.md): every name of
   Accelerate's module paths and what ``gradsync.accelerate`` makes of it, from
   ``gradsync/accelerate/_names.py`` (loaded by its path: no torch).
@@ -32,6 +34,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 SETTINGS_MARK = "<!-- gradsync:settings -->"
 CLI_MARK = "<!-- gradsync:cli -->"
 CLI_COUNT_MARK = "<!-- gradsync:cli-count -->"
+VERSION_MARK = "<!-- gradsync:version -->"
 NAMES_MARK = "<!-- gradsync:accelerate-names -->"
 
 
@@ -43,7 +46,15 @@ def on_config(config: Any, **kwargs: Any) -> Any:
     after loading this module, so it is set here)."""
     if str(SRC) not in sys.path:
         sys.path.insert(0, str(SRC))
+    config["site_name"] = f"gradsync {version()}"
     return config
+
+
+def version() -> str:
+    """``gradsync.__version__``, from ``gradsync/_version.py`` alone (no torch)."""
+    namespace: dict[str, Any] = {}
+    exec((SRC / "gradsync" / "_version.py").read_text(), namespace)
+    return str(namespace["__version__"])
 
 
 def on_pre_build(config: Any, **kwargs: Any) -> None:
@@ -61,6 +72,9 @@ def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
     if CLI_COUNT_MARK in markdown:
         markdown = markdown.replace(CLI_COUNT_MARK, cli_count_markdown())
         _filled.add(CLI_COUNT_MARK)
+    if VERSION_MARK in markdown:
+        markdown = markdown.replace(VERSION_MARK, version())
+        _filled.add(VERSION_MARK)
     if NAMES_MARK in markdown:
         markdown = markdown.replace(NAMES_MARK, names_markdown())
         _filled.add(NAMES_MARK)
@@ -84,7 +98,7 @@ def on_post_build(config: Any, **kwargs: Any) -> None:
     """The generated references must be somewhere: a lost placeholder fails the build."""
     from mkdocs.exceptions import PluginError
 
-    marks = (SETTINGS_MARK, CLI_MARK, CLI_COUNT_MARK, NAMES_MARK)
+    marks = (SETTINGS_MARK, CLI_MARK, CLI_COUNT_MARK, VERSION_MARK, NAMES_MARK)
     missing = [mark for mark in marks if mark not in _filled]
     if missing:
         raise PluginError(
