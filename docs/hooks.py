@@ -139,8 +139,8 @@ def settings_markdown() -> str:
     if unknown:
         raise ValueError(f"docs/hooks.py: no title for the settings of backend(s) {unknown}")
     out = ["Jump to: " + " · ".join(
-        f"[{BACKEND_TITLES[b][0]}](#{_slug(BACKEND_TITLES[b][0])})" for b in BACKEND_TITLES
-        if b in groups), ""]
+        f"[{BACKEND_TITLES[b][0].split(' (')[0]}](#{_slug(BACKEND_TITLES[b][0])})"
+        for b in BACKEND_TITLES if b in groups), ""]
     for backend, (title, intro) in BACKEND_TITLES.items():
         if backend not in groups:
             continue
