@@ -6,11 +6,20 @@ Two pages hold a placeholder comment that is replaced when the site is built:
   ``gradsync.settings.reference_markdown()`` (derived from the one declaration per setting);
 * ``<!-- gradsync:cli -->`` (docs/reference/cli.md): every ``gradsync`` subcommand and
   flag, from ``gradsync.launch.cli.build_parser()``;
+* ``<!-- gradsync:cli-count -->`` (docs/reference/cli.md): how many subcommands there are,
+  in words, with their names;
+* ``<!-- gradsync:version -->`` (docs/changelog.md): the release, ``gradsync.__version__``
+  (also in the site's name, next to the logo);
 * ``<!-- gradsync:accelerate-names -->`` (docs/migrating-from-accelerate.md): every name of
   Accelerate's module paths and what ``gradsync.accelerate`` makes of it, from
   ``gradsync/accelerate/_names.py`` (loaded by its path: no torch).
 
-Both import without torch. A build in which either placeholder was not found fails.
+All import without torch. A build in which a placeholder was not found fails.
+
+Table cells are written for Python-Markdown's ``tables`` and ``attr_list``: a ``|`` inside
+a code span stays as it is (escaping it there would show the backslash), one outside is
+escaped, and text in braces is put in a code span so that ``attr_list`` does not read it as
+attributes (``{"bucket_cap_mb": 50}``). tests/unit/test_docs_html.py checks the built HTML.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 SETTINGS_MARK = "<!-- gradsync:settings -->"
 CLI_MARK = "<!-- gradsync:cli -->"
+CLI_COUNT_MARK = "<!-- gradsync:cli-count -->"
+VERSION_MARK = "<!-- gradsync:version -->"
 NAMES_MARK = "<!-- gradsync:accelerate-names -->"
 
 
@@ -35,7 +46,15 @@ def on_config(config: Any, **kwargs: Any) -> Any:
     after loading this module, so it is set here)."""
     if str(SRC) not in sys.path:
         sys.path.insert(0, str(SRC))
+    config["site_name"] = f"gradsync {version()}"
     return config
+
+
+def version() -> str:
+    """``gradsync.__version__``, from ``gradsync/_version.py`` alone (no torch)."""
+    namespace: dict[str, Any] = {}
+    exec((SRC / "gradsync" / "_version.py").read_text(), namespace)
+    return str(namespace["__version__"])
 
 
 def on_pre_build(config: Any, **kwargs: Any) -> None:
@@ -50,6 +69,12 @@ def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
     if CLI_MARK in markdown:
         markdown = markdown.replace(CLI_MARK, cli_markdown())
         _filled.add(CLI_MARK)
+    if CLI_COUNT_MARK in markdown:
+        markdown = markdown.replace(CLI_COUNT_MARK, cli_count_markdown())
+        _filled.add(CLI_COUNT_MARK)
+    if VERSION_MARK in markdown:
+        markdown = markdown.replace(VERSION_MARK, version())
+        _filled.add(VERSION_MARK)
     if NAMES_MARK in markdown:
         markdown = markdown.replace(NAMES_MARK, names_markdown())
         _filled.add(NAMES_MARK)
@@ -73,7 +98,8 @@ def on_post_build(config: Any, **kwargs: Any) -> None:
     """The generated references must be somewhere: a lost placeholder fails the build."""
     from mkdocs.exceptions import PluginError
 
-    missing = [mark for mark in (SETTINGS_MARK, CLI_MARK, NAMES_MARK) if mark not in _filled]
+    marks = (SETTINGS_MARK, CLI_MARK, CLI_COUNT_MARK, VERSION_MARK, NAMES_MARK)
+    missing = [mark for mark in marks if mark not in _filled]
     if missing:
         raise PluginError(
             f"docs/hooks.py: no page holds {' or '.join(missing)}; put it back where the "
@@ -82,14 +108,58 @@ def on_post_build(config: Any, **kwargs: Any) -> None:
 
 
 # -- the settings ---------------------------------------------------------------------------
-def settings_markdown() -> str:
-    """The settings table, derived from the one declaration per setting."""
-    from gradsync.settings import reference_markdown
+#: The settings' groups, in this order: the core settings (backend None), then each backend's.
+BACKEND_TITLES = {
+    None: ("Every backend", "The core settings: they apply whatever the backend."),
+    "ddp": ("DDP (`ddp`)", "Options of the `ddp` backend ([the training loop](../guide.md))."),
+    "fsdp": ("FSDP2 (`fsdp`)", "Options of the `fsdp` backend ([FSDP2](../fsdp.md))."),
+    "deepspeed": ("DeepSpeed (`deepspeed`)",
+                  "Options of the `deepspeed` backend ([DeepSpeed](../deepspeed.md))."),
+    "fairscale": ("fairscale (`fairscale`, legacy)",
+                  "Options of the `fairscale` backend ([fairscale](../fairscale.md))."),
+}
 
-    text = reference_markdown()
-    if not text.strip():
+
+def settings_markdown() -> str:
+    """The settings reference: one table per backend, one row per declared setting.
+
+    Each row reads setting, meaning, default; under the name its ``GRADSYNC_*`` variable and
+    its ``gradsync launch`` flag, under the meaning its type. Each row carries the setting's
+    name as its anchor (``settings.md#backend``). The same declarations give
+    ``gradsync.settings.reference_markdown()`` (one flat table, for the terminal).
+    """
+    from gradsync.settings import SETTINGS, reference_markdown
+
+    if not reference_markdown().strip():
         raise ValueError("gradsync.settings.reference_markdown() returned no Markdown")
-    return text
+    groups: dict[str | None, list[Any]] = {}
+    for setting in SETTINGS:
+        groups.setdefault(setting.backend, []).append(setting)
+    unknown = sorted(str(b) for b in groups if b not in BACKEND_TITLES)
+    if unknown:
+        raise ValueError(f"docs/hooks.py: no title for the settings of backend(s) {unknown}")
+    out = ["Jump to: " + " · ".join(
+        f"[{BACKEND_TITLES[b][0].split(' (')[0]}](#{_slug(BACKEND_TITLES[b][0])})"
+        for b in BACKEND_TITLES if b in groups), ""]
+    for backend, (title, intro) in BACKEND_TITLES.items():
+        if backend not in groups:
+            continue
+        out += [f"## {title}", "", intro, "", "| setting | meaning | default |", "|---|---|---|"]
+        for s in groups[backend]:
+            where = [_code(s.env)] + ([_code(s.flag)] if s.flag else [])
+            name = f'<span id="{s.name}"></span>**{_code(s.name)}**<br><small>{" · ".join(where)}</small>'
+            meaning = f"{_cell(s.doc)}<br><small>type: {_code(s.type_text)}</small>"
+            out.append(f"| {name} | {meaning} | {_code(repr(s.default))} |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def _slug(title: str) -> str:
+    """The anchor Python-Markdown's toc gives a heading of this title."""
+    import re
+
+    text = re.sub(r"[^\w\s-]", "", title.replace("`", "")).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
 
 
 # -- the command line -----------------------------------------------------------------------
@@ -104,6 +174,17 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
     raise ValueError("gradsync's parser has no subcommands")
+
+
+NUMBERS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+
+
+def cli_count_markdown() -> str:
+    """How many subcommands ``gradsync`` has, in words, and their names."""
+    names = list(_subcommands(_parser()))
+    count = NUMBERS[len(names)] if len(names) < len(NUMBERS) else str(len(names))
+    listed = ", ".join(f"`{n}`" for n in names[:-1]) + f" and `{names[-1]}`"
+    return f"{count} subcommands ({listed})"
 
 
 def cli_markdown() -> str:
@@ -160,7 +241,7 @@ def _value(action: argparse.Action) -> str:
     if action.nargs == argparse.REMAINDER:
         return "… (the rest of the command line)"
     metavar = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
-    return f"`{_cell(metavar)}`"
+    return _code(metavar)
 
 
 def _default(action: argparse.Action) -> str:
@@ -171,7 +252,7 @@ def _default(action: argparse.Action) -> str:
     default = action.default
     if isinstance(default, list):
         default = ",".join(str(v) for v in default)
-    return f"`{_cell(str(default))}`"
+    return _code(str(default))
 
 
 def _meaning(action: argparse.Action) -> str:
@@ -184,6 +265,22 @@ def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".") if text else ""
 
 
+def _code(text: str) -> str:
+    """A code span for a table cell: a ``|`` inside stays as it is (the ``tables`` extension
+    does not split a row at a pipe inside backticks, and would show an escape's backslash)."""
+    text = " ".join(text.split())
+    ticks = "``" if "`" in text else "`"
+    return f"{ticks}{text}{ticks}"
+
+
 def _cell(text: str) -> str:
-    """Text safe inside a Markdown table cell."""
-    return " ".join(text.split()).replace("|", "\\|")
+    """Prose safe inside a Markdown table cell: one line, ``|`` escaped outside code spans, and
+    text in braces (a dict such as ``{"bucket_cap_mb": 50}``) put in a code span, so that
+    ``attr_list`` does not take it for attributes of the cell."""
+    import re
+
+    parts = re.split(r"(`[^`]*`|\{[^{}`]*\})", " ".join(text.split()))
+    return "".join(
+        part.replace("|", "\\|") if i % 2 == 0 else part if part.startswith("`") else _code(part)
+        for i, part in enumerate(parts)
+    )
