@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 from gradsync import audit as audit_mod
 from gradsync import dist, metrics, processes
 from gradsync.accumulation import MicroStep, Window
-from gradsync.assembly import assemble, end, free_memory
+from gradsync.assembly import assemble, attach, end, free_memory
 from gradsync.backends import kinds
 from gradsync.backends._amp import WindowScaler
 from gradsync.backends.base import Backend
@@ -25,7 +25,7 @@ from gradsync.backends.kinds import DistributedType
 from gradsync.batching import BatchPlan
 from gradsync.checkpoint import export
 from gradsync.checkpoint.export import save_model
-from gradsync.checkpoint.signals import SignalWatch, stop_if_told
+from gradsync.checkpoint.signals import SignalWatch
 from gradsync.checkpoint.state import choose_folder
 from gradsync.config import Config, SyncPolicy, load_config
 from gradsync.data import LoaderContext, PreparedDataLoader
@@ -113,8 +113,6 @@ class Accelerator:
 
     Attributes:
         config: every setting after the sources were merged and checked (a ``Config``).
-        audit: the collective counter (``gradsync.audit.Recorder``) with ``audit=True``,
-            else None; None also when the process group was made outside gradsync.
 
     Raises:
         ConfigError: an unknown setting, an invalid value, or batch sizes that contradict
@@ -184,9 +182,13 @@ class Accelerator:
             **options,
         )
         self._p = assemble(self, self.config, self._rules)
-        self.audit: audit_mod.Recorder | None = self._p.audit
-        if self._p.signals.enabled:
-            self._p.runner.before_window.append(lambda: stop_if_told(self._p, self.end))
+        attach(self, self._p)  # the stop-on-signal check, and extensions (gradsync verify)
+
+    @property
+    def audit(self) -> audit_mod.Recorder | None:
+        """The collective counter with ``audit=True``, else None (also None when the process
+        group was made outside gradsync)."""
+        return self._p.audit
 
     # -- the parts (for gradsync's own tests and tools) ----------------------
     @property

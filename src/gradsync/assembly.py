@@ -20,7 +20,7 @@ from gradsync.accumulation import Window
 from gradsync.backends import _group
 from gradsync.backends.base import Backend
 from gradsync.batching import solve_with_schedule
-from gradsync.checkpoint.signals import SignalWatch, requeue_command
+from gradsync.checkpoint.signals import SignalWatch, requeue_command, stop_if_told
 from gradsync.checkpoint.state import CheckpointState
 from gradsync.config import Config
 from gradsync.data import LoaderContext, PreparedDataLoader
@@ -143,8 +143,15 @@ def assemble(owner: Any, config: Config, rules: Rules) -> Parts:
         trackers=tracking.Trackers(config.log_with, config.project_dir, step=prepared.steps_applied),
         signals=SignalWatch(config.signal_folder(), config.save_signals), audit=recorder, ended=ended,
     )
-    parts.attached = [a for e in extensions.named() if (a := e.attach(owner, parts)) is not None]
     return parts
+
+
+def attach(owner: Any, parts: Parts) -> None:
+    """Once ``owner`` (the Accelerator) holds its parts: the stop-on-signal check before each
+    window, and the extensions ``GRADSYNC_EXTENSIONS`` names (``gradsync verify``)."""
+    if parts.signals.enabled:
+        parts.runner.before_window.append(lambda: stop_if_told(parts, owner.end))
+    parts.attached = [a for e in extensions.named() if (a := e.attach(owner, parts)) is not None]
 
 
 def free_memory(parts: Parts) -> None:

@@ -36,12 +36,14 @@ def test_a_pass_the_launched_run_broke_off_fails_only_where_it_was_not_read():
 
 def test_verification_settings_win_over_keywords(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({"world": 4, "k": [2, 3]}))
-    env = {"GRADSYNC_VERIFY": str(tmp_path / "ref"), "GRADSYNC_VERIFY_REPLAY": str(tmp_path)}
+    # gradsync verify names its recorder as the run's extension (GRADSYNC_EXTENSIONS)
+    ext = {"GRADSYNC_EXTENSIONS": "gradsync.verify_hooks"}
+    env = {"GRADSYNC_VERIFY": str(tmp_path / "ref"), "GRADSYNC_VERIFY_REPLAY": str(tmp_path), **ext}
     config = load_config(environ=env, backend="ddp", gradient_accumulation_steps=5, audit=True)
     assert config.backend == "single" and config.audit is False
     k = config.gradient_accumulation_steps
     assert [k(0), k(1), k(7)] == [8, 12, 12]
-    launched = load_config(environ={"GRADSYNC_VERIFY": str(tmp_path)}, track_window_loss=False)
+    launched = load_config(environ={"GRADSYNC_VERIFY": str(tmp_path), **ext}, track_window_loss=False)
     assert launched.audit is True and launched.track_window_loss is True
 
 
