@@ -28,11 +28,17 @@ def check_non_negative_int(name: str, value: object) -> int:
     return value
 
 
+def closest(name: str, choices: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The choice closest to ``name`` (difflib's ratio at least ``cutoff``), or None."""
+    close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
 def did_you_mean(name: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
     """' (did you mean X?)' for the choice closest to ``name``, or '' when none is close
     (difflib's ratio at least ``cutoff``)."""
-    close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=cutoff)
-    return f" (did you mean {close[0]}?)" if close else ""
+    close = closest(name, choices, cutoff)
+    return f" (did you mean {close}?)" if close else ""
 
 
 def human_bytes(n: float) -> str:

@@ -8,14 +8,14 @@ checks) are declared once in gradsync.settings; this module reads them from the 
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from gradsync import _util, environment, extensions
+from gradsync.compat import accelerate
+from gradsync.compat.files import read_yaml
 from gradsync.declaration import to_text
 from gradsync.errors import ConfigError
 from gradsync.settings import (
@@ -83,42 +83,12 @@ def _warn_unknown_variables(env: Mapping[str, str]) -> None:
     for key in sorted(env):
         if not key.startswith(ENV_PREFIX) or key in _BY_ENV or key in others:
             continue
-        close = difflib.get_close_matches(key[len(ENV_PREFIX):].lower(), sorted(BY_NAME), n=1, cutoff=0.75)
+        close = _util.closest(key[len(ENV_PREFIX):].lower(), BY_NAME, cutoff=0.75)
         if close:
             log.warning(
                 "gradsync: %s=%r is not a gradsync setting and is ignored (did you mean %s?)",
-                key, env[key], BY_NAME[close[0]].env,
+                key, env[key], BY_NAME[close].env,
             )
-
-
-def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The mapping a YAML (or JSON) config file holds, as it is written (gradsync's keys or
-    Accelerate's).
-
-    Args:
-        path: the file.
-
-    Returns:
-        Its top-level mapping ({} for an empty file).
-
-    Raises:
-        ConfigError: the file is missing, unreadable, malformed, or holds no mapping.
-    """
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"config file {str(p)!r} is a directory; pass the path of a YAML file")
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist; pass the path of a YAML file")
-    try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"config file {str(p)!r} cannot be read ({err}); pass a UTF-8 YAML file") from None
-    data = _parse(p, text)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(p)!r} must hold a mapping of settings, not {type(data).__name__}")
-    return data
 
 
 def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -126,7 +96,7 @@ def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     The file holds gradsync's keys, or is Accelerate's (as ``accelerate config`` writes it:
     told apart by keys such as ``distributed_type`` and ``num_processes``), translated by
-    ``gradsync.launch.accelerate_config``: its keys that only say how to start the processes
+    ``gradsync.compat.accelerate``: its keys that only say how to start the processes
     are for ``gradsync launch``, and a key that is ignored is one warning (on rank 0).
 
     Args:
@@ -140,10 +110,8 @@ def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
             Accelerate key gradsync cannot honour).
     """
     data = read_yaml(path)
-    from gradsync.launch import accelerate_config
-
-    if accelerate_config.is_accelerate(data):
-        translated = accelerate_config.translate(data, accelerate_config.Source(repr(str(path))))
+    if accelerate.is_accelerate(data):
+        translated = accelerate.translate(data, accelerate.Source(repr(str(path))))
         if translated.notes and environment.detect().rank == 0:  # the same file on every rank
             for note in translated.notes:
                 log.warning("gradsync: %s", note)
@@ -156,43 +124,6 @@ def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"rename or remove them (known keys: {', '.join(sorted(_BY_KEY))})"
         )
     return {_BY_KEY[key].name: value for key, value in data.items()}
-
-
-def _parse(p: Path, text: str) -> Any:
-    """The file's content: YAML, or JSON where PyYAML is not installed."""
-    try:
-        import yaml
-    except ImportError:
-        import json
-
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as err:
-            if p.suffix.lower() == ".json":
-                raise ConfigError(
-                    f"config file {str(p)!r} is not valid JSON: {err.msg} at line {err.lineno}, "
-                    f"column {err.colno}; fix the syntax there"
-                ) from None
-            raise ConfigError(
-                f"config file {str(p)!r} needs PyYAML to read; pip install 'gradsync[yaml]'"
-            ) from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(
-            f"config file {str(p)!r} is not valid YAML: {_yaml_problem(err)}; fix the syntax there"
-        ) from None
-
-
-def _yaml_problem(err: Exception) -> str:
-    """One line from a PyYAML error: the problem and where it is (1-based line, column)."""
-    problem = getattr(err, "problem", None) or getattr(err, "context", None)
-    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
-    if problem is None:
-        return " ".join(str(err).split())
-    if mark is None:
-        return str(problem)
-    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
 def load_config(

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gradsync import schedule
-from gradsync._util import check_positive_int
+from gradsync._util import check_positive_int, closest
 from gradsync.backends.ddp_options import DDPOptions
 from gradsync.backends.deepspeed_options import DeepSpeedOptions
 from gradsync.backends.fairscale_options import FairscaleOptions
@@ -228,10 +228,8 @@ def _check_trackers(name: str, value: Any, config: Any) -> list[Any] | None:
         if isinstance(item, str):
             key = item.strip().lower()
             if key not in TRACKER_NAMES:
-                import difflib
-
-                close = difflib.get_close_matches(key, TRACKER_NAMES, n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
+                close = closest(key, TRACKER_NAMES)
+                hint = f"did you mean {close!r}? " if close else ""
                 raise ConfigError(
                     f"{name}={item!r} is not a tracker; {hint}use one of "
                     f"{', '.join(TRACKER_NAMES)}, or a tracker object"

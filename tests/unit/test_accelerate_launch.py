@@ -19,9 +19,9 @@ from unittest import mock
 
 import pytest
 
+from gradsync.compat import accelerate as ac
 from gradsync.config import from_env, load_config, read_yaml
 from gradsync.errors import ConfigError
-from gradsync.launch import accelerate_config as ac
 from gradsync.launch import cli
 from gradsync.launch.torchrun import LaunchConfig, Launcher
 

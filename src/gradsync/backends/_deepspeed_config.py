@@ -1,55 +1,25 @@
-"""DeepSpeed config handling: read it (dict, JSON/YAML path, JSON text), fill its batch keys
+"""DeepSpeed config handling: read it (``gradsync.compat.files``: a dict, a JSON/YAML path or
+JSON text), fill its batch keys
 from gradsync's plan (refusing contradictions), its precision section from ``mixed_precision``,
 and complete it for ``deepspeed.initialize``. Used by the deepspeed adapter."""
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradsync.backends import _deepspeed_compat
 from gradsync.batching import solve_with_schedule
+from gradsync.compat.files import load_deepspeed_config as load_ds_config
 from gradsync.errors import ConfigError
 
 if TYPE_CHECKING:
     from gradsync.batching import BatchPlan
     from gradsync.config import Config
 
-_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
-
-
-def load_ds_config(value: Any) -> dict[str, Any]:
-    """A DeepSpeed config from a dict, a JSON/YAML file path, or JSON text (a copy)."""
-    if value is None:
-        return {}
-    if isinstance(value, dict):
-        copy: dict[str, Any] = json.loads(json.dumps(value))
-        return copy
-    if not isinstance(value, str | os.PathLike):
-        raise ConfigError(f"deepspeed_config={value!r} must be a dict, a JSON/YAML path or JSON text")
-    text = str(value)
-    path = Path(text)
-    if not text.lstrip().startswith("{") and path.is_file():
-        raw = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(raw)
-        else:
-            data = json.loads(raw)
-    else:
-        try:
-            data = json.loads(text)
-        except ValueError:
-            raise ConfigError(
-                f"deepspeed_config={text!r} is neither an existing file nor JSON text; "
-                "pass a dict, the path of a .json/.yaml file, or a JSON string"
-            ) from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"deepspeed_config {text!r} must hold a mapping, not {type(data).__name__}")
-    return data
+__all__ = [
+    "MICS_KEYS", "build_config", "check_batch", "check_hpz", "check_precision", "check_removed_keys",
+    "check_setup_batch", "fill_batch", "fill_precision", "load_ds_config",
+]
 
 
 def _is_auto(value: Any) -> bool:

@@ -8,13 +8,13 @@ whatever follows `gradsync launch`'s script name reaches the script as given.
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from gradsync._util import closest
+from gradsync.compat.accelerate import FLAGS, refused_flag
 from gradsync.errors import ConfigError
-from gradsync.launch.accelerate_config import FLAGS, refused_flag
 from gradsync.settings import BY_NAME, LAUNCH_SETTINGS, Setting
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ def _positive(text: str) -> int:
 
 
 def _add_accelerate_flags(group: Any) -> None:
-    """``accelerate launch``'s flags (``accelerate_config.FLAGS``), in both spellings, as
+    """``accelerate launch``'s flags (``gradsync.compat.accelerate.FLAGS``), in both spellings, as
     ``accelerate_<name>`` (None: not given)."""
     _add(group, "--config-file", dest="config_file", default=None, metavar="YAML",
          help="the same as --config (Accelerate's spelling)")
@@ -481,7 +481,8 @@ def _unknown(parser: argparse.ArgumentParser, command: str, word: str) -> str:
                 f"it in the config file (--config) or as {BY_NAME[name].env}")
     flags = [o for a in sub._actions if a.help != argparse.SUPPRESS for o in a.option_strings]
     prefixed = [f for f in flags if f.startswith(flag.replace("_", "-"))]  # no abbreviation
-    close = prefixed[:3] or difflib.get_close_matches(flag.replace("_", "-"), flags, n=1, cutoff=0.6)
+    near = closest(flag.replace("_", "-"), flags)
+    close = prefixed[:3] or ([near] if near else [])
     hint = f" (did you mean {' or '.join(close)}?)" if close else f"; see gradsync {command} --help"
     return f"unknown flag {flag} for gradsync {command}{hint}"
 

@@ -27,9 +27,10 @@ from gradsync import backends
 from gradsync._util import check_positive_int
 from gradsync.backends.fsdp_options import MeshSpec
 from gradsync.batching import BatchPlan, solve_with_schedule
+from gradsync.compat import accelerate
 from gradsync.config import ENV_PREFIX, Config, env_vars, from_yaml, read_yaml
 from gradsync.errors import ConfigError
-from gradsync.launch import accelerate_config, failures, scheduler, signals
+from gradsync.launch import failures, scheduler, signals
 from gradsync.schedule import Schedule, is_schedule
 from gradsync.settings import (
     BY_NAME,
@@ -85,7 +86,7 @@ class LaunchConfig:
     #: A YAML (or JSON) file: gradsync's settings, or Accelerate's config file (``accelerate
     #: config``), told apart by its keys.
     config_file: str | None = None
-    #: ``accelerate launch`` flags by name (``accelerate_config.FLAGS``: ``num_processes``,
+    #: ``accelerate launch`` flags by name (``gradsync.compat.accelerate.FLAGS``: ``num_processes``,
     #: ``use_fsdp``, ``zero_stage`` ...; a switch given is True), e.g. ``{"num_processes": 4}``.
     #: They win over the config file and must agree with the torchrun fields and settings given.
     accelerate: dict[str, Any] = field(default_factory=dict)
@@ -164,26 +165,26 @@ class Launcher:
         """Read the config file and Accelerate's flags: the settings they give, the torchrun
         fields Accelerate's flags stand for (which must agree with torchrun's flags given),
         and those its file's launch keys would fill in (``_fill_from_file``)."""
-        flags, flag_source = accelerate_config.from_flags(config.accelerate)
+        flags, flag_source = accelerate.from_flags(config.accelerate)
         path = config.config_file
         file_data: dict[str, Any] | None = None
         if path:
             raw = read_yaml(path)
-            if accelerate_config.is_accelerate(raw):
+            if accelerate.is_accelerate(raw):
                 file_data, self._accelerate_file = raw, True
             else:
                 self._file_settings = from_yaml(path)
         if not flags and file_data is None:
             return config
         base = self._file_settings.get("deepspeed_config")
-        by_flags = accelerate_config.translate(
+        by_flags = accelerate.translate(
             flags, flag_source, deepspeed_base=base, base_label=f"deepspeed_config in {path!r}",
             backend=config.backend)
         everything = by_flags
         if file_data is not None:
-            everything = accelerate_config.translate(
-                accelerate_config.merge(file_data, flags),
-                accelerate_config.Source(repr(path), flag_source.flags), backend=config.backend)
+            everything = accelerate.translate(
+                accelerate.merge(file_data, flags),
+                accelerate.Source(repr(path), flag_source.flags), backend=config.backend)
         self.warnings += everything.notes
         for name in by_flags.settings:
             value = everything.settings[name]
@@ -207,18 +208,18 @@ class Launcher:
         _launch_env(from_file, self._launch_env_defaults)
         self._file_fields = {
             name: (value, everything.origins.get(key, f"{key} in {path!r}"))
-            for name, (value, key) in accelerate_config.torchrun_fields(
+            for name, (value, key) in accelerate.torchrun_fields(
                 everything.launch, config.rdzv_backend).items()}
         return self._flag_fields(config, by_flags)
 
     def _flag_fields(self, config: LaunchConfig,
-                     by_flags: accelerate_config.Translation) -> LaunchConfig:
+                     by_flags: accelerate.Translation) -> LaunchConfig:
         """The torchrun fields Accelerate's flags stand for; one that contradicts the torchrun
         flag given (or a second way to say where the nodes meet) is a ConfigError."""
         given_rendezvous = [n for n in _RENDEZVOUS if getattr(config, n) is not None] or (
             ["standalone"] if config.standalone else [])
         values: dict[str, Any] = {}
-        for name, (value, key) in accelerate_config.torchrun_fields(
+        for name, (value, key) in accelerate.torchrun_fields(
                 by_flags.launch, config.rdzv_backend).items():
             mine = getattr(config, name)
             said = by_flags.origins.get(key, f"--{key}")
