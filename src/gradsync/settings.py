@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gradsync import schedule
-from gradsync._util import check_positive_int, closest
+from gradsync._util import check_positive_int
 from gradsync.backends.ddp_options import DDPOptions
 from gradsync.backends.deepspeed_options import DeepSpeedOptions
 from gradsync.backends.fairscale_options import FairscaleOptions
@@ -33,6 +33,7 @@ from gradsync.declaration import (
     type_text,
 )
 from gradsync.errors import ConfigError
+from gradsync.tracking._names import check_log_with
 
 __all__ = [
     "BY_NAME", "CORE_SETTINGS", "ENV_PREFIX", "GRAD_SCALER_KEYS", "LAUNCH_SETTINGS",
@@ -213,38 +214,6 @@ def _check_project_dir(name: str, value: Any, config: Any) -> str:
     return os.fspath(value)
 
 
-#: The tracker names ``log_with`` accepts ("all": every one whose library is installed).
-TRACKER_NAMES = ("tensorboard", "wandb", "mlflow", "csv", "jsonl", "all")
-
-
-def _check_trackers(name: str, value: Any, config: Any) -> list[Any] | None:
-    if value is None:
-        return None
-    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
-    if not isinstance(items, list | tuple):
-        items = [items]
-    out: list[Any] = []
-    for item in items:
-        if isinstance(item, str):
-            key = item.strip().lower()
-            if key not in TRACKER_NAMES:
-                close = closest(key, TRACKER_NAMES)
-                hint = f"did you mean {close!r}? " if close else ""
-                raise ConfigError(
-                    f"{name}={item!r} is not a tracker; {hint}use one of "
-                    f"{', '.join(TRACKER_NAMES)}, or a tracker object"
-                )
-            out.append(key)
-        elif callable(getattr(item, "log", None)):
-            out.append(item)
-        else:
-            raise ConfigError(
-                f"{name} got a {type(item).__name__}, which is neither a tracker name nor a "
-                "tracker (an object with log(values, step)); use e.g. log_with='tensorboard'"
-            )
-    return out or None
-
-
 @dataclass
 class CoreSettings:
     """The settings every backend reads. The order is the order of validation: a check may
@@ -318,7 +287,7 @@ class CoreSettings:
     log_with: Sequence[Any] | None = field(default=None, metadata=setting(
         "experiment trackers for accel.log: tensorboard, wandb, mlflow, csv, jsonl, all, or "
         "tracker objects (comma-separated from text)",
-        accepts=str | Sequence[Any] | None, check=_check_trackers, metavar="T"))
+        accepts=str | Sequence[Any] | None, check=check_log_with, metavar="T"))
     project_dir: str | None = field(default=None, metadata=setting(
         "the folder trackers write into (their logging_dir), created by the main process",
         accepts=str | os.PathLike[str] | None, check=_check_project_dir))

@@ -431,6 +431,12 @@ def test_file_trackers_need_a_project_dir():
     assert _trackers(["wandb", "mlflow"], None).names == ["wandb", "mlflow"]
 
 
+def test_the_names_log_with_accepts_are_the_built_in_trackers():
+    from gradsync.tracking._names import BUILTIN_NAMES, TRACKER_NAMES
+
+    assert tuple(BUILTIN_TRACKERS) == BUILTIN_NAMES and TRACKER_NAMES == (*BUILTIN_NAMES, "all")
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(ConfigError, match="log_with got a int, which is neither"):
         _trackers([3], tmp_path)
