@@ -12,18 +12,18 @@ from __future__ import annotations
 from typing import Any
 
 from gradsync.accelerate._names import refuse
-from gradsync.accelerate.accelerator import Accelerator, GradientState
+from gradsync.accelerate.accelerator import Accelerator, GradientState  # noqa: F401 (Accelerate's path to it)
 from gradsync.accelerate.config import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
-    GradientAccumulationPlugin,
+    GradientAccumulationPlugin,  # noqa: F401 (Accelerate's path to it)
     GradScalerKwargs,
     InitProcessGroupKwargs,
-    ProjectConfiguration,
+    ProjectConfiguration,  # noqa: F401 (Accelerate's path to it)
 )
 from gradsync.accelerate.data_loader import skip_first_batches
-from gradsync.accelerate.state import AcceleratorState, PartialState
+from gradsync.accelerate.state import AcceleratorState, PartialState  # noqa: F401 (Accelerate's path to it)
 from gradsync.accelerate.utils import find_executable_batch_size
 from gradsync.backends.kinds import DistributedType
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from gradsync import dist
 from gradsync.accelerate._names import refuse_member
 from gradsync.accelerate.config import (
     DataLoaderConfiguration,
@@ -23,7 +24,6 @@ from gradsync.accelerate.config import (
     ProjectConfiguration,
     translate,
 )
-from gradsync import dist
 from gradsync.accelerator import Accelerator as _Core
 from gradsync.errors import ConfigError
 
@@ -33,6 +33,10 @@ class GradientState:
 
     def __init__(self, accel: Accelerator) -> None:
         self._accel = accel
+
+    @classmethod
+    def _reset_state(cls) -> None:
+        """Nothing to reset: a GradientState belongs to one Accelerator, not to the process."""
 
     @property
     def sync_gradients(self) -> bool:
