@@ -161,6 +161,20 @@ def test_the_accelerators_state_and_kind(clean_env: pytest.MonkeyPatch) -> None:
         assert "Num processes: 1" in repr(accel.state)
 
 
+def test_reset_state_is_a_no_op_the_next_accelerator_takes_its_own_settings(
+        clean_env: pytest.MonkeyPatch) -> None:
+    from gradsync.accelerate import Accelerator
+    from gradsync.accelerate.state import AcceleratorState, GradientState, PartialState
+
+    first = Accelerator(gradient_accumulation_steps=2)
+    AcceleratorState._reset_state()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+    GradientState._reset_state()
+    assert first.gradient_state.num_steps == 2 and first.state.num_processes == 1
+    assert Accelerator(gradient_accumulation_steps=3).gradient_state.num_steps == 3
+
+
 def test_find_executable_batch_size_halves_until_it_runs() -> None:
     from gradsync.accelerate.utils import find_executable_batch_size
 

@@ -34,6 +34,10 @@ class GradientState:
     def __init__(self, accel: Accelerator) -> None:
         self._accel = accel
 
+    @classmethod
+    def _reset_state(cls) -> None:
+        """Nothing to reset: a GradientState belongs to one Accelerator, not to the process."""
+
     @property
     def sync_gradients(self) -> bool:
         return self._accel.sync_gradients

@@ -32,6 +32,11 @@ class PartialState:
         if cpu:
             os.environ["GRADSYNC_DEVICE"] = "cpu"
 
+    @classmethod
+    def _reset_state(cls, reset_partial_state: bool = False) -> None:
+        """Nothing to reset: no state is shared between instances (each reads where the
+        process stands when asked), so the next Accelerator takes its own settings anyway."""
+
     @property
     def num_processes(self) -> int:
         return dist.rank_info()[1]
