@@ -29,11 +29,11 @@ from gradsync.backends.kinds import DistributedType
 from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.checkpoint import export
 from gradsync.checkpoint.export import save_model
-from gradsync.checkpoint.signals import SignalWatch, requeue, requeue_command
+from gradsync.checkpoint.signals import SAVE_FAILED_STATUS, SignalWatch, requeue, requeue_command
 from gradsync.checkpoint.state import CheckpointState
 from gradsync.config import Config, SyncPolicy, load_config
 from gradsync.data import LoaderContext, PreparedDataLoader, split_batch
-from gradsync.errors import ConfigError, UsageError, naming_collective
+from gradsync.errors import CheckpointError, ConfigError, UsageError, naming_collective
 from gradsync.microstep import AuditObserver, ItemCount, Runner, SelfCheckObserver
 from gradsync.planning import length_mismatch, plan_steps, warn_unfinished
 from gradsync.prepared import Prepared
@@ -1037,10 +1037,18 @@ class Accelerator:
         root = self.config.signal_folder()
         assert root is not None
         path = os.path.join(root, f"step-{self.optimizer_steps}")
-        with naming_collective(f"save_state({path!r})", self._timeout):
-            self._state.save(path, None, pending=1)  # the batch just yielded is not trained on yet
+        what = signal.Signals(told).name
+        try:
+            with naming_collective(f"save_state({path!r})", self._timeout):
+                self._state.save(path, None, pending=1)  # the batch just yielded is not trained on yet
+        except CheckpointError as err:
+            # Not saved: exit non-zero so the scheduler never believes it was, and no requeue.
+            if self.is_main_process:
+                print(f"gradsync: {what} received; {err}; not requeued, exiting with status "
+                      f"{SAVE_FAILED_STATUS}", file=sys.stderr, flush=True)
+            self.end()
+            raise SystemExit(SAVE_FAILED_STATUS) from None
         if self.is_main_process:
-            what = signal.Signals(told).name
             requeued = self.config.requeue and requeue()
             print(f"gradsync: {what} received; saved {path}" + (", job requeued" if requeued else "")
                   + ", exiting", file=sys.stderr, flush=True)

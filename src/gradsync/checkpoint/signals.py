@@ -17,6 +17,10 @@ from gradsync.errors import ConfigError
 
 log = logging.getLogger("gradsync")
 
+#: The exit status of a process whose save on a stop signal failed (a full disk, ...): not
+#: 0, so the scheduler never takes the job for saved; it is not requeued either.
+SAVE_FAILED_STATUS = 1
+
 
 class SignalWatch:
     """Remembers which of ``signals`` arrived first (with ``save_on_signal``); the Accelerator

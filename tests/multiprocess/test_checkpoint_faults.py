@@ -1,0 +1,106 @@
+"""A checkpoint write that fails for real (a full tmpfs: ENOSPC; one rank's file-size
+limit: EFBIG) on DDP, FSDP2 (1-D, and the 2-D mesh on 4 ranks), DeepSpeed ZeRO 2 and 3 and
+fairscale, synchronous and background saves: every rank raises the same one-line
+CheckpointError naming the folder, the file, the OS error and the checkpoint kept, without
+waiting for a collective timeout; the temporary folder is gone, keep_last deleted nothing,
+the previous checkpoint loads bitwise, training goes on and the next save succeeds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from harness import Scenario, run_scenarios
+from scenarios import faults
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (needs root)")
+
+BACKENDS = {"ddp": ("ddp", None), "fsdp": ("fsdp", None), "zero2": ("deepspeed", 2),
+            "zero3": ("deepspeed", 3), "fairscale": ("fairscale", None)}
+FAULTS = {"full": ("enospc", False), "full_background": ("enospc", True), "efbig_rank1": ("efbig:1", False)}
+WORDS = {"enospc": "No space left on device (ENOSPC)", "efbig:1": "File too large (EFBIG)"}
+CASES = [f"{b}_{f}" for b in BACKENDS for f in FAULTS]
+MESH_CASES = ["hsdp_full", "hsdp_efbig_rank3"]
+
+
+@pytest.fixture(scope="module")
+def disk():
+    """A 4 MiB tmpfs (unmounted afterwards)."""
+    where = Path(tempfile.mkdtemp(prefix="gradsync-disk-"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+        where.rmdir()
+
+
+@pytest.fixture(scope="module")
+def results(disk):
+    scenarios = {
+        f"{name}_{fault}": Scenario(faults.failed_save, backend=backend, stage=stage, fault=kind,
+                                    background=background, folder=str(disk / f"{name}_{fault}"))
+        for name, (backend, stage) in BACKENDS.items() for fault, (kind, background) in FAULTS.items()
+    }
+    return run_scenarios(scenarios, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def mesh_results(disk):
+    scenarios = {
+        "hsdp_full": Scenario(faults.failed_save, backend="fsdp", mesh=[2, 2], fault="enospc",
+                              folder=str(disk / "hsdp_full")),
+        "hsdp_efbig_rank3": Scenario(faults.failed_save, backend="fsdp", mesh=[2, 2], fault="efbig:3",
+                                     folder=str(disk / "hsdp_efbig_rank3")),
+    }
+    return run_scenarios(scenarios, nproc=4, timeout=900)
+
+
+def _check(ranks: list[dict], words: str, victim: int | None) -> float:
+    """The assertions every case shares; returns the seconds from the failing save's start
+    to the error on the last rank."""
+    first = ranks[0]
+    folder = str(Path(first["good"]).parent)
+    for rank, r in enumerate(ranks):
+        assert r["kind"] == "CheckpointError", (rank, r["kind"], r["error"])  # not a CollectiveError
+        assert r["error"] == first["error"], "every rank raises the same line"
+        error = r["error"]
+        assert "\n" not in error
+        assert error.startswith(f"save_state('{folder}/bad') failed: rank "), error
+        assert words in error, error
+        assert f"the checkpoint kept is '{first['good']}'" in error, error
+        assert "could not write " in error, error
+        assert r["listing_after_failure"] == ["good"], r  # no temporary folder; keep_last deleted nothing
+        assert r["latest"] == first["good"]
+        assert r["bitwise"], f"rank {rank}: the previous checkpoint does not load bitwise"
+        assert r["listing_after_save"] == ["after"], r  # committed, then keep_last deleted good
+    if victim is not None:
+        assert f"failed: rank {victim} could not write" in first["error"], first["error"]
+    return max(r["failed_at"] for r in ranks) - min(r["started"] for r in ranks)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_failed_write_is_one_line_on_every_rank_and_loses_nothing(results, case):
+    backend, _, fault = case.partition("_")
+    kind = FAULTS[fault][0]
+    seconds = _check(results[case], WORDS[kind], 1 if kind == "efbig:1" else None)
+    print(f"{case}: the failing save raised on every rank {seconds:.2f} s after it started")
+
+
+@pytest.mark.parametrize("case", MESH_CASES)
+def test_on_the_2d_mesh_too(mesh_results, case):
+    efbig = "efbig" in case
+    words = "File too large (EFBIG)" if efbig else "No space left on device (ENOSPC)"
+    seconds = _check(mesh_results[case], words, 3 if efbig else None)
+    print(f"{case}: the failing save raised on every rank {seconds:.2f} s after it started")
+
+
+def test_the_file_is_named(results):
+    """The file that could not be written is named inside the checkpoint folder."""
+    assert "could not write rng_rank1.pt: File too large" in results["ddp_efbig_rank1"][0]["error"]
+    assert "could not write dcp_" in results["fsdp_efbig_rank1"][0]["error"]
+    assert "could not write deepspeed/state/" in results["zero2_efbig_rank1"][0]["error"]
