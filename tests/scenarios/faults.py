@@ -66,7 +66,7 @@ def _weights(accel: Accelerator, model: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in accel.get_state_dict(model).items()}
 
 
-def _fill(folder: Path) -> Path:
+def fill(folder: Path) -> Path:
     """A file that takes every free byte of ``folder``'s filesystem (its writes end in ENOSPC)."""
     filler = folder / "filler"
     with open(filler, "wb", buffering=0) as f:
@@ -87,7 +87,7 @@ def _fault(kind: str, folder: Path) -> Iterator[None]:
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit: EFBIG
     try:
         if kind == "enospc" and dist.get_rank() == 0:
-            filler = _fill(folder)
+            filler = fill(folder)
         if kind.startswith("efbig") and dist.get_rank() == victim:
             resource.setrlimit(resource.RLIMIT_FSIZE, (64, limit[1]))
         dist.barrier()

@@ -69,9 +69,11 @@ def describe(err: BaseException, tmp: Path) -> tuple[str, str] | None:
     where = ""
     if name is not None:
         path = Path(os.fsdecode(name))
-        try:
+        if path == tmp:
+            where = f"could not create {str(path)!r}: "
+        elif path.is_relative_to(tmp):
             where = f"could not write {path.relative_to(tmp)}: "
-        except ValueError:
+        else:
             where = f"could not write {str(path)!r}: "
     code = found.errno or 0
     words = found.strerror or os.strerror(code)
