@@ -49,7 +49,7 @@ def _prepared(backend: str, stage: int | None, mesh: list[int] | None, seed: int
     accel = Accelerator(backend=backend, gradient_accumulation_steps=2, seed=0, **options)
     model = make_model(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    model, opt, loader = accel.prepare(model, opt, DataLoader(Indexed(32), batch_size=2))
+    model, opt, loader = accel.prepare(model, opt, DataLoader(Indexed(64), batch_size=2))
     return accel, model, opt, loader
 
 
