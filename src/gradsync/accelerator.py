@@ -842,7 +842,9 @@ class Accelerator:
             ConfigError: no folder given and no ``project_dir`` set, or both ``path`` and
                 ``output_dir``.
             UsageError: called inside ``accumulate``.
-            CheckpointError: the backend cannot save the open window, or a rank failed.
+            CheckpointError: the backend cannot save the open window, or a write failed on
+                a rank (every rank raises the same line: the folder, the file, the OS error
+                and the checkpoint kept; nothing else changed, and training can go on).
             CollectiveError: another rank stopped answering.
         """
         path = self._folder("save_state", path, "output_dir", output_dir)
