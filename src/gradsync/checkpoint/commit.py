@@ -45,32 +45,33 @@ class _Save:
         if self.device is not None and dist.is_multiprocess() and sums is None:
             if not dist.any_rank(error is not None, self.device):
                 return []
-        parts = dist.all_gather_object((error is not None, self._reason(error), self._kept(), sums))
-        failed = [(rank, reason) for rank, (bad, reason, _, _) in enumerate(parts) if bad]
+        parts = dist.all_gather_object((error is not None, self._reason(error), sums))
+        failed = [(rank, reason) for rank, (bad, reason, _) in enumerate(parts) if bad]
         if not failed:
-            return [part for _, _, _, part in parts]
+            return [part for _, _, part in parts]
         if dist.rank() == 0:
             failure.remove(self.tmp)
         if error is not None and _is_own(error):
-            raise error  # a usage error of this rank: as it was raised
+            raise error  # a usage error of this rank, or an interrupt: as it was raised
         # The first rank that says why (a rank that stopped because another failed does not).
         rank, reason = next(((r, why) for r, why in failed if why is not None), (failed[0][0], None))
-        raise CheckpointError(failure.line(self.target, rank, len(parts), reason, parts[0][2],
+        raise CheckpointError(failure.line(self.target, rank, len(parts), reason, _kept(self.target),
                                            background=self.background)) from None
 
     def _reason(self, error: BaseException | None) -> tuple[str, str] | None:
         return None if error is None else failure.describe(error, self.tmp)
 
-    def _kept(self) -> str:
-        if dist.rank() != 0:
-            return ""
-        return failure.kept(self.target, [p for _, p in complete_checkpoints(self.target.parent)])
+
+def _kept(target: Path) -> str:
+    """The checkpoint a failed save of ``target`` leaves as the latest (every rank sees the
+    same folder, and nothing changes it while the ranks raise)."""
+    return failure.kept(target, [p for _, p in complete_checkpoints(target.parent)])
 
 
 def _is_own(error: BaseException) -> bool:
-    """A gradsync error raised on purpose (a call in the wrong place, a setting): it names
-    its fix already and is raised as it is on its rank."""
-    return isinstance(error, (ConfigError, UsageError, CheckpointError))
+    """A gradsync error raised on purpose (a call in the wrong place, a setting), which names
+    its fix already, or an interrupt (KeyboardInterrupt): raised as it is on its rank."""
+    return isinstance(error, (ConfigError, UsageError, CheckpointError)) or not isinstance(error, Exception)
 
 
 class Committer:
@@ -218,8 +219,8 @@ class _Commit:
             _install(tmp, self.target, manifest, _summed_while_syncing(tmp, names, names), keep_last)
         except BaseException as err:  # reported by wait(); also said now, in case none comes
             failure.remove(tmp)
-            kept = failure.kept(self.target, [p for _, p in complete_checkpoints(self.target.parent)])
-            message = failure.line(self.target, 0, 1, failure.describe(err, tmp), kept, background=True)
+            message = failure.line(self.target, 0, 1, failure.describe(err, tmp), _kept(self.target),
+                                   background=True)
             print(f"gradsync: {message}", file=sys.stderr, flush=True)
             raise CheckpointError(message) from None
 
