@@ -1,9 +1,10 @@
 """A checkpoint write that fails for real (a full tmpfs: ENOSPC; one rank's file-size
-limit: EFBIG) on DDP, FSDP2 (1-D, and the 2-D mesh on 4 ranks), DeepSpeed ZeRO 2 and 3 and
+limit: EFBIG; a read-only bind mount: EROFS) on DDP, FSDP2 (1-D, and the 2-D mesh on 4 ranks), DeepSpeed ZeRO 2 and 3 and
 fairscale, synchronous and background saves: every rank raises the same one-line
 CheckpointError naming the folder, the file, the OS error and the checkpoint kept, without
 waiting for a collective timeout; the temporary folder is gone, keep_last deleted nothing,
-the previous checkpoint loads bitwise, training goes on and the next save succeeds."""
+the previous checkpoint loads bitwise (from the read-only mount), training goes on and the
+next save succeeds."""
 
 from __future__ import annotations
 
@@ -28,34 +29,46 @@ MESH_CASES = ["hsdp_full", "hsdp_efbig_rank3"]
 
 
 @pytest.fixture(scope="module")
-def disk():
-    """A 4 MiB tmpfs (unmounted afterwards)."""
+def disks():
+    """A 4 MiB tmpfs, and the same seen through a read-only bind mount (unmounted afterwards)."""
     where = Path(tempfile.mkdtemp(prefix="gradsync-disk-"))
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)], check=True)
+    disk, ro = where / "disk", where / "ro"
+    disk.mkdir()
+    ro.mkdir()
+    mounted = []
     try:
-        yield where
+        for args in (["-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], ["--bind", str(disk), str(ro)],
+                     ["-o", "remount,ro,bind", str(ro)]):
+            subprocess.run(["mount", *args], check=True)
+            mounted.append(Path(args[-1]))
+        yield disk, ro
     finally:
-        subprocess.run(["umount", str(where)], check=False)
+        for path in reversed(sorted(set(mounted))):
+            subprocess.run(["umount", str(path)], check=False)
+        disk.rmdir()
+        ro.rmdir()
         where.rmdir()
 
 
 @pytest.fixture(scope="module")
-def results(disk):
+def results(disks):
+    disk, ro = disks
     scenarios = {
         f"{name}_{fault}": Scenario(faults.failed_save, backend=backend, stage=stage, fault=kind,
-                                    background=background, folder=str(disk / f"{name}_{fault}"))
+                                    background=background, folder=str(disk / f"{name}_{fault}"),
+                                    read_only=str(ro / f"{name}_{fault}"))
         for name, (backend, stage) in BACKENDS.items() for fault, (kind, background) in FAULTS.items()
     }
     return run_scenarios(scenarios, timeout=900)
 
 
 @pytest.fixture(scope="module")
-def mesh_results(disk):
+def mesh_results(disks):
+    disk, ro = disks
     scenarios = {
-        "hsdp_full": Scenario(faults.failed_save, backend="fsdp", mesh=[2, 2], fault="enospc",
-                              folder=str(disk / "hsdp_full")),
-        "hsdp_efbig_rank3": Scenario(faults.failed_save, backend="fsdp", mesh=[2, 2], fault="efbig:3",
-                                     folder=str(disk / "hsdp_efbig_rank3")),
+        name: Scenario(faults.failed_save, backend="fsdp", mesh=[2, 2], fault=fault,
+                       folder=str(disk / name), read_only=str(ro / name))
+        for name, fault in (("hsdp_full", "enospc"), ("hsdp_efbig_rank3", "efbig:3"))
     }
     return run_scenarios(scenarios, nproc=4, timeout=900)
 
@@ -79,6 +92,13 @@ def _check(ranks: list[dict], words: str, victim: int | None, background: bool =
         assert r["latest"] == first["good"]
         assert r["bitwise"], f"rank {rank}: the previous checkpoint does not load bitwise"
         assert r["listing_after_save"] == ["after"], r  # committed, then keep_last deleted good
+        # good loaded (bitwise, above) through a read-only mount, where a save fails in one line
+        ro = str(Path(folder).parent.parent / "ro" / Path(folder).name)
+        assert r["read_only_error"] == (
+            f"CheckpointError: save_state('{ro}/bad') failed: rank 0 could not create '{ro}/.bad.gradsync-tmp': "
+            f"Read-only file system (EROFS); nothing was saved there, the checkpoint kept is '{ro}/good'; the "
+            "filesystem is read-only: save into a writable folder"
+        )
     if victim is not None:
         assert f"failed: rank {victim} could not write" in first["error"], first["error"]
     return max(r["failed_at"] for r in ranks) - min(r["started"] for r in ranks)

@@ -104,10 +104,12 @@ def _listing(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name != "filler")
 
 
-def failed_save(*, backend: str, folder: str, fault: str, background: bool = False,
+def failed_save(*, backend: str, folder: str, read_only: str, fault: str, background: bool = False,
                 stage: int | None = None, mesh: list[int] | None = None) -> dict[str, Any]:
     """Save ``good``; train a window; the save of ``bad`` (keep_last=1) fails under ``fault``;
-    then ``good`` loads into a fresh Accelerator and ``after`` (keep_last=1) is saved."""
+    then ``good`` loads into a fresh Accelerator from ``read_only`` (the same folder seen
+    through a read-only mount), where a save fails (EROFS), and ``after`` (keep_last=1) is
+    saved."""
     root = Path(folder)
     if dist.get_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -130,8 +132,13 @@ def failed_save(*, backend: str, folder: str, fault: str, background: bool = Fal
     listing = _listing(root)  # after the fault's barrier: rank 0 has removed what it removes
     latest = latest_checkpoint(root)
     fresh, fresh_model, _opt, _loader = _prepared(backend, stage, mesh, seed=1)
-    fresh.load_state(good)
+    fresh.load_state(Path(read_only) / "good")
     loaded = _weights(fresh, fresh_model)
+    try:
+        fresh.save_state(Path(read_only) / "bad")
+        read_only_error = ""
+    except Exception as err:
+        read_only_error = f"{type(err).__name__}: {err}"
     _train(accel, model, opt, batches, 2)  # training goes on
     after = accel.save_state(root / "after", keep_last=1, background=background)
     accel.wait_for_checkpoint()
@@ -140,5 +147,5 @@ def failed_save(*, backend: str, folder: str, fault: str, background: bool = Fal
         "error": error, "kind": kind, "started": started, "failed_at": failed_at,
         "listing_after_failure": listing, "latest": latest, "good": good,
         "bitwise": sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved),
-        "after": after, "listing_after_save": _listing(root),
+        "after": after, "listing_after_save": _listing(root), "read_only_error": read_only_error,
     }
