@@ -223,3 +223,23 @@ def test_keep_last_warns_about_an_old_checkpoint_it_cannot_delete(tmp_path, clea
         assert gradsync.latest_checkpoint(tmp_path) == str(tmp_path / "b")
     finally:
         subprocess.run(["umount", str(pinned)], check=False)
+
+
+def test_a_temporary_folder_that_cannot_be_removed_is_one_warning(tmp_path, clean_env):
+    """A killed save's temporary folder holds a mount point: the next save of that name can
+    neither clear nor remove it (EBUSY): one error line, one warning naming the folder."""
+    accel, *_ = trained()
+    tmp = tmp_path / ".next.gradsync-tmp"
+    pinned = tmp / "pinned"
+    pinned.mkdir(parents=True)
+    _mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(pinned))
+    try:
+        with pytest.warns(RuntimeWarning, match=rf"could not remove the unfinished checkpoint folder '{tmp}' "
+                                                r"\(.*Device or resource busy.*\); delete it by hand"), \
+                pytest.raises(CheckpointError, match=r"could not write 'pinned': Device or resource busy \(EBUSY\); "
+                                                     "nothing was saved there, the checkpoint kept is none$"):
+            accel.save_state(tmp_path / "next")
+    finally:
+        subprocess.run(["umount", str(pinned)], check=False)
+    accel.save_state(tmp_path / "next")  # once it can be removed, the save goes on
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["next"]
