@@ -1,9 +1,10 @@
 """Checkpoint writes that fail for real, in one process (backend "single"): a full tmpfs
-(ENOSPC), synchronous and background; a read-only bind mount (EROFS: saving fails, loading
-works); a user who may not write there (EACCES) and a file-size limit (EFBIG), in a process
-run as another user; save_on_signal onto a full disk exits 1 and is not requeued; an old
-checkpoint that keep_last cannot delete is one warning. (Every backend on 2 and 4 ranks:
-tests/multiprocess/test_checkpoint_faults.py.)"""
+(ENOSPC), synchronous and background (also when only a background commit's marker no longer
+fits); a read-only bind mount (EROFS: saving fails, loading works); a user who may not write
+there (EACCES) and a file-size limit (EFBIG), in a process run as another user; save_on_signal
+onto a full disk exits 1 and is not requeued; an old checkpoint that keep_last cannot delete,
+and a temporary folder that cannot be removed, are one warning each. (Every backend on 2 and
+4 ranks: tests/multiprocess/test_checkpoint_faults.py.)"""
 
 from __future__ import annotations
 
@@ -243,3 +244,36 @@ def test_a_temporary_folder_that_cannot_be_removed_is_one_warning(tmp_path, clea
         subprocess.run(["umount", str(pinned)], check=False)
     accel.save_state(tmp_path / "next")  # once it can be removed, the save goes on
     assert sorted(p.name for p in tmp_path.iterdir()) == ["next"]
+
+
+def _free(folder: Path) -> int:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+def test_a_background_commit_that_finds_the_disk_full_is_one_line(small_disk, clean_env, capfd):
+    """The files fit, the marker rank 0's thread writes last does not: a disk left with
+    exactly the room a trial save's files took, less the marker's page."""
+    accel, *_ = trained()
+    good = accel.save_state(small_disk / "good")
+    before = _free(small_disk)
+    accel.save_state(small_disk / "trial")
+    needed = before - _free(small_disk)
+    marker = (small_disk / "trial" / gradsync.checkpoint.MANIFEST).stat().st_size
+    shutil.rmtree(small_disk / "trial")
+    filler = fill(small_disk)
+    page = os.statvfs(small_disk).f_frsize
+    os.truncate(filler, filler.stat().st_size - (needed - -(-marker // page) * page))
+    accel.save_state(small_disk / "bad", background=True)  # every file is written
+    with pytest.raises(CheckpointError) as err:
+        accel.wait_for_checkpoint()
+    assert str(err.value) == (
+        f"the background save of '{small_disk / 'bad'}' failed: could not write "
+        "gradsync_checkpoint.json.part: No space left on device (ENOSPC); nothing was saved there, the "
+        f"checkpoint kept is '{good}'; free space there (or save elsewhere), then save again"
+    )
+    assert f"gradsync: {err.value}" in capfd.readouterr().err  # said at once, too
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "good"]
+    filler.unlink()
+    accel.save_state(small_disk / "after", background=True)
+    assert accel.wait_for_checkpoint() == str(small_disk / "after")

@@ -183,10 +183,13 @@ def check_target(path: str | os.PathLike[str], keep_last: int | None) -> Path:
 def mark_and_rename(tmp: Path, target: Path, manifest: dict[str, Any]) -> None:
     """Once every file of ``tmp`` is on disk: the marker (fsynced), then the rename."""
     marker = tmp / (MANIFEST + ".part")
-    with open(marker, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(marker, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise with_file(err, marker) from None
     marker.rename(tmp / MANIFEST)
     fsync(tmp)
     old = target.parent / f".{target.name}{OLD_SUFFIX}"
