@@ -8,6 +8,7 @@ and a temporary folder that cannot be removed, are one warning each. (Every back
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,8 @@ from torch.utils.data import DataLoader
 
 import gradsync
 from gradsync import CheckpointError
+from gradsync.checkpoint.failure import os_error
+from gradsync.checkpoint.folder import save_file
 
 from scenarios.checkpoints import fresh, trained
 from scenarios.common import Indexed, make_model, make_optimizer
@@ -277,3 +281,41 @@ def test_a_background_commit_that_finds_the_disk_full_is_one_line(small_disk, cl
     filler.unlink()
     accel.save_state(small_disk / "after", background=True)
     assert accel.wait_for_checkpoint() == str(small_disk / "after")
+
+
+def test_what_torch_says_over_a_full_disk(small_disk):
+    """torch.save onto a full disk by path: its legacy writer quotes the OS error, which is
+    found by its words; its zip writer does not ("unexpected pos"), which is why gradsync
+    writes through a file object of its own (whose OSError torch chains)."""
+    big = {"w": torch.zeros(1 << 18)}
+    filler = fill(small_disk)
+    os.truncate(filler, filler.stat().st_size - (16 << 10))  # room for the pickle, not the tensor
+    with pytest.raises(RuntimeError) as legacy:
+        torch.save(big, small_disk / "legacy.pt", _use_new_zipfile_serialization=False)
+    found = os_error(legacy.value)
+    assert found is not None and found.errno == errno.ENOSPC
+    with pytest.raises(RuntimeError) as by_path:
+        torch.save(big, small_disk / "zip.pt")
+    assert "unexpected pos" in str(by_path.value)
+    with pytest.raises(OSError) as ours:
+        save_file(big, small_disk / "ours.pt")
+    assert (ours.value.errno, ours.value.filename) == (errno.ENOSPC, str(small_disk / "ours.pt"))
+
+
+def test_a_failure_that_is_not_the_disks_names_its_exception(tmp_path, clean_env):
+    accel, *_ = trained()
+    accel.register_for_checkpointing(Unpicklable())
+    with pytest.raises(CheckpointError, match=r"^save_state\('.*/x'\) failed: raised .*Error: .*lock.*; nothing was "
+                                              r"saved there, the checkpoint kept is none$"):
+        accel.save_state(tmp_path / "x")
+    assert list(tmp_path.iterdir()) == []
+
+
+class Unpicklable:
+    """A registered object whose state holds a lock."""
+
+    def state_dict(self) -> dict[str, object]:
+        return {"lock": threading.Lock()}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        pass

@@ -64,7 +64,7 @@ def describe(err: BaseException, tmp: Path) -> tuple[str, str] | None:
         return None
     if found is None:
         text = " ".join(str(err).split())
-        return f"{type(err).__name__}: {text if len(text) <= 300 else text[:297] + '...'}", ""
+        return f"raised {type(err).__name__}: {text if len(text) <= 300 else text[:297] + '...'}", ""
     name = found.filename
     where = ""
     if name is not None:
