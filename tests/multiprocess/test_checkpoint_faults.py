@@ -43,8 +43,9 @@ def disks():
             mounted.append(Path(args[-1]))
         yield disk, ro
     finally:
-        for path in reversed(sorted(set(mounted))):
-            subprocess.run(["umount", str(path)], check=False)
+        for path in (ro, disk):  # the bind mount first
+            if path in mounted and subprocess.run(["umount", str(path)], check=False).returncode != 0:
+                subprocess.run(["umount", "-l", str(path)], check=False)  # never left mounted
         disk.rmdir()
         ro.rmdir()
         where.rmdir()

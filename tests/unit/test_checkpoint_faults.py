@@ -9,6 +9,7 @@ and a temporary folder that cannot be removed, are one warning each. (Every back
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import shutil
@@ -42,6 +43,14 @@ def _mount(*args: str) -> None:
     subprocess.run(["mount", *args], check=True)
 
 
+def _umount(where: Path) -> None:
+    """Unmount ``where``; a file a failed write left open (held by a traceback) is closed
+    first, and what is still busy is detached (``umount -l``), never left mounted."""
+    gc.collect()
+    if subprocess.run(["umount", str(where)], check=False, capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs (unmounted afterwards)."""
@@ -51,7 +60,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     try:
         yield where
     finally:
-        subprocess.run(["umount", str(where)], check=False)
+        _umount(where)
 
 
 @pytest.fixture
@@ -65,7 +74,7 @@ def read_only(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
         _mount("-o", "remount,ro,bind", str(ro))
         yield writable, ro
     finally:
-        subprocess.run(["umount", str(ro)], check=False)
+        _umount(ro)
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -227,7 +236,7 @@ def test_keep_last_warns_about_an_old_checkpoint_it_cannot_delete(tmp_path, clea
             accel.save_state(tmp_path / "b", keep_last=1)
         assert gradsync.latest_checkpoint(tmp_path) == str(tmp_path / "b")
     finally:
-        subprocess.run(["umount", str(pinned)], check=False)
+        _umount(pinned)
 
 
 def test_a_temporary_folder_that_cannot_be_removed_is_one_warning(tmp_path, clean_env):
@@ -245,7 +254,7 @@ def test_a_temporary_folder_that_cannot_be_removed_is_one_warning(tmp_path, clea
                                                      "nothing was saved there, the checkpoint kept is none$"):
             accel.save_state(tmp_path / "next")
     finally:
-        subprocess.run(["umount", str(pinned)], check=False)
+        _umount(pinned)
     accel.save_state(tmp_path / "next")  # once it can be removed, the save goes on
     assert sorted(p.name for p in tmp_path.iterdir()) == ["next"]
 
