@@ -50,6 +50,9 @@ def _prepared(backend: str, stage: int | None, mesh: list[int] | None, seed: int
     model = make_model(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     model, opt, loader = accel.prepare(model, opt, DataLoader(Indexed(64), batch_size=2))
+    # A hook that gathers the full weights (a collective on sharded backends) and adds a file.
+    accel.register_save_state_pre_hook(
+        lambda models, weights, folder: torch.save(len(weights), Path(folder) / f"hook_rank{dist.get_rank()}.pt"))
     return accel, model, opt, loader
 
 
@@ -106,10 +109,10 @@ def _listing(root: Path) -> list[str]:
 
 def failed_save(*, backend: str, folder: str, read_only: str, fault: str, background: bool = False,
                 stage: int | None = None, mesh: list[int] | None = None) -> dict[str, Any]:
-    """Save ``good``; train a window; the save of ``bad`` (keep_last=1) fails under ``fault``;
-    then ``good`` loads into a fresh Accelerator from ``read_only`` (the same folder seen
-    through a read-only mount), where a save fails (EROFS), and ``after`` (keep_last=1) is
-    saved."""
+    """Save ``good`` (with a save-state hook that gathers the weights); train a window; the
+    save of ``bad`` (keep_last=1) fails under ``fault``; then ``good`` loads into a fresh
+    Accelerator from ``read_only`` (the same folder seen through a read-only mount), where a
+    save fails (EROFS), and ``after`` (keep_last=1) is saved."""
     root = Path(folder)
     if dist.get_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import contextlib
 import shutil
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,11 +109,13 @@ class Committer:
 
     @contextlib.contextmanager
     def writing(self, target: Path, manifest: Manifest, *, keep_last: int | None = None,
-                background: bool = False, device: torch.device | None = None) -> Iterator[Path]:
-        """Yield the temporary folder every rank writes its files into; on leaving, commit
-        it on rank 0. Collective: call on every rank, after ``settle``; ``device`` is where
-        the process group's tensors live (the ranks agree with one all-reduce of a flag).
-        A failure on any rank raises the same one-line CheckpointError on every rank."""
+                background: bool = False, device: torch.device | None = None,
+                then: Sequence[Callable[[Path], None]] = ()) -> Iterator[Path]:
+        """Yield the temporary folder every rank writes its files into; on leaving, call
+        each of ``then`` with it once every rank has written (they may be collectives), and
+        commit it on rank 0. Collective: call on every rank, after ``settle``; ``device`` is
+        where the process group's tensors live (the ranks agree with one all-reduce of a
+        flag). A failure on any rank raises the same one-line CheckpointError on every rank."""
         rank, world = dist.rank_info()[:2]
         tmp = target.parent / f".{target.name}{TMP_SUFFIX}"
         save = _Save(target, tmp, device, background)
@@ -133,6 +135,13 @@ class Committer:
             error = err
         # Every rank has written its files (or failed) once this agreement is reached.
         save.agree(error)
+        if then:
+            try:
+                for fn in then:
+                    fn(tmp)
+            except BaseException as err:
+                error = err
+            save.agree(error)
         if background:
             # rank 0 sums and fsyncs them in its thread.
             self._outstanding = str(target)
