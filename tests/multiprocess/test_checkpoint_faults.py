@@ -4,18 +4,23 @@ fairscale, synchronous and background saves: every rank raises the same one-line
 CheckpointError naming the folder, the file, the OS error and the checkpoint kept, without
 waiting for a collective timeout; the temporary folder is gone, keep_last deleted nothing,
 the previous checkpoint loads bitwise (from the read-only mount), training goes on and the
-next save succeeds."""
+next save succeeds. And save_on_signal onto a full disk under ``gradsync launch`` exits
+non-zero without a requeue."""
 
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 from harness import Scenario, run_scenarios
+from harness.cluster import clean_env
 from scenarios import faults
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (needs root)")
@@ -126,3 +131,42 @@ def test_the_file_is_named(results):
     assert "could not write rng_rank1.pt: File too large" in results["ddp_efbig_rank1"][0]["error"]
     assert "could not write dcp_" in results["fsdp_efbig_rank1"][0]["error"]
     assert "could not write deepspeed/state/" in results["zero2_efbig_rank1"][0]["error"]
+
+
+PREEMPT = Path(__file__).resolve().parents[1] / "scripts" / "preempt_train.py"
+
+
+def test_save_on_signal_onto_a_full_disk_exits_non_zero_and_is_not_requeued(tmp_path):
+    """``gradsync launch`` of 2 ranks with ``save_on_signal`` (and ``--requeue``) onto a full
+    tmpfs: SIGUSR1 makes every rank try to save; the line is printed, the job exits
+    non-zero and no requeue is tried."""
+    out = tmp_path / "out"
+    ckpt = out / "ckpt"
+    ckpt.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(ckpt)], check=True)
+    try:
+        faults.fill(ckpt)
+        env = clean_env()
+        job = subprocess.Popen([str(Path(env["PATH"].split(os.pathsep)[0]) / "gradsync"), "launch",
+                                "--nproc-per-node", "2", str(PREEMPT), str(out), "--requeue", "--slow", "0.3"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+        try:
+            deadline = time.monotonic() + 180
+            while not (out / "started-0").exists() and job.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            job.send_signal(signal.SIGUSR1)
+            output = job.communicate(timeout=180)[0]
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.communicate()
+    finally:
+        if subprocess.run(["umount", str(ckpt)], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(ckpt)], check=False)
+    assert job.returncode != 0, output
+    line = re.search(r"gradsync: SIGUSR1 received; save_state\('([^']*)'\) failed: rank \d could not write \S+: "
+                     r"No space left on device \(ENOSPC\); nothing was saved there, the checkpoint kept is none; "
+                     r"free space there \(or save elsewhere\), then save again; not requeued, exiting with "
+                     r"status 1\n", output)
+    assert line is not None and line.group(1).startswith(f"{ckpt}/step-"), output
+    assert "(no SLURM_JOB_ID): not requeued" not in output  # requeue() was never called
