@@ -41,7 +41,9 @@ class _Save:
 
     def agree(self, error: BaseException | None, sums: dict[str, tuple[int, int]] | None = None,
               ) -> list[dict[str, tuple[int, int]] | None]:
-        """Every rank's ``sums`` when no rank failed; else raise on every rank (collective)."""
+        """Raise the same CheckpointError on every rank when any rank's ``error`` is set
+        (collective). ``sums`` (this rank's file checksums, at the commit) are gathered in
+        the same collective, and every rank's are returned when no rank failed."""
         if self.device is not None and dist.is_multiprocess() and sums is None:
             if not dist.any_rank(error is not None, self.device):
                 return []
