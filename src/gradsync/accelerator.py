@@ -637,7 +637,9 @@ class Accelerator:
             ConfigError: no folder given and no ``project_dir`` set, or both ``path`` and
                 ``output_dir``.
             UsageError: called inside ``accumulate``.
-            CheckpointError: the backend cannot save the open window, or a rank failed.
+            CheckpointError: the backend cannot save the open window, or a write failed on
+                a rank (every rank raises the same line: the folder, the file, the OS error
+                and the checkpoint kept; nothing else changed, and training can go on).
             CollectiveError: another rank stopped answering.
         """
         path = choose_folder("save_state", path, "output_dir", output_dir, self.config.project_dir,
@@ -741,8 +743,9 @@ class Accelerator:
         self, hook: Callable[[list[torch.nn.Module], list[dict[str, Any]], str], None],
     ) -> RemovableHandle:
         """Call ``hook(models, weights, output_dir)`` in every ``save_state``, on every rank,
-        after gradsync wrote the models and optimizers into the folder being written
-        (``output_dir``: files the hook adds there are committed with the checkpoint).
+        once every rank has written its files into the folder being written (``output_dir``:
+        files the hook adds there are committed with the checkpoint; when a rank's write
+        failed, no hook runs).
         ``models`` are the prepared models unwrapped, ``weights`` their full state dicts
         (on rank 0 at least). Unlike Accelerate, removing entries from the lists does not
         keep a model out of the checkpoint: gradsync always saves every model it resumes.

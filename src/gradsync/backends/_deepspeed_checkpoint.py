@@ -28,7 +28,12 @@ def refuse_open_window() -> None:
 
 
 def save(path: Path, engine: Any, models: Sequence[torch.nn.Module]) -> None:
-    engine.save_checkpoint(str(path / "deepspeed"), tag=_TAG, save_latest=False)
+    # A failed write is raised once save_checkpoint returned on every rank: raised inside
+    # it, the other ranks would wait for this one in DeepSpeed's barriers until the timeout.
+    with _deepspeed_compat.deferred_write_errors(engine, save_file) as failed:
+        engine.save_checkpoint(str(path / "deepspeed"), tag=_TAG, save_latest=False)
+    if failed:
+        raise failed[0]
     if dist.rank() == 0:
         for i, model in enumerate(models):
             if model is not engine:

@@ -154,3 +154,62 @@ def checked_loads(engine: Any, checked: Callable[[str], None]) -> Iterator[None]
         yield
     finally:
         engine.checkpoint_engine = inner
+
+
+class _DeferredWrites:
+    """Stands in for the engine's checkpoint engine while it saves: a file write that fails
+    is recorded in ``failed`` instead of raised, and later writes are skipped, so that this
+    rank still runs every collective ``save_checkpoint`` runs (its barriers, ZeRO's
+    gathers) and no rank waits in one for a rank that left. DeepSpeed's own torch engine
+    writes through ``save_file`` (whose error names the file and the OS error)."""
+
+    def __init__(self, inner: Any, failed: list[BaseException],
+                 save_file: Callable[..., None]) -> None:
+        self._inner = inner
+        self._failed = failed
+        self._save_file = save_file if type(inner).__name__ == "TorchCheckpointEngine" else None
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self._failed:
+            return
+        try:
+            if self._save_file is not None:
+                zipfile = bool(getattr(self._inner, "zipfile_serialization", True))
+                self._save_file(state_dict, path, _use_new_zipfile_serialization=zipfile)
+            else:
+                self._inner.save(state_dict, path)
+        except Exception as err:
+            self._failed.append(err)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        try:
+            self._inner.makedirs(path, exist_ok=exist_ok)
+        except OSError as err:
+            self._failed.append(err)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def deferred_write_errors(engine: Any, save_file: Callable[..., None]) -> Iterator[list[BaseException]]:
+    """Inside: what ``engine.save_checkpoint`` fails to write (its checkpoint engine's files
+    and folders, rank 0's recovery scripts) is recorded in the yielded list, not raised;
+    the caller raises it after ``save_checkpoint`` returned on every rank."""
+    failed: list[BaseException] = []
+    inner = _require(engine, "checkpoint_engine", "checkpoint engine")
+    copy_scripts = _require(engine, "_copy_recovery_script", "recovery-script copy")
+
+    def recorded_copy(save_path: str) -> None:
+        try:
+            copy_scripts(save_path)
+        except OSError as err:
+            failed.append(err)
+
+    engine.checkpoint_engine = _DeferredWrites(inner, failed, save_file)
+    engine._copy_recovery_script = recorded_copy
+    try:
+        yield failed
+    finally:
+        engine.checkpoint_engine = inner
+        del engine._copy_recovery_script  # the class's method again

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -30,7 +31,8 @@ from gradsync import dist
 from gradsync.backends import _fsdp_compat
 from gradsync.backends.base import Held
 from gradsync.checkpoint import safety
-from gradsync.checkpoint.folder import load_file, save_file
+from gradsync.checkpoint.failure import PeerFailed, os_error, with_file
+from gradsync.checkpoint.folder import load_file, one_line, save_file
 from gradsync.errors import CheckpointError
 
 
@@ -78,15 +80,32 @@ def _put_sharded_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None
 def save(path: Path, models: Sequence[nn.Module], optimizers: Sequence[Held], *,
          window_open: bool, device: torch.device) -> None:
     for i, model in enumerate(models):
-        dcp_save(_model_state(model), checkpoint_id=str(path / f"dcp_{i}"))
+        _write(_model_state(model), path / f"dcp_{i}")
     for held in optimizers:
-        dcp_save(_optim_state(models, held), checkpoint_id=str(_folder(path, held)))
+        _write(_optim_state(models, held), _folder(path, held))
     if window_open:
         window = [{"sharded": _sharded_grads(m),
                    "unsharded": _fsdp_compat.window_grads(m) if isinstance(m, FSDPModule) else [],
                    "partial": _fsdp_compat.partial_buffers(m) if isinstance(m, FSDPModule) else []}
                   for m in models]
         save_file(window, path / f"window_rank{dist.rank()}.pt")
+
+
+def _write(state: dict[str, Any], folder: Path) -> None:
+    """``dcp.save`` of ``state`` into ``folder``. DCP gathers every rank's failure and
+    raises the same ``CheckpointException`` (a BaseException, with every traceback in its
+    text) on every rank; here the rank that failed raises its own error (naming the folder
+    when the error names no file) and the others raise ``PeerFailed``."""
+    try:
+        dcp_save(state, checkpoint_id=str(folder))
+    except CheckpointException as err:
+        own = err.failures.get(dist.rank())
+        if own is None:
+            raise PeerFailed(f"rank(s) {sorted(err.failures)} failed writing {folder.name}") from None
+        found = os_error(own[0])
+        if found is None:
+            raise RuntimeError(f"writing {folder.name}: {type(own[0]).__name__}: {one_line(own[0])}") from None
+        raise with_file(found, folder) from None
 
 
 class _CheckedReader(FileSystemReader):

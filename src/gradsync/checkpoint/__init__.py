@@ -2,6 +2,7 @@
 
 * ``folder``: the layout, the typed manifest, verification, ``latest_checkpoint``, pruning;
 * ``commit``: writing a folder on every rank and committing it on rank 0;
+* ``failure``: a failed write's OS error and the one line every rank raises for it;
 * ``state``: what an Accelerator saves and loads (the registry of prepared objects, the
   window, the backend);
 * ``rng``: every random-number state gradsync saves or restores;

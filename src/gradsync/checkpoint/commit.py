@@ -8,40 +8,72 @@ import contextlib
 import shutil
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gradsync import dist
+from gradsync.checkpoint import failure
 from gradsync.checkpoint.folder import (
     TMP_SUFFIX,
     Manifest,
     checksum,
+    complete_checkpoints,
     fsync_all,
     listed_files,
     mark_and_rename,
-    one_line,
     prune,
     share,
 )
-from gradsync.errors import CheckpointError
+from gradsync.errors import CheckpointError, ConfigError, UsageError
 
 
-def _agree(error: BaseException | None, device: torch.device | None = None) -> None:
-    """Raise on every rank when any rank failed (so no rank waits for the others forever).
-    With ``device`` (where the process group's tensors live), one all-reduce of a flag
-    decides, and the messages are gathered only when a rank failed."""
-    if device is not None and dist.is_multiprocess() and not dist.any_rank(error is not None, device):
-        return
-    failed = dist.all_gather_object(_describe(error))
-    if error is not None:
-        raise error
-    for rank, message in enumerate(failed):
-        if message is not None:
-            raise CheckpointError(f"rank {rank} failed while saving the checkpoint: {message}")
+class _Save:
+    """One save of ``target`` through ``tmp``, and how its ranks agree on a failure: one
+    all-reduce of a flag (with ``device``, where the process group's tensors live; a gather
+    without it), then, only when a rank failed, one gather of the ranks' reasons and every
+    rank raises the same one-line CheckpointError. Rank 0 removes ``tmp`` then."""
 
+    def __init__(self, target: Path, tmp: Path, device: torch.device | None, background: bool) -> None:
+        self.target, self.tmp, self.device, self.background = target, tmp, device, background
+
+    def agree(self, error: BaseException | None, sums: dict[str, tuple[int, int]] | None = None,
+              ) -> list[dict[str, tuple[int, int]] | None]:
+        """Raise the same CheckpointError on every rank when any rank's ``error`` is set
+        (collective). ``sums`` (this rank's file checksums, at the commit) are gathered in
+        the same collective, and every rank's are returned when no rank failed."""
+        if self.device is not None and dist.is_multiprocess() and sums is None:
+            if not dist.any_rank(error is not None, self.device):
+                return []
+        parts = dist.all_gather_object((error is not None, self._reason(error), sums))
+        failed = [(rank, reason) for rank, (bad, reason, _) in enumerate(parts) if bad]
+        if not failed:
+            return [part for _, _, part in parts]
+        if dist.rank() == 0:
+            failure.remove(self.tmp)
+        if error is not None and _is_own(error):
+            raise error  # a usage error of this rank, or an interrupt: as it was raised
+        # The first rank that says why (a rank that stopped because another failed does not).
+        rank, reason = next(((r, why) for r, why in failed if why is not None), (failed[0][0], None))
+        raise CheckpointError(failure.line(self.target, rank, len(parts), reason, _kept(self.target),
+                                           background=self.background)) from None
+
+    def _reason(self, error: BaseException | None) -> tuple[str, str] | None:
+        return None if error is None else failure.describe(error, self.tmp)
+
+
+def _kept(target: Path) -> str:
+    """The checkpoint a failed save of ``target`` leaves as the latest (every rank sees the
+    same folder, and nothing changes it while the ranks raise)."""
+    return failure.kept(target, [p for _, p in complete_checkpoints(target.parent)])
+
+
+def _is_own(error: BaseException) -> bool:
+    """A gradsync error raised on purpose (a call in the wrong place, a setting), which names
+    its fix already, or an interrupt (KeyboardInterrupt): raised as it is on its rank."""
+    return isinstance(error, (ConfigError, UsageError, CheckpointError)) or not isinstance(error, Exception)
 
 
 class Committer:
@@ -62,29 +94,33 @@ class Committer:
         target, self._outstanding = self._outstanding, None
         if target is None:
             return None, None
-        message: str | None = dist.broadcast_object(_describe(self._wait()))
-        return target, None if message is None else _failed(target, message)
+        failed = self._wait()
+        message: str | None = dist.broadcast_object(None if failed is None else str(failed))
+        return target, None if message is None else CheckpointError(message)
 
     def finish(self) -> CheckpointError | None:
         """At the end of training (not collective: the other ranks may be gone): rank 0
         waits for the outstanding commit; its failure, as an error to raise once the
         process group is torn down."""
-        target, self._outstanding = self._outstanding, None
-        message = _describe(self._wait())
-        return None if message is None else _failed(target, message)
+        self._outstanding = None
+        return self._wait()
 
-    def _wait(self) -> BaseException | None:
+    def _wait(self) -> CheckpointError | None:
         pending, self._pending = self._pending, None
         return pending.wait() if pending is not None else None
 
     @contextlib.contextmanager
     def writing(self, target: Path, manifest: Manifest, *, keep_last: int | None = None,
-                background: bool = False, device: torch.device | None = None) -> Iterator[Path]:
-        """Yield the temporary folder every rank writes its files into; on leaving, commit
-        it on rank 0. Collective: call on every rank, after ``settle``; ``device`` is where
-        the process group's tensors live (the ranks agree with one all-reduce of a flag)."""
+                background: bool = False, device: torch.device | None = None,
+                then: Sequence[Callable[[Path], None]] = ()) -> Iterator[Path]:
+        """Yield the temporary folder every rank writes its files into; on leaving, call
+        each of ``then`` with it once every rank has written (they may be collectives), and
+        commit it on rank 0. Collective: call on every rank, after ``settle``; ``device`` is
+        where the process group's tensors live (the ranks agree with one all-reduce of a
+        flag). A failure on any rank raises the same one-line CheckpointError on every rank."""
         rank, world = dist.rank_info()[:2]
         tmp = target.parent / f".{target.name}{TMP_SUFFIX}"
+        save = _Save(target, tmp, device, background)
         error: BaseException | None = None
         if rank == 0:
             try:
@@ -94,39 +130,39 @@ class Committer:
                 tmp.mkdir()
             except OSError as err:
                 error = err
-        _agree(error, device)
+        save.agree(error)
         try:
             yield tmp
         except BaseException as err:
             error = err
-        if background:
-            # Only whether every rank wrote its files; rank 0 sums and fsyncs them in its thread.
+        # Every rank has written its files (or failed) once this agreement is reached.
+        save.agree(error)
+        if then:
             try:
-                _agree(error, device)
-            except BaseException:
-                if rank == 0:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                raise
+                for fn in then:
+                    fn(tmp)
+            except BaseException as err:
+                error = err
+            save.agree(error)
+        if background:
+            # rank 0 sums and fsyncs them in its thread.
             self._outstanding = str(target)
             if rank == 0:
                 self._pending = _Commit(tmp, target, manifest, keep_last)
             return
-        dist.barrier()  # every rank has written its files
         names: list[str] = []
         mine: dict[str, tuple[int, int]] | None = None
         try:
-            if error is None:
-                names = listed_files(tmp)
-                # Each rank sums its share of the files while rank 0 fsyncs all of them.
-                mine = _summed_while_syncing(tmp, share(tmp, names, rank, world), names if rank == 0 else [])
+            names = listed_files(tmp)
+            # Each rank sums its share of the files while rank 0 fsyncs all of them.
+            mine = _summed_while_syncing(tmp, share(tmp, names, rank, world), names if rank == 0 else [])
         except Exception as err:
-            error = error or err
-        parts = dist.all_gather_object((_describe(error), mine))
-        _raise_if_failed(tmp, error, parts)
+            error = err
+        parts = save.agree(error, mine or {})
         if rank == 0:
             try:
                 sums: dict[str, tuple[int, int]] = {}
-                for _, part in parts:
+                for part in parts:
                     sums.update(part or {})
                 # Rank 0's listing is the checkpoint; it sums what no rank did (a rank whose
                 # view of a shared filesystem lagged).
@@ -134,8 +170,7 @@ class Committer:
                          keep_last)
             except Exception as err:
                 error = err
-                shutil.rmtree(tmp, ignore_errors=True)  # gone already where the rename was done
-        _agree(error, device)
+        save.agree(error)
 
 
 class _Background:
@@ -181,21 +216,6 @@ def _install(tmp: Path, target: Path, manifest: Manifest, sums: dict[str, tuple[
         prune(target, keep_last)
 
 
-def _raise_if_failed(tmp: Path, error: BaseException | None, parts: list[Any]) -> None:
-    """After every rank wrote (``parts``: each rank's (error message, sums)): on a failure
-    anywhere, remove the folder (rank 0) and raise on every rank."""
-    rank = dist.rank()
-    failed = next(((r, m) for r, (m, _) in enumerate(parts) if m is not None), None)
-    if error is None and failed is None:
-        return
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if error is not None:
-        raise error
-    assert failed is not None
-    raise CheckpointError(f"rank {failed[0]} failed while saving the checkpoint: {failed[1]}")
-
-
 class _Commit:
     """Rank 0's commit of one written folder, in a thread. Not a daemon: an interpreter
     that exits without ``end()`` still finishes it (or the folder stays uncommitted)."""
@@ -209,19 +229,13 @@ class _Commit:
             names = listed_files(tmp)
             _install(tmp, self.target, manifest, _summed_while_syncing(tmp, names, names), keep_last)
         except BaseException as err:  # reported by wait(); also said now, in case none comes
-            shutil.rmtree(tmp, ignore_errors=True)
-            print(f"gradsync: {_failed(self.target, _describe(err) or '')}", file=sys.stderr, flush=True)
-            raise
+            failure.remove(tmp)
+            message = failure.line(self.target, 0, 1, failure.describe(err, tmp), _kept(self.target),
+                                   background=True)
+            print(f"gradsync: {message}", file=sys.stderr, flush=True)
+            raise CheckpointError(message) from None
 
-    def wait(self) -> BaseException | None:
-        return self._job.error()
-
-
-def _failed(target: object, message: str) -> CheckpointError:
-    return CheckpointError(f"the background save of {str(target)!r} failed: {message}")
-
-
-def _describe(error: BaseException | None) -> str | None:
-    return None if error is None else f"{type(error).__name__}: {one_line(error)}"
-
-
+    def wait(self) -> CheckpointError | None:
+        error = self._job.error()
+        return None if error is None else error if isinstance(error, CheckpointError) else CheckpointError(
+            failure.line(self.target, 0, 1, failure.describe(error, self.target), "unknown", background=True))

@@ -26,6 +26,7 @@ from typing import Any, TypedDict
 import torch
 
 from gradsync._version import __version__
+from gradsync.checkpoint.failure import os_error, remove, with_file
 from gradsync.checkpoint.safety import check_name, scan_folder
 from gradsync.dist import broadcast_object, rank
 from gradsync.errors import CheckpointError, ConfigError
@@ -82,12 +83,22 @@ class Manifest(TypedDict, total=False):
     files: dict[str, list[int]]  # file name -> [size, CRC-32], written by the commit
 
 
-def save_file(obj: Any, path: Path) -> None:
+def save_file(obj: Any, path: Path | str, **kwargs: Any) -> None:
     """``torch.save`` into a checkpoint folder being written. The commit sums and fsyncs
     every file of the folder afterwards, however it was written (DCP and DeepSpeed write
     their own), off the writing ranks' way: summing or flushing while torch.save writes
-    competed with it for the cores and made the save slower, not faster."""
-    torch.save(obj, path)
+    competed with it for the cores and made the save slower, not faster.
+
+    It writes through a file object of its own, so that a failed write (a full disk, a
+    file-size limit) raises the OSError naming ``path`` rather than torch's archive error."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f, **kwargs)
+    except Exception as err:
+        found = os_error(err)
+        if found is None:
+            raise
+        raise with_file(found, path) from None
 
 
 def load_file(path: Path, *, trusted: bool = False) -> Any:
@@ -172,10 +183,13 @@ def check_target(path: str | os.PathLike[str], keep_last: int | None) -> Path:
 def mark_and_rename(tmp: Path, target: Path, manifest: dict[str, Any]) -> None:
     """Once every file of ``tmp`` is on disk: the marker (fsynced), then the rename."""
     marker = tmp / (MANIFEST + ".part")
-    with open(marker, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(marker, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise with_file(err, marker) from None
     marker.rename(tmp / MANIFEST)
     fsync(tmp)
     old = target.parent / f".{target.name}{OLD_SUFFIX}"
@@ -196,7 +210,7 @@ def _order(manifest: dict[str, Any]) -> tuple[int, int, int, float]:
             int(window.get("index", 0)), float(manifest.get("created", 0.0)))
 
 
-def _complete(root: Path) -> list[tuple[tuple[int, int, int, float], Path]]:
+def complete_checkpoints(root: Path) -> list[tuple[tuple[int, int, int, float], Path]]:
     found: list[tuple[tuple[int, int, int, float], Path]] = []
     if not root.is_dir():
         return found
@@ -221,10 +235,10 @@ def prune(target: Path, keep_last: int) -> list[Path]:
     in its parent folder; delete the rest (rank 0 only). Returns the deleted folders."""
     if rank() != 0:
         return []
-    others = [p for _, p in _complete(target.parent) if p.resolve() != target.resolve()]
+    others = [p for _, p in complete_checkpoints(target.parent) if p.resolve() != target.resolve()]
     doomed = others[: max(0, len(others) - (keep_last - 1))]
     for folder in doomed:
-        shutil.rmtree(folder, ignore_errors=True)
+        remove(folder, "an old checkpoint (keep_last)")
     return doomed
 
 
@@ -241,7 +255,7 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
     """
     found: str | None = None
     if rank() == 0:
-        complete = _complete(Path(root))
+        complete = complete_checkpoints(Path(root))
         found = str(complete[-1][1]) if complete else None
     result: str | None = broadcast_object(found)
     return result

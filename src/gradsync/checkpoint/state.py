@@ -86,11 +86,11 @@ class CheckpointState:
             loaders=[{k: pos[k] for k in ("epoch", "consumed", "read")} for pos in positions],
         )
         rank = dist.rank()
+        # The user's hooks may gather (get_state_dict on a sharded backend): they run once
+        # every rank has written its own files, so none of them waits for a rank that failed.
         with self._committer.writing(target, manifest, keep_last=keep_last, background=background,
-                                     device=backend.device) as tmp:
+                                     device=backend.device, then=list(self.save_hooks.values())) as tmp:
             backend.save(tmp, p.models, p.held(), window_open=window.is_open)
-            for hook in list(self.save_hooks.values()):
-                hook(tmp)
             if rank == 0:
                 save_file([s.state_dict() for s in p.schedulers], tmp / "schedulers.pt")
                 save_file([o.state_dict() for o in p.objects], tmp / "objects.pt")
