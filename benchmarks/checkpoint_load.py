@@ -59,8 +59,8 @@ def main() -> None:
         return (time.perf_counter() - t0) * 1e3
 
     def timed_verify(scan: bool) -> float:
-        from gradsync.checkpoint import safety
-        from gradsync.checkpoint.folder import _verify
+        from gradsync.storage import safety
+        from gradsync.storage.folder import _verify
 
         allowed = safety.allow_list().__contains__ if scan else None
         t0 = time.perf_counter()

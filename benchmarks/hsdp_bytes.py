@@ -10,7 +10,7 @@ summed per group from ``accel.audit.records[i].to_dict()["groups"]``: reduce-sca
 all-gathers in the shard group, all-reduces in the replicate group (and how many of those ran
 off the boundary), with their payload bytes (the size of the tensor handed to the collective,
 what the audit records). Next to them: the communication estimate's bytes sent across nodes per
-rank for the same model and mesh (``gradsync.estimate.estimate_hybrid``; for a ring all-reduce
+rank for the same model and mesh (``gradsync._estimate.estimate_hybrid``; for a ring all-reduce
 on R = 2 replicas, 2(R-1)/R x payload = the payload).
 
 The bytes are the claim. The step times are printed but are no claim: 4 processes on 2 CPU
@@ -128,7 +128,7 @@ def _per_step(cell: dict[str, Any], label: str, key: str, op: str | None = None)
 
 
 def table(result: dict[str, Any]) -> str:
-    from gradsync.estimate import HybridCluster, estimate_hybrid
+    from gradsync._estimate import HybridCluster, estimate_hybrid
 
     def mib(n: float) -> str:
         return f"{n / 2**20:.2f}"

@@ -5,7 +5,7 @@ Two pages hold a placeholder comment that is replaced when the site is built:
 * ``<!-- gradsync:settings -->`` (docs/reference/settings.md): the settings table, from
   ``gradsync.settings.reference_markdown()`` (derived from the one declaration per setting);
 * ``<!-- gradsync:cli -->`` (docs/reference/cli.md): every ``gradsync`` subcommand and
-  flag, from ``gradsync.launch.cli.build_parser()``;
+  flag, from ``gradsync.cli.build_parser()``;
 * ``<!-- gradsync:cli-count -->`` (docs/reference/cli.md): how many subcommands there are,
   in words, with their names;
 * ``<!-- gradsync:version -->`` (docs/changelog.md): the release, ``gradsync.__version__``
@@ -164,7 +164,7 @@ def _slug(title: str) -> str:
 
 # -- the command line -----------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    from gradsync.launch.cli import build_parser
+    from gradsync.cli import build_parser
 
     return build_parser()
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gradsync.checkpoint.folder import MANIFEST, checksum
+from gradsync.storage.folder import MANIFEST, checksum
 
 
 def plant(marker: str, value: Any) -> Any:

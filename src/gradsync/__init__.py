@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from gradsync._batch_plan import BatchPlan
 from gradsync._version import __version__
-from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import CheckpointError, CollectiveError, ConfigError, UsageError
 

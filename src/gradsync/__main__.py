@@ -1,5 +1,5 @@
 """`python -m gradsync` is the `gradsync` command."""
 
-from gradsync.launch.cli import main
+from gradsync.cli import main
 
 raise SystemExit(main())

@@ -14,15 +14,20 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
+from gradsync import _dist as dist
 from gradsync import audit as audit_mod
-from gradsync import dist, metrics, processes
-from gradsync.accumulation import MicroStep, Window
-from gradsync.assembly import assemble, attach, end, free_memory
+from gradsync import metrics, processes
+from gradsync._assembly import assemble, attach, end, free_memory
+from gradsync._batch_plan import BatchPlan
+from gradsync._microstep import Runner, SelfCheckObserver
+from gradsync._registry import Prepared
+from gradsync._run_state import RunState
+from gradsync._window import MicroStep, Window
+from gradsync._wrappers import PreparedOptimizer, PreparedScheduler
 from gradsync.backends import kinds
 from gradsync.backends._amp import WindowScaler
 from gradsync.backends.base import Backend
 from gradsync.backends.kinds import DistributedType
-from gradsync.batching import BatchPlan
 from gradsync.checkpoint import export
 from gradsync.checkpoint.export import save_model
 from gradsync.checkpoint.signals import SignalWatch
@@ -31,10 +36,7 @@ from gradsync.config import Config, SyncPolicy, load_config
 from gradsync.data import LoaderContext, PreparedDataLoader
 from gradsync.data.loader import skip_first_batches, split_for_window
 from gradsync.errors import UsageError, naming_collective
-from gradsync.microstep import Runner, SelfCheckObserver
-from gradsync.prepared import Prepared
 from gradsync.rules import GRADSYNC, Rules
-from gradsync.run_state import RunState
 from gradsync.settings import (
     AccumulationSteps,
     CompileOption,
@@ -43,7 +45,6 @@ from gradsync.settings import (
     ModuleSelector,
     RequestedPolicy,
 )
-from gradsync.wrappers import PreparedOptimizer, PreparedScheduler
 
 REDUCTIONS = ("mean", "sum", "normalized")
 P = ParamSpec("P")

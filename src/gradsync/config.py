@@ -13,10 +13,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from gradsync import _util, environment, extensions
+from gradsync import _environment as environment
+from gradsync import _util, extensions
+from gradsync._declaration import to_text
 from gradsync.compat import accelerate
 from gradsync.compat.files import read_yaml
-from gradsync.declaration import to_text
 from gradsync.errors import ConfigError
 from gradsync.settings import (
     BY_NAME,

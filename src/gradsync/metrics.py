@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from gradsync._dist import all_gather_object, is_multiprocess
 from gradsync.data.batches import tree_map
-from gradsync.dist import all_gather_object, is_multiprocess
 from gradsync.errors import ConfigError
 
 if TYPE_CHECKING:

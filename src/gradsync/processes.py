@@ -4,7 +4,7 @@ one rank only, a block one rank runs first.
 Accelerate's ``split_between_processes``, its ``on_*_process`` decorators and its
 ``*_process_first`` blocks, as functions: the ``Accelerator`` exposes them as methods,
 and they work without one. The decorators read where this process stands (a
-:class:`Ranks`: an ``Accelerator`` is one; by default ``gradsync.dist``) each time the
+:class:`Ranks`: an ``Accelerator`` is one; by default ``gradsync._dist``) each time the
 decorated function is called, not when it is decorated, so a function decorated before
 the process group exists runs where it should. Nothing here is a collective except
 :func:`goes_first` (one barrier).
@@ -48,7 +48,7 @@ class Ranks(Protocol):
 
 
 class CurrentRanks:
-    """:class:`Ranks` from ``gradsync.dist``: the process group's rank and size where there
+    """:class:`Ranks` from ``gradsync._dist``: the process group's rank and size where there
     is one, else what the launcher says (one process when nothing does)."""
 
     @property
@@ -68,7 +68,7 @@ class CurrentRanks:
 
 
 def _rank_info() -> tuple[int, int, int]:
-    from gradsync import dist  # torch, only when the ranks are asked for
+    from gradsync import _dist as dist  # torch, only when the ranks are asked for
 
     return dist.rank_info()
 
@@ -178,8 +178,8 @@ def split_between_processes(inputs: S, rank: int | None = None, world: int | Non
         inputs: a list, a tuple, a tensor (split along its first dimension), a dataset with
             ``select`` (a Hugging Face ``datasets.Dataset``), or a dict of them with one
             length.
-        rank: this process's rank; by default ``gradsync.dist``'s.
-        world: the number of processes; by default ``gradsync.dist``'s.
+        rank: this process's rank; by default ``gradsync._dist``'s.
+        world: the number of processes; by default ``gradsync._dist``'s.
         apply_padding: repeat the last entry so every share has the same length.
 
     Yields:
@@ -234,7 +234,7 @@ def on_main_process(function: Callable[P, R], *, ranks: Ranks | None = None) -> 
 
     Args:
         function: the function to decorate.
-        ranks: where this process stands (an ``Accelerator``); by default ``gradsync.dist``.
+        ranks: where this process stands (an ``Accelerator``); by default ``gradsync._dist``.
 
     Returns:
         The decorated function.
@@ -249,7 +249,7 @@ def on_local_main_process(function: Callable[P, R], *,
 
     Args:
         function: the function to decorate.
-        ranks: where this process stands (an ``Accelerator``); by default ``gradsync.dist``.
+        ranks: where this process stands (an ``Accelerator``); by default ``gradsync._dist``.
 
     Returns:
         The decorated function.
@@ -263,7 +263,7 @@ def on_last_process(function: Callable[P, R], *, ranks: Ranks | None = None) -> 
 
     Args:
         function: the function to decorate.
-        ranks: where this process stands (an ``Accelerator``); by default ``gradsync.dist``.
+        ranks: where this process stands (an ``Accelerator``); by default ``gradsync._dist``.
 
     Returns:
         The decorated function.
@@ -304,7 +304,7 @@ def on_process(function: Callable[..., Any] | None = None, *, process_index: int
     Args:
         function: the function to decorate.
         process_index: the rank that runs it.
-        ranks: where this process stands (an ``Accelerator``); by default ``gradsync.dist``.
+        ranks: where this process stands (an ``Accelerator``); by default ``gradsync._dist``.
 
     Returns:
         The decorated function, or without ``function`` the decorator.
@@ -343,7 +343,7 @@ def on_local_process(function: Callable[..., Any] | None = None, *,
     Args:
         function: the function to decorate.
         local_process_index: the local rank that runs it, on every machine.
-        ranks: where this process stands (an ``Accelerator``); by default ``gradsync.dist``.
+        ranks: where this process stands (an ``Accelerator``); by default ``gradsync._dist``.
 
     Returns:
         The decorated function, or without ``function`` the decorator.
@@ -380,11 +380,11 @@ def goes_first(first: bool, barrier: Callable[[], None] | None = None) -> Iterat
 
     Args:
         first: this process goes first.
-        barrier: waits for every rank; by default ``gradsync.dist.barrier`` (nothing to
+        barrier: waits for every rank; by default ``gradsync._dist.barrier`` (nothing to
             wait for without a process group).
     """
     if barrier is None:
-        from gradsync import dist
+        from gradsync import _dist as dist
 
         barrier = dist.barrier
     if not first:

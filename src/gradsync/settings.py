@@ -1,7 +1,7 @@
 """Every gradsync setting, declared once.
 
 Each setting is one dataclass field (name, type, default) whose metadata (``setting(...)``,
-see gradsync.declaration) holds its one-line doc, its ``gradsync launch`` flag and the backend
+see gradsync._declaration) holds its one-line doc, its ``gradsync launch`` flag and the backend
 it belongs to. The core settings are declared here; each backend's options next to its
 adapter (``gradsync/backends/<backend>_options.py``). ``Config`` joins them, and everything
 else is derived from ``SETTINGS``: ``Config.validate``, the ``GRADSYNC_*`` variables and YAML
@@ -17,13 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gradsync import schedule
-from gradsync._util import check_positive_int
-from gradsync.backends.ddp_options import DDPOptions
-from gradsync.backends.deepspeed_options import DeepSpeedOptions
-from gradsync.backends.fairscale_options import FairscaleOptions
-from gradsync.backends.fsdp_options import FSDPOptions, check_replicate_policy
-from gradsync.declaration import (
+from gradsync import _accumulation_schedule as schedule
+from gradsync._declaration import (
     ENV_PREFIX,
     ModuleSelector,
     Setting,
@@ -32,7 +27,12 @@ from gradsync.declaration import (
     setting,
     type_text,
 )
+from gradsync._util import check_positive_int
 from gradsync.errors import ConfigError
+from gradsync.options.ddp import DDPOptions
+from gradsync.options.deepspeed import DeepSpeedOptions
+from gradsync.options.fairscale import FairscaleOptions
+from gradsync.options.fsdp import FSDPOptions, check_replicate_policy
 from gradsync.tracking._names import check_log_with
 
 __all__ = [
@@ -53,7 +53,7 @@ SYNC_POLICIES: tuple[RequestedPolicy, ...] = ("auto", "defer", "every_step", "na
 MixedPrecision = Literal["no", "bf16", "fp16"]
 MIXED_PRECISION: tuple[MixedPrecision, ...] = ("no", "bf16", "fp16")
 GRAD_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
-#: Micro-batches per optimizer step: a number, or a schedule (see gradsync.schedule): text such
+#: Micro-batches per optimizer step: a number, or a schedule (see gradsync._accumulation_schedule): text such
 #: as "0:2 100:4", a mapping (step -> k, or a ramp-up {"start", "increment", "samples"}), or a
 #: callable optimizer_step -> k.
 AccumulationSteps = (int | str | Mapping[int, int] | Mapping[str, int] | Mapping[str, Any]

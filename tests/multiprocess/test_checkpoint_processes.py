@@ -108,7 +108,7 @@ def test_a_background_save_is_committed_when_the_script_ends_without_end(tmp_pat
     code = f"""
 import sys, time
 sys.path.insert(0, {str(TESTS)!r})
-import gradsync.checkpoint.commit as ck
+import gradsync.storage.commit as ck
 from scenarios.checkpoints import trained
 real = ck.mark_and_rename
 def slow(*args):
@@ -129,7 +129,7 @@ def test_a_kill_during_a_background_commit_leaves_the_previous_checkpoint_usable
     code = f"""
 import os, signal, sys, threading, time
 sys.path.insert(0, {str(TESTS)!r})
-import gradsync.checkpoint.commit as ck
+import gradsync.storage.commit as ck
 from scenarios.checkpoints import trained
 accel, *_ = trained(micro=4)
 accel.save_state({str(tmp_path / 'good')!r})

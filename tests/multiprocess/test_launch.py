@@ -229,12 +229,12 @@ def test_process_counts_below_one_are_rejected_by_the_parser(flag, value):
 def test_the_launcher_sets_omp_threads_for_the_workers_when_unset(monkeypatch):
     """The CPUs this process may use (affinity; cgroup quota and SLURM_CPUS_PER_TASK where
     set), split over the node's processes."""
-    import gradsync.launch.scheduler
+    import gradsync.launch.cluster
 
     launcher = Launcher(LaunchConfig(script=str(SCRIPT), nproc_per_node=2))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
-    monkeypatch.setattr(gradsync.launch.scheduler, "cgroup_cpus", lambda *a, **k: None)
+    monkeypatch.setattr(gradsync.launch.cluster, "cgroup_cpus", lambda *a, **k: None)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     assert launcher.thread_env() == {"OMP_NUM_THREADS": "4"}
     assert "  OMP_NUM_THREADS=4" in launcher.describe().splitlines()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gradsync.launch.scheduler import usable_cpus
+from gradsync.launch.cluster import usable_cpus
 
 RECORD = '''
 import json, os, signal, sys, time

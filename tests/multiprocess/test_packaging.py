@@ -19,7 +19,7 @@ EXAMPLE = ROOT / "examples" / "train.py"
 NO_TORCH = """
 import sys
 sys.modules["torch"] = None  # any import of torch now raises ImportError
-from gradsync.launch.cli import main
+from gradsync.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -137,7 +137,7 @@ def test_plan_estimate_errors_are_one_line(args, message):
 
 def test_settings_and_the_launcher_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import gradsync.settings, gradsync.config, gradsync.launch.cli, gradsync.launch.torchrun\n"
+            "import gradsync.settings, gradsync.config, gradsync.cli, gradsync.launch.torchrun\n"
             "print(gradsync.settings.reference_markdown()[:10])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")})

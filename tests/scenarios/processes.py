@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from gradsync import Accelerator, ConfigError, dist, metrics, processes
+from gradsync import Accelerator, ConfigError, metrics, processes
+from gradsync import _dist as dist
 from gradsync.processes import split_between_processes
 
 EVAL_SAMPLES = 45  # odd: the sampler pads one sample in on 2 ranks
@@ -107,7 +108,7 @@ def evaluation(shuffle: bool) -> dict[str, Any]:
 
 
 def splits() -> dict[str, Any]:
-    """split_between_processes with the ranks from gradsync.dist: lists, tuples, dicts and
+    """split_between_processes with the ranks from gradsync._dist: lists, tuples, dicts and
     tensors of 1 to 5 entries, with and without padding."""
     out: dict[str, Any] = {}
     for n in range(1, 6):
@@ -132,7 +133,7 @@ def _split_a_string() -> None:
 
 
 def decorators() -> dict[str, Any]:
-    """Each decorator, with an Accelerator as the rank facts and with gradsync.dist's, and
+    """Each decorator, with an Accelerator as the rank facts and with gradsync._dist's, and
     goes_first: rank 0 writes a file inside the block after a pause; rank 1 must see it on
     entering."""
     accel = Accelerator(backend="ddp", seed=0)

@@ -19,10 +19,10 @@ from unittest import mock
 
 import pytest
 
+from gradsync import cli
 from gradsync.compat import accelerate as ac
 from gradsync.config import from_env, load_config, read_yaml
 from gradsync.errors import ConfigError
-from gradsync.launch import cli
 from gradsync.launch.torchrun import LaunchConfig, Launcher
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "accelerate"

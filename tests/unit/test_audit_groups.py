@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from gradsync import ConfigError
+from gradsync._selfcheck import SelfCheck, start
 from gradsync.audit import AUDIT_BACKEND, AuditProcessGroup, MicroStepRecord, Recorder, label_group
-from gradsync.selfcheck import SelfCheck, start
 
 
 def _gloo_pair() -> tuple[AuditProcessGroup, AuditProcessGroup, Recorder]:

@@ -197,7 +197,7 @@ class Gate:
 
 @pytest.fixture
 def gate(monkeypatch):
-    import gradsync.checkpoint.commit as ck
+    import gradsync.storage.commit as ck
 
     real, held = ck.mark_and_rename, Gate()
 
@@ -257,7 +257,7 @@ def test_the_next_save_load_and_end_wait_for_a_background_save(tmp_path, clean_e
 @pytest.fixture
 def disk_full_for_bad(monkeypatch):
     """Commits of folders named bad* fail as on a full disk."""
-    import gradsync.checkpoint.commit as ck
+    import gradsync.storage.commit as ck
 
     real = ck.mark_and_rename
 

@@ -28,8 +28,8 @@ from torch.utils.data import DataLoader
 
 import gradsync
 from gradsync import CheckpointError
-from gradsync.checkpoint.failure import os_error
-from gradsync.checkpoint.folder import save_file
+from gradsync.storage.failure import os_error
+from gradsync.storage.folder import save_file
 
 from scenarios.checkpoints import fresh, trained
 from scenarios.common import Indexed, make_model, make_optimizer

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradsync import Accelerator, CheckpointError
-from gradsync.checkpoint import MANIFEST, safety
+from gradsync.checkpoint import MANIFEST
+from gradsync.storage import safety
 from payload import Payload, refresh_manifest, tamper_torch_file
 
 
@@ -117,7 +118,7 @@ def test_a_manifest_naming_a_path_outside_the_folder_is_refused_unread(saved, tm
     manifest = json.loads((saved / MANIFEST).read_text())
     manifest["files"][name] = [outside.stat().st_size, 0]
     (saved / MANIFEST).write_text(json.dumps(manifest))
-    import gradsync.checkpoint.folder as folder
+    import gradsync.storage.folder as folder
 
     read: list[Path] = []
     real = folder.checksum

@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import gradsync
-from gradsync.declaration import setting
-from gradsync.launch.cli import build_parser
+from gradsync._declaration import setting
+from gradsync.cli import build_parser
 
 #: Return annotations that are no value to document (context managers written as generators
 #: yield nothing the caller sees).

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from gradsync import ConfigError
-from gradsync.estimate import Cluster, estimate
-from gradsync.launch.cli import main
+from gradsync._estimate import Cluster, estimate
+from gradsync.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "docs" / "img" / "sync_overhead.json"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from gradsync import ConfigError
-from gradsync.estimate import HYBRID_POLICIES, HybridCluster, estimate_hybrid, hybrid_mesh
-from gradsync.launch.cli import main
+from gradsync._estimate import HYBRID_POLICIES, HybridCluster, estimate_hybrid, hybrid_mesh
+from gradsync.cli import main
 
 GB = 1e9
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from gradsync import CheckpointError, ConfigError, backends
+from gradsync.backends import _save_pretrained
 from gradsync.checkpoint import export
 from gradsync.checkpoint.export import parse_size, save, save_model, shard_plan
 from gradsync.config import Config
@@ -281,8 +282,8 @@ class _NoStateDict(torch.nn.Module):
 
 def test_gather_in_save_pretrained_gathers_only_when_no_whole_state_dict_is_given(clean_env):
     module, gathered, barriers = _OwnSave(), {"lin.weight": torch.ones(2, 2)}, []
-    export.gather_in_save_pretrained(module, lambda: gathered, lambda: barriers.append(1))
-    export.gather_in_save_pretrained(module, lambda: {}, lambda: None)  # once is enough
+    _save_pretrained.gather_in_save_pretrained(module, lambda: gathered, lambda: barriers.append(1))
+    _save_pretrained.gather_in_save_pretrained(module, lambda: {}, lambda: None)  # once is enough
     assert module.save_pretrained("d", False) == "written"  # one process: nobody to wait for
     assert module.calls == [("d", False, gathered)] and barriers == [1]
     mine = {"lin.weight": torch.zeros(2, 2)}
@@ -293,5 +294,5 @@ def test_gather_in_save_pretrained_gathers_only_when_no_whole_state_dict_is_give
 
 def test_gather_in_save_pretrained_leaves_a_save_pretrained_without_state_dict_alone(clean_env):
     module = _NoStateDict()
-    export.gather_in_save_pretrained(module, dict, lambda: None)
+    _save_pretrained.gather_in_save_pretrained(module, dict, lambda: None)
     assert "save_pretrained" not in vars(module)

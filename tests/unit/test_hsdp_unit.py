@@ -14,9 +14,9 @@ from gradsync import Accelerator, ConfigError
 from gradsync.backends import fsdp
 from gradsync.backends._fsdp_policy import crosses_nodes, decide, mesh_shape, partial_cost
 from gradsync.backends._memory import Budget
-from gradsync.backends.fsdp_options import mesh_from_text
+from gradsync.cli import build_parser, launch_config
 from gradsync.config import Config, from_env, load_config
-from gradsync.launch.cli import build_parser, launch_config
+from gradsync.options.fsdp import mesh_from_text
 
 
 class FakeMesh:
@@ -218,7 +218,7 @@ def test_the_launcher_takes_a_mesh_of_numbers(clean_env):
     """--fsdp-mesh R,S passes the launcher's check (its type also allows "node")."""
     from pathlib import Path
 
-    from gradsync.launch.cli import main
+    from gradsync.cli import main
 
     script = Path(__file__).resolve().parents[2] / "examples" / "train.py"
     assert main(["launch", "--dry-run", "--nproc-per-node", "4", "--backend", "fsdp",

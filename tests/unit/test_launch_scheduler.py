@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from gradsync import environment
+from gradsync import _environment as environment
+from gradsync import cli
 from gradsync.errors import ConfigError
-from gradsync.launch import cli, scheduler, signals
+from gradsync.launch import cluster as scheduler
+from gradsync.launch import signals
 from gradsync.launch.torchrun import LaunchConfig, Launcher, torchrun_namespace
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "report_rank.py")

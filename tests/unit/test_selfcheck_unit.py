@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 
+from gradsync._selfcheck import STEPS, SelfCheck, start
 from gradsync.audit import Recorder
-from gradsync.selfcheck import STEPS, SelfCheck, start
 
 
 def test_it_does_not_start_when_off_alone_or_native():

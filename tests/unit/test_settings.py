@@ -16,9 +16,9 @@ from typing import Any, Literal, get_args, get_origin
 
 import pytest
 
+from gradsync._declaration import Setting, to_text
+from gradsync.cli import build_parser, launch_config
 from gradsync.config import Config, env_vars, from_env, from_yaml, load_config
-from gradsync.declaration import Setting, to_text
-from gradsync.launch.cli import build_parser, launch_config
 from gradsync.launch.torchrun import LaunchConfig, Launcher
 from gradsync.settings import CORE_SETTINGS, LAUNCH_SETTINGS, SETTINGS, reference_markdown
 

@@ -91,7 +91,7 @@ def test_the_cycle_finder_sees_a_cycle():
 def test_imports_under_type_checking_and_in_functions_count():
     graph = import_graph()
     # microstep imports the window only for its annotations: still an edge.
-    assert "gradsync.accumulation" in graph["gradsync.microstep"]
+    assert "gradsync._window" in graph["gradsync._microstep"]
     assert "gradsync.checkpoint.state" in graph["gradsync.accelerator"]
 
 
@@ -172,7 +172,7 @@ def _statements(fn: ast.FunctionDef) -> int:
 
 def test_the_accelerator_only_forwards():
     """Every member of the facade is a few statements that forward to the parts
-    ``gradsync.assembly`` wires (its ``__init__``: the settings, the assembly, two hooks)."""
+    ``gradsync._assembly`` wires (its ``__init__``: the settings, the assembly, two hooks)."""
     source = (SRC / "accelerator.py").read_text()
     cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Accelerator")
     long = {fn.name: _statements(fn) for fn in cls.body if isinstance(fn, ast.FunctionDef)
@@ -181,7 +181,32 @@ def test_the_accelerator_only_forwards():
 
 
 #: The tools around the core: the core (every other module) never imports them.
-TOOLS = ("gradsync.__main__", "gradsync.launch", "gradsync.verify", "gradsync.verify_hooks", "gradsync.accelerate")
+TOOLS = ("gradsync.__main__", "gradsync.cli", "gradsync.launch", "gradsync.verify", "gradsync.verify.recorder", "gradsync.accelerate")
+
+
+def _package(module: str) -> str:
+    """A module's node in the package-level graph: its sub-package of gradsync, or the
+    module itself at the top level."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = collections.defaultdict(set)
+    for module, imported in import_graph().items():
+        graph[_package(module)].update(_package(t) for t in imported if _package(t) != _package(module))
+    return {node: {t for t in targets if t in graph} for node, targets in graph.items()}
+
+
+def test_no_package_level_import_cycle():
+    """Packages as nodes (backends, checkpoint, storage, data, launch, ... and each top-level
+    module): no cycle, which the module-level test cannot see (a -> pkg.x, pkg.y -> a)."""
+    assert find_cycle(package_graph()) is None
+
+
+def test_the_package_level_check_sees_a_cycle():
+    graph = package_graph()
+    graph["gradsync.storage"] = {*graph["gradsync.storage"], "gradsync.checkpoint"}  # storage -> checkpoint
+    assert find_cycle(graph) is not None
 
 
 def test_the_core_never_imports_its_tools():

@@ -10,8 +10,8 @@ import torch
 
 from gradsync.config import load_config
 from gradsync.errors import ConfigError
-from gradsync.verify import param_difference, verify
-from gradsync.verify_hooks import ReplayExhausted, ReplayLoader
+from gradsync.verify.recorder import ReplayExhausted, ReplayLoader
+from gradsync.verify.runner import param_difference, verify
 
 
 def _pass(rank, n, exhausted=True):
@@ -37,7 +37,7 @@ def test_a_pass_the_launched_run_broke_off_fails_only_where_it_was_not_read():
 def test_verification_settings_win_over_keywords(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({"world": 4, "k": [2, 3]}))
     # gradsync verify names its recorder as the run's extension (GRADSYNC_EXTENSIONS)
-    ext = {"GRADSYNC_EXTENSIONS": "gradsync.verify_hooks"}
+    ext = {"GRADSYNC_EXTENSIONS": "gradsync.verify.recorder"}
     env = {"GRADSYNC_VERIFY": str(tmp_path / "ref"), "GRADSYNC_VERIFY_REPLAY": str(tmp_path), **ext}
     config = load_config(environ=env, backend="ddp", gradient_accumulation_steps=5, audit=True)
     assert config.backend == "single" and config.audit is False

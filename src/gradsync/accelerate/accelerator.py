@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gradsync import dist
+from gradsync import _dist as dist
 from gradsync.accelerate._names import refuse_member
 from gradsync.accelerate.config import (
     DataLoaderConfiguration,

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from gradsync import dist
+from gradsync import _dist as dist
 from gradsync.backends import _deepspeed_compat, _plain_state
-from gradsync.checkpoint import safety
-from gradsync.checkpoint.folder import load_file, save_file
-from gradsync.checkpoint.safety import allow_list
 from gradsync.errors import CheckpointError
+from gradsync.storage import safety
+from gradsync.storage.folder import load_file, save_file
+from gradsync.storage.safety import allow_list
 
 _TAG = "state"
 

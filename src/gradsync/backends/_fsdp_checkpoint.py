@@ -27,13 +27,13 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from gradsync import dist
+from gradsync import _dist as dist
 from gradsync.backends import _fsdp_compat
 from gradsync.backends.base import Held
-from gradsync.checkpoint import safety
-from gradsync.checkpoint.failure import PeerFailed, os_error, with_file
-from gradsync.checkpoint.folder import load_file, one_line, save_file
 from gradsync.errors import CheckpointError
+from gradsync.storage import safety
+from gradsync.storage.failure import PeerFailed, os_error, with_file
+from gradsync.storage.folder import load_file, one_line, save_file
 
 
 def _model_state(model: nn.Module) -> dict[str, Any]:

@@ -11,8 +11,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import audit, environment
-from gradsync.dist import is_distributed, rank_info
+from gradsync import _environment as environment
+from gradsync import audit
+from gradsync._dist import is_distributed, rank_info
 from gradsync.errors import UsageError
 
 __all__ = ["broadcast_from_rank0", "ensure_process_group", "local_device", "rank_info",

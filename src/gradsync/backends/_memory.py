@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gradsync import dist
+from gradsync import _dist as dist
 from gradsync._util import human_bytes
 
 #: The share of free memory (device memory, or available RAM split over local ranks) that

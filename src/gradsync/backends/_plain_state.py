@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from gradsync.backends.base import Held
-from gradsync.checkpoint.folder import load_file, save_file
 from gradsync.errors import CheckpointError, UsageError
+from gradsync.storage.folder import load_file, save_file
 
 Unwrap = Callable[[torch.nn.Module], torch.nn.Module]
 

@@ -26,14 +26,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
-from gradsync import _torch_compat, dist
+from gradsync import _dist as dist
+from gradsync import _torch_compat
 from gradsync.backends import _amp
 from gradsync.config import RequestedPolicy, SyncPolicy
 from gradsync.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
+    from gradsync._batch_plan import BatchPlan
     from gradsync.backends._amp import WindowScaler
-    from gradsync.batching import BatchPlan
     from gradsync.config import Config
 
 __all__ = ["AdapterDefaults", "Backend", "Held", "RequestedPolicy", "SyncPolicy", "clear_grads", "is_frozen",

@@ -19,7 +19,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradsync import _torch_compat, dist
+from gradsync import _dist as dist
+from gradsync import _torch_compat
+from gradsync._batch_plan import BatchPlan
 from gradsync.backends import (
     _deepspeed_checkpoint,
     _deepspeed_compat,
@@ -45,7 +47,6 @@ from gradsync.backends.base import (
     not_prepared,
     single_optimizer,
 )
-from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
 

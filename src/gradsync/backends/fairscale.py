@@ -22,7 +22,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradsync import dist
+from gradsync import _dist as dist
+from gradsync._batch_plan import BatchPlan
 from gradsync.backends import _amp, _fairscale_compat, _group, _plain_state
 from gradsync.backends._fairscale_compat import OSS, FullyShardedDataParallel, ShardedDataParallel
 from gradsync.backends.base import (
@@ -34,7 +35,6 @@ from gradsync.backends.base import (
     refuse_native,
     single_optimizer,
 )
-from gradsync.batching import BatchPlan
 from gradsync.config import Config
 from gradsync.errors import ConfigError
 

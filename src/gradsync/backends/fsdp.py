@@ -27,8 +27,18 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.tensor import DTensor
 
-from gradsync import _torch_compat, audit, dist, environment
-from gradsync.backends import _amp, _fsdp_checkpoint, _fsdp_compat, _group, _modules
+from gradsync import _dist as dist
+from gradsync import _environment as environment
+from gradsync import _torch_compat, audit
+from gradsync._batch_plan import BatchPlan
+from gradsync.backends import (
+    _amp,
+    _fsdp_checkpoint,
+    _fsdp_compat,
+    _group,
+    _modules,
+    _save_pretrained,
+)
 from gradsync.backends._fsdp_policy import (
     Keep,
     available_memory,
@@ -49,11 +59,9 @@ from gradsync.backends.base import (
     not_prepared,
     refuse_native,
 )
-from gradsync.batching import BatchPlan
-from gradsync.checkpoint import export
-from gradsync.checkpoint.safety import allow_list
 from gradsync.config import Config
 from gradsync.errors import ConfigError
+from gradsync.storage.safety import allow_list
 
 log = logging.getLogger("gradsync")
 
@@ -190,7 +198,7 @@ class FSDPBackend(AdapterDefaults):
         if not is_frozen(model):  # a frozen model is sharded for its forward only
             self._decide(model)
         if isinstance(model, FSDPModule):  # its own state dict holds DTensor shards
-            export.gather_in_save_pretrained(model, lambda: self.state_dict(model), self.barrier)
+            _save_pretrained.gather_in_save_pretrained(model, lambda: self.state_dict(model), self.barrier)
         return given, list(optimizers)
 
     def _shard(self, model: nn.Module, *, compile_units: bool) -> None:

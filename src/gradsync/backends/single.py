@@ -11,9 +11,9 @@ from typing import Any, ClassVar
 import torch
 
 from gradsync import _torch_compat
+from gradsync._batch_plan import BatchPlan
 from gradsync.backends import _amp, _group, _modules, _plain_state
 from gradsync.backends.base import AdapterDefaults, Held
-from gradsync.batching import BatchPlan
 from gradsync.config import Config
 
 _NOTHING = contextlib.nullcontext()

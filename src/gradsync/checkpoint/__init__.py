@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from gradsync.checkpoint.folder import (
+from gradsync.storage.folder import (
     MANIFEST,
     Manifest,
     latest_checkpoint,

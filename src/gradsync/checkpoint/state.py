@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.hooks import RemovableHandle
 
-from gradsync import dist
-from gradsync.checkpoint.commit import Committer
-from gradsync.checkpoint.folder import (
+from gradsync import _dist as dist
+from gradsync._microstep import drop_window
+from gradsync.errors import CheckpointError, ConfigError, UsageError
+from gradsync.storage.commit import Committer
+from gradsync.storage.folder import (
     LoaderPosition,
     Manifest,
     check_target,
@@ -31,16 +33,14 @@ from gradsync.checkpoint.folder import (
     read_manifest,
     save_file,
 )
-from gradsync.checkpoint.rng import capture_rng, restore_rng
-from gradsync.checkpoint.safety import allow_list
-from gradsync.errors import CheckpointError, ConfigError, UsageError
-from gradsync.microstep import drop_window
+from gradsync.storage.rng import capture_rng, restore_rng
+from gradsync.storage.safety import allow_list
 
 if TYPE_CHECKING:
-    from gradsync.accumulation import Window
+    from gradsync._registry import Prepared
+    from gradsync._window import Window
     from gradsync.backends.base import Backend, Held
     from gradsync.data import LoaderContext
-    from gradsync.prepared import Prepared
 
 log = logging.getLogger("gradsync")
 

@@ -19,14 +19,14 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from gradsync._util import check_non_negative_int, check_positive_int
-from gradsync.checkpoint.rng import RngState, dealing_rng, get_rng, set_rng
 from gradsync.data.batches import batch_length, checked_count, split_batch, to_device
 from gradsync.data.dealing import BatchDeal, IterableDeal
 from gradsync.data.sharding import BatchShard
 from gradsync.errors import ConfigError
+from gradsync.storage.rng import RngState, dealing_rng, get_rng, set_rng
 
 if TYPE_CHECKING:
-    from gradsync.accumulation import Window
+    from gradsync._window import Window
 
 ItemCounter = Callable[[Any], Any]
 log = logging.getLogger("gradsync")

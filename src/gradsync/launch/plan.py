@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gradsync.batching import solve_with_schedule
+from gradsync._accumulation_schedule import Constant, RampUp, Schedule, StepKeyed
+from gradsync._batch_plan import solve_with_schedule
 from gradsync.errors import ConfigError
-from gradsync.schedule import Constant, RampUp, Schedule, StepKeyed
 
 
 def phases(schedule: Schedule, micro: int | None, world: int) -> tuple[str, str]:

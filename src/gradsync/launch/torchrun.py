@@ -1,7 +1,7 @@
 """LaunchConfig -> torch.distributed.run arguments plus the GRADSYNC_* settings of the workers.
 
 The fields not given are filled in from the scheduler's environment first
-(``gradsync.launch.scheduler``: SLURM, torchrun's ``PET_*`` variables). The script's own
+(``gradsync.launch.cluster``: SLURM, torchrun's ``PET_*`` variables). The script's own
 arguments never go through torchrun's parser (which abbreviates: ``--max`` would match its
 ``--max-restarts``): only torchrun's own flags are parsed, and the script's arguments are set
 on the result.
@@ -24,14 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from gradsync import backends
+from gradsync._accumulation_schedule import Schedule, is_schedule
+from gradsync._batch_plan import BatchPlan, solve_with_schedule
 from gradsync._util import check_positive_int
-from gradsync.backends.fsdp_options import MeshSpec
-from gradsync.batching import BatchPlan, solve_with_schedule
 from gradsync.compat import accelerate
 from gradsync.config import ENV_PREFIX, Config, env_vars, from_yaml, read_yaml
 from gradsync.errors import ConfigError
-from gradsync.launch import failures, scheduler, signals
-from gradsync.schedule import Schedule, is_schedule
+from gradsync.launch import cluster as scheduler
+from gradsync.launch import failures, signals
+from gradsync.options.fsdp import MeshSpec
 from gradsync.settings import (
     BY_NAME,
     LAUNCH_SETTINGS,
@@ -46,7 +47,7 @@ class LaunchConfig:
     """Everything `gradsync launch` needs; the CLI only fills it in.
 
     A torchrun field left None is not given: ``Launcher`` takes it from the scheduler's
-    environment (``gradsync.launch.scheduler``), else torchrun's default (one process, one
+    environment (``gradsync.launch.cluster``), else torchrun's default (one process, one
     node, node rank 0, no restart; the rendezvous id: the job's id, else one of this launch).
     """
 
@@ -127,7 +128,7 @@ class Launcher:
     Attributes:
         requested: the launch as given.
         config: the launch to run, its defaults filled in.
-        environment: where this launch runs (``gradsync.environment.detect``).
+        environment: where this launch runs (``gradsync._environment.detect``).
         sources: the fields derived from the environment -> where each came from.
         warnings: lines to print before starting (e.g. more CPU ranks than SLURM's CPUs).
     """

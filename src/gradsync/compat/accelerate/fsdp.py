@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gradsync._declaration import FALSE, TRUE
 from gradsync.compat.accelerate.keys import (
     Key,
     Source,
@@ -22,7 +23,6 @@ from gradsync.compat.accelerate.keys import (
     whole_number,
     word,
 )
-from gradsync.declaration import FALSE, TRUE
 from gradsync.errors import ConfigError
 
 SECTION = "fsdp_config"

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gradsync._declaration import FALSE
 from gradsync.compat.accelerate.flags import TPU
 from gradsync.compat.accelerate.keys import Key, Source, Translation, apply
-from gradsync.declaration import FALSE
 
 
 def _as_written(value: Any, item: str) -> Any:

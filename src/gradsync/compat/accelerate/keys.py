@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gradsync._declaration import FALSE, TRUE
 from gradsync.compat.accelerate.flags import AcceleratedFlag
-from gradsync.declaration import FALSE, TRUE
 from gradsync.errors import ConfigError
 
 #: ``read(value, item) -> the value gradsync compares and keeps``; ``item`` names the key and

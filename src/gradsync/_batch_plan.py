@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gradsync._accumulation_schedule import Constant, RampUp, Schedule, is_schedule, parse
 from gradsync._util import check_positive_int
 from gradsync.errors import ConfigError
-from gradsync.schedule import Constant, RampUp, Schedule, is_schedule, parse
 
 
 @dataclass(frozen=True)

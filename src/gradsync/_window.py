@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gradsync._accumulation_schedule import Constant, Schedule
 from gradsync._util import check_positive_int
 from gradsync.errors import UsageError
-from gradsync.schedule import Constant, Schedule
 
 
 class MicroStep:

@@ -6,7 +6,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from gradsync.declaration import ModuleSelector, check_bytes, setting
+from gradsync._declaration import ModuleSelector, check_bytes, setting
 from gradsync.errors import ConfigError
 
 #: The policy that needs a 2-D mesh: reduce-scatter every micro-step, all-reduce across the

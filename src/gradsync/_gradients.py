@@ -17,11 +17,11 @@ from gradsync.errors import ConfigError, UsageError, naming_collective
 from gradsync.rules import Rules
 
 if TYPE_CHECKING:
-    from gradsync.accumulation import Window
+    from gradsync._microstep import ItemCount, Runner, SelfCheckObserver
+    from gradsync._registry import Prepared
+    from gradsync._window import Window
+    from gradsync._window_loss import WindowLoss
     from gradsync.backends.base import Backend
-    from gradsync.microstep import ItemCount, Runner, SelfCheckObserver
-    from gradsync.prepared import Prepared
-    from gradsync.window_loss import WindowLoss
 
 REDUCTIONS = ("mean", "sum", "normalized")
 

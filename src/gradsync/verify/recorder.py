@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from gradsync.checkpoint.rng import capture_rng
 from gradsync.data.batches import tree_map
 from gradsync.settings import SETTINGS
+from gradsync.storage.rng import capture_rng
 
 log = logging.getLogger("gradsync")
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from gradsync._accumulation_schedule import Schedule
 from gradsync._util import check_positive_int
 from gradsync.errors import UsageError
-from gradsync.schedule import Schedule
 
 log = logging.getLogger("gradsync")
 

@@ -18,8 +18,8 @@ from gradsync.errors import ConfigError, UsageError
 if TYPE_CHECKING:
     import torch
 
+    from gradsync._wrappers import PreparedOptimizer, PreparedScheduler
     from gradsync.data import PreparedDataLoader
-    from gradsync.wrappers import PreparedOptimizer, PreparedScheduler
 
 
 class Prepared:

@@ -330,7 +330,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     from gradsync.launch.torchrun import Launcher
-    from gradsync.verify import verify
+    from gradsync.verify.runner import verify
 
     config = launch_config(args)
     if args.dry_run:
@@ -378,7 +378,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace, row: dict[str, str], mesh: str | None = None) -> None:
-    from gradsync.estimate import Cluster, estimate, format_table
+    from gradsync._estimate import Cluster, estimate, format_table
 
     if not row["k"].isdigit():
         raise ConfigError(
@@ -416,7 +416,7 @@ def _estimate(args: argparse.Namespace, row: dict[str, str], mesh: str | None = 
 
 def _estimate_hybrid(args: argparse.Namespace, row: dict[str, str], mesh: str, grad_bytes: float,
                      param_bytes: float, k: int) -> None:
-    from gradsync.estimate import (
+    from gradsync._estimate import (
         INTER_GBS,
         INTRA_GBS,
         HybridCluster,
@@ -453,7 +453,7 @@ def _env() -> int:
         print("torch: not installed")
     for name in backends.available():
         print(f"backend {name}: {backends.status(name)}")
-    from gradsync import environment
+    from gradsync import _environment as environment
 
     print("where this process runs:")
     print("\n".join(f"  {line}" for line in environment.detect().describe().splitlines()))

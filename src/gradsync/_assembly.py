@@ -14,24 +14,27 @@ from typing import Any
 
 import torch
 
+from gradsync import _dist as dist
+from gradsync import _environment as environment
+from gradsync import _selfcheck as selfcheck
 from gradsync import audit as audit_mod
-from gradsync import backends, dist, environment, extensions, selfcheck, tracking
-from gradsync.accumulation import Window
+from gradsync import backends, extensions, tracking
+from gradsync._batch_plan import solve_with_schedule
+from gradsync._gradients import Gradients
+from gradsync._microstep import AuditObserver, ItemCount, Runner, SelfCheckObserver
+from gradsync._planned_steps import Planner, warn_unfinished
+from gradsync._preparer import Preparer
+from gradsync._registry import Prepared
+from gradsync._window import Window
+from gradsync._window_loss import WindowLoss
 from gradsync.backends import _group
 from gradsync.backends.base import Backend
-from gradsync.batching import solve_with_schedule
 from gradsync.checkpoint.signals import SignalWatch, requeue_command, stop_if_told
 from gradsync.checkpoint.state import CheckpointState
 from gradsync.config import Config
 from gradsync.data import LoaderContext, PreparedDataLoader
 from gradsync.errors import UsageError
-from gradsync.gradients import Gradients
-from gradsync.microstep import AuditObserver, ItemCount, Runner, SelfCheckObserver
-from gradsync.planning import Planner, warn_unfinished
-from gradsync.prepared import Prepared
-from gradsync.preparing import Preparer
 from gradsync.rules import Rules
-from gradsync.window_loss import WindowLoss
 
 log = logging.getLogger("gradsync")
 

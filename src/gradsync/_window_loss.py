@@ -24,7 +24,7 @@ import torch.distributed as dist
 from gradsync.errors import UsageError
 
 if TYPE_CHECKING:
-    from gradsync.accumulation import MicroStep
+    from gradsync._window import MicroStep
 
 log = logging.getLogger("gradsync")
 

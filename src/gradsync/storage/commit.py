@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from gradsync import dist
-from gradsync.checkpoint import failure
-from gradsync.checkpoint.folder import (
+from gradsync import _dist as dist
+from gradsync.errors import CheckpointError, ConfigError, UsageError
+from gradsync.storage import failure
+from gradsync.storage.folder import (
     TMP_SUFFIX,
     Manifest,
     checksum,
@@ -27,7 +28,6 @@ from gradsync.checkpoint.folder import (
     prune,
     share,
 )
-from gradsync.errors import CheckpointError, ConfigError, UsageError
 
 
 class _Save:

@@ -4,7 +4,7 @@
 A checkpoint is a folder. It is written under a temporary sibling name
 (``.NAME.gradsync-tmp``); once every rank has written its files, rank 0 records each
 file's size and CRC-32 in ``gradsync_checkpoint.json`` (the completion marker, written
-last) and renames the folder into place (see ``gradsync.checkpoint.commit``). A crash
+last) and renames the folder into place (see ``gradsync.storage.commit``). A crash
 before that rename leaves the previous checkpoint untouched, and the temporary folder has
 no marker, so ``latest_checkpoint`` never picks it.
 
@@ -25,11 +25,11 @@ from typing import Any, TypedDict
 
 import torch
 
+from gradsync._dist import broadcast_object, rank
 from gradsync._version import __version__
-from gradsync.checkpoint.failure import os_error, remove, with_file
-from gradsync.checkpoint.safety import check_name, scan_folder
-from gradsync.dist import broadcast_object, rank
 from gradsync.errors import CheckpointError, ConfigError
+from gradsync.storage.failure import os_error, remove, with_file
+from gradsync.storage.safety import check_name, scan_folder
 
 MANIFEST = "gradsync_checkpoint.json"
 #: 2: an optimizer is numbered by its own order and names the models it holds

@@ -27,16 +27,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from gradsync import dist
+from gradsync import _dist as dist
 from gradsync.errors import naming_collective
 
 if TYPE_CHECKING:
-    from gradsync import selfcheck
-    from gradsync.accumulation import MicroStep, Window
+    from gradsync import _selfcheck as selfcheck
+    from gradsync._registry import Prepared
+    from gradsync._window import MicroStep, Window
     from gradsync.audit import Recorder
     from gradsync.backends.base import Backend
     from gradsync.data import ItemCounter
-    from gradsync.prepared import Prepared
 
 log = logging.getLogger("gradsync")
 
@@ -257,7 +257,7 @@ class AuditObserver:
 
 
 class SelfCheckObserver:
-    """The deferral self-check of the first optimizer steps (see ``gradsync.selfcheck``)."""
+    """The deferral self-check of the first optimizer steps (see ``gradsync._selfcheck``)."""
 
     def __init__(self, check: selfcheck.SelfCheck, on_done: Callable[[], None]) -> None:
         self.check = check

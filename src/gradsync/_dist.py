@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync import _torch_compat, environment
+from gradsync import _environment as environment
+from gradsync import _torch_compat
 
 
 def is_distributed() -> bool:
@@ -28,7 +29,7 @@ def is_multiprocess() -> bool:
 
 def rank_info() -> tuple[int, int, int]:
     """(rank, world size, local rank) of this process: the group's rank and size where there is
-    one, else what the launcher or scheduler says (``gradsync.environment``: torchrun, SLURM,
+    one, else what the launcher or scheduler says (``gradsync._environment``: torchrun, SLURM,
     MPI, Kubeflow; one process when nothing says otherwise)."""
     where = environment.detect()
     if is_distributed():

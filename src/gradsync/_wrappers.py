@@ -15,7 +15,7 @@ import torch
 from gradsync.errors import ConfigError, naming_collective
 
 if TYPE_CHECKING:
-    from gradsync.accumulation import WindowView
+    from gradsync._window import WindowView
     from gradsync.backends.base import Backend
 
 

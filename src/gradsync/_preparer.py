@@ -3,7 +3,7 @@
 Models go through the backend's ``prepare`` (DDP / FSDP2 / an engine); optimizers become
 gates on the window (``PreparedOptimizer``), schedulers step once per applied optimizer step
 (``PreparedScheduler``), dataloaders are sharded and prepared (``PreparedDataLoader``).
-Everything prepared is recorded in the registry (``gradsync.prepared``).
+Everything prepared is recorded in the registry (``gradsync._registry``).
 """
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gradsync import dist
+from gradsync import _dist as dist
+from gradsync._batch_plan import BatchPlan
+from gradsync._wrappers import PreparedOptimizer, PreparedScheduler
 from gradsync.backends.base import is_frozen
-from gradsync.batching import BatchPlan
 from gradsync.data import LoaderContext, PreparedDataLoader, shard_dataloader
 from gradsync.data.dealing import deal_batches, split_size
 from gradsync.errors import ConfigError
 from gradsync.rules import GRADSYNC, Rules
-from gradsync.wrappers import PreparedOptimizer, PreparedScheduler
 
 if TYPE_CHECKING:
-    from gradsync.accumulation import WindowView
+    from gradsync._registry import Prepared
+    from gradsync._window import WindowView
     from gradsync.backends.base import Backend
     from gradsync.config import Config
-    from gradsync.prepared import Prepared
 
 
 def is_scheduler(obj: Any) -> bool:
@@ -196,7 +196,7 @@ class Preparer:
         else:
             sharded = shard_dataloader(loader, rank=rank, world_size=world, seed=seed,
                                        dataset_shards_itself=self._config.dataset_shards_itself)
-        if self.loader_hook is not None:  # gradsync verify (gradsync.verify_hooks)
+        if self.loader_hook is not None:  # gradsync verify (gradsync.verify.recorder)
             sharded = self.loader_hook(sharded)
         prepared = PreparedDataLoader(sharded, self._loaders)
         self._registry.add_loader(prepared)

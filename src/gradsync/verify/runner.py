@@ -12,9 +12,9 @@ It runs the script twice, for ``steps`` optimizer steps each:
    parameters;
 
 then compares them step by step (``Report``). The in-process side is
-``gradsync.verify_hooks``.
+``gradsync.verify.recorder``.
 
-    from gradsync.verify import verify
+    from gradsync.verify.runner import verify
     report = verify("train.py", ["--epochs", "1"], launch={"nproc_per_node": 2, "backend": "fsdp"})
     print(report.render()); raise SystemExit(report.exit_code)
 """
@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 from gradsync import extensions
 from gradsync._util import human_bytes
 from gradsync.errors import ConfigError
-from gradsync.verify_hooks import ENV_RECORD, ENV_REPLAY, ENV_STEPS, params_file, read_meta
+from gradsync.verify.recorder import ENV_RECORD, ENV_REPLAY, ENV_STEPS, params_file, read_meta
 
 #: The module the launched and the reference run load as an extension (records or replays).
-RECORDER = "gradsync.verify_hooks"
+RECORDER = "gradsync.verify.recorder"
 
 if TYPE_CHECKING:
     from gradsync.launch.torchrun import LaunchConfig, Launcher
