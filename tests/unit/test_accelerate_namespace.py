@@ -267,3 +267,27 @@ def test_a_schedule_sized_for_accelerates_rule_is_said_when_the_run_ends() -> No
     assert said == []  # said on the main process only
     warn_unfinished([sized, sized], lambda: 6, 2, True, said.append)
     assert len(said) == 1
+
+
+def test_the_logger_prefixes_the_rank_and_logs_in_order(caplog: pytest.LogCaptureFixture) -> None:
+    from gradsync.accelerate.logging import get_logger
+
+    logger = get_logger("gradsync-test-prefix", log_level="INFO")
+    with caplog.at_level(logging.INFO, logger="gradsync-test-prefix"):
+        logger.info("main only")
+        logger.info("every rank", main_process_only=False)
+        logger.info("in order", in_order=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "[RANK 0] main only", "[RANK 0] every rank", "[RANK 0] in order"]
+
+
+def test_all_means_the_installed_tracker_libraries_as_in_accelerate() -> None:
+    from gradsync.accelerate.config import accelerate_trackers
+    from gradsync.accelerate.utils import LoggerType
+    from gradsync.tracking import tracker_available
+
+    installed = [t for t in ("tensorboard", "wandb", "mlflow") if tracker_available(t)]
+    assert accelerate_trackers("all") == installed
+    assert accelerate_trackers(LoggerType.ALL) == installed
+    assert accelerate_trackers(["all", "csv"]) == [*installed, "csv"]
+    assert accelerate_trackers("tensorboard") == "tensorboard"

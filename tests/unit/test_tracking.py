@@ -224,6 +224,18 @@ def test_a_key_the_file_uses_itself_is_refused_before_anything_is_written(tmp_pa
     assert (tmp_path / "proj" / "metrics.jsonl").read_text() == ""
 
 
+def test_a_step_value_equal_to_the_step_is_written_once(tmp_path):
+    """Accelerate's examples log {"step": n} at step=n: the files write the step once."""
+    t = _trackers(["jsonl", "csv"], tmp_path)
+    t.init("proj")
+    t.log({"step": 3, "loss": 1.0}, step=3)
+    with pytest.raises(ConfigError, match=r"values\['step'\]: the jsonl tracker writes 'step' itself"):
+        t.log({"step": 4, "loss": 1.0}, step=3)  # another number: still refused
+    t.finish()
+    lines = [json.loads(line) for line in (tmp_path / "proj" / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["loss"]) for line in lines] == [(3, 1.0)]
+
+
 # -- "all", tracker objects, values --------------------------------------------------------
 def test_all_starts_every_installed_tracker(tmp_path, monkeypatch):
     assert all(tracker_available(n) for n in BUILTIN_TRACKERS)  # the test extras install them

@@ -22,6 +22,7 @@ from gradsync.accelerate.config import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
     ProjectConfiguration,
+    accelerate_trackers,
     translate,
 )
 from gradsync.accelerator import Accelerator as _Core
@@ -133,7 +134,7 @@ class Accelerator(_Core):
         for key, value in found.settings.items():
             if options.setdefault(key, value) != value:
                 raise ConfigError(f"Accelerator got {key} twice, with different values; give it once")
-        super().__init__(mixed_precision=mixed_precision, log_with=log_with, **options)  # type: ignore[arg-type]
+        super().__init__(mixed_precision=mixed_precision, log_with=accelerate_trackers(log_with), **options)  # type: ignore[arg-type]
         self.gradient_state = GradientState(self)
         self._trigger = False
         self.dataloader_config = dataloader_config or DataLoaderConfiguration(

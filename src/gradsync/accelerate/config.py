@@ -184,3 +184,16 @@ def translate(*, split_batches: bool | None, cpu: bool, dataloader_config: DataL
     rules = Rules.accelerate(split_batches=loaders.split_batches, even_batches=loaders.even_batches,
                              seedable_sampler=loaders.use_seedable_sampler, data_seed=loaders.data_seed)
     return Translated(out, rules, project)
+
+
+def accelerate_trackers(log_with: Any) -> Any:
+    """Accelerate's ``"all"``: every installed tracker library (TensorBoard, W&B, MLflow),
+    not gradsync's own CSV and JSON-lines files; other names are kept."""
+    items = list(log_with) if isinstance(log_with, list | tuple) else [log_with]
+    if not any(isinstance(i, str) and str(i).lower() == "all" for i in items):
+        return log_with
+    from gradsync.tracking import tracker_available
+
+    chosen: list[Any] = [t for t in ("tensorboard", "wandb", "mlflow") if tracker_available(t)]
+    chosen += [i for i in items if not (isinstance(i, str) and str(i).lower() == "all") and i not in chosen]
+    return chosen or None

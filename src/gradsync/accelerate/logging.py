@@ -19,23 +19,25 @@ class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
         return msg, kwargs
 
     def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+        """Log ``msg`` as ``[RANK i] msg``: on the main process only (``main_process_only``,
+        default True), or on every process one after the other (``in_order``, which then
+        ignores ``main_process_only``)."""
         main_process_only = kwargs.pop("main_process_only", True)
         in_order = kwargs.pop("in_order", False)
         kwargs.setdefault("stacklevel", 2)
         if not self.isEnabledFor(level):
             return
         rank, world, _ = dist.rank_info()
-        if main_process_only:
-            if rank == 0:
+        msg = f"[RANK {rank}] {msg}"
+        if not in_order:
+            if not main_process_only or rank == 0:
                 self.logger.log(level, msg, *args, **kwargs)
-            return
-        if not in_order or world == 1 or not dist.is_distributed():
-            self.logger.log(level, msg, *args, **kwargs)
             return
         for turn in range(world):
             if turn == rank:
                 self.logger.log(level, msg, *args, **kwargs)
-            dist.barrier()
+            if world > 1 and dist.is_distributed():
+                dist.barrier()
 
     def warning_once(self, *args: Any, **kwargs: Any) -> None:
         """``warning``, once per message."""

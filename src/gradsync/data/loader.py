@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
+from gradsync import _dist as dist
 from gradsync._util import check_non_negative_int, check_positive_int
 from gradsync.data.batches import batch_length, checked_count, split_batch, to_device
 from gradsync.data.dealing import BatchDeal, IterableDeal
@@ -261,7 +262,7 @@ class PreparedDataLoader:
                 log.debug("gradsync: skip_first_batches(%d) after load_state: the loader already "
                           "resumes at batch %d of epoch %d; nothing more skipped",
                           batches, restored, self.epochs.next)
-            else:
+            elif dist.rank() == 0:  # one line for the run, not one per rank
                 log.warning(
                     "gradsync: skip_first_batches(%d) after load_state: the checkpoint was saved "
                     "after batch %d of epoch %d, and the loader resumes there (skipping %d would "

@@ -207,6 +207,9 @@ class Trackers:
         kwargs = self._per_tracker("log_kwargs", log_kwargs)
         if not self._main:
             return
+        if step is not None and "step" in values and plain(values["step"]) == step:
+            # Accelerate scripts log {"step": n} at step=n: the same number, written once.
+            values = {k: v for k, v in values.items() if k != "step"}
         for tracker in self._started:
             taken = set(getattr(tracker, "reserved_keys", ())) & set(values)
             if taken:
