@@ -78,10 +78,6 @@ class Prepared:
         """The prepared optimizers that hold ``model``'s parameters, in prepare order."""
         return [o for o in self.optimizers if (id(model), id(o)) in self._links]
 
-    def models_of(self, optimizer: PreparedOptimizer) -> list[torch.nn.Module]:
-        """The prepared models whose parameters ``optimizer`` holds, in prepare order."""
-        return [m for m in self.models if (id(m), id(optimizer)) in self._links]
-
     def model_indices(self, optimizer: PreparedOptimizer) -> tuple[int, ...]:
         """The positions of the models whose parameters ``optimizer`` holds."""
         return tuple(i for i, m in enumerate(self.models) if (id(m), id(optimizer)) in self._links)

@@ -337,15 +337,6 @@ class Config(FairscaleOptions, DeepSpeedOptions, FSDPOptions, DDPOptions, CoreSe
             return self.fsdp_memory_budget, "fsdp_memory_budget"
         return None, "sync_memory_budget"
 
-    @property
-    def accumulation_steps(self) -> int:
-        """The accumulation steps to use when none was derived from batch sizes (default 1)."""
-        value = self.gradient_accumulation_steps
-        if schedule.is_schedule(value):
-            return schedule.parse(value, micro_batch_size=self.micro_batch_size,
-                                  global_batch_size=self.global_batch_size).steps_at(0)
-        return value if isinstance(value, int) and value else 1
-
 
 #: Every setting, core first, then each backend's options.
 SETTINGS: tuple[Setting, ...] = declared(Config)

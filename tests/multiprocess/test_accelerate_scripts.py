@@ -50,7 +50,7 @@ def plan(out: Path, resume: bool) -> list[list[object]]:
             # gradsync's own Accelerator on a schedule sized for Accelerate's rule: said once
             [str(clm), ["--out", str(out / "clm-core")], "core"],
         ]
-    return steps + last
+    return steps + (last if resume else [])
 
 
 def launch(tmp: Path, name: str, extra: list[str], gradsync: bool) -> Path:
@@ -73,10 +73,13 @@ def launch(tmp: Path, name: str, extra: list[str], gradsync: bool) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("accelerate-scripts")
+    accelerate = launch(tmp, "accelerate-ddp", [], gradsync=False)
+    # On the CPU `accelerate launch --use_fsdp` trains with DDP (its FSDP needs a GPU): the
+    # same run as the one above, so gradsync's FSDP2 run is compared with that one.
     return {
-        "accelerate-ddp": launch(tmp, "accelerate-ddp", [], gradsync=False),
+        "accelerate-ddp": accelerate,
         "gradsync-ddp": launch(tmp, "gradsync-ddp", [], gradsync=True),
-        "accelerate-fsdp": launch(tmp, "accelerate-fsdp", FSDP, gradsync=False),
+        "accelerate-fsdp": accelerate,
         "gradsync-fsdp": launch(tmp, "gradsync-fsdp", FSDP, gradsync=True),
     }
 

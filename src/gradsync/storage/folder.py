@@ -36,8 +36,6 @@ MANIFEST = "gradsync_checkpoint.json"
 #: (``optimizer_models``); 1 (gradsync 0.1): one optimizer per model, numbered by the model.
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-#: The release that wrote each readable version, for messages.
-WRITTEN_BY = {1: "gradsync 0.1", 2: "gradsync 0.2"}
 TMP_SUFFIX = ".gradsync-tmp"
 OLD_SUFFIX = ".gradsync-old"
 

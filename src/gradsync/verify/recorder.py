@@ -31,7 +31,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -489,6 +489,3 @@ def attach(accel: Any, parts: Any, environ: Mapping[str, str] | None = None) -> 
     return Verifier(accel, parts.runner, parts.preparer, parts.prepared, folder, steps,
                     env.get(ENV_REPLAY) or None)
 
-
-#: For type checkers: what ``Preparer.loader_hook`` holds.
-LoaderHook = Callable[[Any], Any]

@@ -417,7 +417,7 @@ def _verify(launcher: Launcher, world: int, steps: int, max_seconds: float, rtol
     env = dict(os.environ)
     env.update({ENV_RECORD: str(launched), ENV_STEPS: str(steps), extensions.ENV: RECORDER})
     env.pop(ENV_REPLAY, None)
-    code = _run([python, "-m", "gradsync.verify", str(pickled)], env, folder / "launched.log", deadline)
+    code = _run([python, "-m", "gradsync.verify.runner", str(pickled)], env, folder / "launched.log", deadline)
     log_hint = f" (its output: {folder / 'launched.log'})" if keep else ""
     if code is None:
         return done(Report(UNVERIFIABLE, f"cannot verify: the launched run ran past --max-seconds="
