@@ -63,21 +63,12 @@ def on_pre_build(config: Any, **kwargs: Any) -> None:
 
 def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
     """Fill the placeholders of the settings and CLI pages."""
-    if SETTINGS_MARK in markdown:
-        markdown = markdown.replace(SETTINGS_MARK, settings_markdown())
-        _filled.add(SETTINGS_MARK)
-    if CLI_MARK in markdown:
-        markdown = markdown.replace(CLI_MARK, cli_markdown())
-        _filled.add(CLI_MARK)
-    if CLI_COUNT_MARK in markdown:
-        markdown = markdown.replace(CLI_COUNT_MARK, cli_count_markdown())
-        _filled.add(CLI_COUNT_MARK)
-    if VERSION_MARK in markdown:
-        markdown = markdown.replace(VERSION_MARK, version())
-        _filled.add(VERSION_MARK)
-    if NAMES_MARK in markdown:
-        markdown = markdown.replace(NAMES_MARK, names_markdown())
-        _filled.add(NAMES_MARK)
+    fills = {SETTINGS_MARK: settings_markdown, CLI_MARK: cli_markdown,
+             CLI_COUNT_MARK: cli_count_markdown, VERSION_MARK: version, NAMES_MARK: names_markdown}
+    for mark, fill in fills.items():
+        if mark in markdown:
+            markdown = markdown.replace(mark, fill())
+            _filled.add(mark)
     return markdown
 
 

@@ -47,16 +47,18 @@ class GradientState:
     def num_steps(self) -> int:
         return self._accel.gradient_accumulation_steps
 
+    def _last_pass(self) -> Any:
+        last = self._accel._loaders.last_pass
+        return last() if last is not None else None
+
     @property
     def end_of_dataloader(self) -> bool:
-        last = self._accel._loaders.last_pass
-        it = last() if last is not None else None
+        it = self._last_pass()
         return bool(it is not None and it.last)
 
     @property
     def remainder(self) -> int:
-        last = self._accel._loaders.last_pass
-        it = last() if last is not None else None
+        it = self._last_pass()
         found = it.owner.dealt_remainder() if it is not None else None
         return -1 if found is None else found
 

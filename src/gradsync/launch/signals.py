@@ -24,9 +24,9 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 #: The signals that stop `gradsync launch` (torchrun's agent forwards them to the workers).
 STOPPING: tuple[signal.Signals, ...] = tuple(
@@ -113,17 +113,8 @@ def forwarding() -> Iterator[None]:
     Only in the main thread (where Python runs signal handlers); the previous handlers are
     put back on leaving.
     """
-    if threading.current_thread() is not threading.main_thread():
+    with _handling(FORWARDED, _handler):
         yield
-        return
-    previous = {sig: signal.getsignal(sig) for sig in FORWARDED}
-    for sig in FORWARDED:
-        signal.signal(sig, _handler)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 class Stopped(Exception):
@@ -147,17 +138,25 @@ def stopping() -> Iterator[None]:
     Only in the main thread; the handlers from before are put back on leaving, so that a
     second signal while the launcher prints its last line ends it as usual.
     """
+    with _handling(STOPPING, _stop):
+        yield
+
+
+@contextlib.contextmanager
+def _handling(signals: Iterable[int], handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """``handler`` for ``signals`` while inside, the previous handlers put back on leaving;
+    nothing outside the main thread (the only one Python runs signal handlers in)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.getsignal(sig) for sig in STOPPING}
-    for sig in STOPPING:
-        signal.signal(sig, _stop)
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+    for sig in previous:
+        signal.signal(sig, handler)
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def stopped(signum: int, stream: TextIO, *, workers: bool) -> int:
