@@ -23,16 +23,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader
 
 import gradsync
 from gradsync import CheckpointError
 from gradsync.storage.failure import os_error
 from gradsync.storage.folder import save_file
 
+from harness.signals import run_until_signal
 from scenarios.checkpoints import fresh, trained
-from scenarios.common import Indexed, make_model, make_optimizer
 from scenarios.faults import fill
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts filesystems (needs root)")
@@ -182,22 +180,6 @@ def test_no_permission_and_a_file_size_limit(shared_tmp, clean_env):
     )
     assert out["after"] == {"kind": "", "error": ""}
     assert sorted(p.name for p in other.iterdir() if not p.name.startswith(".")) == ["after"]
-
-
-def run_until_signal(accel: gradsync.Accelerator, signum: int) -> SystemExit:
-    """Train until the signal (sent after the first micro-step) stops it."""
-    model = make_model()
-    opt = make_optimizer(model.parameters(), "sgd", 0.05)
-    model, opt, loader = accel.prepare(model, opt, DataLoader(Indexed(40), batch_size=2))
-    with pytest.raises(SystemExit) as stop:
-        for i, (x, y, _) in enumerate(loader):
-            with accel.accumulate(model):
-                accel.backward(F.mse_loss(model(x), y))
-                opt.step()
-                opt.zero_grad()
-            if i == 1:
-                os.kill(os.getpid(), signum)  # acted on when the next window starts
-    return stop.value
 
 
 @pytest.fixture

@@ -6,18 +6,15 @@ save -> requeue -> resume, is in tests/multiprocess/test_slurm.py.)"""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 
 import pytest
-import torch.nn.functional as F
-from torch.utils.data import DataLoader
 
 import gradsync
 from gradsync import Accelerator, ConfigError
 from gradsync.checkpoint.signals import requeue_command
 
-from scenarios.common import Indexed, make_model, make_optimizer
+from harness.signals import run_until_signal
 
 
 @pytest.fixture(autouse=True)
@@ -27,22 +24,6 @@ def _handlers():
     yield
     for s, handler in saved.items():
         signal.signal(s, handler)
-
-
-def run_until_signal(accel: Accelerator, signum: int, at: int = 1) -> SystemExit:
-    model = make_model()
-    opt = make_optimizer(model.parameters(), "sgd", 0.05)
-    model, opt, loader = accel.prepare(model, opt, DataLoader(Indexed(40), batch_size=2))
-    with pytest.raises(SystemExit) as stop:
-        for i, (x, y, _) in enumerate(loader):
-            with accel.accumulate(model):
-                accel.backward(F.mse_loss(model(x), y))
-                opt.step()
-                opt.zero_grad()
-            if i == at:
-                os.kill(os.getpid(), signum)  # acted on when the next window starts
-                assert accel.stop_requested
-    return stop.value
 
 
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
