@@ -38,7 +38,19 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HeapSampler", "PeakMemory", "heap_reader", "live_heap_bytes"]
+__all__ = ["HeapSampler", "PeakMemory", "heap_reader", "live_heap_bytes", "no_gradients"]
+
+
+def no_gradients(*models: Any) -> None:
+    """Drop the models' ``.grad`` and collect cyclic garbage: every policy's window then starts
+    from the same state (parameters and optimizer state, no gradients), whatever the previous
+    step left."""
+    import gc
+
+    for model in models:
+        for p in model.parameters():
+            p.grad = None
+    gc.collect()
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -121,7 +133,7 @@ class PeakMemory:
     """Peak tensor memory of a block above the level at its start, on ``device``: CUDA's
     allocator counters on a GPU, ``HeapSampler`` on the CPU. After the block:
     ``peak_bytes`` (the peak above the start), ``baseline`` (the level at the start, bytes)
-    and ``method`` (how it was measured, for the output's notes)."""
+    and ``method`` (how it was measured, for the output's notes); inside it, ``level()``."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -133,6 +145,15 @@ class PeakMemory:
         else:
             self.method = ("live heap (glibc mallinfo2 uordblks + hblkhd) sampled after every op by a "
                            "TorchDispatchMode, peak minus the level at the window start")
+
+    def level(self) -> int:
+        """The level now, above the one at entry (bytes): inside the block, what is held at
+        this point (e.g. between two micro-steps of a window)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.memory_allocated(self.device)) - self.baseline
+        assert self._sampler is not None, "inside the block only"
+        return self._sampler.sample() - self.baseline
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":

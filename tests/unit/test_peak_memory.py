@@ -80,8 +80,11 @@ def test_backward_and_optimizer_allocations_are_seen():
 def test_peak_memory_on_the_cpu_is_the_sampler():
     with probe.PeakMemory(torch.device("cpu")) as peak:
         e = torch.ones(8 * MiB // 4)
+        held = peak.level()
         del e
+        after = peak.level()
     assert 8 * MiB <= peak.peak_bytes < 8 * MiB + SLACK
+    assert 8 * MiB <= held < 8 * MiB + SLACK and after < SLACK
     assert peak.baseline > 0 and "mallinfo2" in peak.method
 
 
@@ -90,6 +93,8 @@ def test_peak_memory_on_a_gpu_is_max_memory_allocated():
     device = torch.device("cuda", 0)
     with probe.PeakMemory(device) as peak:
         f = torch.ones(64 * MiB // 4, device=device)
+        held = peak.level()
         del f
     assert 64 * MiB <= peak.peak_bytes < 64 * MiB + SLACK
+    assert 64 * MiB <= held < 64 * MiB + SLACK
     assert "max_memory_allocated" in peak.method
