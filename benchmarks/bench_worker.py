@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from bench_cells import CELLS, Sizes, build, checksum, mode_skip, sgd
-from peak_memory import PeakMemory, no_gradients
+from peak_memory import PeakMemory
 
 from gradsync import audit
 
@@ -33,7 +33,9 @@ def _memory_step(runner: Any, batches: list[Any], k: int, rec: Any, device: torc
     """One optimizer step under the memory probe (untimed: the CPU probe's per-op sampling
     would slow the step): the peak above the window's start, and what the adapter predicted
     for the policy it ran (gradsync modes only)."""
-    no_gradients(runner.model)
+    # The window starts from what the mode's last step left (gradients set to None, or zeroed
+    # in place where the backend's buckets are views of them: fairscale); garbage collected.
+    gc.collect()
     with PeakMemory(device) as probe:
         _run_steps(runner, batches, k, 1, 0, rec)
     accel = getattr(runner, "accel", None)

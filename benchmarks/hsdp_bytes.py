@@ -86,8 +86,9 @@ def _labels(mesh: Any) -> str:
 
 def _window(accel: Any, model: Any, opt: Any, batches: list[Any], probe: Any = None) -> list[int]:
     """One optimizer step: a window of ``len(batches)`` micro-steps; with a memory ``probe``,
-    the level it reads after each micro-step but the last (what the window holds between
-    micro-steps)."""
+    the level it reads after each micro-step but the last. The last of those is what the
+    window holds before its boundary (after the first micro-step FSDP2 may still hold its
+    reduce-scatter buffers, which it frees at the next one)."""
     import torch.nn.functional as F
 
     held = []
@@ -111,7 +112,7 @@ def _memory_step(accel: Any, model: Any, opt: Any, batches: list[Any]) -> dict[s
     with PeakMemory(accel.device) as probe:
         held = _window(accel, model, opt, batches, probe)
     peaks: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, (probe.peak_bytes, probe.baseline, max(held, default=0)))
+    dist.all_gather_object(peaks, (probe.peak_bytes, probe.baseline, held[-1] if held else 0))
     memory = getattr(accel._backend, "memory", {})
     return {"peak_bytes": [p for p, _, _ in peaks], "baseline_bytes": [b for _, b, _ in peaks],
             "held_bytes": [h for _, _, h in peaks],
@@ -233,38 +234,44 @@ def _shown(cell: dict[str, Any]) -> str:
     return cell["asked"] if cell["asked"] == cell["policy"] else f"{cell['asked']} -> {cell['policy']}"
 
 
-def memory_table(result: dict[str, Any]) -> str:
-    """Per mesh, k and policy: bytes per mesh dimension, the measured peak above the window's
-    start, what the window holds between micro-steps beyond every_step's, and the predictions:
-    the estimate's extra memory, and the adapter's number (what auto weighs)."""
+def estimated_held(cell: dict[str, Any]) -> float:
+    """What the estimate says the cell's window holds before its boundary above the window's
+    start: the gradients (G/S sharded, G unsharded, or the partial buffer G/S), and the
+    gathered parameters where they are kept (the shard is there at the start)."""
     from gradsync._estimate import MeshCluster, estimate_mesh
 
+    (r, s), g = cell["mesh"], cell["grad_bytes"]
+    rows = {row.policy: row for row in estimate_mesh(MeshCluster(
+        g, g, dp_replicate=r, dp_shard=s, tp=1, k=cell["k"]))}
+    row = rows[cell["policy"]]
+    return row.grad_memory + row.param_memory - g / s
+
+
+def memory_table(result: dict[str, Any]) -> str:
+    """Per mesh, k and policy: bytes per mesh dimension, the measured peak above the window's
+    start and the level held before the boundary, beside the estimate's held bytes and the
+    adapter's number (what auto weighs)."""
     lines = [
         "| mesh (R, S) | k | policy | dp_shard: MiB / step | dp_replicate: MiB / step "
-        "| peak above the window start, MiB | held between micro-steps, MiB | held minus every_step's "
-        "| estimate: extra memory, MiB | adapter: deferral_extra_bytes, MiB (what auto weighs) "
-        "| step ms (no claim) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| held before the boundary, MiB | estimate: held, MiB | peak above the window start, MiB "
+        "| adapter: deferral_extra_bytes, MiB (what auto weighs) | step ms (no claim) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     cells = result["cells"]
-    every = {(tuple(c["mesh"]), c["k"]): max(c["memory"]["held_bytes"]) for c in cells if c["asked"] == "every_step"}
     for cell in cells:
         (r, s), k, mem = cell["mesh"], cell["k"], cell["memory"]
-        est = {row.policy: row for row in estimate_mesh(MeshCluster(
-            cell["grad_bytes"], cell["grad_bytes"], dp_replicate=r, dp_shard=s, tp=1, k=k))}
-        held, base = max(mem["held_bytes"]), every.get((tuple(cell["mesh"]), k))
         predicted = mem["predicted_extra_bytes"]
         lines.append(
             f"| ({r}, {s}) | {k} | {_shown(cell)} "
             f"| {_mib(_per_step(cell, 'shard' if r > 1 else 'world', 'bytes'))} "
             f"| {_mib(_per_step(cell, 'replicate', 'bytes'))} "
-            f"| {_mib(max(mem['peak_bytes']))} | {_mib(held)} | {_mib(held - base) if base is not None else '-'} "
-            f"| {_mib(est[cell['policy']].extra_memory)} | {_mib(predicted) if predicted is not None else '-'} "
+            f"| {_mib(max(mem['held_bytes']))} | {_mib(estimated_held(cell))} | {_mib(max(mem['peak_bytes']))} "
+            f"| {_mib(predicted) if predicted is not None else '-'} "
             f"| {statistics.median(cell['step_ms']):.0f} |")
     method = cells[0]["memory"]["method"] if cells else ""
     reasons = {f"{tuple(c['mesh'])}": c["reason"] for c in cells if c["asked"] == "auto"}
-    lines += ["", f"Memory, the largest of the 4 ranks: {method}; held: the level after each micro-step "
-              "but the last, the largest. Auto's reason: "
+    lines += ["", f"Memory, the largest of the 4 ranks: {method}; held: the level after micro-step k - 1, "
+              "before the boundary's. Auto's reason: "
               + "; ".join(f"mesh {m}: {why}" for m, why in reasons.items()) + ".", ""]
     return "\n".join(lines)
 

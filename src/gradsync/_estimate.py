@@ -64,7 +64,11 @@ policy holds that ``auto`` weighs against its budget, as the FSDP adapter counts
 (``backend.memory["deferral_extra_bytes"]``): ``defer`` G_T - G_T/S, ``defer + params``
 (G_T + P_T) - (G_T + P_T)/S, ``defer_replicate`` its partial buffer G_T/S, ``every_step`` 0;
 ``auto`` takes the first of defer + params, defer, defer_replicate (R > 1) that fits the
-budget, else every_step.
+budget, else every_step. ``extra_memory`` is what the window holds beyond every_step's as
+benchmarks/hsdp_bytes.py measures it: the gradients above G_T/S, and for kept parameters
+the whole gathered copy P_T, since FSDP2 keeps each rank's shard beside it (the adapter's
+number counts P_T - P_T/S there); ``defer_replicate``'s partial buffer takes the place of
+the sharded gradients (0 more).
 """
 
 from __future__ import annotations
@@ -437,8 +441,8 @@ class MeshRow:
     replicate_bytes: float  # bytes a rank sends per optimizer step in its dp_replicate group (all-reduce)
     tp_bytes: float | None  # bytes a rank sends per optimizer step in its TP group (None: model-dependent)
     grad_memory: float  # gradient bytes a rank holds through the window
-    param_memory: float  # parameter bytes a rank holds through the window (its shard, or kept gathered)
-    extra_memory: float  # beyond every_step's: gradients above G_T/S, parameters kept gathered
+    param_memory: float  # parameter bytes a rank holds through the window: its shard, and the gathered copy when kept
+    extra_memory: float  # beyond every_step's: gradients above G_T/S, and P_T for parameters kept gathered
     deferral_bytes: float  # what auto weighs against its budget (the adapter's deferral_extra_bytes)
     comm_ms: float  # data-parallel communication per step (TP traffic not included)
     step_ms: float
@@ -487,8 +491,9 @@ def estimate_mesh(cluster: MeshCluster) -> list[MeshRow]:
         rows.append(MeshRow(
             policy=policy, shard_bytes=bytes_row.intra_bytes, replicate_bytes=bytes_row.cross_bytes,
             tp_bytes=tp_bytes,
-            grad_memory=bytes_row.grad_memory, param_memory=p if policy in kept else p / s,
-            extra_memory=bytes_row.extra_memory, deferral_bytes=float(deferral[policy]),
+            grad_memory=bytes_row.grad_memory, param_memory=p / s + (p if policy in kept else 0.0),
+            extra_memory=bytes_row.grad_memory - g / s + (p if policy in kept else 0.0),
+            deferral_bytes=float(deferral[policy]),
             comm_ms=time_row.comm_ms, step_ms=time_row.step_ms, speedup=time_row.speedup))
     return rows
 

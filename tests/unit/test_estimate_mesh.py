@@ -30,11 +30,12 @@ def test_two_replicas_three_shards_two_tp_ranks_by_hand():
     # shard across 2 replicas sends 2 x 1/2 x 200 = 200.
     rows = _rows()
     assert list(rows) == ["every_step", "defer_replicate", "defer", "defer + params"]
+    # Kept parameters: the gathered copy (600) beside the shard (200); auto weighs 1200 - 1200/3.
     expected = {  # shard bytes, replicate bytes, grads, params, extra, what auto weighs
         "every_step": (4 * 400 + 8 * 400, 4 * 200, 200, 200, 0, 0),
         "defer_replicate": (4 * 400 + 8 * 400, 200, 200, 200, 0, 200),
         "defer": (400 + 8 * 400, 200, 600, 200, 400, 400),
-        "defer + params": (400 + 400, 200, 600, 600, 800, 800),
+        "defer + params": (400 + 400, 200, 600, 200 + 600, 400 + 600, 800),
     }
     for policy, (shard, replicate, grads, params, extra, weighs) in expected.items():
         row = rows[policy]
@@ -67,7 +68,7 @@ def test_without_tp_the_rows_are_the_hsdp_estimate():
     for h in hybrid:
         assert rows[h.policy].shard_bytes == pytest.approx(h.intra_bytes)
         assert rows[h.policy].replicate_bytes == pytest.approx(h.cross_bytes)
-        assert rows[h.policy].extra_memory == pytest.approx(h.extra_memory)
+        assert rows[h.policy].grad_memory == pytest.approx(h.grad_memory)
 
 
 @pytest.mark.parametrize(("budget", "replicas", "policy"), [
