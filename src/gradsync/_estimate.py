@@ -555,7 +555,12 @@ def format_mesh(cluster: MeshCluster, rows: list[MeshRow]) -> str:
     ]
     budget = ""
     if c.budget_bytes is not None:
-        budget = f"auto with a budget of {_size(c.budget_bytes)} per rank -> {auto_policy(rows, c.budget_bytes, c.dp_replicate)}"
+        chosen = auto_policy(rows, c.budget_bytes, c.dp_replicate)
+        budget = f"auto with a budget of {_size(c.budget_bytes)} per rank -> {chosen}"
+        held = next(row.extra_memory for row in rows if row.policy == chosen)
+        if held > c.budget_bytes:
+            budget += (f"; it holds {_size(held)} beyond every_step's, more than the budget: auto counts "
+                       "kept parameters as P - P/S, and FSDP2 keeps the shard beside the gathered copy (P)")
     lines += [
         "",
         f"{'policy':<16} {'dp_shard/rank':>14} {'dp_repl/rank':>13} {'tp/rank':>10} {'grads':>10} "

@@ -13,6 +13,7 @@ from gradsync._estimate import (
     auto_policy,
     estimate_hybrid,
     estimate_mesh,
+    format_mesh,
     parallelism_text,
 )
 from gradsync.cli import main
@@ -77,6 +78,15 @@ def test_without_tp_the_rows_are_the_hsdp_estimate():
 def test_auto_takes_the_deepest_deferral_that_fits_the_budget(budget, replicas, policy):
     rows = list(_rows(dp_replicate=replicas).values())
     assert auto_policy(rows, budget, replicas) == policy
+
+
+def test_the_estimate_says_when_auto_would_hold_more_than_its_budget():
+    # defer + params: auto weighs 800, the window holds 1000 beyond every_step's (the gathered 600)
+    text = format_mesh(MeshCluster(1200.0, 1200.0, dp_replicate=2, dp_shard=3, tp=2, k=4, budget_bytes=900.0),
+                       estimate_mesh(MeshCluster(1200.0, 1200.0, dp_replicate=2, dp_shard=3, tp=2, k=4)))
+    assert "-> defer + params; it holds 1.00 KB beyond every_step's, more than the budget" in text
+    fits = MeshCluster(1200.0, 1200.0, dp_replicate=2, dp_shard=3, tp=2, k=4, budget_bytes=1000.0)
+    assert "more than the budget" not in format_mesh(fits, estimate_mesh(fits))
 
 
 def test_a_tp_group_that_would_span_nodes_is_refused():
