@@ -48,7 +48,8 @@ defer + params         -                                          all-gather P, 
 and the gradient memory each rank holds beyond ``every_step``'s sharded gradients (G/S):
 ``defer_replicate`` the partial all-reduce buffer, G/S (its sharded ``.grad`` is set only at
 the boundary, so at most G/S more); ``defer`` the unsharded gradients, G instead of G/S;
-``defer + params`` those and the parameters kept gathered, P - P/S more.
+``defer + params`` those and the parameters kept gathered, P more (FSDP2 keeps each rank's
+shard beside the gathered copy: benchmarks/hsdp_bytes.py measures G + P held before the boundary).
 
 With tensor parallelism on a (dp_replicate R, dp_shard S, tp T) mesh (``estimate_mesh``), each
 rank first holds 1/T of the TP-sharded weights (a share ``tp_share`` of the model; the rest,
@@ -299,7 +300,7 @@ class HybridRow:
     cross_bytes: float  # bytes each rank sends per optimizer step across nodes (replicate group)
     cross_allreduces: float  # all-reduces across replicas per optimizer step
     grad_memory: float  # gradient bytes a rank holds through the window
-    extra_memory: float  # memory beyond every_step's: grad_memory - G/S (+ P - P/S kept gathered)
+    extra_memory: float  # memory beyond every_step's: grad_memory - G/S (+ P kept gathered)
     comm_ms: float
     step_ms: float
     speedup: float  # every_step step time / this step time
@@ -338,7 +339,7 @@ def estimate_hybrid(cluster: HybridCluster) -> list[HybridRow]:
         comm = calls * c.latency_us / 1e3 + (in_shard / intra_bw + across / (c.inter_gbs * 1e9)) * 1e3
         intra, cross = (0.0, in_shard + across) if c.shard_crosses_nodes else (in_shard, across)
         step = k * c.compute_ms + c.optimizer_ms + comm
-        kept = p - p / s if policy == "defer + params" else 0.0  # parameters kept gathered
+        kept = p if policy == "defer + params" else 0.0  # the gathered copy, beside the shard
         rows.append(HybridRow(policy, intra, cross, float(n_ar if r > 1 else 0), held,
                               held - shard + kept, comm, step, 1.0))
     base = rows[0].step_ms
@@ -492,7 +493,7 @@ def estimate_mesh(cluster: MeshCluster) -> list[MeshRow]:
             policy=policy, shard_bytes=bytes_row.intra_bytes, replicate_bytes=bytes_row.cross_bytes,
             tp_bytes=tp_bytes,
             grad_memory=bytes_row.grad_memory, param_memory=p / s + (p if policy in kept else 0.0),
-            extra_memory=bytes_row.grad_memory - g / s + (p if policy in kept else 0.0),
+            extra_memory=bytes_row.extra_memory,
             deferral_bytes=float(deferral[policy]),
             comm_ms=time_row.comm_ms, step_ms=time_row.step_ms, speedup=time_row.speedup))
     return rows
