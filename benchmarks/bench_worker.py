@@ -23,19 +23,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from bench_cells import CELLS, Sizes, build, checksum, mode_skip, sgd
-from peak_memory import PeakMemory
+from peak_memory import PeakMemory, no_gradients
 
 from gradsync import audit
 
 
 # -- memory -----------------------------------------------------------------------
-def _memory_step(runner: Any, batches: list[Any], k: int, rec: Any, device: torch.device) -> dict[str, Any]:
+def _memory_step(runner: Any, batches: list[Any], k: int, rec: Any, device: torch.device,
+                 keep_grads: bool) -> dict[str, Any]:
     """One optimizer step under the memory probe (untimed: the CPU probe's per-op sampling
     would slow the step): the peak above the window's start, and what the adapter predicted
     for the policy it ran (gradsync modes only)."""
-    # The window starts from what the mode's last step left (gradients set to None, or zeroed
-    # in place where the backend's buckets are views of them: fairscale); garbage collected.
-    gc.collect()
+    # Every mode's window starts without gradients (the loops free them at different times:
+    # gradsync when the next window starts, the hand-written loops at the boundary), except
+    # where the backend's buckets are views of them (fairscale): zeroed in place, kept.
+    if keep_grads:
+        gc.collect()
+    else:
+        no_gradients(runner.model)
     with PeakMemory(device) as probe:
         _run_steps(runner, batches, k, 1, 0, rec)
     accel = getattr(runner, "accel", None)
@@ -179,7 +184,7 @@ def run_group(label: str, k: int, spec: dict[str, Any], sizes: Sizes, device: to
     for mode in modes:
         dist.barrier()
         try:
-            res[mode]["memory"] = _memory_step(runners[mode], batches, k, rec, device)
+            res[mode]["memory"] = _memory_step(runners[mode], batches, k, rec, device, cells.grads_are_views)
         except Exception as exc:
             if rank == 0:
                 traceback.print_exc()
