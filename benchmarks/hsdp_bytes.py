@@ -276,26 +276,35 @@ def memory_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _mesh(text: str) -> list[int]:
+    r, s = (int(n) for n in text.split(","))
+    if r * s != 4:
+        raise SystemExit(f"hsdp_bytes: --meshes entry {text!r}: replicas x shards must be the 4 ranks")
+    return [r, s]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model, k=4, one step: a smoke run")
     parser.add_argument("--out", default="bench-out", help="folder for hsdp_bytes.json and .md")
     parser.add_argument("--ks", default="4,8", help="accumulation steps, comma-separated")
     parser.add_argument("--steps", type=int, default=3, help="measured optimizer steps per cell")
+    parser.add_argument("--meshes", default=";".join(f"{r},{s}" for r, s in MESHES),
+                        help="the (replicas, shards) meshes of the 4 ranks, e.g. '2,2;1,4' (the default)")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(json.loads(Path(args.worker[0]).read_text()), Path(args.worker[1]))
         return 0
     spec = {
-        "meshes": [list(m) for m in MESHES],
+        "meshes": [_mesh(text) for text in args.meshes.split(";") if text.strip()],
         "sizes": QUICK_SIZES if args.quick else SIZES,
         "ks": [4] if args.quick else [int(k) for k in args.ks.split(",")],
         "policies": list(POLICIES),
         "steps": 1 if args.quick else args.steps,
         "warmup": 1,
     }
-    result = run_workers(__file__, spec, "hsdp_bytes: 4 ranks, meshes (2, 2) and (1, 4)", nproc=4)
+    result = run_workers(__file__, spec, f"hsdp_bytes: 4 ranks, meshes {args.meshes}", nproc=4)
     if result is None:
         return 1
     write(args.out, "hsdp_bytes", result, table(result))
