@@ -24,7 +24,7 @@ the estimate's (``gradsync._estimate.estimate_mesh``).
 The bytes and the memory are the claim. The step times are printed but are no claim: 4
 processes on 2 CPU cores over gloo time the scheduler more than the network.
 
-Writes hsdp_bytes.json and hsdp_bytes.md to --out.
+Writes hsdp_bytes.json, hsdp_bytes.md and hsdp_memory.png (the memory column as a chart) to --out.
 """
 
 from __future__ import annotations
@@ -276,6 +276,36 @@ def memory_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def memory_chart(result: dict[str, Any], path: Path) -> str | None:
+    """Per mesh and k, one group of bars per policy: held before the boundary (measured), the
+    estimate's held bytes, and the peak; None, or why no chart was drawn."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "chart: skipped, matplotlib is not installed (pip install 'gradsync[bench]')"
+    groups = list(dict.fromkeys((tuple(c["mesh"]), c["k"]) for c in result["cells"]))
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.2), squeeze=False, sharey=True)
+    for ax, (mesh, k) in zip(axes[0], groups):
+        cells = [c for c in result["cells"] if (tuple(c["mesh"]), c["k"]) == (mesh, k)]
+        xs = range(len(cells))
+        series = [("held before the boundary", [max(c["memory"]["held_bytes"]) for c in cells], "C0"),
+                  ("estimate: held", [estimated_held(c) for c in cells], "C1"),
+                  ("peak", [max(c["memory"]["peak_bytes"]) for c in cells], "C7")]
+        for j, (name, values, color) in enumerate(series):
+            ax.bar([x + (j - 1) * 0.27 for x in xs], [v / 2**20 for v in values], 0.27, label=name, color=color)
+        ax.set_xticks(list(xs), [c["asked"] for c in cells], rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"mesh {mesh}, k={k}", fontsize=9)
+    axes[0][0].set_ylabel("MiB above the window start (largest rank)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
 def _mesh(text: str) -> list[int]:
     r, s = (int(n) for n in text.split(","))
     if r * s != 4:
@@ -308,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     if result is None:
         return 1
     write(args.out, "hsdp_bytes", result, table(result))
+    note = memory_chart(result, Path(args.out, "hsdp_memory.png"))
+    if note:
+        print(note)
     return 0
 
 

@@ -22,6 +22,7 @@ def test_hsdp_bytes_quick(tmp_path):
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = (tmp_path / "hsdp_bytes.md").read_text()
+    assert (tmp_path / "hsdp_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| 4 | defer_replicate |" in table and "| (1, 4) | 4 | auto -> defer + params |" in table
     cells = json.loads((tmp_path / "hsdp_bytes.json").read_text())["cells"]
     hybrid = {c["asked"]: c for c in cells if c["mesh"] == [2, 2]}
