@@ -274,6 +274,7 @@ class BackendCells:
     process_setup: Callable[[], None] | None = None
     note: str = ""
     rep_scale: int = 1  # cheap cells get more repetitions, for tighter ratios
+    grads_are_views: bool = False  # the backend's buckets are views of .grad: never drop them
 
     def missing(self) -> str | None:
         """None when every required module imports, else why this backend is skipped."""
@@ -317,7 +318,7 @@ CELLS: dict[str, BackendCells] = {
     "deepspeed-2": _deepspeed(2),
     "fairscale": BackendCells(
         label="fairscale", backend="fairscale", requires=("fairscale", "gradsync.backends.fairscale"),
-        manual=FairscaleManual,
+        manual=FairscaleManual, grads_are_views=True,
         note=("fairscale: legacy ShardedDataParallel + OSS (fairscale 0.4.13); a sync is one reduce "
               "per owning rank (the gradients go to the rank whose optimizer shard holds them), "
               "and each step broadcasts the updated parameters"),

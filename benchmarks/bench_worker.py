@@ -23,38 +23,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from bench_cells import CELLS, Sizes, build, checksum, mode_skip, sgd
+from peak_memory import PeakMemory, no_gradients
 
 from gradsync import audit
 
 
 # -- memory -----------------------------------------------------------------------
-def _status(key: str) -> int:
-    """A /proc/self/status value in bytes (Linux), 0 where unknown."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _reset_peak(device: torch.device) -> int:
-    """Reset the peak-memory counter; return the current level."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return int(torch.cuda.memory_allocated(device))
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    except OSError:
-        pass
-    return _status("VmRSS")
-
-
-def _peak(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return _status("VmHWM")
+def _memory_step(runner: Any, batches: list[Any], k: int, rec: Any, device: torch.device,
+                 keep_grads: bool) -> dict[str, Any]:
+    """One optimizer step under the memory probe (untimed: the CPU probe's per-op sampling
+    would slow the step): the peak above the window's start, and what the adapter predicted
+    for the policy it ran (gradsync modes only)."""
+    # Every mode's window starts without gradients (the loops free them at different times:
+    # gradsync when the next window starts, the hand-written loops at the boundary), except
+    # where the backend's buckets are views of them (fairscale): zeroed in place, kept.
+    if keep_grads:
+        gc.collect()
+    else:
+        no_gradients(runner.model)
+    with PeakMemory(device) as probe:
+        _run_steps(runner, batches, k, 1, 0, rec)
+    accel = getattr(runner, "accel", None)
+    backend = getattr(accel, "_backend", None)
+    memory = getattr(backend, "memory", None) or {}
+    return {"peak_bytes": probe.peak_bytes, "baseline_bytes": probe.baseline,
+            "predicted_extra_bytes": memory.get("deferral_extra_bytes"),
+            "reason": accel.sync_policy_reason if accel is not None else "", "method": probe.method}
 
 
 # -- one mode's chunk of optimizer steps ----------------------------------------------
@@ -182,16 +176,28 @@ def run_group(label: str, k: int, spec: dict[str, Any], sizes: Sizes, device: to
     rec.clear()
 
     res: dict[str, dict[str, Any]] = {
-        m: {"step_s": [], "off_s": [], "on_s": [], "rep_median_s": [], "peak": 0, "peak_growth": 0, "audit": None}
+        m: {"step_s": [], "off_s": [], "on_s": [], "rep_median_s": [], "memory": None, "audit": None}
         for m in modes
     }
+    # Memory: one more step per mode, each mode's from the same state (warmed up, its
+    # optimizer state allocated), before the timed steps.
+    for mode in modes:
+        dist.barrier()
+        try:
+            res[mode]["memory"] = _memory_step(runners[mode], batches, k, rec, device, cells.grads_are_views)
+        except Exception as exc:
+            if rank == 0:
+                traceback.print_exc()
+            out["notes"].append(f"{label} k={k} {mode}: no memory reading, its step under the probe "
+                                f"failed ({_short(exc)})")
+            rec.close()
+    rec.clear()
     ar_ms: list[float] = []
     for r in range(reps):
         order = modes[r % len(modes):] + modes[: r % len(modes)] if modes else []
         for mode in order:
             dist.barrier()
             rec.clear()
-            base = _reset_peak(device)
             try:
                 step_t, off_t, on_t = _run_steps(runners[mode], batches, k, steps, (r + 1) * steps * k, rec)
             except Exception as exc:  # both ranks run the same code: they fail alike
@@ -202,14 +208,11 @@ def run_group(label: str, k: int, spec: dict[str, Any], sizes: Sizes, device: to
                 res.pop(mode, None)
                 rec.close()
                 continue
-            peak = _peak(device)
             entry = res[mode]
             entry["step_s"] += step_t
             entry["off_s"] += off_t
             entry["on_s"] += on_t
             entry["rep_median_s"].append(statistics.median(step_t))
-            entry["peak"] = max(entry["peak"], peak)
-            entry["peak_growth"] = max(entry["peak_growth"], peak - base)
             entry["audit"] = _audit_per_step(rec, k)
         rec.clear()
         ar_ms += _allreduce_ms(numel, device, 2)

@@ -1,22 +1,30 @@
-"""What each policy sends in each process group of an FSDP2 hybrid-sharding (HSDP) mesh.
+"""What each policy sends in each process group of an FSDP2 mesh, and the memory it holds.
 
     python benchmarks/hsdp_bytes.py --out bench-out          # a few minutes on 2 cores
 
-Four ranks on gloo, a (2, 2) mesh (2 replicas x 2 shards: ``Accelerator(backend="fsdp",
-fsdp_mesh=(2, 2))``), the sync-overhead benchmark's MLP (4.2 M parameters, fully_shard per
-block, then the root). For k = 4 and 8 and each policy (``every_step``, ``defer_replicate``,
-``defer``), a few optimizer steps run under the audit, and each step's collectives are
-summed per group from ``accel.audit.records[i].to_dict()["groups"]``: reduce-scatters and
-all-gathers in the shard group, all-reduces in the replicate group (and how many of those ran
-off the boundary), with their payload bytes (the size of the tensor handed to the collective,
-what the audit records). Next to them: the communication estimate's bytes sent across nodes per
-rank for the same model and mesh (``gradsync._estimate.estimate_hybrid``; for a ring all-reduce
-on R = 2 replicas, 2(R-1)/R x payload = the payload).
+Four ranks on gloo, the sync-overhead benchmark's MLP (4.2 M parameters, fully_shard per
+block, then the root), on a (2, 2) mesh (2 replicas x 2 shards: ``Accelerator(backend="fsdp",
+fsdp_mesh=(2, 2))``, hybrid sharding) and on the 1-D mesh of the same 4 ranks (``(1, 4)``).
+For k = 4 and 8 and each policy (``every_step``, ``defer_replicate`` on the 2-D mesh,
+``defer``, ``defer`` with ``fsdp_keep_params_in_window=True``, and ``auto``), a few optimizer
+steps run under the audit, and each step's collectives are summed per group from
+``accel.audit.records[i].to_dict()["groups"]``: reduce-scatters and all-gathers in the shard
+group, all-reduces in the replicate group (and how many of those ran off the boundary), with
+their payload bytes (the size of the tensor handed to the collective, what the audit records).
+Next to them: the communication estimate's bytes sent across nodes per rank for the same model
+and mesh (``gradsync._estimate.estimate_hybrid``; for a ring all-reduce on R = 2 replicas,
+2(R-1)/R x payload = the payload).
 
-The bytes are the claim. The step times are printed but are no claim: 4 processes on 2 CPU
-cores over gloo time the scheduler more than the network.
+Then one more optimizer step per cell runs under ``peak_memory.PeakMemory``: the peak tensor
+memory above the window's start on each rank (on the CPU the live glibc heap sampled after
+every op; on a GPU ``max_memory_allocated``), beside what the FSDP adapter predicted for the
+policy it ran (``deferral_extra_bytes``, the number ``auto`` compares with its budget) and
+the estimate's (``gradsync._estimate.estimate_mesh``).
 
-Writes hsdp_bytes.json and hsdp_bytes.md to --out.
+The bytes and the memory are the claim. The step times are printed but are no claim: 4
+processes on 2 CPU cores over gloo time the scheduler more than the network.
+
+Writes hsdp_bytes.json, hsdp_bytes.md and hsdp_memory.png (the memory column as a chart) to --out.
 """
 
 from __future__ import annotations
@@ -34,8 +42,15 @@ sys.path.insert(0, str(HERE))
 
 from small_bench import QUICK_SIZES, SIZES, run_workers, write  # noqa: E402
 
-POLICIES = ("every_step", "defer_replicate", "defer")
-MESH = (2, 2)  # (replicas, shards)
+#: The policies measured: name in the output -> (sync_policy, extra Accelerator options).
+POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "every_step": ("every_step", {}),
+    "defer_replicate": ("defer_replicate", {}),
+    "defer": ("defer", {}),
+    "defer + params": ("defer", {"fsdp_keep_params_in_window": True}),
+    "auto": ("auto", {}),
+}
+MESHES = ((2, 2), (1, 4))  # (replicas, shards): hybrid sharding, and the 1-D mesh of the same ranks
 
 
 def _window_groups(records: list[Any]) -> dict[str, Any]:
@@ -55,9 +70,12 @@ def _window_groups(records: list[Any]) -> dict[str, Any]:
 
 def _labels(mesh: Any) -> str:
     """Who labelled the mesh's groups in the audit: gradsync's FSDP adapter does; where it has
-    not (an older gradsync), the benchmark labels them itself, so the bytes still split."""
+    not (an older gradsync), the benchmark labels them itself, so the bytes still split. On a
+    1-D mesh the shard group is the world's copy, labelled "world"."""
     from gradsync import audit
 
+    if mesh.ndim == 1:
+        return "world"
     replicate, shard = mesh.get_group(0), mesh.get_group(1)
     if replicate.label() == "replicate" and shard.label() == "shard":
         return "gradsync"
@@ -66,9 +84,43 @@ def _labels(mesh: Any) -> str:
     return "benchmark"
 
 
+def _window(accel: Any, model: Any, opt: Any, batches: list[Any], probe: Any = None) -> list[int]:
+    """One optimizer step: a window of ``len(batches)`` micro-steps; with a memory ``probe``,
+    the level it reads after each micro-step but the last. The last of those is what the
+    window holds before its boundary (after the first micro-step FSDP2 may still hold its
+    reduce-scatter buffers, which it frees at the next one)."""
+    import torch.nn.functional as F
+
+    held = []
+    for i, (x, y) in enumerate(batches):
+        with accel.accumulate(model):
+            accel.backward(F.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        if probe is not None and i < len(batches) - 1:
+            held.append(probe.level())
+    return held
+
+
+def _memory_step(accel: Any, model: Any, opt: Any, batches: list[Any]) -> dict[str, Any]:
+    """One more optimizer step under the memory probe; every rank's peak above the window's
+    start, and what the adapter predicted for the policy it ran."""
+    import torch.distributed as dist
+    from peak_memory import PeakMemory, no_gradients
+
+    no_gradients(model)
+    with PeakMemory(accel.device) as probe:
+        held = _window(accel, model, opt, batches, probe)
+    peaks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, (probe.peak_bytes, probe.baseline, held[-1] if held else 0))
+    memory = getattr(accel._backend, "memory", {})
+    return {"peak_bytes": [p for p, _, _ in peaks], "baseline_bytes": [b for _, b, _ in peaks],
+            "held_bytes": [h for _, _, h in peaks],
+            "predicted_extra_bytes": memory.get("deferral_extra_bytes"), "method": probe.method}
+
+
 def worker(spec: dict[str, Any], out: Path) -> None:
     import torch
-    import torch.nn.functional as F
 
     sys.path.insert(0, str(HERE))
     from bench_cells import Sizes, sgd
@@ -79,41 +131,44 @@ def worker(spec: dict[str, Any], out: Path) -> None:
     sizes = Sizes(**spec["sizes"])
     cells: list[dict[str, Any]] = []
     rank = 0
-    for k in spec["ks"]:
-        for policy in spec["policies"]:
-            accel = Accelerator(backend="fsdp", fsdp_mesh=MESH, sync_policy=policy,
-                                gradient_accumulation_steps=k, micro_batch_size=sizes.micro_batch,
-                                audit=True, seed=0)
-            rank = accel.rank
-            model = sizes.model()
-            model, opt = accel.prepare(model, sgd(model.parameters()))
-            labelled = _labels(accel.mesh)
-            numel = sum(p.numel() for p in sizes.model().parameters())
-            batches = sizes.batches(accel.rank, k, accel.device)
-            recorder = accel.audit
-            assert recorder is not None
-            windows, step_ms, summary = [], [], ""
-            for step in range(spec["warmup"] + spec["steps"]):
-                start = len(recorder.records)
-                t0 = time.perf_counter()
-                for x, y in batches:
-                    with accel.accumulate(model):
-                        accel.backward(F.mse_loss(model(x), y))
-                        opt.step()
-                        opt.zero_grad()
-                if step < spec["warmup"]:
-                    continue
-                step_ms.append((time.perf_counter() - t0) * 1e3)
-                window = recorder.records[start:]
-                assert len(window) == k and window[-1].boundary, "one window per step"
-                windows.append(_window_groups(window))
-                summary = recorder.summary(window)
-            cells.append({"k": k, "policy": accel.sync_policy, "asked": policy, "grad_numel": numel,
-                          "grad_bytes": numel * 4, "windows": windows, "step_ms": step_ms,
-                          "summary": summary, "mesh": list(MESH), "labelled_by": labelled})
-            if rank == 0:
-                print(f"[hsdp] k={k} {policy:<16} {summary}", flush=True)
-            del model, opt, accel
+    for mesh in (tuple(m) for m in spec["meshes"]):
+        for k in spec["ks"]:
+            for name in spec["policies"]:
+                if name == "defer_replicate" and mesh[0] == 1:
+                    continue  # nothing to defer across one replica (gradsync refuses it)
+                policy, options = POLICIES[name]
+                accel = Accelerator(backend="fsdp", fsdp_mesh=mesh, sync_policy=policy,
+                                    gradient_accumulation_steps=k, micro_batch_size=sizes.micro_batch,
+                                    audit=True, seed=0, **options)
+                rank = accel.rank
+                model = sizes.model()
+                model, opt = accel.prepare(model, sgd(model.parameters()))
+                labelled = _labels(accel.mesh)
+                numel = sum(p.numel() for p in sizes.model().parameters())
+                batches = sizes.batches(accel.rank, k, accel.device)
+                recorder = accel.audit
+                assert recorder is not None
+                windows, step_ms, summary = [], [], ""
+                for step in range(spec["warmup"] + spec["steps"]):
+                    start = len(recorder.records)
+                    t0 = time.perf_counter()
+                    _window(accel, model, opt, batches)
+                    if step < spec["warmup"]:
+                        continue
+                    step_ms.append((time.perf_counter() - t0) * 1e3)
+                    window = recorder.records[start:]
+                    assert len(window) == k and window[-1].boundary, "one window per step"
+                    windows.append(_window_groups(window))
+                    summary = recorder.summary(window)
+                kept = "parameters kept gathered" in accel.sync_policy_reason
+                cells.append({"k": k, "policy": accel.sync_policy + (" + params" if kept else ""),
+                              "asked": name, "reason": accel.sync_policy_reason, "grad_numel": numel,
+                              "grad_bytes": numel * 4, "windows": windows, "step_ms": step_ms,
+                              "summary": summary, "mesh": list(mesh), "labelled_by": labelled,
+                              "memory": _memory_step(accel, model, opt, batches)})
+                if rank == 0:
+                    print(f"[hsdp] mesh={mesh} k={k} {name:<16} {summary}", flush=True)
+                del model, opt, accel
     if rank == 0:
         (out / "result.json").write_text(json.dumps({"cells": cells, "spec": spec}))
 
@@ -127,11 +182,12 @@ def _per_step(cell: dict[str, Any], label: str, key: str, op: str | None = None)
     return statistics.mean(values) if values else 0.0
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
 def table(result: dict[str, Any]) -> str:
     from gradsync._estimate import HybridCluster, estimate_hybrid
-
-    def mib(n: float) -> str:
-        return f"{n / 2**20:.2f}"
 
     lines = [
         "| k | policy | shard: reduce-scatters / step | shard: reduce-scatter payload / step (MiB) "
@@ -140,33 +196,121 @@ def table(result: dict[str, Any]) -> str:
         "| step ms (no claim) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for cell in result["cells"]:
+    hybrid = [c for c in result["cells"] if c["mesh"][0] > 1]
+    for cell in hybrid:
         r, s = cell["mesh"]
         est = {row.policy: row for row in estimate_hybrid(HybridCluster(
             grad_bytes=cell["grad_bytes"], param_bytes=cell["grad_bytes"], replicas=r, shards=s,
             k=cell["k"], per_node=s))}
         off = max(w["replicate_allreduces_off_boundary"] for w in cell["windows"])
         lines.append(
-            f"| {cell['k']} | {cell['policy']} "
+            f"| {cell['k']} | {_shown(cell)} "
             f"| {_per_step(cell, 'shard', '', 'reduce_scatter'):.0f} "
-            f"| {mib(_per_step(cell, 'shard', 'reduction_bytes'))} "
+            f"| {_mib(_per_step(cell, 'shard', 'reduction_bytes'))} "
             f"| {_per_step(cell, 'shard', '', 'allgather'):.0f} "
             f"| {_per_step(cell, 'replicate', '', 'allreduce'):.0f} ({off}) "
-            f"| {mib(_per_step(cell, 'replicate', 'reduction_bytes'))} "
-            f"| {mib(est[cell['policy']].cross_bytes)} "
+            f"| {_mib(_per_step(cell, 'replicate', 'reduction_bytes'))} "
+            f"| {_mib(est[cell['policy']].cross_bytes)} "
             f"| {statistics.median(cell['step_ms']):.0f} |"
         )
     first = result["cells"][0]
     lines += [
         "",
-        f"Model: {first['grad_numel']:,} parameters, {mib(first['grad_bytes'])} MiB of fp32 gradients; "
-        f"mesh {tuple(first['mesh'])} (replicas x shards) on 4 gloo ranks; "
-        f"{result['spec']['steps']} measured optimizer steps per cell after {result['spec']['warmup']} warm-up.",
+        f"Model: {first['grad_numel']:,} parameters, {_mib(first['grad_bytes'])} MiB of fp32 gradients; "
+        f"meshes {', '.join(str(tuple(m)) for m in result['spec']['meshes'])} (replicas x shards) on 4 gloo "
+        f"ranks; {result['spec']['steps']} measured optimizer steps per cell after "
+        f"{result['spec']['warmup']} warm-up, then one under the memory probe.",
+        "",
+        memory_table(result),
         "The audit line of the last step of each cell:",
         "",
     ]
-    lines += [f"    k={c['k']} {c['policy']}: {c['summary']}" for c in result["cells"]]
+    lines += [f"    mesh {tuple(c['mesh'])} k={c['k']} {_shown(c)}: {c['summary']}" for c in result["cells"]]
     return "\n".join(lines) + "\n"
+
+
+def _shown(cell: dict[str, Any]) -> str:
+    """The policy as asked, and what it ran as where that differs (auto)."""
+    return cell["asked"] if cell["asked"] == cell["policy"] else f"{cell['asked']} -> {cell['policy']}"
+
+
+def estimated_held(cell: dict[str, Any]) -> float:
+    """What the estimate says the cell's window holds before its boundary above the window's
+    start: the gradients (G/S sharded, G unsharded, or the partial buffer G/S), and the
+    gathered parameters where they are kept (the shard is there at the start)."""
+    from gradsync._estimate import MeshCluster, estimate_mesh
+
+    (r, s), g = cell["mesh"], cell["grad_bytes"]
+    rows = {row.policy: row for row in estimate_mesh(MeshCluster(
+        g, g, dp_replicate=r, dp_shard=s, tp=1, k=cell["k"]))}
+    row = rows[cell["policy"]]
+    return row.grad_memory + row.param_memory - g / s
+
+
+def memory_table(result: dict[str, Any]) -> str:
+    """Per mesh, k and policy: bytes per mesh dimension, the measured peak above the window's
+    start and the level held before the boundary, beside the estimate's held bytes and the
+    adapter's number (what auto weighs)."""
+    lines = [
+        "| mesh (R, S) | k | policy | dp_shard: MiB / step | dp_replicate: MiB / step "
+        "| held before the boundary, MiB | estimate: held, MiB | peak above the window start, MiB "
+        "| adapter: deferral_extra_bytes, MiB (what auto weighs) | step ms (no claim) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    cells = result["cells"]
+    for cell in cells:
+        (r, s), k, mem = cell["mesh"], cell["k"], cell["memory"]
+        predicted = mem["predicted_extra_bytes"]
+        lines.append(
+            f"| ({r}, {s}) | {k} | {_shown(cell)} "
+            f"| {_mib(_per_step(cell, 'shard' if r > 1 else 'world', 'bytes'))} "
+            f"| {_mib(_per_step(cell, 'replicate', 'bytes'))} "
+            f"| {_mib(max(mem['held_bytes']))} | {_mib(estimated_held(cell))} | {_mib(max(mem['peak_bytes']))} "
+            f"| {_mib(predicted) if predicted is not None else '-'} "
+            f"| {statistics.median(cell['step_ms']):.0f} |")
+    method = cells[0]["memory"]["method"] if cells else ""
+    reasons = {f"{tuple(c['mesh'])}": c["reason"] for c in cells if c["asked"] == "auto"}
+    lines += ["", f"Memory, the largest of the 4 ranks: {method}; held: the level after micro-step k - 1, "
+              "before the boundary's. Auto's reason: "
+              + "; ".join(f"mesh {m}: {why}" for m, why in reasons.items()) + ".", ""]
+    return "\n".join(lines)
+
+
+def memory_chart(result: dict[str, Any], path: Path) -> str | None:
+    """Per mesh and k, one group of bars per policy: held before the boundary (measured), the
+    estimate's held bytes, and the peak; None, or why no chart was drawn."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "chart: skipped, matplotlib is not installed (pip install 'gradsync[bench]')"
+    groups = list(dict.fromkeys((tuple(c["mesh"]), c["k"]) for c in result["cells"]))
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.2), squeeze=False, sharey=True)
+    for ax, (mesh, k) in zip(axes[0], groups):
+        cells = [c for c in result["cells"] if (tuple(c["mesh"]), c["k"]) == (mesh, k)]
+        xs = range(len(cells))
+        series = [("held before the boundary", [max(c["memory"]["held_bytes"]) for c in cells], "C0"),
+                  ("estimate: held", [estimated_held(c) for c in cells], "C1"),
+                  ("peak", [max(c["memory"]["peak_bytes"]) for c in cells], "C7")]
+        for j, (name, values, color) in enumerate(series):
+            ax.bar([x + (j - 1) * 0.27 for x in xs], [v / 2**20 for v in values], 0.27, label=name, color=color)
+        ax.set_xticks(list(xs), [c["asked"] for c in cells], rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"mesh {mesh}, k={k}", fontsize=9)
+    axes[0][0].set_ylabel("MiB above the window start (largest rank)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def _mesh(text: str) -> list[int]:
+    r, s = (int(n) for n in text.split(","))
+    if r * s != 4:
+        raise SystemExit(f"hsdp_bytes: --meshes entry {text!r}: replicas x shards must be the 4 ranks")
+    return [r, s]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,22 +319,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench-out", help="folder for hsdp_bytes.json and .md")
     parser.add_argument("--ks", default="4,8", help="accumulation steps, comma-separated")
     parser.add_argument("--steps", type=int, default=3, help="measured optimizer steps per cell")
+    parser.add_argument("--meshes", default=";".join(f"{r},{s}" for r, s in MESHES),
+                        help="the (replicas, shards) meshes of the 4 ranks, e.g. '2,2;1,4' (the default)")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(json.loads(Path(args.worker[0]).read_text()), Path(args.worker[1]))
         return 0
     spec = {
+        "meshes": [_mesh(text) for text in args.meshes.split(";") if text.strip()],
         "sizes": QUICK_SIZES if args.quick else SIZES,
         "ks": [4] if args.quick else [int(k) for k in args.ks.split(",")],
         "policies": list(POLICIES),
         "steps": 1 if args.quick else args.steps,
         "warmup": 1,
     }
-    result = run_workers(__file__, spec, "hsdp_bytes: 4 ranks, a (2, 2) mesh", nproc=4)
+    result = run_workers(__file__, spec, f"hsdp_bytes: 4 ranks, meshes {args.meshes}", nproc=4)
     if result is None:
         return 1
     write(args.out, "hsdp_bytes", result, table(result))
+    note = memory_chart(result, Path(args.out, "hsdp_memory.png"))
+    if note:
+        print(note)
     return 0
 
 

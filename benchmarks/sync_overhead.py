@@ -179,6 +179,17 @@ def run_workers(spec: dict[str, Any], out: Path, nproc: int, timeout: float) -> 
 
 
 # -- turning raw timings into cells, ratios and checks -------------------------------------
+def _memory(rank0: dict[str, Any] | None, ranks: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """A cell's memory fields: every rank's peak above the window start, the adapter's
+    prediction and its reason (None where the step under the probe failed)."""
+    if rank0 is None or any(r is None for r in ranks):
+        return {"peak_mib_per_rank": None, "predicted_extra_mib": None, "policy_reason": None}
+    predicted = rank0["predicted_extra_bytes"]
+    return {"peak_mib_per_rank": [r["peak_bytes"] / 2**20 for r in ranks if r is not None],
+            "predicted_extra_mib": predicted / 2**20 if predicted is not None else None,
+            "policy_reason": rank0["reason"]}
+
+
 def analyse(ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
     rank0 = ranks[0]
     cells, ratios = [], []
@@ -216,8 +227,7 @@ def analyse(ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dic
                 "collective_bytes_per_step": m["audit"]["bytes"],
                 "reductions_per_micro_step": m["audit"]["reductions_per_micro_step"],
                 "param_diff_vs_gradsync": m.get("param_diff_rel"),
-                "peak_rss_mib_per_rank": [p["peak"] / 2**20 for p in peaks],
-                "peak_growth_mib_per_rank": [p["peak_growth"] / 2**20 for p in peaks],
+                **_memory(m["memory"], [p["memory"] for p in peaks]),
             })
         c = compute_ms.get(label)
         gs_modes = group["modes"].get("gradsync")
@@ -317,17 +327,21 @@ def markdown(result: dict[str, Any]) -> str:
         "'params vs gradsync' = |checksum(mode) - checksum(gradsync)| / |update of gradsync| after "
         "the same batches (~1e-6 is float rounding).",
         "",
-        "| backend | k | mode | policy | ms/step median [IQR] | reductions/step | MiB reduced/step | all-gathers/step | peak RSS MiB (growth) | params vs gradsync |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| backend | k | mode | policy | ms/step median [IQR] | reductions/step | MiB reduced/step | all-gathers/step "
+        "| peak MiB above the window start (minus naive's) | predicted extra MiB | params vs gradsync |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    naive = {(c["backend"], c["k"]): max(c["peak_mib_per_rank"]) for c in result["cells"]
+             if c["mode"] == "naive" and c["peak_mib_per_rank"]}
     for c in result["cells"]:
         s = c["step_ms"]
-        peak = max(c["peak_rss_mib_per_rank"])
-        growth = max(c["peak_growth_mib_per_rank"])
+        peak = max(c["peak_mib_per_rank"]) if c["peak_mib_per_rank"] else None
+        base = naive.get((c["backend"], c["k"]))
+        memory = "-" if peak is None else f"{peak:.1f}" + (f" ({peak - base:+.1f})" if base is not None else "")
         lines.append(
             f"| {c['backend']} | {c['k']} | {c['mode']} | {c['policy']} | {s['median']:.1f} [{s['q1']:.1f}-{s['q3']:.1f}] "
             f"| {c['reductions_per_step']:.1f} | {c['reduction_bytes_per_step'] / 2**20:.1f} "
-            f"| {c['allgathers_per_step']:.1f} | {peak:.0f} (+{growth:.0f}) "
+            f"| {c['allgathers_per_step']:.1f} | {memory} | {_f(c['predicted_extra_mib'], '{:.1f}')} "
             f"| {_f(c['param_diff_vs_gradsync'], '{:.1e}')} |"
         )
     lines += [
@@ -492,9 +506,11 @@ def main(argv: list[str] | None = None) -> int:
             "backends": backends, "ks": ks, "modes": modes,
             "warmup_steps": spec["warmup"], "reps": spec["reps"], "steps_per_rep": spec["steps_per_rep"],
             "timed_steps_per_mode": spec["reps"] * spec["steps_per_rep"],
-            "memory": ("peak resident set size (VmHWM, reset before each mode's chunk) per rank, and its "
-                       "growth above the RSS at the chunk's start" if not use_cuda else
-                       "torch.cuda.max_memory_allocated per rank"),
+            "memory": ("per rank, one untimed optimizer step per mode after the warm-up: the peak above "
+                       "the window's start of " + ("torch.cuda.max_memory_allocated" if use_cuda else
+                       "the live heap (glibc mallinfo2 uordblks + hblkhd) sampled after every op by a "
+                       "TorchDispatchMode (benchmarks/peak_memory.py)") + "; predicted: the adapter's "
+                       "deferral_extra_bytes for the policy it ran (what auto weighs against its budget)"),
             "formula": FORMULA,
             "seconds": None,
         },

@@ -250,6 +250,21 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--fsdp-mesh", default=None, metavar="R,S|node",
                      help="also estimate FSDP2 hybrid sharding on an R x S mesh (R replicas across "
                           "nodes, S shards in a node; one may be -1; 'node': S = processes per node)")
+    # A stand-in for the `parallelism` setting's own flag and parser (gradsync.mesh), which
+    # will take its place: read here as plain "dp_replicate=R,dp_shard=S,tp=T" text.
+    est.add_argument("--parallelism", default=None, metavar="dp_replicate=R,dp_shard=S,tp=T",
+                     help="the mesh: the batch plan counts R x S data-parallel ranks, and --estimate "
+                          "adds bytes per mesh dimension and memory per rank per policy (one entry may "
+                          "be -1: inferred from the world)")
+    est.add_argument("--tp-share", type=float, default=1.0, metavar="F",
+                     help="--parallelism: the share of the model's bytes the TP plan shards (default 1; "
+                          "norms and other replicated weights are the rest)")
+    est.add_argument("--tp-bytes", type=float, default=None, metavar="B",
+                     help="--parallelism: TP bytes each rank sends per micro-step (activations; "
+                          "model-dependent, left out when not given)")
+    est.add_argument("--memory-budget", type=float, default=None, metavar="B",
+                     help="--parallelism: sync_memory_budget per rank, bytes: the estimate says which "
+                          "policy auto picks")
     est.add_argument("--intra-bandwidth", type=float, default=None, metavar="GB/s",
                      help="HSDP: bus bandwidth per rank inside a node (default 476: 8x H100 over "
                           "NVLink 4 / NVSwitch, measured all-reduce busbw)")
@@ -346,6 +361,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from gradsync._estimate import parallelism_text
     from gradsync.config import from_yaml
     from gradsync.launch import plan
 
@@ -359,7 +375,17 @@ def _plan(args: argparse.Namespace) -> int:
             f"--global-batch-size={settings['global_batch_size']} needs --micro-batch-size or "
             "--gradient-accumulation-steps to derive the other"
         )
-    table = plan.rows(settings, args.nproc_per_node, args.nnodes)
+    mesh_text = args.parallelism
+    if mesh_text is not None and args.fsdp_mesh is not None:
+        raise ConfigError(f"--parallelism={mesh_text!r} and --fsdp-mesh={args.fsdp_mesh!r} both give the mesh; "
+                          "give one (--fsdp-mesh R,S is --parallelism dp_replicate=R,dp_shard=S)")
+
+    def data_parallel(world: int) -> int:
+        r, s, _ = parallelism_text(mesh_text, world)
+        return r * s
+
+    table = plan.rows(settings, args.nproc_per_node, args.nnodes,
+                      data_parallel if mesh_text is not None else None)
     if len(table) == 1:
         if "error" in table[0]:
             raise ConfigError(table[0]["error"])
@@ -392,6 +418,8 @@ def _estimate(args: argparse.Namespace, row: dict[str, str], mesh: str | None = 
     backends = tuple(b.strip() for b in args.estimate_backends.split(",") if b.strip())
     hybrid = "hsdp" in backends or mesh is not None
     backends = tuple(b for b in backends if b != "hsdp")
+    if args.parallelism is not None:  # the N-D mesh's rows take the place of the others
+        hybrid, backends = False, ()
     needed = (("--bandwidth", args.bandwidth),) if backends else ()
     missing = [flag for flag, value in (*needed, ("--latency-us", args.latency_us),
                                         ("--compute-ms", args.compute_ms)) if value is None]
@@ -412,6 +440,32 @@ def _estimate(args: argparse.Namespace, row: dict[str, str], mesh: str | None = 
         print(format_table(cluster, rows, nodes=int(row["nodes"]), per_node=int(row["per_node"])))
     if hybrid:
         _estimate_hybrid(args, row, mesh or "node", grad_bytes, numel * param_dtype, k)
+    if args.parallelism is not None:
+        _estimate_mesh(args, row, grad_bytes, numel * param_dtype, k)
+
+
+def _estimate_mesh(args: argparse.Namespace, row: dict[str, str], grad_bytes: float,
+                   param_bytes: float, k: int) -> None:
+    from gradsync._estimate import (
+        INTER_GBS,
+        INTRA_GBS,
+        MeshCluster,
+        estimate_mesh,
+        format_mesh,
+        parallelism_text,
+    )
+
+    r, s, t = parallelism_text(args.parallelism, int(row["world"]))
+    cluster = MeshCluster(
+        grad_bytes=grad_bytes, param_bytes=param_bytes, dp_replicate=r, dp_shard=s, tp=t, k=k,
+        tp_share=args.tp_share, tp_bytes=args.tp_bytes, budget_bytes=args.memory_budget,
+        intra_gbs=args.intra_bandwidth if args.intra_bandwidth is not None else INTRA_GBS,
+        inter_gbs=args.inter_bandwidth if args.inter_bandwidth is not None else INTER_GBS,
+        latency_us=args.latency_us, compute_ms=args.compute_ms, optimizer_ms=args.optimizer_ms,
+        bucket_bytes=args.bucket_mib * 2**20, per_node=int(row["per_node"]),
+    )
+    print()
+    print(format_mesh(cluster, estimate_mesh(cluster)))
 
 
 def _estimate_hybrid(args: argparse.Namespace, row: dict[str, str], mesh: str, grad_bytes: float,

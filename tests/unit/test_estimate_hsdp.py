@@ -4,6 +4,7 @@ an 8 B-parameter model on 16 nodes x 8 GPUs), gradient memory, the mesh flag and
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ def test_eight_billion_parameters_on_16_by_8_cross_nodes_60_vs_7_5_gb_and_defer_
     assert rows["every_step"].grad_memory == rows["defer_replicate"].grad_memory == pytest.approx(4 * GB)
     assert rows["defer_replicate"].extra_memory == 0
     assert rows["defer"].extra_memory == pytest.approx(28 * GB)
-    assert rows["defer + params"].extra_memory == pytest.approx(28 * GB + 14 * GB)  # + P - P/S
+    assert rows["defer + params"].extra_memory == pytest.approx(28 * GB + 16 * GB)  # + P: the gathered copy
 
 
 def test_inside_the_node_the_reduce_scatter_and_the_all_gathers_follow_the_ring():
@@ -115,16 +116,42 @@ def test_the_estimate_matches_the_bytes_the_4_rank_benchmark_measured():
     estimate's cross-node bytes, and the shard group reduce-scatters the gradients as often
     as the estimate says, for every policy and k."""
     result = json.loads(BENCH.read_text())
-    assert {(c["k"], c["policy"]) for c in result["cells"]} == {
-        (k, p) for k in (4, 8) for p in ("every_step", "defer_replicate", "defer")}
-    for cell in result["cells"]:
+    hybrid = [c for c in result["cells"] if c["mesh"] == [2, 2]]
+    assert {(c["k"], c["asked"]) for c in hybrid} == {
+        (k, p) for k in (4, 8) for p in ("every_step", "defer_replicate", "defer", "defer + params", "auto")}
+    for cell in hybrid:
         (r, s), k, g = cell["mesh"], cell["k"], cell["grad_bytes"]
         est = {row.policy: row for row in estimate_hybrid(HybridCluster(
             grad_bytes=g, param_bytes=g, replicas=r, shards=s, k=k, per_node=s))}[cell["policy"]]
         for window in cell["windows"]:
             shard, replicate = window["groups"]["shard"], window["groups"]["replicate"]
             assert 2 * (r - 1) / r * replicate["reduction_bytes"] == pytest.approx(est.cross_bytes)
-            reduce_scatters = k if cell["policy"] != "defer" else 1
+            reduce_scatters = k if cell["policy"] in ("every_step", "defer_replicate") else 1
             assert shard["reduction_bytes"] == pytest.approx(reduce_scatters * g)  # the RS input: G
             if cell["policy"] != "every_step":
                 assert window["replicate_allreduces_off_boundary"] == 0
+
+
+def test_the_memory_a_deferred_window_holds_is_the_estimates():
+    """The same run's memory column (docs/img/hsdp_bytes.json, both meshes): before its
+    boundary a ``defer`` window holds the unsharded gradients G, one that keeps the
+    parameters gathered G + P (the gathered copy beside the shard), within 1 MiB on every
+    rank; ``every_step`` and ``defer_replicate`` hold their G/S, plus at most one FSDP unit's
+    reduce buffers (4 MiB) not yet freed."""
+    sys.path.insert(0, str(BENCH.parents[2] / "benchmarks"))
+    from hsdp_bytes import estimated_held
+
+    cells = json.loads(BENCH.read_text())["cells"]
+    assert {tuple(c["mesh"]) for c in cells} == {(2, 2), (1, 4)}
+    unit = 1024 * 1025 * 4  # a block: Linear(1024, 1024), fp32
+    for cell in cells:
+        held, expected = cell["memory"]["held_bytes"], estimated_held(cell)
+        assert len(held) == 4, cell["asked"]
+        if cell["policy"].startswith("defer") and cell["policy"] != "defer_replicate":
+            assert all(abs(h - expected) < 2**20 for h in held), (cell["mesh"], cell["k"], cell["asked"], held)
+        else:
+            assert all(expected - 2**20 < h < expected + unit + 2**20 for h in held), (cell["asked"], held)
+    by = {(tuple(c["mesh"]), c["k"], c["asked"]): c for c in cells}
+    mib = 2**20
+    assert by[((2, 2), 4, "defer + params")]["memory"]["predicted_extra_bytes"] == 16859200  # (G + P)/2
+    assert min(by[((2, 2), 4, "defer + params")]["memory"]["held_bytes"]) > 32 * mib  # G + P = 32.2 MiB

@@ -5,7 +5,7 @@ Imports no torch: it runs before anything is installed on a cluster node.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gradsync._accumulation_schedule import Constant, RampUp, Schedule, StepKeyed
@@ -31,16 +31,21 @@ def phases(schedule: Schedule, micro: int | None, world: int) -> tuple[str, str]
     return schedule.describe(), "varies"
 
 
-def rows(settings: Mapping[str, Any], nproc: Sequence[int], nnodes: Sequence[int]) -> list[dict[str, str]]:
-    """One row per (nodes, processes per node); a row that cannot be planned holds its error."""
+def rows(settings: Mapping[str, Any], nproc: Sequence[int], nnodes: Sequence[int],
+         data_parallel: Callable[[int], int] | None = None) -> list[dict[str, str]]:
+    """One row per (nodes, processes per node); a row that cannot be planned holds its error.
+    ``data_parallel``: the data-parallel ranks of a world (a mesh with tensor parallelism
+    has fewer than the world; None: all of them)."""
     out = []
     for nodes in nnodes:
         for per_node in nproc:
             world = nodes * per_node
-            row = {"nodes": str(nodes), "per_node": str(per_node), "world": str(world)}
+            row = {"nodes": str(nodes), "per_node": str(per_node), "world": str(world), "dp": str(world)}
             try:
+                dp = data_parallel(world) if data_parallel is not None else world
+                row["dp"] = str(dp)
                 plan, schedule = solve_with_schedule(
-                    data_parallel_size=world,
+                    data_parallel_size=dp,
                     global_batch_size=settings.get("global_batch_size"),
                     micro_batch_size=settings.get("micro_batch_size"),
                     gradient_accumulation_steps=settings.get("gradient_accumulation_steps"),
@@ -51,20 +56,23 @@ def rows(settings: Mapping[str, Any], nproc: Sequence[int], nnodes: Sequence[int
                 continue
             micro = plan.micro_batch_size
             row["micro"] = str(micro) if micro else "?"
-            row["k"], row["global"] = phases(schedule, micro, world)
+            row["k"], row["global"] = phases(schedule, micro, dp)
             out.append(row)
     return out
 
 
 def render(table: list[dict[str, str]]) -> str:
     """A Markdown table (errors in their own column)."""
-    head = ["nodes", "processes/node", "world", "micro batch", "accumulation steps k", "global batch"]
+    mesh = any(r.get("dp", r["world"]) != r["world"] for r in table)  # a data-parallel column
+    head = ["nodes", "processes/node", "world", *(["data-parallel"] if mesh else []), "micro batch",
+            "accumulation steps k", "global batch"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
+        first = [r["nodes"], r["per_node"], r["world"], *([r.get("dp", r["world"])] if mesh else [])]
         if "error" in r:
-            cells = [r["nodes"], r["per_node"], r["world"], f"error: {r['error']}", "", ""]
+            cells = [*first, f"error: {r['error']}", "", ""]
         else:
-            cells = [r["nodes"], r["per_node"], r["world"], r["micro"], r["k"], r["global"]]
+            cells = [*first, r["micro"], r["k"], r["global"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -72,7 +80,9 @@ def render(table: list[dict[str, str]]) -> str:
 def single(row: dict[str, str]) -> str:
     """The one-world-size form: a few labelled lines."""
     return "\n".join([
-        f"data-parallel processes: {row['world']} ({row['nodes']} node(s) x {row['per_node']})",
+        f"data-parallel processes: {row.get('dp', row['world'])} ({row['nodes']} node(s) x {row['per_node']}"
+        + (f" = {row['world']} processes in tensor-parallel groups of {int(row['world']) // int(row['dp'])})"
+           if row.get("dp", row["world"]) != row["world"] else ")"),
         f"micro batch size:        {row['micro']} per process",
         f"accumulation steps:      {row['k']}",
         f"global batch size:       {row['global'] if row['global'] != '?' else '?'} per optimizer step",

@@ -1,0 +1,140 @@
+"""The estimate on a (dp_replicate, dp_shard, tp) mesh: bytes per dimension and memory per rank
+per policy, hand-computed on small numbers; what auto picks for a budget; the --parallelism
+text and `gradsync plan --parallelism`."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradsync import ConfigError
+from gradsync._estimate import (
+    HybridCluster,
+    MeshCluster,
+    auto_policy,
+    estimate_hybrid,
+    estimate_mesh,
+    format_mesh,
+    parallelism_text,
+)
+from gradsync.cli import main
+
+
+def _rows(**kw):
+    base = {"grad_bytes": 1200.0, "param_bytes": 1200.0, "dp_replicate": 2, "dp_shard": 3, "tp": 2, "k": 4}
+    base.update(kw)
+    return {row.policy: row for row in estimate_mesh(MeshCluster(**base))}
+
+
+def test_two_replicas_three_shards_two_tp_ranks_by_hand():
+    # Per TP rank: G_T = P_T = 1200 / 2 = 600; per rank after dp_shard: 200.
+    # Reduce-scatter and all-gather send (S-1)/S x 600 = 400; the all-reduce of the 200-byte
+    # shard across 2 replicas sends 2 x 1/2 x 200 = 200.
+    rows = _rows()
+    assert list(rows) == ["every_step", "defer_replicate", "defer", "defer + params"]
+    # Kept parameters: the gathered copy (600) beside the shard (200); auto weighs 1200 - 1200/3.
+    expected = {  # shard bytes, replicate bytes, grads, params, extra, what auto weighs
+        "every_step": (4 * 400 + 8 * 400, 4 * 200, 200, 200, 0, 0),
+        "defer_replicate": (4 * 400 + 8 * 400, 200, 200, 200, 0, 200),
+        "defer": (400 + 8 * 400, 200, 600, 200, 400, 400),
+        "defer + params": (400 + 400, 200, 600, 200 + 600, 400 + 600, 800),
+    }
+    for policy, (shard, replicate, grads, params, extra, weighs) in expected.items():
+        row = rows[policy]
+        got = (row.shard_bytes, row.replicate_bytes, row.grad_memory, row.param_memory, row.extra_memory,
+               row.deferral_bytes)
+        assert got == pytest.approx((shard, replicate, grads, params, extra, weighs)), policy
+        assert row.tp_bytes is None, "TP traffic is model-dependent unless given"
+
+
+def test_a_tp_share_below_one_keeps_the_rest_whole_on_every_tp_rank():
+    # Half the model sharded over T = 4, half replicated: G_T = 1000 x (0.5/4 + 0.5) = 625.
+    rows = _rows(grad_bytes=1000.0, param_bytes=1000.0, dp_replicate=1, dp_shard=5, tp=4, tp_share=0.5)
+    assert "defer_replicate" not in rows  # one replica: nothing to defer across
+    assert rows["every_step"].grad_memory == pytest.approx(125)
+    assert rows["defer"].grad_memory == pytest.approx(625)
+    assert rows["defer"].deferral_bytes == pytest.approx(500)
+    assert rows["defer"].replicate_bytes == 0
+    assert rows["every_step"].shard_bytes == pytest.approx(4 * 500 + 8 * 500)  # (S-1)/S x 625 = 500
+
+
+def test_given_tp_bytes_count_k_times_under_every_policy_and_no_tp_sends_nothing():
+    rows = _rows(tp_bytes=10.0)
+    assert {row.tp_bytes for row in rows.values()} == {40.0}
+    assert {row.tp_bytes for row in _rows(tp=1).values()} == {0.0}
+
+
+def test_without_tp_the_rows_are_the_hsdp_estimate():
+    rows = _rows(tp=1, dp_replicate=4, dp_shard=2, k=8)
+    hybrid = estimate_hybrid(HybridCluster(grad_bytes=1200.0, param_bytes=1200.0, replicas=4, shards=2, k=8))
+    for h in hybrid:
+        assert rows[h.policy].shard_bytes == pytest.approx(h.intra_bytes)
+        assert rows[h.policy].replicate_bytes == pytest.approx(h.cross_bytes)
+        assert rows[h.policy].grad_memory == pytest.approx(h.grad_memory)
+
+
+@pytest.mark.parametrize(("budget", "replicas", "policy"), [
+    (800, 2, "defer + params"), (799, 2, "defer"), (400, 2, "defer"), (399, 2, "defer_replicate"),
+    (200, 2, "defer_replicate"), (199, 2, "every_step"), (399, 1, "every_step")])
+def test_auto_takes_the_deepest_deferral_that_fits_the_budget(budget, replicas, policy):
+    rows = list(_rows(dp_replicate=replicas).values())
+    assert auto_policy(rows, budget, replicas) == policy
+
+
+def test_the_estimate_says_when_auto_would_hold_more_than_its_budget():
+    # defer + params: auto weighs 800, the window holds 1000 beyond every_step's (the gathered 600)
+    text = format_mesh(MeshCluster(1200.0, 1200.0, dp_replicate=2, dp_shard=3, tp=2, k=4, budget_bytes=900.0),
+                       estimate_mesh(MeshCluster(1200.0, 1200.0, dp_replicate=2, dp_shard=3, tp=2, k=4)))
+    assert "-> defer + params; it holds 1.00 KB beyond every_step's, more than the budget" in text
+    fits = MeshCluster(1200.0, 1200.0, dp_replicate=2, dp_shard=3, tp=2, k=4, budget_bytes=1000.0)
+    assert "more than the budget" not in format_mesh(fits, estimate_mesh(fits))
+
+
+def test_a_tp_group_that_would_span_nodes_is_refused():
+    with pytest.raises(ConfigError, match="tp=3 does not divide the 8 processes per node"):
+        _rows(tp=3, per_node=8)
+    with pytest.raises(ConfigError, match="dp_shard=0 must be an integer >= 1"):
+        _rows(dp_shard=0)
+    with pytest.raises(ConfigError, match="tp_share=1.5"):
+        _rows(tp_share=1.5)
+
+
+@pytest.mark.parametrize(("text", "world", "mesh"), [
+    ("dp_replicate=2,dp_shard=2,tp=2", 8, (2, 2, 2)), ("dp_shard=-1,tp=2", 8, (1, 4, 2)),
+    ("tp=4, dp_replicate=-1", 16, (4, 1, 4)), ("dp_shard=8", 8, (1, 8, 1))])
+def test_the_parallelism_text(text, world, mesh):
+    assert parallelism_text(text, world) == mesh
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("dp_shard=3,tp=2", "dp_replicate x dp_shard x tp = 6 ranks, but the world has 8"),
+    ("pp=2", "give dp_replicate=R,dp_shard=S,tp=T"), ("tp=two", "give dp_replicate=R"),
+    ("dp_shard=-1,tp=-1", "at most one of them -1"), ("tp=0", "positive sizes"),
+    ("dp_shard=-1,tp=3", "the world has 8")])
+def test_bad_parallelism_text_names_the_value_and_the_fix(text, match):
+    with pytest.raises(ConfigError, match=match):
+        parallelism_text(text, 8)
+
+
+def test_plan_parallelism_counts_data_parallel_ranks_and_prints_the_mesh_rows(capsys):
+    code = main(["plan", "--gradient-accumulation-steps", "4", "--micro-batch-size", "2", "--nproc-per-node", "8",
+                 "--estimate", "--grad-bytes", "1200", "--latency-us", "0", "--compute-ms", "0",
+                 "--parallelism", "dp_replicate=2,dp_shard=2,tp=2", "--memory-budget", "500"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "data-parallel processes: 4 (1 node(s) x 8 = 8 processes in tensor-parallel groups of 2)" in out
+    assert "global batch size:       32 per optimizer step" in out  # 2 x 4 x (2 x 2)
+    assert "mesh dp_replicate=2 x dp_shard=2 x tp=2 (8 ranks), k=4" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.split() and line.split()[0] in ("every_step", "defer_replicate")}
+    # G_T = 600, S = 2: every_step reduce-scatters 4 x 300 and all-gathers 8 x 300 in dp_shard
+    assert rows["every_step"][1:3] == ["3.60", "KB"]
+    assert rows["defer_replicate"][3:5] == ["300", "B"]  # one all-reduce of the 300-byte shard: 2 x 1/2 x 300
+    assert "auto with a budget of 500 B per rank -> defer\n" in out + "\n"
+    assert "ddp " not in out and "HSDP" not in out
+
+
+def test_plan_refuses_parallelism_with_fsdp_mesh(capsys):
+    code = main(["plan", "--gradient-accumulation-steps", "4", "--nproc-per-node", "4", "--estimate",
+                 "--grad-bytes", "1200", "--latency-us", "0", "--compute-ms", "0",
+                 "--parallelism", "dp_shard=2,tp=2", "--fsdp-mesh", "2,2"])
+    assert code == 2 and "give one (--fsdp-mesh R,S is --parallelism" in capsys.readouterr().err
