@@ -109,7 +109,8 @@ class Accelerator:
         config_file: a YAML (or JSON) file of settings (default: ``GRADSYNC_CONFIG``).
         **options: a backend's options: ``ddp_kwargs``, ``find_unused_parameters`` (ddp);
             ``fsdp_wrap``, ``fsdp_keep_params_in_window``, ``fsdp_reshard_after_backward``,
-            ``fsdp_memory_budget``, ``fsdp_mesh`` (fsdp); ``deepspeed_config`` (deepspeed);
+            ``fsdp_memory_budget``, ``fsdp_mesh``, ``parallelism`` (the N-D mesh: dp_replicate
+            x dp_shard x tp), ``tp_plan`` (fsdp); ``deepspeed_config`` (deepspeed);
             ``fairscale_kwargs`` (fairscale). The settings reference lists every setting.
 
     Attributes:
@@ -233,8 +234,9 @@ class Accelerator:
 
     @property
     def mesh(self) -> Any:
-        """The ``DeviceMesh`` FSDP2 shards over (2-D under ``fsdp_mesh``: replicate, shard);
-        None on a backend without one."""
+        """The ``DeviceMesh`` FSDP2 shards over (2-D under ``fsdp_mesh``: replicate, shard), or
+        under ``parallelism`` the named N-D mesh (dp_replicate, dp_shard, tp); None on a
+        backend without one."""
         return getattr(self._backend, "mesh", None)
 
     @property

@@ -32,7 +32,7 @@ from gradsync.config import ENV_PREFIX, Config, env_vars, from_yaml, read_yaml
 from gradsync.errors import ConfigError
 from gradsync.launch import cluster as scheduler
 from gradsync.launch import failures, signals
-from gradsync.options.fsdp import MeshSpec
+from gradsync.options.fsdp import MeshSpec, ParallelismSpec
 from gradsync.settings import (
     BY_NAME,
     LAUNCH_SETTINGS,
@@ -84,6 +84,7 @@ class LaunchConfig:
     seed: int | None = None
     audit: bool = False
     fsdp_mesh: MeshSpec | None = None
+    parallelism: ParallelismSpec | None = None
     #: A YAML (or JSON) file: gradsync's settings, or Accelerate's config file (``accelerate
     #: config``), told apart by its keys.
     config_file: str | None = None
