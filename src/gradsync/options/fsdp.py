@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, field
 import json
+import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from gradsync import mesh
