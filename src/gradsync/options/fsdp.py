@@ -116,8 +116,9 @@ TPPlan = Literal["auto"] | Mapping[str, Any] | Callable[[Any, Any], None]
 #: The words a ``tp_plan`` mapping may use (Transformers' words for torch's ParallelStyles).
 TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output",
              "embedding_rowwise", "sequence_parallel", "replicate")
-_CP_NEEDS_GPU = ("context parallel needs a GPU (CUDA): torch's context_parallel does not run on "
-                 "this CPU build with gloo; set cp to 1 (or leave it out)")
+_CP_NEEDS_GPU = ("context parallel needs a GPU (CUDA): torch's context_parallel has no CPU "
+                 "attention kernel to split (gloo on the CPU cannot run it); set cp to 1 (or leave "
+                 "it out)")
 
 
 def _check_parallelism(name: str, value: Any, config: Any) -> dict[str, int]:
