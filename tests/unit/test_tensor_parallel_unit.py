@@ -231,3 +231,28 @@ def test_every_style_word_builds_a_torch_style():
     for word, (make, _) in _tensor_parallel.STYLES.items():
         assert isinstance(make(), ParallelStyle), word
     assert torch.distributed.is_available()
+
+
+# -- Accelerate's spellings ---------------------------------------------------------------------
+def test_accelerates_config_file_and_flags_give_the_mesh(tmp_path):
+    path = tmp_path / "accelerate.yaml"
+    path.write_text("distributed_type: FSDP\nnum_processes: 4\nparallelism_config:\n"
+                    "  parallelism_config_dp_shard_size: 2\n  parallelism_config_tp_size: 2\n"
+                    "  parallelism_config_cp_comm_strategy: allgather\n")
+    config = load_config(config_file=path)
+    assert config.backend == "fsdp" and config.parallelism == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "cp": 1}
+    args = build_parser().parse_args(["launch", "--use_fsdp", "--use_parallelism_config",
+                                      "--parallelism_config_dp_replicate_size", "2",
+                                      "--parallelism_config_tp_size", "2", "x.py"])
+    launch = launch_config(args)
+    assert launch.accelerate["parallelism_config_tp_size"] == 2
+
+
+def test_gradsync_accelerate_takes_a_parallelism_config(clean_env):
+    """Read as the parallelism setting on backend fsdp: here 2 x 2 ranks in a world of 1."""
+    from gradsync.accelerate import Accelerator as AccelerateAccelerator
+
+    with pytest.raises(ConfigError, match=r"parallelism='dp_shard=2,tp=2' holds 1 x 2 x 2 x 1 = 4 processes, but the world has 1"):
+        AccelerateAccelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
+    with pytest.raises(ConfigError, match="got parallelism_config and parallelism"):
+        AccelerateAccelerator(parallelism_config=ParallelismConfig(), parallelism={"tp": 1})
