@@ -223,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="nodes; several, comma-separated, for one row each")
     plan.add_argument("--config", default=None, metavar="YAML",
                       help="a gradsync config file (flags override its batch settings)")
+    plan.add_argument("--parallelism", default=None, metavar="DIMS",
+                      help="the N-D mesh, e.g. dp_shard=2,tp=2: the global batch is micro x k x "
+                           "(dp_replicate x dp_shard)")
     est = plan.add_argument_group("communication estimate (--estimate)")
     est.add_argument("--estimate", action="store_true",
                      help="print bytes sent per rank and step time, naive vs deferred, per backend")
@@ -350,7 +353,7 @@ def _plan(args: argparse.Namespace) -> int:
     from gradsync.launch import plan
 
     settings = from_yaml(args.config) if args.config else {}
-    for name in _BATCH:
+    for name in (*_BATCH, "parallelism"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     if (settings.get("global_batch_size") is not None and settings.get("micro_batch_size") is None

@@ -256,3 +256,16 @@ def test_gradsync_accelerate_takes_a_parallelism_config(clean_env):
         AccelerateAccelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
     with pytest.raises(ConfigError, match="got parallelism_config and parallelism"):
         AccelerateAccelerator(parallelism_config=ParallelismConfig(), parallelism={"tp": 1})
+
+
+def test_plan_counts_the_data_parallel_ranks_of_the_mesh(capsys):
+    from gradsync.cli import main
+
+    assert main(["plan", "--micro-batch-size", "4", "--gradient-accumulation-steps", "8",
+                 "--nproc-per-node", "8", "--parallelism", "dp_shard=-1,tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "data-parallel processes: 4 of 8 (1 node(s) x 8), mesh dp_shard=4,tp=2" in out
+    assert "global batch size:       128 per optimizer step" in out  # 4 x 8 x (1 x 4)
+    assert main(["plan", "--micro-batch-size", "4", "--nproc-per-node", "6",
+                 "--parallelism", "dp_shard=-1,tp=4"]) == 2
+    assert "4 does not divide the world of 6 processes" in capsys.readouterr().err

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gradsync import mesh
 from gradsync._accumulation_schedule import Constant, RampUp, Schedule, StepKeyed
 from gradsync._batch_plan import solve_with_schedule
 from gradsync.errors import ConfigError
@@ -32,15 +33,21 @@ def phases(schedule: Schedule, micro: int | None, world: int) -> tuple[str, str]
 
 
 def rows(settings: Mapping[str, Any], nproc: Sequence[int], nnodes: Sequence[int]) -> list[dict[str, str]]:
-    """One row per (nodes, processes per node); a row that cannot be planned holds its error."""
+    """One row per (nodes, processes per node); a row that cannot be planned holds its error.
+    With ``parallelism`` in ``settings`` (an N-D mesh) the global batch counts the R x S
+    data-parallel ranks only: micro x k x (R x S)."""
     out = []
     for nodes in nnodes:
         for per_node in nproc:
             world = nodes * per_node
             row = {"nodes": str(nodes), "per_node": str(per_node), "world": str(world)}
             try:
+                data = world
+                if settings.get("parallelism") is not None:
+                    dims = mesh.parse(settings["parallelism"]).resolve(world)
+                    data, row["mesh"] = dims.data_parallel, dims.text()
                 plan, schedule = solve_with_schedule(
-                    data_parallel_size=world,
+                    data_parallel_size=data,
                     global_batch_size=settings.get("global_batch_size"),
                     micro_batch_size=settings.get("micro_batch_size"),
                     gradient_accumulation_steps=settings.get("gradient_accumulation_steps"),
@@ -51,7 +58,8 @@ def rows(settings: Mapping[str, Any], nproc: Sequence[int], nnodes: Sequence[int
                 continue
             micro = plan.micro_batch_size
             row["micro"] = str(micro) if micro else "?"
-            row["k"], row["global"] = phases(schedule, micro, world)
+            row["k"], row["global"] = phases(schedule, micro, data)
+            row["data"] = str(data)
             out.append(row)
     return out
 
@@ -64,15 +72,19 @@ def render(table: list[dict[str, str]]) -> str:
         if "error" in r:
             cells = [r["nodes"], r["per_node"], r["world"], f"error: {r['error']}", "", ""]
         else:
-            cells = [r["nodes"], r["per_node"], r["world"], r["micro"], r["k"], r["global"]]
+            world = f"{r['world']} ({r['data']} data-parallel)" if "mesh" in r else r["world"]
+            cells = [r["nodes"], r["per_node"], world, r["micro"], r["k"], r["global"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def single(row: dict[str, str]) -> str:
     """The one-world-size form: a few labelled lines."""
+    where = f"{row['world']} ({row['nodes']} node(s) x {row['per_node']})"
+    if "mesh" in row:  # an N-D mesh: the ranks of a tp group read the same micro-batches
+        where = f"{row['data']} of {where}, mesh {row['mesh']}"
     return "\n".join([
-        f"data-parallel processes: {row['world']} ({row['nodes']} node(s) x {row['per_node']})",
+        f"data-parallel processes: {where}",
         f"micro batch size:        {row['micro']} per process",
         f"accumulation steps:      {row['k']}",
         f"global batch size:       {row['global'] if row['global'] != '?' else '?'} per optimizer step",
