@@ -4,6 +4,7 @@ process; the 3-D case in 8 ranks)."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -40,10 +41,27 @@ def _where(accel: Accelerator) -> dict[str, Any]:
             "reason": accel.sync_policy_reason}
 
 
+class Warnings(logging.Handler):
+    """gradsync's warnings during a run (the self-check's among them)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def train_tp(*, dims: dict[str, int], steps: int | str, loop: Loop, policy: str = "auto",
              mixed_precision: str | None = None, sync_budget: int | None = None) -> dict[str, Any]:
     accel = _accel(dims, steps, policy, mixed_precision=mixed_precision, sync_memory_budget=sync_budget)
-    out = train(accel, loop, model=make_model())
+    warnings = Warnings()
+    logging.getLogger("gradsync").addHandler(warnings)
+    try:
+        out = train(accel, loop, model=make_model())
+    finally:
+        logging.getLogger("gradsync").removeHandler(warnings)
+    out["warnings"] = warnings.lines
     out.update(_where(accel))
     out["summaries"] = [accel.audit.summary(w) for w in accel.audit.windows()] if accel.audit else []
     return out
@@ -112,7 +130,7 @@ def token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor
                            ignore_index=-100, reduction="sum")
 
 
-def train_llama(*, dims: dict[str, int], steps: int, samples: int) -> dict[str, Any]:
+def train_llama(*, dims: dict[str, int], steps: int, samples: int, clip: float | None = None) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     accel = Accelerator(backend="fsdp", parallelism=dims, tp_plan="auto", gradient_accumulation_steps=steps,
@@ -122,33 +140,40 @@ def train_llama(*, dims: dict[str, int], steps: int, samples: int) -> dict[str, 
     model, opt, loader = accel.prepare(raw, opt, DataLoader(Tokens(samples), batch_size=2, shuffle=True))
     windows: list[list[list[int]]] = []
     current: list[list[int]] = []
+    norms: list[float] = []
     for batch in loader:
         with accel.accumulate(model):
             accel.backward(token_loss(model, batch), reduction="sum")
             current.append(batch["index"].tolist())
+            if clip is not None and accel.sync_gradients:
+                norms.append(float(accel.clip_grad_norm_(model.parameters(), clip)))
             opt.step()
             opt.zero_grad()
         if accel.sync_gradients:
             windows.append(current)
             current = []
     return {"state": to_lists(accel.get_state_dict(model)), "windows": windows,
-            "optimizer_steps": accel.optimizer_steps, "window_loss": accel.window_loss, **_where(accel)}
+            "optimizer_steps": accel.optimizer_steps, "window_loss": accel.window_loss, "norms": norms,
+            **_where(accel)}
 
 
-def llama_reference(windows: list[list[list[int]]], samples: int) -> dict[str, Any]:
+def llama_reference(windows: list[list[list[int]]], samples: int, clip: float | None = None) -> dict[str, Any]:
     """One process on the same global windows: each window's summed token loss over its
     counted tokens (parent side)."""
     data = Tokens(samples)
     model = tiny_llama()
     opt = make_optimizer(model.parameters(), "adam", 0.01)
+    norms: list[float] = []
     for window in windows:
         ids = [i for mb in window for i in mb]
         batch = {"input_ids": data.ids[ids], "labels": data.labels[ids]}
         items = int((batch["labels"][:, 1:] != -100).sum())
         opt.zero_grad()
         (token_loss(model, batch) / items).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
-    return {"state": to_lists(model.state_dict())}
+    return {"state": to_lists(model.state_dict()), "norms": norms}
 
 
 # -- checkpoints ---------------------------------------------------------------------------

@@ -11,13 +11,15 @@ before any collective.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatchcase
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -29,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 
 from gradsync.errors import ConfigError
 
-__all__ = ["STYLES", "apply", "check", "resolve"]
+__all__ = ["STYLES", "apply", "check", "clip_grad_norm_", "resolve"]
 
 #: A style word -> the torch ParallelStyle it stands for (a new one per module), and the
 #: dimension it splits: "out" (colwise: out_features / embedding_dim), "in" (rowwise:
@@ -144,3 +146,28 @@ def apply(model: nn.Module, plan: Any, tp_mesh: DeviceMesh) -> None:
     parallelize_module(model, tp_mesh, styles)
 
 
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` over DTensor gradients that live on several meshes (a
+    split layer's on (dp_shard, tp), a layer left out of the plan on dp_shard alone), which
+    torch's cannot stack: the norm of each mesh's gradients (made plain with
+    ``full_tensor()``), combined into the global norm; every gradient is scaled in place on
+    its local shard. Returns the global norm (a plain tensor, equal on every rank)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    stacked = torch.stack([n.to(norms[0].device, torch.float32) for n in norms])
+    total = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        local.mul_(coef.to(local.device, local.dtype))
+    return total

@@ -388,8 +388,11 @@ class FSDPBackend(AdapterDefaults):
         model = _torch_compat.uncompiled(model)
         if isinstance(model, FSDP1):
             return model.clip_grad_norm_(max_norm, norm_type).detach()
+        params = list(parameters)
+        if self._dims is not None and self._dims.tp > 1:  # gradients on several meshes
+            return _tensor_parallel.clip_grad_norm_(params, max_norm, norm_type).detach()
         # Over DTensor gradients the norm is a DTensor of the global norm; make it plain.
-        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
