@@ -26,6 +26,7 @@ def reference(
     optimizer: str = "sgd",
     lr: float = 0.05,
     clip: float | None = None,
+    clip_value: float | None = None,
     model: nn.Module | None = None,
 ) -> dict[str, Any]:
     """One process training on the same global windows: each window's loss is the mean, over
@@ -46,6 +47,8 @@ def reference(
         loss.backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
         opt.step()
         sched.step()
     return {"state": to_lists(model.state_dict()), "norms": norms}

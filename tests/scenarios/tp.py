@@ -20,6 +20,9 @@ from scenarios.common import Loop, make_model, make_optimizer, micro_step, to_li
 #: The test network (scenarios.common.Net) split over tp: inp colwise, block 0 rowwise,
 #: block 1 colwise, head rowwise (every Linear is split; the tanh between runs on shards).
 NET_PLAN = {"inp": "colwise", "blocks.0.lin": "rowwise", "blocks.1.lin": "colwise", "head": "rowwise"}
+#: Only the first pair split: block 1 and the head stay whole (FSDP2 shards them on dp_shard
+#: alone), so the gradients live on two meshes.
+PARTIAL_PLAN = {"inp": "colwise", "blocks.0.lin": "rowwise"}
 
 
 def _accel(dims: dict[str, int], steps: int | str, policy: str, **options: Any) -> Accelerator:
@@ -53,8 +56,10 @@ class Warnings(logging.Handler):
 
 
 def train_tp(*, dims: dict[str, int], steps: int | str, loop: Loop, policy: str = "auto",
-             mixed_precision: str | None = None, sync_budget: int | None = None) -> dict[str, Any]:
-    accel = _accel(dims, steps, policy, mixed_precision=mixed_precision, sync_memory_budget=sync_budget)
+             mixed_precision: str | None = None, sync_budget: int | None = None,
+             partial: bool = False) -> dict[str, Any]:
+    accel = _accel(dims, steps, policy, mixed_precision=mixed_precision, sync_memory_budget=sync_budget,
+                   tp_plan=PARTIAL_PLAN if partial else None)
     warnings = Warnings()
     logging.getLogger("gradsync").addHandler(warnings)
     try:

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 
 from gradsync.errors import ConfigError
 
-__all__ = ["STYLES", "apply", "check", "clip_grad_norm_", "resolve"]
+__all__ = ["STYLES", "apply", "check", "clip_grad_norm_", "clip_grad_value_", "resolve"]
 
 #: A style word -> the torch ParallelStyle it stands for (a new one per module), and the
 #: dimension it splits: "out" (colwise: out_features / embedding_dim), "in" (rowwise:
@@ -171,3 +171,12 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
         local = g.to_local() if isinstance(g, DTensor) else g
         local.mul_(coef.to(local.device, local.dtype))
     return total
+
+
+def clip_grad_value_(parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]``, each on its local shard
+    (element-wise, so the same on any placement; no list op across meshes)."""
+    for p in parameters:
+        if p.grad is not None:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            local.clamp_(-clip_value, clip_value)

@@ -395,6 +395,12 @@ class FSDPBackend(AdapterDefaults):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
 
+    def clip_grad_value_(self, model: nn.Module, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        if self._dims is not None and self._dims.tp > 1:  # gradients on several meshes
+            _tensor_parallel.clip_grad_value_(parameters, clip_value)
+            return
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         model = _torch_compat.uncompiled(model)  # FSDP2 shards in place
         return _torch_compat.uncompiled(model.module if isinstance(model, FSDP1) else model)
