@@ -146,6 +146,7 @@ def train_llama(*, dims: dict[str, int], steps: int, samples: int, clip: float |
     windows: list[list[list[int]]] = []
     current: list[list[int]] = []
     norms: list[float] = []
+    losses: list[float | None] = []
     for batch in loader:
         with accel.accumulate(model):
             accel.backward(token_loss(model, batch), reduction="sum")
@@ -157,8 +158,9 @@ def train_llama(*, dims: dict[str, int], steps: int, samples: int, clip: float |
         if accel.sync_gradients:
             windows.append(current)
             current = []
+            losses.append(accel.window_loss)
     return {"state": to_lists(accel.get_state_dict(model)), "windows": windows,
-            "optimizer_steps": accel.optimizer_steps, "window_loss": accel.window_loss, "norms": norms,
+            "optimizer_steps": accel.optimizer_steps, "window_losses": losses, "norms": norms,
             **_where(accel)}
 
 
@@ -169,16 +171,19 @@ def llama_reference(windows: list[list[list[int]]], samples: int, clip: float | 
     model = tiny_llama()
     opt = make_optimizer(model.parameters(), "adam", 0.01)
     norms: list[float] = []
+    losses: list[float] = []
     for window in windows:
         ids = [i for mb in window for i in mb]
         batch = {"input_ids": data.ids[ids], "labels": data.labels[ids]}
         items = int((batch["labels"][:, 1:] != -100).sum())
         opt.zero_grad()
-        (token_loss(model, batch) / items).backward()
+        loss = token_loss(model, batch) / items
+        loss.backward()
+        losses.append(float(loss.detach()))
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
-    return {"state": to_lists(model.state_dict()), "norms": norms}
+    return {"state": to_lists(model.state_dict()), "norms": norms, "losses": losses}
 
 
 # -- checkpoints ---------------------------------------------------------------------------
