@@ -269,3 +269,17 @@ def test_plan_counts_the_data_parallel_ranks_of_the_mesh(capsys):
     assert main(["plan", "--micro-batch-size", "4", "--nproc-per-node", "6",
                  "--parallelism", "dp_shard=-1,tp=4"]) == 2
     assert "4 does not divide the world of 6 processes" in capsys.readouterr().err
+
+
+def test_the_launcher_plans_over_the_data_parallel_ranks_and_refuses_a_wrong_product(tmp_path, capsys, clean_env):
+    from gradsync.cli import main
+
+    script = tmp_path / "s.py"
+    script.write_text("print(1)\n")
+    common = ["launch", "--dry-run", "--nproc-per-node", "4", "--backend", "fsdp"]
+    assert main([*common, "--parallelism", "dp_shard=2,tp=2", "--micro-batch-size", "2",
+                 "--gradient-accumulation-steps", "4", str(script)]) == 0
+    assert "x data_parallel_size=2 = global_batch_size=16" in capsys.readouterr().out
+    assert main([*common, "--parallelism", "dp_shard=3,tp=2", str(script)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds 1 x 3 x 2 x 1 = 6 processes, but the world has 4" in err[0]
