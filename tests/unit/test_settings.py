@@ -116,7 +116,8 @@ def test_every_flag_reaches_launch_config_and_the_workers(s, clean_env):
     spellings = {s.flag, "--" + s.flag[2:].replace("-", "_")}
     # settings that need another one given with them (a backend option: its backend)
     companions = {"global_batch_size": ["--micro-batch-size", "1"],
-                  "fsdp_mesh": ["--backend", "fsdp"], "parallelism": ["--backend", "fsdp"]}.get(s.name, [])
+                  "fsdp_mesh": ["--backend", "fsdp"],
+                  "parallelism": ["--backend", "fsdp", "--nproc-per-node", "4"]}.get(s.name, [])
     for spelling in sorted(spellings):
         words = [spelling] if s.switch else [spelling, to_text(value)]
         args = build_parser().parse_args(["launch", *companions, *words, SCRIPT])
