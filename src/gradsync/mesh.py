@@ -14,6 +14,7 @@ the settings and the launcher read this module without it).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,11 +24,19 @@ from gradsync.errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["DIMS", "MESH_DIMS", "Parallelism", "build", "data_parallel_size", "from_text", "parse"]
+__all__ = ["COMPUTE_DIMS", "DATA_PARALLEL_DIMS", "DIMS", "MESH_DIMS", "Parallelism", "build",
+           "data_parallel_size", "from_text", "parse"]
 
 #: The dims a ``parallelism`` mapping names, in the mesh's order (outermost first) and "cp",
 #: recognised and refused above 1 (context parallel needs a GPU).
 DIMS = ("dp_replicate", "dp_shard", "tp", "cp")
+#: The data-parallel dims: their ranks read distinct micro-batches, and their gradient
+#: collectives (reduce-scatter over dp_shard, all-reduce over dp_replicate) may wait for the
+#: boundary.
+DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
+#: The dims whose collectives are the computation (forward and backward of split layers):
+#: they run on every micro-step, and their ranks read the same micro-batches.
+COMPUTE_DIMS = ("tp", "cp")
 #: The dims of the DeviceMesh :func:`build` makes (size-1 dims included, so the names always
 #: exist): replicas outermost, tensor parallel innermost (neighbouring ranks).
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -54,8 +63,8 @@ class Parallelism:
 
     @property
     def data_parallel(self) -> int:
-        """R x S: the ranks that read distinct micro-batches."""
-        return self.dp_replicate * self.dp_shard
+        """R x S: the ranks that read distinct micro-batches (``DATA_PARALLEL_DIMS``)."""
+        return math.prod(getattr(self, d) for d in DATA_PARALLEL_DIMS)
 
     @property
     def shape(self) -> tuple[int, int, int]:
