@@ -19,6 +19,7 @@ from gradsync import _environment as environment
 from gradsync import _selfcheck as selfcheck
 from gradsync import audit as audit_mod
 from gradsync import backends, extensions, tracking
+from gradsync import mesh as nd_mesh
 from gradsync._batch_plan import solve_with_schedule
 from gradsync._gradients import Gradients
 from gradsync._microstep import AuditObserver, ItemCount, Runner, SelfCheckObserver
@@ -85,8 +86,9 @@ def assemble(owner: Any, config: Config, rules: Rules) -> Parts:
     if name == "single" and world > 1 and not dist.is_distributed():
         log.warning("gradsync: backend='single' while %s reports %d processes: each trains a "
                     "model of its own; use backend='ddp' (or 'auto') to train one", where.scheduler, world)
-    plan, schedule = solve_with_schedule(
-        data_parallel_size=world, global_batch_size=config.global_batch_size,
+    plan, schedule = solve_with_schedule(  # R x S of an N-D mesh's ranks read distinct data
+        data_parallel_size=nd_mesh.data_parallel_size(config.parallelism, world),
+        global_batch_size=config.global_batch_size,
         micro_batch_size=config.micro_batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
     )  # the one source of truth for batch sizes; it reaches the backend at prepare
@@ -110,8 +112,9 @@ def assemble(owner: Any, config: Config, rules: Rules) -> Parts:
 
     loaders = LoaderContext(window, backend.device, on_epoch_start, config.count_items)
     loss = None
+    data = backend.data_parallel
     if config.track_window_loss:
-        loss = WindowLoss(backend.device, world, runner.own_collective)
+        loss = WindowLoss(backend.device, data.size, runner.own_collective, data.group)
         runner.at_boundary.append(loss.at_boundary)
     recorder = _audit(config)
     if recorder is not None:
@@ -121,7 +124,7 @@ def assemble(owner: Any, config: Config, rules: Rules) -> Parts:
     count = None
     if config.count_items is not None:
         count = ItemCount(config.count_items, window, backend, prepared, plan.data_parallel_size,
-                          runner.own_collective)
+                          runner.own_collective, data.group)
         runner.observers.append(count)
     gradients = Gradients(window=window, backend=backend, runner=runner, prepared=prepared, rules=rules,
                           data_parallel_size=plan.data_parallel_size, timeout=config.timeout,

@@ -7,6 +7,7 @@ group exists yet it reads the launch environment.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -47,6 +48,25 @@ def world_size() -> int:
     return rank_info()[1]
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """The ranks that read distinct micro-batches: this rank's place among them (``rank``),
+    how many (``size``) and their process group (``group``; None: the world's). On an N-D
+    mesh they are the dp_replicate x dp_shard ranks of one tensor-parallel coordinate; the
+    backend says (``Backend.data_parallel``), and the data, item counts, window loss and
+    metrics read it."""
+
+    rank: int
+    size: int
+    group: Any = None
+
+
+def world_data_parallel() -> DataParallel:
+    """Every rank reads its own micro-batches (plain data parallelism)."""
+    me, world, _ = rank_info()
+    return DataParallel(me, world)
+
+
 def barrier() -> None:
     """Wait for every rank (nothing to wait for without a group)."""
     if is_distributed():
@@ -62,12 +82,13 @@ def broadcast_object(value: Any) -> Any:
     return box[0]
 
 
-def all_gather_object(value: Any) -> list[Any]:
-    """Every rank's ``value`` (a picklable object), in rank order."""
+def all_gather_object(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``value`` (a picklable object), in rank order (of ``group``; None: the
+    world)."""
     if not is_multiprocess():
         return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 

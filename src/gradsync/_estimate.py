@@ -81,7 +81,7 @@ from gradsync.errors import ConfigError
 
 __all__ = ["BACKENDS", "HYBRID_POLICIES", "Cluster", "HybridCluster", "HybridRow", "MeshCluster", "MeshRow",
            "Row", "auto_policy", "estimate", "estimate_hybrid", "estimate_mesh", "format_hybrid", "format_mesh",
-           "format_table", "hybrid_mesh", "parallelism_text"]
+           "format_table", "hybrid_mesh"]
 
 #: The backends the estimate knows, in output order.
 BACKENDS = ("ddp", "fsdp", "zero2", "zero3")
@@ -497,36 +497,6 @@ def estimate_mesh(cluster: MeshCluster) -> list[MeshRow]:
             deferral_bytes=float(deferral[policy]),
             comm_ms=time_row.comm_ms, step_ms=time_row.step_ms, speedup=time_row.speedup))
     return rows
-
-
-def parallelism_text(text: str, world: int) -> tuple[int, int, int]:
-    """(dp_replicate, dp_shard, tp) from ``"dp_replicate=R,dp_shard=S,tp=T"`` (any subset, the
-    others 1; one entry may be -1 and is inferred from the world).
-
-    A stand-in for the ``parallelism`` setting's own parser, for ``gradsync plan``'s flag only.
-
-    Raises:
-        ConfigError: a key or value that cannot be read, or R x S x T != world.
-    """
-    sizes = {"dp_replicate": 1, "dp_shard": 1, "tp": 1}
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        key, _, value = part.partition("=")
-        key = key.strip()
-        if key not in sizes or not value.strip().lstrip("-").isdigit():
-            raise ConfigError(f"--parallelism={text!r}: give dp_replicate=R,dp_shard=S,tp=T "
-                              "(integers; one may be -1)")
-        sizes[key] = int(value)
-    inferred = [key for key, n in sizes.items() if n == -1]
-    if len(inferred) > 1 or any(n == 0 or n < -1 for n in sizes.values()):
-        raise ConfigError(f"--parallelism={text!r}: give positive sizes, at most one of them -1 to infer it")
-    if inferred:
-        known = math.prod(n for n in sizes.values() if n != -1)
-        sizes[inferred[0]] = world // known if world % known == 0 else 0
-    r, s, t = sizes["dp_replicate"], sizes["dp_shard"], sizes["tp"]
-    if r * s * t != world:
-        raise ConfigError(f"--parallelism={text!r} holds dp_replicate x dp_shard x tp = {r * s * t} ranks, "
-                          f"but the world has {world}; make the product the world (one entry may be -1)")
-    return r, s, t
 
 
 def format_mesh(cluster: MeshCluster, rows: list[MeshRow]) -> str:

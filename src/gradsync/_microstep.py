@@ -291,12 +291,14 @@ class ItemCount:
     done = False
 
     def __init__(self, count: ItemCounter, window: Window, backend: Backend, prepared: Prepared,
-                 world_size: int, own: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
+                 world_size: int, own: Callable[[], contextlib.AbstractContextManager[None]],
+                 group: Any = None) -> None:
         self.count = count
         self._window = window
         self._backend = backend
         self._prepared = prepared
-        self._world = world_size
+        self._world = world_size  # the data-parallel ranks, whose items are summed
+        self._group = group  # their process group (None: the world's)
         self._own = own
         self._pending: tuple[Any, torch.Tensor, BaseException | None] | None = None
 
@@ -315,7 +317,7 @@ class ItemCount:
             t = torch.tensor([local, int(error is not None)], dtype=torch.int64,
                              device=self._backend.device)
             with self._own():
-                work = torch.distributed.all_reduce(t, async_op=True)
+                work = torch.distributed.all_reduce(t, group=self._group, async_op=True)
             self._pending = (work, t, error)
             return
         if error is not None:

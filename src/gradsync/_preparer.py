@@ -187,7 +187,8 @@ class Preparer:
                 f"batch_size={self.plan.micro_batch_size} or change the batch plan"
             )
         seed = self._config.seed if self._config.seed is not None else 0
-        rank, world, _ = dist.rank_info()
+        data = self._backend.data_parallel  # the ranks of a tensor-parallel group read alike
+        rank, world = data.rank, data.size
         rules = self._rules
         if rules.dealing == "batches" and not self._config.dataset_shards_itself:
             sharded = deal_batches(loader, rank=rank, world_size=world, split=rules.split_batches,

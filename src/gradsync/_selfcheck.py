@@ -13,7 +13,9 @@ On a 2-D (HSDP) mesh with ``defer_replicate`` the reduce-scatter inside the shar
 runs on every micro-step by design; what must not run off the boundary is a reduction in
 any other group, the all-reduce across replicas above all (the process groups are told
 apart by the labels the FSDP adapter gives them, ``gradsync.audit.label_group``), and a
-boundary micro-step whose backward ran must all-reduce across replicas.
+boundary micro-step whose backward ran must all-reduce across replicas. Tensor parallel's
+collectives (the group labelled ``"tp"``) are the model's computation, on every micro-step:
+never judged as gradient sync.
 
 It needs the counting wrapper, so it works when gradsync created the process group; for a
 group created outside gradsync it says so once at debug level and does nothing.
@@ -25,7 +27,7 @@ import logging
 from collections.abc import Callable
 
 from gradsync._util import human_bytes
-from gradsync.audit import REDUCTIONS, MicroStepRecord, Recorder, recorder_of
+from gradsync.audit import COMPUTE_LABELS, REDUCTIONS, MicroStepRecord, Recorder, recorder_of
 
 log = logging.getLogger("gradsync")
 
@@ -130,7 +132,8 @@ class SelfCheck:
             self.done = True
             return
         across = record.count("allreduce", group="replicate")
-        others = [g for g in record.group_labels() if g not in ("shard", "replicate")]
+        others = [g for g in record.group_labels()
+                  if g not in ("shard", "replicate") and g not in COMPUTE_LABELS]
         elsewhere = sum(record.count(*REDUCTIONS, group=g) for g in others)
         if not boundary and across:
             self._warn(

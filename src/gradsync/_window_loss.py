@@ -34,9 +34,10 @@ class WindowLoss:
     calls ``at_boundary`` after a window's last micro-step; nothing runs on the others."""
 
     def __init__(self, device: torch.device, world: int,
-                 own: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
+                 own: Callable[[], contextlib.AbstractContextManager[None]], group: Any = None) -> None:
         self._device = device
-        self.world = world
+        self.world = world  # the data-parallel ranks (their process group: ``group``)
+        self._group = group
         self._own = own
         # This rank's share of the open window: each backward's detached loss and weight,
         # combined into one tensor when the window closes (cheaper than adding per backward).
@@ -98,7 +99,7 @@ class WindowLoss:
         if self.world > 1 and dist.is_available() and dist.is_initialized():
             share = self._share(losses, weights)
             with self._own():
-                work = dist.all_reduce(share, async_op=True)
+                work = dist.all_reduce(share, group=self._group, async_op=True)
             self._pending = (work, share)
         else:
             self._pending = (None, (losses, weights))

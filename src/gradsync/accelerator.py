@@ -109,7 +109,8 @@ class Accelerator:
         config_file: a YAML (or JSON) file of settings (default: ``GRADSYNC_CONFIG``).
         **options: a backend's options: ``ddp_kwargs``, ``find_unused_parameters`` (ddp);
             ``fsdp_wrap``, ``fsdp_keep_params_in_window``, ``fsdp_reshard_after_backward``,
-            ``fsdp_memory_budget``, ``fsdp_mesh`` (fsdp); ``deepspeed_config`` (deepspeed);
+            ``fsdp_memory_budget``, ``fsdp_mesh``, ``parallelism`` (the N-D mesh: dp_replicate
+            x dp_shard x tp), ``tp_plan`` (fsdp); ``deepspeed_config`` (deepspeed);
             ``fairscale_kwargs`` (fairscale). The settings reference lists every setting.
 
     Attributes:
@@ -233,8 +234,9 @@ class Accelerator:
 
     @property
     def mesh(self) -> Any:
-        """The ``DeviceMesh`` FSDP2 shards over (2-D under ``fsdp_mesh``: replicate, shard);
-        None on a backend without one."""
+        """The ``DeviceMesh`` FSDP2 shards over (2-D under ``fsdp_mesh``: replicate, shard), or
+        under ``parallelism`` the named N-D mesh (dp_replicate, dp_shard, tp); None on a
+        backend without one."""
         return getattr(self._backend, "mesh", None)
 
     @property
@@ -960,13 +962,14 @@ class Accelerator:
             The same structure with gathered tensors, or on the object path a list.
         """
         it = self._loaders.last_pass() if self._loaders.last_pass is not None else None
-        with self._p.runner.own_collective():
-            return metrics.gather_for_metrics(input_data, it, self.world_size,
+        with self._p.runner.own_collective():  # over the ranks that read distinct batches
+            return metrics.gather_for_metrics(input_data, it, self._backend.data_parallel,
                                               use_gather_object=use_gather_object)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0,
                op: str | None = None) -> Any:
-        """Each tensor of ``tensor`` reduced over ranks, then multiplied by ``scale``, as
+        """Each tensor of ``tensor`` reduced over ranks (on an N-D mesh: the data-parallel
+        ranks of this rank's tensor-parallel coordinate), then multiplied by ``scale``, as
         Accelerate's ``Accelerator.reduce`` documents it. Where Accelerate's code differs
         from its documentation, gradsync follows the documentation: ``scale`` applies on
         every backend (Accelerate: XLA only) and ``"none"`` reduces nothing (Accelerate's
@@ -989,7 +992,7 @@ class Accelerator:
             ConfigError: an unknown reduction, or ``op`` and ``reduction`` that disagree.
         """
         with self._p.runner.own_collective():
-            return metrics.reduce(tensor, reduction, scale, op)
+            return metrics.reduce(tensor, reduction, scale, op, group=self._backend.data_parallel.group)
 
     # -- where code runs (no collectives, except the *_process_first barriers) --
     @contextlib.contextmanager

@@ -37,11 +37,17 @@ from gradsync._dist import is_distributed
 from gradsync._util import human_bytes
 from gradsync.errors import ConfigError
 
-GROUP_LABELS = ("world", "shard", "replicate", "other")
+GROUP_LABELS = ("world", "shard", "replicate", "tp", "dp", "other")
 """The labels a recorded collective's group can carry: ``"shard"`` and ``"replicate"`` for the
-groups of a 2-D (HSDP) device mesh, labelled by ``label_group``; an unlabelled group is
+groups of a 2-D (HSDP) device mesh, ``"tp"`` for a tensor-parallel group and ``"dp"`` for the
+data-parallel ranks of an N-D mesh, labelled by ``label_group``; an unlabelled group is
 ``"world"`` when it spans every rank (the world group, or a copy of it such as a 1-D mesh's),
 else ``"other"``."""
+
+COMPUTE_LABELS = frozenset({"tp"})
+"""Groups whose collectives are the model's computation (tensor parallel: forward and
+backward, every micro-step), not gradient sync: ``MicroStepRecord.reductions`` leaves them
+out; ``count`` / ``nbytes`` with ``group="tp"`` and the summary's per-group part show them."""
 
 REDUCTIONS = frozenset({"allreduce", "reduce_scatter", "reduce"})
 """Ops that reduce data (the gradient synchronisation of every backend is one of these)."""
@@ -123,13 +129,15 @@ class MicroStepRecord:
 
     @property
     def reductions(self) -> int:
-        """The number of reducing collectives (``REDUCTIONS``): gradient syncs."""
-        return self.count(*REDUCTIONS)
+        """The number of reducing collectives (``REDUCTIONS``): gradient syncs (those of the
+        groups in ``COMPUTE_LABELS``, tensor parallel's, left out)."""
+        return sum(1 for op, _, g in self.labelled() if op in REDUCTIONS and g not in COMPUTE_LABELS)
 
     @property
     def reduction_bytes(self) -> int:
-        """The payload bytes of the reducing collectives (``REDUCTIONS``)."""
-        return self.nbytes(*REDUCTIONS)
+        """The payload bytes of the reducing collectives (``REDUCTIONS``), tensor parallel's
+        left out."""
+        return sum(b for op, b, g in self.labelled() if op in REDUCTIONS and g not in COMPUTE_LABELS)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as plain data (for JSON).
@@ -272,7 +280,8 @@ class Recorder:
                 reductions per micro-step [0,0,0,1] (44.0 KiB), all-gathers 0``. When the
                 window's collectives ran in more than one group (a 2-D mesh), the reductions
                 per micro-step and their bytes of each group follow, e.g. ``; by group:
-                shard [1,1,1,1] (40.0 KiB), replicate [0,0,0,1] (10.0 KiB)``.
+                shard [1,1,1,1] (40.0 KiB), replicate [0,0,0,1] (10.0 KiB)``; tensor
+                parallel's reductions (``tp``) are only in that part.
         """
         per = ",".join(str(r.reductions) for r in window)
         red_bytes = sum(r.reduction_bytes for r in window)

@@ -223,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="nodes; several, comma-separated, for one row each")
     plan.add_argument("--config", default=None, metavar="YAML",
                       help="a gradsync config file (flags override its batch settings)")
+    plan.add_argument("--parallelism", default=None, metavar="DIMS",
+                      help="the N-D mesh, e.g. dp_shard=2,tp=2: the global batch is micro x k x "
+                           "(dp_replicate x dp_shard)")
     est = plan.add_argument_group("communication estimate (--estimate)")
     est.add_argument("--estimate", action="store_true",
                      help="print bytes sent per rank and step time, naive vs deferred, per backend")
@@ -250,12 +253,6 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--fsdp-mesh", default=None, metavar="R,S|node",
                      help="also estimate FSDP2 hybrid sharding on an R x S mesh (R replicas across "
                           "nodes, S shards in a node; one may be -1; 'node': S = processes per node)")
-    # A stand-in for the `parallelism` setting's own flag and parser (gradsync.mesh), which
-    # will take its place: read here as plain "dp_replicate=R,dp_shard=S,tp=T" text.
-    est.add_argument("--parallelism", default=None, metavar="dp_replicate=R,dp_shard=S,tp=T",
-                     help="the mesh: the batch plan counts R x S data-parallel ranks, and --estimate "
-                          "adds bytes per mesh dimension and memory per rank per policy (one entry may "
-                          "be -1: inferred from the world)")
     est.add_argument("--tp-share", type=float, default=1.0, metavar="F",
                      help="--parallelism: the share of the model's bytes the TP plan shards (default 1; "
                           "norms and other replicated weights are the rest)")
@@ -361,12 +358,11 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from gradsync._estimate import parallelism_text
     from gradsync.config import from_yaml
     from gradsync.launch import plan
 
     settings = from_yaml(args.config) if args.config else {}
-    for name in _BATCH:
+    for name in (*_BATCH, "parallelism"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     if (settings.get("global_batch_size") is not None and settings.get("micro_batch_size") is None
@@ -375,17 +371,10 @@ def _plan(args: argparse.Namespace) -> int:
             f"--global-batch-size={settings['global_batch_size']} needs --micro-batch-size or "
             "--gradient-accumulation-steps to derive the other"
         )
-    mesh_text = args.parallelism
-    if mesh_text is not None and args.fsdp_mesh is not None:
-        raise ConfigError(f"--parallelism={mesh_text!r} and --fsdp-mesh={args.fsdp_mesh!r} both give the mesh; "
-                          "give one (--fsdp-mesh R,S is --parallelism dp_replicate=R,dp_shard=S)")
-
-    def data_parallel(world: int) -> int:
-        r, s, _ = parallelism_text(mesh_text, world)
-        return r * s
-
-    table = plan.rows(settings, args.nproc_per_node, args.nnodes,
-                      data_parallel if mesh_text is not None else None)
+    if args.parallelism is not None and args.fsdp_mesh is not None:
+        raise ConfigError(f"--parallelism={args.parallelism!r} and --fsdp-mesh={args.fsdp_mesh!r} both give "
+                          "the mesh; give one (--fsdp-mesh R,S is --parallelism dp_replicate=R,dp_shard=S)")
+    table = plan.rows(settings, args.nproc_per_node, args.nnodes)
     if len(table) == 1:
         if "error" in table[0]:
             raise ConfigError(table[0]["error"])
@@ -452,10 +441,10 @@ def _estimate_mesh(args: argparse.Namespace, row: dict[str, str], grad_bytes: fl
         MeshCluster,
         estimate_mesh,
         format_mesh,
-        parallelism_text,
     )
+    from gradsync.mesh import parse
 
-    r, s, t = parallelism_text(args.parallelism, int(row["world"]))
+    r, s, t = parse(args.parallelism, "--parallelism").resolve(int(row["world"]), "--parallelism").shape
     cluster = MeshCluster(
         grad_bytes=grad_bytes, param_bytes=param_bytes, dp_replicate=r, dp_shard=s, tp=t, k=k,
         tp_share=args.tp_share, tp_bytes=args.tp_bytes, budget_bytes=args.memory_budget,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from gradsync._dist import all_gather_object, is_multiprocess
+from gradsync._dist import DataParallel, all_gather_object, is_multiprocess
 from gradsync.data.batches import tree_map
 from gradsync.errors import ConfigError
 
@@ -43,31 +43,32 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(0) if t.dim() == 0 else t
 
 
-def gather_pieces(t: torch.Tensor) -> list[torch.Tensor]:
+def gather_pieces(t: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
     """Every rank's ``t`` (a scalar counts as one row), in rank order; the first
-    dimension may differ between ranks, the others must agree."""
+    dimension may differ between ranks, the others must agree. ``group``: the ranks to
+    gather from (None: every rank)."""
     t = _rows(t)
     if not is_multiprocess():
         return [t]
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     sizes = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
     all_sizes = [torch.zeros_like(sizes) for _ in range(world)]
-    dist.all_gather(all_sizes, sizes)
+    dist.all_gather(all_sizes, sizes, group=group)
     lengths = [int(s.item()) for s in all_sizes]
     longest = max(lengths)
     padded = pad_rows(t, longest) if t.shape[0] < longest else t.contiguous()
     out = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(out, padded)
+    dist.all_gather(out, padded, group=group)
     return [piece[:n] for piece, n in zip(out, lengths)]
 
 
-def gather(data: Any) -> Any:
-    """Each tensor of ``data`` from every rank, concatenated along the first dimension in
-    rank order (a scalar becomes one row per rank)."""
-    return apply(lambda t: torch.cat(gather_pieces(t)), data, "gather")
+def gather(data: Any, group: Any = None) -> Any:
+    """Each tensor of ``data`` from every rank (of ``group``), concatenated along the first
+    dimension in rank order (a scalar becomes one row per rank)."""
+    return apply(lambda t: torch.cat(gather_pieces(t, group)), data, "gather")
 
 
-def gather_for_metrics(data: Any, last_pass: LoaderIteration | None, world: int,
+def gather_for_metrics(data: Any, last_pass: LoaderIteration | None, world: int | DataParallel,
                        use_gather_object: bool = False) -> Any:
     """``gather``, with the rows put back in the sampler's order and its end-of-pass padding
     dropped when ``data`` holds one row per sample of the batch ``last_pass`` (the pass of a
@@ -82,23 +83,27 @@ def gather_for_metrics(data: Any, last_pass: LoaderIteration | None, world: int,
     Args:
         data: tensors (nested dicts / lists / tuples of them), or any picklable object.
         last_pass: the pass of a prepared loader that yielded last, if any.
-        world: the number of processes.
+        world: the number of processes, or the data-parallel ranks (those that read
+            distinct batches: on an N-D mesh those of this rank's tensor-parallel
+            coordinate), whose group the data is gathered over.
         use_gather_object: gather ``data`` as objects even when it holds only tensors.
 
     Returns:
         The gathered tensors in ``data``'s structure, or on the object path a list.
     """
+    group = world.group if isinstance(world, DataParallel) else None
+    world = world.size if isinstance(world, DataParallel) else world
     cut = last_pass.owner.dealt_remainder() if last_pass is not None and last_pass.last else None
     if cut is not None and world > 1:  # whole batches dealt: drop the last round's padding
         if use_gather_object or not _all_tensors(data):
-            return gather_object(data)[:cut]
-        return apply(lambda t: torch.cat(gather_pieces(t))[:cut], data, "gather_for_metrics")
+            return gather_object(data, group)[:cut]
+        return apply(lambda t: torch.cat(gather_pieces(t, group))[:cut], data, "gather_for_metrics")
     layout = last_pass.owner.sample_layout(world) if last_pass is not None else None
     if use_gather_object or not _all_tensors(data):
         if last_pass is None or layout is None or world == 1 or not isinstance(data, list | tuple):
-            return gather_object(data)
+            return gather_object(data, group)
         pieces = [list(piece) if isinstance(piece, list | tuple) else [piece]
-                  for piece in all_gather_object(data)]
+                  for piece in all_gather_object(data, group)]
         batch_size, total = layout
         if any(len(piece) > batch_size for piece in pieces):
             return [entry for piece in pieces for entry in piece]
@@ -106,12 +111,12 @@ def gather_for_metrics(data: Any, last_pass: LoaderIteration | None, world: int,
             [len(piece) for piece in pieces], batch_index=last_pass.yielded - 1,
             batch_size=batch_size, total=total)]
     if last_pass is None or layout is None or world == 1:
-        return gather(data)
+        return gather(data, group)
     batch_size, total = layout
     index = last_pass.yielded - 1
 
     def one(t: torch.Tensor) -> torch.Tensor:
-        return sampler_order(gather_pieces(t), batch_index=index, batch_size=batch_size, total=total)
+        return sampler_order(gather_pieces(t, group), batch_index=index, batch_size=batch_size, total=total)
 
     return apply(one, data, "gather_for_metrics")
 
@@ -127,7 +132,7 @@ def _all_tensors(data: Any) -> bool:
     return False
 
 
-def gather_object(obj: Any) -> list[Any]:
+def gather_object(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order, on every rank (a collective).
 
     A list or tuple is concatenated with the other ranks' (rank 0's entries first); any
@@ -138,12 +143,13 @@ def gather_object(obj: Any) -> list[Any]:
 
     Args:
         obj: a picklable object; tensors in it travel pickled (through the CPU).
+        group: the ranks to gather from (None: every rank).
 
     Returns:
         The list described above.
     """
     out: list[Any] = []
-    for piece in all_gather_object(obj):
+    for piece in all_gather_object(obj, group):
         if isinstance(piece, list | tuple):
             out.extend(piece)
         else:
@@ -151,7 +157,8 @@ def gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def reduce(data: Any, reduction: str = "sum", scale: float = 1.0, op: str | None = None) -> Any:
+def reduce(data: Any, reduction: str = "sum", scale: float = 1.0, op: str | None = None,
+           group: Any = None) -> Any:
     """Each tensor of ``data`` reduced over ranks, as Accelerate's ``Accelerator.reduce``
     documents it, then multiplied by ``scale``.
 
@@ -168,6 +175,7 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0, op: str | None
         scale: a factor every result is multiplied by.
         op: the former name of ``reduction``, kept as an alias; it replaces the default
             ``"sum"``, and may be given with another ``reduction`` only when the two agree.
+        group: the ranks to reduce over (None: every rank).
 
     Returns:
         The same structure with reduced tensors.
@@ -192,9 +200,9 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0, op: str | None
         if not exact and (reduction == "mean" or scale != 1.0):
             out = out.double()
         if reduction != "none" and is_multiprocess():
-            dist.all_reduce(out, op=torch_op)
+            dist.all_reduce(out, op=torch_op, group=group)
             if reduction == "mean":
-                out /= dist.get_world_size()
+                out /= dist.get_world_size(group)
         if scale != 1.0:
             out *= scale
         return out

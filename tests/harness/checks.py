@@ -26,6 +26,7 @@ def reference(
     optimizer: str = "sgd",
     lr: float = 0.05,
     clip: float | None = None,
+    clip_value: float | None = None,
     model: nn.Module | None = None,
 ) -> dict[str, Any]:
     """One process training on the same global windows: each window's loss is the mean, over
@@ -46,6 +47,8 @@ def reference(
         loss.backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
         opt.step()
         sched.step()
     return {"state": to_lists(model.state_dict()), "norms": norms}
@@ -65,6 +68,25 @@ def assert_matches_one_process(rank_results: list[dict[str, Any]], **reference_k
     for r in rank_results:
         assert max_diff(r["state"], ref["state"]) < 1e-5
     assert max_diff(rank_results[0]["state"], rank_results[1]["state"]) == 0.0
+    return ref
+
+
+def data_ranks(rank_results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """On an N-D mesh: one rank per data-parallel rank (tp coordinate 0), in data-parallel
+    order (the ranks of a tp group read the same micro-batches: counted once)."""
+    chosen = sorted((r for r in rank_results if r["coords"][2] == 0), key=lambda r: r["data_rank"])
+    assert [r["data_rank"] for r in chosen] == list(range(rank_results[0]["data_size"]))
+    return chosen
+
+
+def assert_nd_matches_one_process(rank_results: list[dict[str, Any]], tolerance: float = 1e-5,
+                                  **reference_kwargs: Any) -> dict[str, Any]:
+    """Every rank of an N-D mesh ends with the parameters of one process trained on the data
+    ranks' global windows (within ``tolerance``), and all ranks agree exactly."""
+    ref = reference(data_ranks(rank_results), **reference_kwargs)
+    for r in rank_results:
+        assert max_diff(r["state"], ref["state"]) < tolerance
+        assert max_diff(r["state"], rank_results[0]["state"]) == 0.0
     return ref
 
 

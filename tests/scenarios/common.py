@@ -91,6 +91,15 @@ def to_lists(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {k: v.detach().cpu().float().tolist() for k, v in state.items()}
 
 
+def micro_step(accel: Any, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+               y: torch.Tensor) -> None:
+    """One micro-step of the plain loop: forward, backward, step and zero_grad in the block."""
+    with accel.accumulate(model):
+        accel.backward(F.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+
+
 class Dropped(Exception):
     """Raised inside the accumulate block by a test loop: the window must be dropped."""
 

@@ -8,13 +8,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from gradsync import Accelerator
 
-from scenarios.common import Loop, Probe, make_model, make_optimizer, to_lists, train
+from scenarios.common import Loop, Probe, make_model, make_optimizer, micro_step, to_lists, train
 
 
 def _accel(mesh: Any, steps: int | str, policy: str, **options: Any) -> Accelerator:
@@ -92,33 +91,25 @@ def _prepared(mesh: Any, policy: str) -> tuple[Accelerator, nn.Module, torch.opt
     return accel, model, opt
 
 
-def _micro(accel: Accelerator, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-           y: torch.Tensor) -> None:
-    with accel.accumulate(model):
-        accel.backward(F.mse_loss(model(x), y))
-        opt.step()
-        opt.zero_grad()
-
-
 def resume_mid_window(*, mesh: list[int], policy: str, folder: str) -> dict[str, Any]:
     """A window of 4 saved after 2 micro-steps, finished in the same run and in a fresh one
     that loads the checkpoint: both end with the same parameters (bitwise)."""
     data = _batches(8, seed=7)
     accel, model, opt = _prepared(mesh, policy)
     for x, y in data[:6]:  # one full window, then half of the next
-        _micro(accel, model, opt, x, y)
+        micro_step(accel, model, opt, x, y)
     seen = {"partial_at_save": partial_groups(model),
             "sharded_grads_at_save": sum(1 for p in model.parameters() if p.grad is not None)}
     accel.save_state(folder)
     for x, y in data[6:]:
-        _micro(accel, model, opt, x, y)
+        micro_step(accel, model, opt, x, y)
     seen["went_on"] = to_lists(accel.get_state_dict(model))
     seen["steps"] = accel.optimizer_steps
     accel2, model2, opt2 = _prepared(mesh, policy)
     accel2.load_state(folder)
     seen["partial_after_load"] = partial_groups(model2)
     for x, y in data[6:]:
-        _micro(accel2, model2, opt2, x, y)
+        micro_step(accel2, model2, opt2, x, y)
     seen["resumed"] = to_lists(accel2.get_state_dict(model2))
     seen["resumed_steps"] = accel2.optimizer_steps
     return seen
@@ -128,7 +119,7 @@ def save_at_boundary(*, mesh: list[int], folder: str) -> dict[str, Any]:
     """Two windows on the mesh under defer_replicate, saved at the boundary: the full state."""
     accel, model, opt = _prepared(mesh, "defer_replicate")
     for x, y in _batches(8, seed=3):
-        _micro(accel, model, opt, x, y)
+        micro_step(accel, model, opt, x, y)
     accel.save_state(folder)
     return {"state": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps}
 

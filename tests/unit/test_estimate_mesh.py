@@ -14,9 +14,9 @@ from gradsync._estimate import (
     estimate_hybrid,
     estimate_mesh,
     format_mesh,
-    parallelism_text,
 )
 from gradsync.cli import main
+from gradsync.mesh import parse
 
 
 def _rows(**kw):
@@ -102,17 +102,16 @@ def test_a_tp_group_that_would_span_nodes_is_refused():
     ("dp_replicate=2,dp_shard=2,tp=2", 8, (2, 2, 2)), ("dp_shard=-1,tp=2", 8, (1, 4, 2)),
     ("tp=4, dp_replicate=-1", 16, (4, 1, 4)), ("dp_shard=8", 8, (1, 8, 1))])
 def test_the_parallelism_text(text, world, mesh):
-    assert parallelism_text(text, world) == mesh
+    assert parse(text, "--parallelism").resolve(world, "--parallelism").shape == mesh
 
 
 @pytest.mark.parametrize(("text", "match"), [
-    ("dp_shard=3,tp=2", "dp_replicate x dp_shard x tp = 6 ranks, but the world has 8"),
-    ("pp=2", "give dp_replicate=R,dp_shard=S,tp=T"), ("tp=two", "give dp_replicate=R"),
-    ("dp_shard=-1,tp=-1", "at most one of them -1"), ("tp=0", "positive sizes"),
-    ("dp_shard=-1,tp=3", "the world has 8")])
+    ("dp_shard=3,tp=2", "holds 1 x 3 x 2 x 1 = 6 processes, but the world has 8"),
+    ("pp=2", "pp"), ("tp=two", "tp='two' is not a whole number"),
+    ("dp_shard=-1,tp=-1", "-1"), ("tp=0", "tp=0"), ("dp_shard=-1,tp=3", "3 does not divide the world of 8")])
 def test_bad_parallelism_text_names_the_value_and_the_fix(text, match):
     with pytest.raises(ConfigError, match=match):
-        parallelism_text(text, 8)
+        parse(text, "--parallelism").resolve(8, "--parallelism")
 
 
 def test_plan_parallelism_counts_data_parallel_ranks_and_prints_the_mesh_rows(capsys):
@@ -121,7 +120,7 @@ def test_plan_parallelism_counts_data_parallel_ranks_and_prints_the_mesh_rows(ca
                  "--parallelism", "dp_replicate=2,dp_shard=2,tp=2", "--memory-budget", "500"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "data-parallel processes: 4 (1 node(s) x 8 = 8 processes in tensor-parallel groups of 2)" in out
+    assert "data-parallel processes: 4 of 8 (1 node(s) x 8), mesh dp_replicate=2,dp_shard=2,tp=2" in out
     assert "global batch size:       32 per optimizer step" in out  # 2 x 4 x (2 x 2)
     assert "mesh dp_replicate=2 x dp_shard=2 x tp=2 (8 ranks), k=4" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines()

@@ -64,3 +64,38 @@ def test_a_policy_that_is_not_defer_ends_it():
     check = SelfCheck(recorder, audited=False, policy=lambda: "every_step", where="w")
     check.begin(False)
     assert check.done and recorder.records == []
+
+
+def _labelled_step(check, recorder, boundary, ops):
+    check.begin(boundary)
+    for op, group in ops:
+        recorder.record(op, 64, group)
+    check.saw_backward()
+    check.end(boundary)
+
+
+def test_tensor_parallel_reductions_are_never_gradient_sync(caplog):
+    """On an N-D mesh the tp group's all-reduces run in every micro-step's forward and
+    backward: neither defer nor defer_replicate warns about them, and they do not stand in
+    for the boundary's gradient reduction."""
+    tp_only = [("allreduce", "tp"), ("allreduce", "tp")]
+    for policy, boundary_ops in (("defer", [("reduce_scatter", "shard")]),
+                                 ("defer_replicate", [("reduce_scatter", "shard"), ("allreduce", "replicate")])):
+        recorder = Recorder()
+        check = SelfCheck(recorder, audited=False, policy=lambda p=policy: p, where="w")
+        off = tp_only + ([("reduce_scatter", "shard")] if policy == "defer_replicate" else [])
+        with caplog.at_level(logging.WARNING, logger="gradsync"):
+            for _ in range(STEPS):
+                _labelled_step(check, recorder, False, off)
+                _labelled_step(check, recorder, True, tp_only + boundary_ops)
+        assert check.done and caplog.text == "", (policy, caplog.text)
+    recorder = Recorder()
+    check = SelfCheck(recorder, audited=False, policy=lambda: "defer", where="w")
+    with caplog.at_level(logging.WARNING, logger="gradsync"):
+        _labelled_step(check, recorder, False, [*tp_only, ("reduce_scatter", "shard")])
+    assert check.done and "off the boundary issued 1 gradient reduction(s)" in caplog.text
+    caplog.clear()
+    check = SelfCheck(recorder, audited=False, policy=lambda: "defer", where="w")
+    with caplog.at_level(logging.WARNING, logger="gradsync"):
+        _labelled_step(check, recorder, True, tp_only)
+    assert "reduced nothing" in caplog.text

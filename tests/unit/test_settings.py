@@ -25,7 +25,8 @@ from gradsync.settings import CORE_SETTINGS, LAUNCH_SETTINGS, SETTINGS, referenc
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "report_rank.py")
 NONE = type(None)
 # Values a setting's type allows but its check refuses are replaced here (a backend must exist).
-VALID = {"backend": "ddp", "log_with": ["tensorboard", "csv"], "fsdp_mesh": "node"}
+VALID = {"backend": "ddp", "log_with": ["tensorboard", "csv"], "fsdp_mesh": "node",
+         "parallelism": {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "cp": 1}, "tp_plan": "auto"}
 
 
 def ids(settings: tuple[Setting, ...]) -> list[str]:
@@ -115,7 +116,8 @@ def test_every_flag_reaches_launch_config_and_the_workers(s, clean_env):
     spellings = {s.flag, "--" + s.flag[2:].replace("-", "_")}
     # settings that need another one given with them (a backend option: its backend)
     companions = {"global_batch_size": ["--micro-batch-size", "1"],
-                  "fsdp_mesh": ["--backend", "fsdp"]}.get(s.name, [])
+                  "fsdp_mesh": ["--backend", "fsdp"],
+                  "parallelism": ["--backend", "fsdp", "--nproc-per-node", "4"]}.get(s.name, [])
     for spelling in sorted(spellings):
         words = [spelling] if s.switch else [spelling, to_text(value)]
         args = build_parser().parse_args(["launch", *companions, *words, SCRIPT])

@@ -79,7 +79,7 @@ REFUSED: dict[str, dict[str, str]] = {
         "synchronize_rng_states": "nothing to call: prepared loaders keep every rank's generator equal",
         "DeepSpeedPlugin": "`Accelerator(backend='deepspeed', deepspeed_config=...)` or `gradsync launch --use_deepspeed`",
         "FullyShardedDataParallelPlugin": "`Accelerator(backend='fsdp', fsdp_...=...)` or `gradsync launch --use_fsdp`",
-        "ParallelismConfig": "`fsdp_mesh=(replicas, shards)` on `backend='fsdp'`",
+        "ParallelismConfig": "`parallelism={'dp_replicate': R, 'dp_shard': S, 'tp': T}` on `backend='fsdp'` (gradsync.Accelerator also takes Accelerate's ParallelismConfig object there)",
         "ProfileKwargs": "`torch.profiler.profile(...)` around the loop",
         "DDPCommunicationHookType": "register a communication hook on the prepared DDP model yourself",
     },

@@ -110,10 +110,13 @@ class Accelerator(_Core):
             ("torch_tp_plugin", torch_tp_plugin, "FSDP2 (backend='fsdp')"),
             ("megatron_lm_plugin", megatron_lm_plugin, "FSDP2 (backend='fsdp') or DeepSpeed"),
             ("dynamo_plugin", dynamo_plugin, "compile=True or compile={...torch.compile arguments}"),
-            ("parallelism_config", parallelism_config, "fsdp_mesh=(replicas, shards) on backend='fsdp'"),
         ):
             if value is not None:
                 raise ConfigError(f"Accelerator({name}=...) is not taken by gradsync.accelerate; use {fix}")
+        if parallelism_config is not None:  # read by its sizes (gradsync.mesh)
+            options.setdefault("backend", "fsdp")
+            if options.setdefault("parallelism", parallelism_config) is not parallelism_config:
+                raise ConfigError("Accelerator got parallelism_config and parallelism; give one of them")
         if not step_scheduler_with_optimizer:
             raise ConfigError("Accelerator(step_scheduler_with_optimizer=False): do not prepare the "
                               "scheduler; step it yourself")

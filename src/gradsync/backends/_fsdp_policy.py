@@ -17,7 +17,7 @@ from gradsync.config import RequestedPolicy, SyncPolicy
 from gradsync.errors import ConfigError
 
 __all__ = ["AUTO_BUDGET_FRACTION", "Keep", "available_memory", "crosses_nodes", "decide",
-           "deferral_cost", "mesh_shape", "partial_cost", "select_units"]
+           "deferral_cost", "held_numel", "mesh_shape", "partial_cost", "select_units"]
 
 _MESH_FIX = "give (R, S) with R x S = the world size (one of them may be -1), or 'node'"
 
@@ -101,12 +101,27 @@ def select_units(model: nn.Module, wrap: Any = None) -> list[nn.Module]:
     return units
 
 
+def held_numel(param: Any) -> int:
+    """The elements of a parameter this rank holds once FSDP2 gathers it: its full size, or
+    under tensor parallelism its tensor-parallel share (a DTensor split over the mesh's
+    "tp" dim: the full size / T)."""
+    full = unsharded_numel(param)
+    mesh = getattr(param, "device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if mesh is not None and "tp" in names:
+        dim = names.index("tp")
+        if param.placements[dim].is_shard():
+            return -(-full // int(mesh.size(dim)))
+    return full
+
+
 def deferral_cost(model: nn.Module, world: int, *, grad_bytes: int | None, keep_params: bool) -> int:
     """Extra bytes per rank that deferring holds: the unsharded gradients minus their shard
     (in the gradient dtype), plus the unsharded parameters when they stay gathered.
-    ``world``: the ranks a parameter is sharded over (S on a 2-D mesh)."""
+    ``world``: the ranks a parameter is sharded over (S on a 2-D mesh); under tensor
+    parallelism a split parameter counts its tensor-parallel share (``held_numel``)."""
     # FSDP2 parameters are DTensors (numel is the full size); FSDP1's are local flat shards.
-    sizes = [(unsharded_numel(p), p.element_size()) for p in model.parameters()]
+    sizes = [(held_numel(p), p.element_size()) for p in model.parameters()]
     full = sum(n * (grad_bytes or size) for n, size in sizes)
     if keep_params:
         full += sum(n * size for n, size in sizes)
@@ -116,7 +131,7 @@ def deferral_cost(model: nn.Module, world: int, *, grad_bytes: int | None, keep_
 def partial_cost(model: nn.Module, shards: int, *, grad_bytes: int | None) -> int:
     """Bytes per rank of defer_replicate's partial buffer: this rank's 1/S shard of the
     reduced gradients (in the reduction dtype), held through the window."""
-    full = sum(unsharded_numel(p) * (grad_bytes or p.element_size()) for p in model.parameters())
+    full = sum(held_numel(p) * (grad_bytes or p.element_size()) for p in model.parameters())
     return -(-full // shards)
 
 

@@ -97,6 +97,11 @@ class Backend(Protocol):
     @property
     def device(self) -> torch.device: ...
 
+    @property
+    def data_parallel(self) -> dist.DataParallel:
+        """The ranks that read distinct micro-batches (after ``setup``): the world, or on an
+        N-D mesh the data-parallel ranks of this rank's tensor-parallel coordinate."""
+
     def setup(self, config: Config) -> None:
         """Join (or create) the process group and pick the device. ``config`` is read here
         and not kept for later: what the adapter needs of it, it copies."""
@@ -233,6 +238,10 @@ class AdapterDefaults:
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def data_parallel(self) -> dist.DataParallel:
+        return dist.world_data_parallel()
 
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer  # the wrapper left the parameters (or replaced them before it was built)

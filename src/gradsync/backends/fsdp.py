@@ -10,6 +10,11 @@ On a 2-D mesh (``fsdp_mesh``: R replicas x S shards, HSDP) "defer_replicate" red
 inside the shard group every micro-step into a partial buffer (1/S of the gradients) and
 all-reduces across the replicas only at the boundary; "auto" picks it when full deferral
 does not fit the budget.
+
+On an N-D mesh (``parallelism``: dp_replicate x dp_shard x tp) the model is first split over
+the "tp" dim by ``tp_plan`` (``parallelize_module``), then sharded by FSDP2 over the
+data-parallel dims, as above: only their reduce-scatter and all-reduce wait for the
+boundary; tensor parallel's collectives are the forward and backward themselves.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from gradsync import _dist as dist
 from gradsync import _environment as environment
 from gradsync import _torch_compat, audit
+from gradsync import mesh as nd_mesh
 from gradsync._batch_plan import BatchPlan
 from gradsync.backends import (
     _amp,
@@ -38,6 +44,7 @@ from gradsync.backends import (
     _group,
     _modules,
     _save_pretrained,
+    _tensor_parallel,
 )
 from gradsync.backends._fsdp_policy import (
     Keep,
@@ -89,6 +96,12 @@ class FSDPBackend(AdapterDefaults):
         self._keep_option: bool | None = None  # fsdp_keep_params_in_window
         self._legacy_keep = False  # the deprecated fsdp_reshard_after_backward=False
         self.keep: Keep = "no"  # resolved at prepare
+        # The N-D mesh (parallelism): its sizes, the whole named mesh, the tensor-parallel
+        # plan and this rank's data-parallel ranks (None: plain FSDP2, the world).
+        self._dims: nd_mesh.Parallelism | None = None
+        self._world_mesh: DeviceMesh | None = None
+        self._tp_plan: Any = None
+        self._data: dist.DataParallel | None = None
 
     def setup(self, config: Config) -> None:
         refuse_native(config.sync_policy, self.name)
@@ -107,7 +120,10 @@ class FSDPBackend(AdapterDefaults):
                 + "; use sync_policy='defer' or 'auto', or drop fsdp_keep_params_in_window"
             )
         # The mesh's size against the world, before any collective runs.
-        self._shape = self._mesh_shape(config.fsdp_mesh)
+        self._dims = self._parallelism(config)
+        self._shape = self._mesh_shape(config.fsdp_mesh) if self._dims is None else (
+            self._dims.dp_replicate, self._dims.dp_shard)
+        self._check_replicate_policy(config.fsdp_mesh if self._dims is None else self._dims.text())
         self._budget = config.memory_budget()
         self._keep_option = config.fsdp_keep_params_in_window
         self._legacy_keep = config.fsdp_reshard_after_backward is False
@@ -118,7 +134,10 @@ class FSDPBackend(AdapterDefaults):
             timeout=config.timeout,
         )
         self._device = _group.local_device()
-        self._mesh = self._build_mesh(config.fsdp_mesh)
+        if self._dims is not None:
+            self._mesh = self._build_nd_mesh(self._dims)
+        else:
+            self._mesh = self._build_mesh(config.fsdp_mesh)
         if self._mesh.ndim == 2:  # the audit tells the mesh's groups apart by object, not by size
             audit.label_group(self._mesh.get_group(0), "replicate")
             audit.label_group(self._mesh.get_group(1), "shard")
@@ -126,8 +145,66 @@ class FSDPBackend(AdapterDefaults):
 
     @property
     def mesh(self) -> DeviceMesh | None:
-        """The mesh FSDP2 shards over: 1-D (shard), or 2-D (replicate, shard)."""
-        return self._mesh
+        """The mesh FSDP2 shards over: 1-D (shard), or 2-D (replicate, shard); under
+        ``parallelism`` the whole named mesh (dp_replicate, dp_shard, tp)."""
+        return self._world_mesh if self._world_mesh is not None else self._mesh
+
+    @property
+    def data_parallel(self) -> dist.DataParallel:
+        return self._data if self._data is not None else dist.world_data_parallel()
+
+    def _parallelism(self, config: Config) -> nd_mesh.Parallelism | None:
+        """``parallelism`` on this world (None when not given); one line for a product that
+        is not the world, an fsdp_mesh that contradicts it, or a tp without a plan."""
+        if config.parallelism is None:
+            if config.tp_plan is not None:
+                raise ConfigError(
+                    "tp_plan=... splits layers over the tensor-parallel dim, and no parallelism "
+                    "gives one; set parallelism={'tp': T, 'dp_shard': -1}, or drop tp_plan"
+                )
+            return None
+        dims = nd_mesh.parse(config.parallelism).resolve(dist.world_size())
+        if isinstance(config.fsdp_mesh, tuple):
+            replicas, shards = mesh_shape(config.fsdp_mesh, dims.data_parallel, 0)
+            if (replicas, shards) != (dims.dp_replicate, dims.dp_shard):
+                raise ConfigError(
+                    f"parallelism={dims.text()!r} contradicts fsdp_mesh={tuple(config.fsdp_mesh)!r} "
+                    f"= ({replicas}, {shards}) on this world: fsdp_mesh is (dp_replicate, dp_shard) = "
+                    f"({dims.dp_replicate}, {dims.dp_shard}); drop fsdp_mesh, or make them agree"
+                )
+        if dims.tp > 1 and config.tp_plan is None:
+            raise ConfigError(
+                f"parallelism={dims.text()!r} has tp={dims.tp} and no tp_plan says which layers "
+                "to split; give tp_plan ('auto' for a Transformers model, a dict of module-name "
+                "patterns to styles, or a callable (model, tp_mesh) -> None)"
+            )
+        if dims.tp == 1 and config.tp_plan is not None:
+            raise ConfigError(
+                f"tp_plan=... splits layers over the tensor-parallel dim, and parallelism="
+                f"{dims.text()!r} has tp=1; give tp > 1, or drop tp_plan"
+            )
+        self._tp_plan = config.tp_plan
+        return dims
+
+    def _build_nd_mesh(self, dims: nd_mesh.Parallelism) -> DeviceMesh:
+        """The named mesh (dp_replicate, dp_shard, tp), its groups labelled for the audit, and
+        the data-parallel group of this rank's tensor-parallel coordinate; returns the mesh
+        FSDP2 shards over (dp_shard, or (dp_replicate, dp_shard) with replicas)."""
+        world_mesh = nd_mesh.build(dims, self._device.type)
+        self._world_mesh = world_mesh
+        audit.label_group(world_mesh.get_group("tp"), "tp")
+        if dims.tp > 1:  # the R x S ranks of each tp coordinate (every rank makes every group)
+            groups = [torch.distributed.new_group(list(range(t, dims.data_parallel * dims.tp, dims.tp)))
+                      for t in range(dims.tp)]
+            me = dist.rank()
+            group = groups[me % dims.tp]
+            audit.label_group(group, "dp")
+            self._data = dist.DataParallel(me // dims.tp, dims.data_parallel, group)
+        if dims.dp_replicate == 1:
+            shard_mesh = world_mesh["dp_shard"]
+            audit.label_group(shard_mesh.get_group(), "shard")
+            return shard_mesh
+        return world_mesh["dp_replicate", "dp_shard"]
 
     def _mesh_shape(self, spec: Any) -> tuple[int, int]:
         """(R, S) of ``fsdp_mesh`` on this world; ConfigError / warning before any collective."""
@@ -144,13 +221,6 @@ class FSDPBackend(AdapterDefaults):
         else:
             shape = mesh_shape(spec, world, per_node)
         replicas, shards = shape
-        if self._asked == "defer_replicate" and replicas == 1:
-            raise ConfigError(
-                f"sync_policy='defer_replicate' defers the all-reduce across replicas, and "
-                f"fsdp_mesh={spec if not isinstance(spec, DeviceMesh) else tuple(spec.shape)!r} "
-                f"has one replica (a 1-D mesh of {shards}); give fsdp_mesh=(R, S) with R > 1, "
-                "or use sync_policy='defer'"
-            )
         if replicas > 1 and crosses_nodes(shards, per_node):
             log.warning(
                 "gradsync fsdp: fsdp_mesh=(%d, %d) shards over %d ranks, which does not divide the "
@@ -158,6 +228,18 @@ class FSDPBackend(AdapterDefaults):
                 "all-gathers go over the network); pick S dividing %d, or fsdp_mesh='node'",
                 replicas, shards, shards, per_node, per_node)
         return replicas, shards
+
+    def _check_replicate_policy(self, spec: Any) -> None:
+        replicas, shards = self._shape
+        if self._asked == "defer_replicate" and replicas == 1:
+            named = (f"parallelism={spec!r}" if self._dims is not None else
+                     f"fsdp_mesh={spec if not isinstance(spec, DeviceMesh) else tuple(spec.shape)!r}")
+            raise ConfigError(
+                f"sync_policy='defer_replicate' defers the all-reduce across replicas, and "
+                f"{named} has one replica (a 1-D mesh of {shards}); give "
+                + ("dp_replicate > 1" if self._dims is not None else "fsdp_mesh=(R, S) with R > 1")
+                + ", or use sync_policy='defer'"
+            )
 
     def _build_mesh(self, spec: Any) -> DeviceMesh:
         replicas, shards = self._shape
@@ -185,9 +267,14 @@ class FSDPBackend(AdapterDefaults):
                     "parameters; backend='fsdp' re-points the optimizer at the sharded parameters, "
                     "which would orphan that state: prepare before the first optimizer step"
                 )
+        split = None  # the tensor-parallel plan for this model
+        if self._tp_plan is not None and not isinstance(model, FSDPModule | FSDP1):
+            assert self._dims is not None
+            split = _tensor_parallel.resolve(model, self._tp_plan)
+            _tensor_parallel.check(model, split, self._dims.tp)
         if not isinstance(model, FSDPModule | FSDP1):
             names = {id(p): n for n, p in model.named_parameters()}
-            self._shard(model, compile_units=given is model)
+            self._shard(model, compile_units=given is model, plan=split)
             sharded = dict(model.named_parameters())
             for optimizer in optimizers:  # another model's parameters stay as they are
                 for group in optimizer.param_groups:
@@ -201,12 +288,15 @@ class FSDPBackend(AdapterDefaults):
             _save_pretrained.gather_in_save_pretrained(model, lambda: self.state_dict(model), self.barrier)
         return given, list(optimizers)
 
-    def _shard(self, model: nn.Module, *, compile_units: bool) -> None:
+    def _shard(self, model: nn.Module, *, compile_units: bool, plan: Any = None) -> None:
         assert self._mesh is not None, "setup() first"
         if not any(p.is_meta for p in model.parameters()):
             # Every rank shards its own copy: start them all from rank 0's weights.
             model.to(self._device)
             _group.broadcast_from_rank0(model)
+        if plan is not None:  # tensor parallel first, then FSDP2 over the data-parallel dims
+            assert self._world_mesh is not None
+            _tensor_parallel.apply(model, plan, self._world_mesh["tp"])
         kwargs: dict[str, Any] = {"mesh": self._mesh}
         if self._bf16:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -298,9 +388,18 @@ class FSDPBackend(AdapterDefaults):
         model = _torch_compat.uncompiled(model)
         if isinstance(model, FSDP1):
             return model.clip_grad_norm_(max_norm, norm_type).detach()
+        params = list(parameters)
+        if self._dims is not None and self._dims.tp > 1:  # gradients on several meshes
+            return _tensor_parallel.clip_grad_norm_(params, max_norm, norm_type).detach()
         # Over DTensor gradients the norm is a DTensor of the global norm; make it plain.
-        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
+
+    def clip_grad_value_(self, model: nn.Module, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        if self._dims is not None and self._dims.tp > 1:  # gradients on several meshes
+            _tensor_parallel.clip_grad_value_(parameters, clip_value)
+            return
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         model = _torch_compat.uncompiled(model)  # FSDP2 shards in place

@@ -5,9 +5,10 @@ Imports no torch: it runs before anything is installed on a cluster node.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gradsync import mesh
 from gradsync._accumulation_schedule import Constant, RampUp, Schedule, StepKeyed
 from gradsync._batch_plan import solve_with_schedule
 from gradsync.errors import ConfigError
@@ -31,21 +32,22 @@ def phases(schedule: Schedule, micro: int | None, world: int) -> tuple[str, str]
     return schedule.describe(), "varies"
 
 
-def rows(settings: Mapping[str, Any], nproc: Sequence[int], nnodes: Sequence[int],
-         data_parallel: Callable[[int], int] | None = None) -> list[dict[str, str]]:
+def rows(settings: Mapping[str, Any], nproc: Sequence[int], nnodes: Sequence[int]) -> list[dict[str, str]]:
     """One row per (nodes, processes per node); a row that cannot be planned holds its error.
-    ``data_parallel``: the data-parallel ranks of a world (a mesh with tensor parallelism
-    has fewer than the world; None: all of them)."""
+    With ``parallelism`` in ``settings`` (an N-D mesh) the global batch counts the R x S
+    data-parallel ranks only: micro x k x (R x S)."""
     out = []
     for nodes in nnodes:
         for per_node in nproc:
             world = nodes * per_node
-            row = {"nodes": str(nodes), "per_node": str(per_node), "world": str(world), "dp": str(world)}
+            row = {"nodes": str(nodes), "per_node": str(per_node), "world": str(world)}
             try:
-                dp = data_parallel(world) if data_parallel is not None else world
-                row["dp"] = str(dp)
+                data = world
+                if settings.get("parallelism") is not None:
+                    dims = mesh.parse(settings["parallelism"]).resolve(world)
+                    data, row["mesh"] = dims.data_parallel, dims.text()
                 plan, schedule = solve_with_schedule(
-                    data_parallel_size=dp,
+                    data_parallel_size=data,
                     global_batch_size=settings.get("global_batch_size"),
                     micro_batch_size=settings.get("micro_batch_size"),
                     gradient_accumulation_steps=settings.get("gradient_accumulation_steps"),
@@ -56,33 +58,33 @@ def rows(settings: Mapping[str, Any], nproc: Sequence[int], nnodes: Sequence[int
                 continue
             micro = plan.micro_batch_size
             row["micro"] = str(micro) if micro else "?"
-            row["k"], row["global"] = phases(schedule, micro, dp)
+            row["k"], row["global"] = phases(schedule, micro, data)
+            row["data"] = str(data)
             out.append(row)
     return out
 
 
 def render(table: list[dict[str, str]]) -> str:
     """A Markdown table (errors in their own column)."""
-    mesh = any(r.get("dp", r["world"]) != r["world"] for r in table)  # a data-parallel column
-    head = ["nodes", "processes/node", "world", *(["data-parallel"] if mesh else []), "micro batch",
-            "accumulation steps k", "global batch"]
+    head = ["nodes", "processes/node", "world", "micro batch", "accumulation steps k", "global batch"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
-        first = [r["nodes"], r["per_node"], r["world"], *([r.get("dp", r["world"])] if mesh else [])]
         if "error" in r:
-            cells = [*first, f"error: {r['error']}", "", ""]
+            cells = [r["nodes"], r["per_node"], r["world"], f"error: {r['error']}", "", ""]
         else:
-            cells = [*first, r["micro"], r["k"], r["global"]]
+            world = f"{r['world']} ({r['data']} data-parallel)" if "mesh" in r else r["world"]
+            cells = [r["nodes"], r["per_node"], world, r["micro"], r["k"], r["global"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def single(row: dict[str, str]) -> str:
     """The one-world-size form: a few labelled lines."""
+    where = f"{row['world']} ({row['nodes']} node(s) x {row['per_node']})"
+    if "mesh" in row:  # an N-D mesh: the ranks of a tp group read the same micro-batches
+        where = f"{row['data']} of {where}, mesh {row['mesh']}"
     return "\n".join([
-        f"data-parallel processes: {row.get('dp', row['world'])} ({row['nodes']} node(s) x {row['per_node']}"
-        + (f" = {row['world']} processes in tensor-parallel groups of {int(row['world']) // int(row['dp'])})"
-           if row.get("dp", row["world"]) != row["world"] else ")"),
+        f"data-parallel processes: {where}",
         f"micro batch size:        {row['micro']} per process",
         f"accumulation steps:      {row['k']}",
         f"global batch size:       {row['global'] if row['global'] != '?' else '?'} per optimizer step",

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradsync import backends
+from gradsync import backends, mesh
 from gradsync._accumulation_schedule import Schedule, is_schedule
 from gradsync._batch_plan import BatchPlan, solve_with_schedule
 from gradsync._util import check_positive_int
@@ -32,7 +32,7 @@ from gradsync.config import ENV_PREFIX, Config, env_vars, from_yaml, read_yaml
 from gradsync.errors import ConfigError
 from gradsync.launch import cluster as scheduler
 from gradsync.launch import failures, signals
-from gradsync.options.fsdp import MeshSpec
+from gradsync.options.fsdp import MeshSpec, ParallelismSpec
 from gradsync.settings import (
     BY_NAME,
     LAUNCH_SETTINGS,
@@ -84,6 +84,7 @@ class LaunchConfig:
     seed: int | None = None
     audit: bool = False
     fsdp_mesh: MeshSpec | None = None
+    parallelism: ParallelismSpec | None = None
     #: A YAML (or JSON) file: gradsync's settings, or Accelerate's config file (``accelerate
     #: config``), told apart by its keys.
     config_file: str | None = None
@@ -349,8 +350,8 @@ class Launcher:
             raise ConfigError(f"config file {c.config_file!r}: {err}") from None
         merged = self._merged()
         for nodes in sorted({min_nodes, max_nodes}, reverse=True):  # elastic: both ends must work
-            plan, self.schedule = solve_with_schedule(
-                data_parallel_size=nproc * nodes,
+            plan, self.schedule = solve_with_schedule(  # R x S of an N-D mesh read distinct data
+                data_parallel_size=mesh.data_parallel_size(merged.get("parallelism"), nproc * nodes),
                 global_batch_size=merged.get("global_batch_size"),
                 micro_batch_size=merged.get("micro_batch_size"),
                 gradient_accumulation_steps=merged.get("gradient_accumulation_steps"),

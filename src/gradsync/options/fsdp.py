@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from gradsync import mesh
 from gradsync._declaration import ModuleSelector, check_bytes, setting
 from gradsync.errors import ConfigError
 
@@ -96,6 +99,106 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
+@runtime_checkable
+class ParallelismConfigLike(Protocol):
+    """Accelerate's ``ParallelismConfig`` as the settings see it (read by its sizes)."""
+
+    @property
+    def tp_size(self) -> int: ...
+
+
+#: ``parallelism``: dim -> size ({"dp_replicate": R, "dp_shard": S, "tp": T}, one may be -1),
+#: text ("dp_shard=2,tp=2" or JSON), or Accelerate's ``ParallelismConfig``.
+ParallelismSpec = Mapping[str, int] | str | ParallelismConfigLike
+#: ``tp_plan``: module-name pattern -> style (a word of ``TP_STYLES`` or a torch
+#: ParallelStyle), a callable ``(model, tp_mesh) -> None``, or "auto" (the model's own plan).
+TPPlan = Literal["auto"] | Mapping[str, Any] | Callable[[Any, Any], None]
+#: The words a ``tp_plan`` mapping may use (Transformers' words for torch's ParallelStyles).
+TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output",
+             "embedding_rowwise", "sequence_parallel", "replicate")
+_CP_NEEDS_GPU = ("context parallel needs a GPU (CUDA): torch's context_parallel has no CPU "
+                 "attention kernel to split (gloo on the CPU cannot run it); set cp to 1 (or leave "
+                 "it out)")
+
+
+def _check_parallelism(name: str, value: Any, config: Any) -> dict[str, int]:
+    """The N-D mesh's form, kept as dim -> size (its product against the world is checked at
+    setup, before any collective)."""
+    dims = mesh.parse(value, name)
+    if config.backend != "fsdp":
+        what = f"tensor parallelism (tp={dims.tp})" if dims.tp != 1 else "an N-D mesh"
+        raise ConfigError(
+            f"{name}={dims.text()!r} asks for {what}, which runs on FSDP2, and "
+            f"backend={config.backend!r} has none; use backend='fsdp', or drop parallelism"
+        )
+    if dims.cp not in (1,):
+        raise ConfigError(f"{name}={dims.text()!r} asks for cp={dims.cp}: {_CP_NEEDS_GPU}")
+    given = config.fsdp_mesh
+    if given is not None:
+        if not isinstance(given, tuple):
+            raise ConfigError(
+                f"{name}={dims.text()!r} together with fsdp_mesh={_show(given)}: give one of "
+                "them (parallelism's dp_replicate and dp_shard are fsdp_mesh's (R, S))"
+            )
+        asked = (dims.dp_replicate, dims.dp_shard)
+        if -1 not in given and -1 not in asked and tuple(given) != asked:
+            raise ConfigError(
+                f"{name}={dims.text()!r} contradicts fsdp_mesh={tuple(given)!r}: fsdp_mesh is "
+                f"(dp_replicate, dp_shard) = {asked}; drop fsdp_mesh, or make them agree"
+            )
+    return dims.sizes
+
+
+def parallelism_from_text(raw: str, source: str) -> dict[str, int]:
+    """``GRADSYNC_PARALLELISM`` / ``--parallelism``: "dp_shard=2,tp=2" or a JSON object."""
+    return mesh.from_text(raw, source).sizes
+
+
+def _check_tp_plan(name: str, value: Any, config: Any) -> Any:
+    """The plan's form; what it names is checked against the model at prepare."""
+    if config.backend != "fsdp":
+        raise ConfigError(
+            f"{name}=... shards layers for tensor parallelism, which runs on FSDP2, and "
+            f"backend={config.backend!r} has none; use backend='fsdp' with parallelism="
+            "{'tp': T, ...}, or drop tp_plan"
+        )
+    if isinstance(value, str):
+        if value.strip().lower() != "auto":
+            raise ConfigError(
+                f"{name}={value!r} is not a plan; give 'auto' (the model's own plan), a dict "
+                "of module-name patterns to styles, or a callable (model, tp_mesh) -> None"
+            )
+        return "auto"
+    if isinstance(value, Mapping):
+        if not value:
+            raise ConfigError(f"{name}={{}} names no module; give module-name patterns and styles")
+        for pattern, style in value.items():
+            if not isinstance(pattern, str):
+                raise ConfigError(f"{name}: the key {pattern!r} is not a module-name pattern (text)")
+            if isinstance(style, str) and style not in TP_STYLES:
+                raise ConfigError(
+                    f"{name}: {pattern!r}: {style!r} is no style; use one of "
+                    f"{', '.join(TP_STYLES)} or a torch ParallelStyle"
+                )
+        return dict(value)
+    if callable(value):
+        return value
+    raise ConfigError(
+        f"{name}={value!r} is not a plan; give 'auto', a dict of module-name patterns to "
+        "styles, or a callable (model, tp_mesh) -> None"
+    )
+
+
+def _tp_plan_from_text(raw: str, source: str) -> Any:
+    text = raw.strip()
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ConfigError(f"{source}={raw!r} is not JSON; give 'auto' or a JSON object") from None
+    return text
+
+
 def _check_old_budget(name: str, value: Any, config: Any) -> int:
     """fsdp_memory_budget, the old name of sync_memory_budget: bytes, and no contradiction."""
     budget = check_bytes(name, value, config)
@@ -147,6 +250,15 @@ class FSDPOptions:
         "one may be -1), 'node' (shard inside a node, replicate across nodes), or a 2-D "
         "DeviceMesh (replicate, shard); from text 'R,S' or 'node'",
         backend="fsdp", flag=True, check=_check_mesh, parse=mesh_from_text, metavar="R,S"))
+    parallelism: ParallelismSpec | None = field(default=None, metadata=setting(
+        "the N-D mesh: {'dp_replicate': R, 'dp_shard': S, 'tp': T} (one may be -1; R x S x T "
+        "= the world), Accelerate's ParallelismConfig, or text 'dp_shard=2,tp=2'; the data "
+        "parallel ranks are R x S", backend="fsdp", flag=True, check=_check_parallelism,
+        parse=parallelism_from_text, metavar="DIMS"))
+    tp_plan: TPPlan | None = field(default=None, metadata=setting(
+        "tensor parallelism's plan: module-name pattern -> style ('colwise', 'rowwise', ...), "
+        "a callable (model, tp_mesh) -> None, or 'auto' (a Transformers model's own plan)",
+        backend="fsdp", check=_check_tp_plan, parse=_tp_plan_from_text))
     fsdp_memory_budget: int | None = field(default=None, metadata=setting(
         "the old name of sync_memory_budget", backend="fsdp", check=_check_old_budget,
         minimum=0))

@@ -185,7 +185,7 @@ def translate(data: Mapping[str, Any], source: Source | None = None, *,
             out.notes.append(
                 f"{_first(src, name, keys)} is ignored: {name} is read with distributed_type "
                 f"{chosen_by}, and the backend here is {backend or 'not given'}")
-    processes.parallelism(section(data, "parallelism_config", src, "parallelism_config_"), src)
+    processes.parallelism(section(data, "parallelism_config", src, "parallelism_config_"), src, out)
     _gradsync_keys(data, src, out)
     return out
 

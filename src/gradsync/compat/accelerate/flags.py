@@ -44,6 +44,7 @@ def _f(name: str, help: str, *, section: str | None = None, key: str | None = No
 
 
 _DS, _FSDP, _DYNAMO = "deepspeed_config", "fsdp_config", "dynamo_config"
+_PARALLEL = "parallelism_config"
 #: The ``accelerate launch`` flags ``gradsync launch`` takes (both spellings), each with the
 #: key of Accelerate's file it stands for. The gradsync flags --mixed-precision,
 #: --gradient-accumulation-steps and torchrun's (--max-restarts, --rdzv-backend, --tee ...)
@@ -113,6 +114,11 @@ FLAGS: tuple[AcceleratedFlag, ...] = (
     _f("deepspeed_inclusion_filter", "ignored, with a warning", section=_DS, metavar="F"),
     _f("deepspeed_moe_layer_cls_names", "ignored, with a warning", section=_DS, metavar="NAMES"),
     _f("fsdp_version", "2 (gradsync runs FSDP2; 1 is refused)", section=_FSDP, metavar="V"),
+    _f("use_parallelism_config", "accepted: the parallelism_config flags below say the mesh",
+       section=_PARALLEL, switch=True),
+    *(_f(f"parallelism_config_{dim}_size", f"the mesh's {dim} size (--parallelism {dim}=N)"
+         + (": above 1 needs a GPU (refused)" if dim == "cp" else ""), section=_PARALLEL,
+         metavar="N", kind="int") for dim in ("dp_replicate", "dp_shard", "tp", "cp")),
     _f("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP (with the classes below), NO_WRAP; "
        "SIZE_BASED_WRAP is ignored with a warning", section=_FSDP, metavar="P"),
     _f("fsdp_transformer_layer_cls_to_wrap", "class names sharded as their own unit "
@@ -147,10 +153,8 @@ FLAGS_BY_NAME = {f.name: f for f in FLAGS}
 REFUSED_FLAG_PREFIXES: dict[str, str] = {
     "megatron_lm_": "gradsync does not run Megatron-LM",
     "fp8_": "gradsync has no fp8 training (use --mixed-precision bf16)",
-    "parallelism_config_": "gradsync runs data parallelism only (FSDP2 and ZeRO shard over all "
-                           "ranks); drop it",
-    "use_parallelism_config": "gradsync runs data parallelism only (FSDP2 and ZeRO shard over "
-                              "all ranks); drop it",
+    "parallelism_config_sp_": "gradsync has no sequence parallel; its mesh is dp_replicate x "
+                              "dp_shard x tp (--parallelism_config_*_size)",
     "tpu_cluster": TPU, "no_tpu_cluster": TPU, "tpu_use_sudo": TPU, "vm": TPU, "env": TPU,
     "aws_": "gradsync launches on this machine, not on SageMaker",
     "role": "gradsync launch starts one role of workers; drop it",

@@ -84,23 +84,44 @@ def translate(data: Mapping[str, Any], src: Source, out: Translation) -> None:
         raise ConfigError(f"{out.origins['machine_rank']} must be below num_machines={machines}")
 
 
-def parallelism(keys: Mapping[str, Any], src: Source) -> None:
-    """Refuse a ``parallelism_config`` size above 1 other than the data-parallel shard's.
+#: ``parallelism_config``'s sizes gradsync's ``parallelism`` setting has (gradsync.mesh).
+_MESH_SIZES = {f"parallelism_config_{dim}_size": dim for dim in ("dp_replicate", "dp_shard", "tp", "cp")}
+
+
+def parallelism(keys: Mapping[str, Any], src: Source, out: Translation) -> None:
+    """``parallelism_config``'s sizes as the ``parallelism`` setting (dp_replicate x dp_shard
+    x tp; a size not given is 1, as in Accelerate's ParallelismConfig); nothing when every
+    size is 1. Its other keys (cp_comm_strategy ...) say how a dim runs: accepted.
 
     Args:
         keys: the section (its keys' ``parallelism_config_`` prefix restored).
         src: names the keys in messages.
+        out: receives the setting.
 
     Raises:
-        ConfigError: tensor, context or another parallelism.
+        ConfigError: a size that is not a whole number, context parallel above 1 (it needs a
+            GPU), or another parallelism (sequence parallel ...) above 1.
     """
+    sizes: dict[str, int] = {}
+    origins: list[str] = []
     for key, value in keys.items():
-        if not key.endswith("_size") or key.endswith("dp_shard_size") or value is None:
+        if not key.endswith("_size") or value is None:
             continue
         item = src.item("parallelism_config", key, value)
-        if whole(value, item, -1) > 1:
-            raise ConfigError(f"{item}: gradsync runs data parallelism only (FSDP2 and ZeRO "
-                              "shard over all ranks); drop it or set it to 1")
+        size = whole(value, item, -1)
+        if key not in _MESH_SIZES:
+            if size > 1:
+                raise ConfigError(f"{item}: gradsync's mesh has dp_replicate, dp_shard and tp "
+                                  "(FSDP2 with tensor parallel); drop it or set it to 1")
+            continue
+        if _MESH_SIZES[key] == "cp" and size > 1:
+            raise ConfigError(f"{item}: context parallel needs a GPU (CUDA): torch's "
+                              "context_parallel has no CPU attention kernel; set it to 1")
+        sizes[_MESH_SIZES[key]] = size
+        origins.append(item)
+    if any(n != 1 for n in sizes.values()):
+        out.set("parallelism", {dim: sizes.get(dim, 1) for dim in ("dp_replicate", "dp_shard", "tp")},
+                ", ".join(origins))
 
 
 def torchrun_fields(launch: Mapping[str, Any],

@@ -1,0 +1,201 @@
+"""The N-D mesh: ``parallelism={"dp_replicate": R, "dp_shard": S, "tp": T}`` as named dims.
+
+R replicas x S shards x T tensor-parallel ranks = the world. The data-parallel ranks are the
+R x S ranks of one tensor-parallel coordinate: they read distinct micro-batches, and the T
+ranks of a tensor-parallel group read the same ones. The global batch is
+micro x k x (R x S).
+
+The spelling is read here (a mapping, text such as ``"dp_shard=2,tp=2"``, JSON, or
+Accelerate's ``ParallelismConfig``), with one entry that may be -1 (inferred from the world
+size). Building the torch ``DeviceMesh`` is :func:`build` (torch is imported there only:
+the settings and the launcher read this module without it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gradsync.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["COMPUTE_DIMS", "DATA_PARALLEL_DIMS", "DIMS", "MESH_DIMS", "Parallelism", "build",
+           "data_parallel_size", "from_text", "parse"]
+
+#: The dims a ``parallelism`` mapping names, in the mesh's order (outermost first) and "cp",
+#: recognised and refused above 1 (context parallel needs a GPU).
+DIMS = ("dp_replicate", "dp_shard", "tp", "cp")
+#: The data-parallel dims: their ranks read distinct micro-batches, and their gradient
+#: collectives (reduce-scatter over dp_shard, all-reduce over dp_replicate) may wait for the
+#: boundary.
+DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
+#: The dims whose collectives are the computation (forward and backward of split layers):
+#: they run on every micro-step, and their ranks read the same micro-batches.
+COMPUTE_DIMS = ("tp", "cp")
+#: The dims of the DeviceMesh :func:`build` makes (size-1 dims included, so the names always
+#: exist): replicas outermost, tensor parallel innermost (neighbouring ranks).
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+#: Accelerate's names: ``ParallelismConfig``'s attributes and its config file's keys.
+ACCELERATE_ATTRIBUTES = {"dp_replicate_size": "dp_replicate", "dp_shard_size": "dp_shard",
+                         "tp_size": "tp", "cp_size": "cp"}
+_FIX = ("give the sizes of dp_replicate, dp_shard and tp (one may be -1: inferred), whose "
+        "product is the world size, e.g. {'dp_shard': 2, 'tp': 2} or 'dp_shard=2,tp=2'")
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """The sizes of the mesh's dims (one may be -1 until :meth:`resolve` fills it in)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """dim -> size, in ``DIMS`` order."""
+        return {d: getattr(self, d) for d in DIMS}
+
+    @property
+    def data_parallel(self) -> int:
+        """R x S: the ranks that read distinct micro-batches (``DATA_PARALLEL_DIMS``)."""
+        return math.prod(getattr(self, d) for d in DATA_PARALLEL_DIMS)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(R, S, T), the shape of the DeviceMesh over ``MESH_DIMS``."""
+        return self.dp_replicate, self.dp_shard, self.tp
+
+    def text(self) -> str:
+        """The text form, e.g. ``dp_replicate=2,dp_shard=2,tp=2`` (dims of size 1 left out)."""
+        shown = [f"{d}={n}" for d, n in self.sizes.items() if n != 1]
+        return ",".join(shown) or "dp_shard=1"
+
+    def resolve(self, world: int, name: str = "parallelism") -> Parallelism:
+        """The sizes on ``world`` processes: the -1 inferred; a ConfigError (naming the value
+        and the fix) when the product is not the world."""
+        sizes = self.sizes
+        unknown = [d for d, n in sizes.items() if n == -1]
+        known = 1
+        for n in sizes.values():
+            known *= n if n != -1 else 1
+        if unknown:
+            if world % known:
+                raise ConfigError(
+                    f"{name}={self.text()!r}: {known} does not divide the world of {world} "
+                    f"processes, so {unknown[0]}=-1 cannot be inferred; {_FIX}"
+                )
+            sizes[unknown[0]] = world // known
+            return Parallelism(**sizes)
+        if known != world:
+            product = " x ".join(str(n) for n in sizes.values())
+            raise ConfigError(
+                f"{name}={self.text()!r} holds {product} = {known} processes, but the world "
+                f"has {world}; {_FIX}"
+            )
+        return self
+
+
+def _size(name: str, dim: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        else:
+            raise ConfigError(f"{name}: {dim}={value!r} is not a whole number; {_FIX}")
+    if value == 0 or value < -1:
+        raise ConfigError(f"{name}: {dim}={value} must be positive (or -1: inferred); {_FIX}")
+    return int(value)
+
+
+def _from_mapping(value: Mapping[Any, Any], name: str) -> Parallelism:
+    sizes: dict[str, int] = {}
+    for key, raw in value.items():
+        dim = str(key).strip().lower()
+        dim = dim.removeprefix("parallelism_config_")
+        dim = ACCELERATE_ATTRIBUTES.get(dim, dim)
+        if dim not in DIMS:
+            if str(key).startswith("parallelism_config_") and not dim.endswith("_size"):
+                continue  # Accelerate's options of a dim (cp_comm_strategy ...): not a size
+            raise ConfigError(
+                f"{name} names {key!r}, which is no dim; use {', '.join(DIMS)} "
+                "(or Accelerate's dp_replicate_size, dp_shard_size, tp_size, cp_size)"
+            )
+        if raw is None:
+            continue
+        sizes[dim] = _size(name, dim, raw)
+    if sum(1 for n in sizes.values() if n == -1) > 1:
+        raise ConfigError(f"{name}={dict(value)!r} has more than one -1: only one can be inferred; {_FIX}")
+    return Parallelism(**sizes)
+
+
+def from_text(raw: str, source: str = "parallelism") -> Parallelism:
+    """``GRADSYNC_PARALLELISM`` / ``--parallelism``: ``"dp_shard=2,tp=2"`` (also ``:`` for
+    ``=``), or a JSON object."""
+    text = raw.strip()
+    if text.startswith("{"):
+        try:
+            loaded = json.loads(text)
+        except ValueError:
+            raise ConfigError(f"{source}={raw!r} is not JSON; {_FIX}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source}={raw!r} is not a JSON object; {_FIX}")
+        return _from_mapping(loaded, source)
+    pairs: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, sep, value = part.replace(":", "=").partition("=")
+        if not sep:
+            raise ConfigError(f"{source}={raw!r}: {part!r} is not dim=size; {_FIX}")
+        pairs[key.strip()] = value.strip()
+    if not pairs:
+        raise ConfigError(f"{source}={raw!r} names no dim; {_FIX}")
+    return _from_mapping(pairs, source)
+
+
+def parse(value: Any, name: str = "parallelism") -> Parallelism:
+    """The ``parallelism`` setting's value as a :class:`Parallelism` (sizes unresolved).
+
+    Args:
+        value: a mapping dim -> size, text (``"dp_shard=2,tp=2"`` or JSON), a
+            :class:`Parallelism`, or Accelerate's ``ParallelismConfig`` (read by its
+            attributes ``dp_replicate_size``, ``dp_shard_size``, ``tp_size``, ``cp_size``).
+        name: the setting's name, for messages.
+
+    Returns:
+        The sizes.
+
+    Raises:
+        ConfigError: anything else, a dim that does not exist, a size that is not positive
+            (or -1), or more than one -1.
+    """
+    if isinstance(value, Parallelism):
+        return value
+    if isinstance(value, str):
+        return from_text(value, name)
+    if isinstance(value, Mapping):
+        return _from_mapping(value, name)
+    if any(hasattr(value, a) for a in ACCELERATE_ATTRIBUTES):
+        found = {a: getattr(value, a) for a in ACCELERATE_ATTRIBUTES if hasattr(value, a)}
+        return _from_mapping(found, f"{name}={type(value).__name__}")
+    raise ConfigError(f"{name}={value!r} is not a parallelism; {_FIX}")
+
+
+def data_parallel_size(value: Any, world: int) -> int:
+    """R x S on ``world`` processes for the ``parallelism`` setting's value (None: the world)."""
+    if value is None:
+        return world
+    return parse(value).resolve(world).data_parallel
+
+
+def build(dims: Parallelism, device_type: str) -> DeviceMesh:
+    """The DeviceMesh over ``MESH_DIMS`` (R, S, T) on every rank (collective: every rank
+    builds it, in the same order)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
