@@ -63,12 +63,12 @@ under every policy, since it is the computation itself; given ``tp_bytes`` per m
 is k x that per step, else it is reported as model-dependent. ``deferral_bytes`` is what a
 policy holds that ``auto`` weighs against its budget, as the FSDP adapter counts it
 (``backend.memory["deferral_extra_bytes"]``): ``defer`` G_T - G_T/S, ``defer + params``
-(G_T + P_T) - (G_T + P_T)/S, ``defer_replicate`` its partial buffer G_T/S, ``every_step`` 0;
+G_T - G_T/S + P_T, ``defer_replicate`` its partial buffer G_T/S, ``every_step`` 0;
 ``auto`` takes the first of defer + params, defer, defer_replicate (R > 1) that fits the
 budget, else every_step. ``extra_memory`` is what the window holds beyond every_step's as
 benchmarks/hsdp_bytes.py measures it: the gradients above G_T/S, and for kept parameters
-the whole gathered copy P_T, since FSDP2 keeps each rank's shard beside it (the adapter's
-number counts P_T - P_T/S there); ``defer_replicate``'s partial buffer takes the place of
+the whole gathered copy P_T, since FSDP2 keeps each rank's shard beside it (the adapter
+counts it so too); ``defer_replicate``'s partial buffer takes the place of
 the sharded gradients (0 more).
 """
 
@@ -483,7 +483,7 @@ def estimate_mesh(cluster: MeshCluster) -> list[MeshRow]:
     tp_bytes = 0.0 if c.tp == 1 else None if c.tp_bytes is None else k * c.tp_bytes
     kept = {"defer + params"}
     deferral = {"every_step": 0.0, "defer_replicate": math.ceil(g / s), "defer": g - g // s,
-                "defer + params": (g + p) - (g + p) // s}
+                "defer + params": g - g // s + p}
     rows = []
     for bytes_row, time_row in zip(per_dim, timed):
         policy = bytes_row.policy
@@ -528,10 +528,6 @@ def format_mesh(cluster: MeshCluster, rows: list[MeshRow]) -> str:
     if c.budget_bytes is not None:
         chosen = auto_policy(rows, c.budget_bytes, c.dp_replicate)
         budget = f"auto with a budget of {_size(c.budget_bytes)} per rank -> {chosen}"
-        held = next(row.extra_memory for row in rows if row.policy == chosen)
-        if held > c.budget_bytes:
-            budget += (f"; it holds {_size(held)} beyond every_step's, more than the budget: auto counts "
-                       "kept parameters as P - P/S, and FSDP2 keeps the shard beside the gathered copy (P)")
     lines += [
         "",
         f"{'policy':<16} {'dp_shard/rank':>14} {'dp_repl/rank':>13} {'tp/rank':>10} {'grads':>10} "

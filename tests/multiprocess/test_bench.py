@@ -81,7 +81,7 @@ def test_the_memory_column_has_a_peak_per_rank_and_the_adapters_prediction(
     """Every measured cell of ddp and fsdp has each rank's peak above the window start (the
     step's activations at least: above zero); fsdp's gradsync modes carry what the adapter
     predicted for the policy they ran, which for the kept parameters is the unsharded
-    gradients and parameters minus this rank's half."""
+    gradients minus this rank's half, plus the whole gathered parameters."""
     _, result, _ = quick
     cells = {(c["backend"], c["k"], c["mode"]): c for c in result["cells"]}
     for (label, _, _), cell in cells.items():
@@ -90,10 +90,10 @@ def test_the_memory_column_has_a_peak_per_rank_and_the_adapters_prediction(
             assert min(cell["peak_mib_per_rank"]) > 0, cell
     if ("fsdp", 4, "gradsync") in cells:
         numel = next(r["grad_bytes"] for r in result["ratios"] if r["backend"] == "fsdp") // 4
-        full = 2 * numel * 4  # fp32 gradients and parameters
+        grads = params = numel * 4  # fp32 gradients and parameters
         gs, naive = cells[("fsdp", 4, "gradsync")], cells[("fsdp", 4, "naive")]
         assert gs["policy"] == "defer + params"
-        assert gs["predicted_extra_mib"] * 2**20 == pytest.approx(full - full // 2)
+        assert gs["predicted_extra_mib"] * 2**20 == pytest.approx(grads - grads // 2 + params)
         assert naive["predicted_extra_mib"] == 0
         assert "auto -> defer" in cells[("fsdp", 4, "default")]["policy_reason"]
 

@@ -117,15 +117,15 @@ def held_numel(param: Any) -> int:
 
 def deferral_cost(model: nn.Module, world: int, *, grad_bytes: int | None, keep_params: bool) -> int:
     """Extra bytes per rank that deferring holds: the unsharded gradients minus their shard
-    (in the gradient dtype), plus the unsharded parameters when they stay gathered.
+    (in the gradient dtype), plus the whole gathered parameters when they stay gathered
+    (FSDP2 keeps each rank's shard beside the gathered copy, so nothing is subtracted).
     ``world``: the ranks a parameter is sharded over (S on a 2-D mesh); under tensor
     parallelism a split parameter counts its tensor-parallel share (``held_numel``)."""
     # FSDP2 parameters are DTensors (numel is the full size); FSDP1's are local flat shards.
     sizes = [(held_numel(p), p.element_size()) for p in model.parameters()]
-    full = sum(n * (grad_bytes or size) for n, size in sizes)
-    if keep_params:
-        full += sum(n * size for n, size in sizes)
-    return full - full // world
+    grads = sum(n * (grad_bytes or size) for n, size in sizes)
+    gathered = sum(n * size for n, size in sizes) if keep_params else 0
+    return grads - grads // world + gathered
 
 
 def partial_cost(model: nn.Module, shards: int, *, grad_bytes: int | None) -> int:
@@ -145,7 +145,7 @@ def decide(asked: RequestedPolicy, keep: bool | None, legacy_keep: bool, *, grad
     ``world``: the ranks a parameter is sharded over (S); ``replicas``: R of a 2-D mesh (1:
     1-D), where ``partial`` bytes per rank are what defer_replicate holds."""
     g_text = extra_text(grads, "unsharded gradients", world)
-    f_text = extra_text(full, "unsharded gradients and parameters", world)
+    f_text = extra_text(full, "unsharded gradients and parameters", world, gathered=True)
     p_text = (f"defer_replicate holds a partial buffer of {human_bytes(partial)} ({partial} bytes) "
               f"per rank (1/{world} of the gradients) and all-reduces across the {replicas} "
               "replicas once per window")
