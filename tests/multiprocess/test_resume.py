@@ -21,6 +21,10 @@ import torch.nn.functional as F
 
 from scenarios.common import Indexed, make_model, make_optimizer, make_scheduler
 
+#: Each test starts its own processes and shares nothing with the others: xdist may run
+#: them on either worker (tests/conftest.py).
+INDEPENDENT_TESTS = True
+
 pytestmark = pytest.mark.multiprocess
 
 HERE = Path(__file__).resolve().parents[1]  # tests/

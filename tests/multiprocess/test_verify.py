@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+#: Each test starts its own processes and shares nothing with the others: xdist may run
+#: them on either worker (tests/conftest.py).
+INDEPENDENT_TESTS = True
+
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ROOT / "tests" / "scripts" / "verify_cases.py"
 TRAIN = ROOT / "examples" / "train.py"

@@ -9,7 +9,7 @@ import pickle
 import pytest
 
 from harness import Scenario, group_setup, reference_to
-from scenarios import common, ddp, deepspeed
+from scenarios import common, ddp, deepspeed, pipelines
 from scenarios.common import DROPS, Loop
 
 
@@ -48,6 +48,8 @@ def test_parameters_travel_as_given():
 
 def test_one_process_group_per_run():
     assert group_setup({"a": Scenario(ddp.misuse)}) is common.audited_gloo_group
-    assert group_setup({"a": Scenario(deepspeed.clip_twice)}) is deepspeed.setup_process_group
+    # DeepSpeed adopts the audited gloo group: its scenarios share it with DDP's
+    assert group_setup({"a": Scenario(ddp.misuse), "b": Scenario(deepspeed.clip_twice)}) is common.audited_gloo_group
+    assert group_setup({"a": Scenario(pipelines.self_check, loop="plain")}) is pipelines.setup_process_group
     with pytest.raises(ValueError, match="different process groups"):
-        group_setup({"a": Scenario(ddp.misuse), "b": Scenario(deepspeed.clip_twice)})
+        group_setup({"a": Scenario(ddp.misuse), "b": Scenario(pipelines.self_check, loop="plain")})
