@@ -12,8 +12,8 @@ runs on one worker, the modules of a shared scenario pool (``harness.Shared``) o
 one, and a module that says ``INDEPENDENT_TESTS = True`` (each test starts its own processes,
 no module fixture) test by test on either worker. xdist's own ``xdist_group`` marks are not
 used: with pytest 9.2 they no longer reach its scheduler (pytest-xdist issue 1386). The pools
-go first, then the other multi-process modules, then ``unit/``: the long units start early
-and the short ones even out the end."""
+go first, then the other multi-process modules, then the independent tests, then ``unit/``:
+the long units start early and the short ones even out the end."""
 
 from __future__ import annotations
 
@@ -143,7 +143,9 @@ def pytest_collection_modifyitems(config, items):
     def order(item: pytest.Item) -> int:
         if _shared_of(item) is not None:
             return 0
-        return 1 if "multiprocess" in item.keywords else 2
+        if "multiprocess" not in item.keywords:
+            return 3
+        return 2 if getattr(getattr(item, "module", None), "INDEPENDENT_TESTS", False) else 1
 
     items.sort(key=order)  # stable: each module's tests stay together and in order
     try:
