@@ -27,7 +27,7 @@ trap 'rm -rf "$SITE"' EXIT
 NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --quiet --site-dir "$SITE"
 echo "== pytest"
 set +e
-"$VENV/bin/python" -m pytest -n 2 --dist loadfile "$@"
+"$VENV/bin/python" -m pytest -n 2 --dist loadgroup --no-loadscope-reorder "$@"  # tests/conftest.py: what runs where
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -4,13 +4,26 @@ torchrun, ``gradsync launch``, fresh interpreters) and is marked ``multiprocess`
 ``pytest -m "not multiprocess"`` and ``pytest tests/unit`` run the same fast tests.
 
 ``harness`` (the parent side: launching scenarios, the checks on their results),
-``scenarios`` (what runs in the workers) and ``mp_worker.py`` live next to this file."""
+``scenarios`` (what runs in the workers) and ``mp_worker.py`` live next to this file.
+
+Under pytest-xdist with ``--dist loadgroup`` (scripts/test.sh: ``-n 2 --dist loadgroup
+--no-loadscope-reorder``) the units of work are this file's (``xdist_scope``): a test module
+runs on one worker, the modules of a shared scenario pool (``harness.Shared``) on the same
+one, and a module that says ``INDEPENDENT_TESTS = True`` (each test starts its own processes,
+no module fixture) test by test on either worker. xdist's own ``xdist_group`` marks are not
+used: with pytest 9.2 they no longer reach its scheduler (pytest-xdist issue 1386). The pools
+go first, then the other multi-process modules, then the independent tests, then ``unit/``:
+the long units start early and the short ones even out the end."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,11 +51,103 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
+def _shared_of(item: pytest.Item) -> Any:
+    from harness import Shared
+
+    handle = getattr(getattr(item, "module", None), "SHARED", None)
+    return handle if isinstance(handle, Shared) else None
+
+
+def _module_key(item: pytest.Item) -> str:
+    return Path(str(item.path)).resolve().relative_to(HERE).as_posix()
+
+
+@pytest.fixture(scope="session")
+def shared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Any], Any]:
+    """``shared(SHARED)``: this module's part of its pool's one group (``harness.run_shared``),
+    launched the first time a module of the pool asks, for every selected module of it."""
+    from harness import run_shared
+
+    runs: dict[str, Any] = {}
+
+    def part(handle: Any) -> Any:
+        members: dict[str, Any] = {}
+        for item in request.session.items:
+            other = _shared_of(item)
+            if other is not None and other.pool == handle.pool and other.available():
+                members.setdefault(_module_key(item), other)
+        if handle.pool not in runs:
+            try:
+                runs[handle.pool] = run_shared(members, tmp_path_factory.mktemp(f"shared-{handle.pool}"))
+            except Exception as err:  # every module of the pool reports it
+                runs[handle.pool] = err
+        found = runs[handle.pool]
+        if isinstance(found, Exception):
+            raise found
+        key = next(k for k, h in members.items() if h is handle)
+        return found[key]
+
+    return part
+
+
+@functools.cache
+def _module_scope(path: str) -> str | None:
+    """What a test module's source says of where its tests run: ``pool-NAME`` for a module
+    with ``SHARED = Shared("NAME", ...)``, "" for ``INDEPENDENT_TESTS = True``, else None (read
+    from the source: xdist's controller collects nothing)."""
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)):
+            continue
+        name, value = node.targets[0].id, node.value
+        if (name == "SHARED" and isinstance(value, ast.Call) and value.args
+                and isinstance(value.args[0], ast.Constant)):
+            return f"pool-{value.args[0].value}"
+        if name == "INDEPENDENT_TESTS" and isinstance(value, ast.Constant) and value.value is True:
+            return ""
+    return None
+
+
+def xdist_scope(nodeid: str, rootdir: Path) -> str:
+    """The unit of work a test belongs to: its pool, itself, or its module."""
+    path = nodeid.split("::", 1)[0]
+    scope = _module_scope(str(rootdir / path)) if path.endswith(".py") else None
+    if scope is None:
+        return path
+    return scope or nodeid
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByScope(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid, config.rootpath)
+
+    return ByScope(config, log)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if MULTIPROCESS in Path(str(item.path)).resolve().parents:
             item.add_marker(pytest.mark.multiprocess)
+
+    def order(item: pytest.Item) -> int:
+        if _shared_of(item) is not None:
+            return 0
+        if "multiprocess" not in item.keywords:
+            return 3
+        return 2 if getattr(getattr(item, "module", None), "INDEPENDENT_TESTS", False) else 1
+
+    items.sort(key=order)  # stable: each module's tests stay together and in order
     try:
         import torch
 

@@ -8,7 +8,10 @@ every import line from ``accelerate`` is respelled ``gradsync.accelerate`` (``re
 nothing else changes; a "core" entry takes its ``Accelerator`` from ``gradsync`` itself
 (gradsync's rule book) instead.
 Between two scripts under Accelerate its shared state is reset, as a fresh process would
-have it.
+have it. The process group outlives every script but the last: a script's ``end_training()``
+destroys it (Accelerate's always, gradsync's when it created it), and under torchrun a second
+group cannot be formed in the same processes (the agent's store still holds the first one's
+addresses), so until the last script ``torch.distributed.destroy_process_group`` keeps it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch.distributed
 
 IMPORT = re.compile(r"^(\s*)(from|import)\s+accelerate(\.|\s|$)", re.MULTILINE)
 
@@ -38,6 +45,22 @@ def run(script: Path, args: list[str], gradsync: bool, core: bool = False) -> No
     exec(code, {"__name__": "__main__", "__file__": str(script)})
 
 
+@contextmanager
+def group_kept() -> Iterator[None]:
+    """``torch.distributed.destroy_process_group()`` of the default group does nothing here."""
+    destroy = torch.distributed.destroy_process_group
+
+    def keep_default(group: object = None) -> None:
+        if group is not None:
+            destroy(group)
+
+    torch.distributed.destroy_process_group = keep_default
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = destroy
+
+
 def reset_accelerate() -> None:
     from accelerate.state import AcceleratorState, GradientState
 
@@ -48,8 +71,12 @@ def reset_accelerate() -> None:
 def main() -> None:
     plan = json.loads(Path(sys.argv[1]).read_text())
     gradsync = "--gradsync" in sys.argv[2:]
-    for script, args, *mode in plan:
-        run(Path(script), list(args), gradsync, core=mode == ["core"])
+    for i, (script, args, *mode) in enumerate(plan):
+        if i < len(plan) - 1:
+            with group_kept():
+                run(Path(script), list(args), gradsync, core=mode == ["core"])
+        else:
+            run(Path(script), list(args), gradsync, core=mode == ["core"])
         if not gradsync:
             reset_accelerate()
 

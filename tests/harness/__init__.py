@@ -9,6 +9,12 @@ module-scoped fixture) and its tests assert on the results here, in the parent
     SCENARIOS = {"k4": Scenario(ddp.train_ddp, steps=4, loop=Loop(samples=44, micro_batch=2))}
     results = run_scenarios(SCENARIOS)
 
+Test modules whose scenarios can share a group do more: each names its scenarios and a pool
+(``SHARED = Shared("gloo2", SCENARIOS)``) and its fixture asks the session for them
+(``shared(SHARED)``, tests/conftest.py): the first module of a pool that needs its results
+launches ONE group for the scenarios of every collected module of that pool, and each module
+reads its own part back (``PartOf``). The conftest sends a pool's modules to one xdist worker.
+
 ``Scenario`` checks, when the test module is imported (so at collection), that the function
 can be found again by its module and qualified name and that the parameters bind to its
 signature; the workers (``mp_worker.py``) get the function's module and name and the
@@ -18,6 +24,7 @@ parameters pickled, so tuples, dataclasses and the like arrive as they were give
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -148,3 +155,63 @@ def run_scenarios(
         by_rank.append(json.loads(path.read_text()))
     # A worker may abort at exit after writing everything (seen with DeepSpeed): the files decide.
     return Results(by_rank, log)
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A test module's scenarios that run in one process group with the other collected
+    modules' of the same ``pool`` (their group's setup, ``nproc`` and ``env`` must agree).
+
+    ``scenarios`` is the mapping, or a function of a folder of the module's own (for
+    scenarios that write files); ``timeout`` is this module's share of the group's time;
+    ``requires``: modules that must be importable, else the module is left out of the group
+    (its fixture skips it)."""
+
+    pool: str
+    scenarios: Mapping[str, Scenario] | Callable[[Path], Mapping[str, Scenario]]
+    nproc: int = 2
+    timeout: float = 600
+    env: Mapping[str, str] = field(default_factory=dict)
+    requires: tuple[str, ...] = ()
+
+    def available(self) -> bool:
+        return all(importlib.util.find_spec(name) is not None for name in self.requires)
+
+
+class PartOf(Results):
+    """One module's part of a shared group's results: its scenario names, the whole log."""
+
+    def __init__(self, whole: Results, prefix: str, folder: Path) -> None:
+        super().__init__(whole.by_rank, whole.log)
+        self.prefix = prefix
+        self.folder = folder
+
+    def __getitem__(self, name: str) -> list[dict[str, Any]]:
+        return super().__getitem__(self.prefix + name)
+
+    def error(self, name: str) -> list[str]:
+        return super().error(self.prefix + name)
+
+
+def run_shared(members: Mapping[str, Shared], root: Path) -> dict[str, PartOf]:
+    """Run the scenarios of ``members`` (a key per test module -> its ``Shared``, all of one
+    pool) in ONE group, in that order; each module's folder is ``root / key``."""
+    handles = list(members.values())
+    nprocs = {h.nproc for h in handles}
+    if len(nprocs) != 1:
+        raise ValueError(f"pool {handles[0].pool!r} mixes group sizes {sorted(nprocs)}")
+    env: dict[str, str] = {}
+    for handle in handles:
+        for key, value in handle.env.items():
+            if env.setdefault(key, value) != value:
+                raise ValueError(f"pool {handle.pool!r}: {key} is both {env[key]!r} and {value!r}")
+    merged: dict[str, Scenario] = {}
+    folders: dict[str, Path] = {}
+    for key, handle in members.items():
+        folders[key] = root / "".join(c if c.isalnum() else "_" for c in key)
+        folders[key].mkdir(parents=True, exist_ok=True)
+        scenarios = handle.scenarios(folders[key]) if callable(handle.scenarios) else handle.scenarios
+        merged.update({f"{key}::{name}": scenario for name, scenario in scenarios.items()})
+    whole = run_scenarios(merged, nproc=nprocs.pop(), env=env,
+                          timeout=sum(h.timeout for h in handles))
+    return {key: PartOf(whole, f"{key}::", folders[key]) for key in members}

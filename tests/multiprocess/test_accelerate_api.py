@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared
 from scenarios import accelerate_api as api
 
 BACKENDS = ("ddp", "fsdp")
@@ -24,19 +24,26 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tensorboard_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("tensorboard")
-
-
-@pytest.fixture(scope="module")
-def results(tensorboard_dir):
-    return run_scenarios({
+def scenarios(tensorboard_dir):
+    return {
         **SCENARIOS,
         "ddp_logged": Scenario(api.window_loss, backend="ddp", k=4, samples=22, read_on="main",
                                project_dir=str(tensorboard_dir / "ddp")),
         "gpt2_logged": Scenario(api.gpt2_tokens, project_dir=str(tensorboard_dir / "gpt2")),
-    })
+    }
+
+
+SHARED = Shared("gloo2", scenarios)
+
+
+@pytest.fixture(scope="module")
+def results(shared):
+    return shared(SHARED)
+
+
+@pytest.fixture(scope="module")
+def tensorboard_dir(results):
+    return results.folder
 
 
 def _logged(folder):

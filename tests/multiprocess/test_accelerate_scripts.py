@@ -3,7 +3,22 @@ under ``gradsync launch`` with only their import lines respelled (``from acceler
 ``from gradsync.accelerate``): each runs to its end and ends with Accelerate's parameters
 (1e-5), on DDP and on FSDP2; resumed mid-epoch through Accelerate's load_state +
 skip_first_batches pattern, or from automatically named checkpoints, each equals its
-uninterrupted run. One launch per launcher and backend runs every script (run_all.py)."""
+uninterrupted run. One launch per launcher and backend runs every script (run_all.py).
+
+The same launches run an Accelerate user's script (``tests/scripts/accelerate_style.py``) on
+gradsync's own ``Accelerator`` with one import changed (``PARITY_LIBRARY``), which ends where
+it ends under Accelerate itself: under Accelerate (MULTI_CPU: DDP) and under ``gradsync
+launch`` with DDP; gradsync's FSDP2 against its DDP (Accelerate runs FSDP only on
+accelerators), and, in one more launch, DeepSpeed ZeRO 2 against DDP on the script's
+one-model variant (``--merged``: one engine holds one model). Compared: the final parameters
+(``get_state_dict``), the evaluation outputs gathered with ``gather_for_metrics`` (tensors and
+strings), the values of ``reduce(..., reduction="mean")``, the losses logged to TensorBoard.
+
+The evaluation loader uses the training loader's batch size (4): gradsync refuses a second
+loader with another one (``test_an_evaluation_loader_may_have_its_own_batch_size``). With 11
+evaluation samples the last batch is padded on both libraries, then dropped by
+``gather_for_metrics``.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +27,22 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+
+pytest.importorskip("accelerate")
+pytest.importorskip("tensorboard")
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "accelerate_scripts"
 BIN = Path(sys.executable).parent
 FSDP = ["--use_fsdp", "--fsdp_version", "2"]
+PARITY = REPO / "tests" / "scripts" / "accelerate_style.py"
+PARITY_ARGS = ["--eval-batch-size", "4"]
+TOL = 1e-5
+EVAL_SAMPLES = 11
 sys.path.insert(0, str(SCRIPTS))
 
 from run_all import respell  # noqa: E402
@@ -32,6 +55,10 @@ def plan(out: Path, resume: bool) -> list[list[object]]:
         [str(cls), ["--out", str(out / "cls")]],
         [str(fb), ["--out", str(out / "fb")]],
         [str(SCRIPTS / "save_final.py"), ["--out", str(out / "save")]],
+    ]
+    steps += [  # the Accelerate user's script, its library chosen by PARITY_LIBRARY
+        [str(PARITY), [str(out / "parity"), *PARITY_ARGS]],
+        [str(PARITY), [str(out / "parity-merged"), *PARITY_ARGS, "--merged"]],
     ]
     last = [  # end_training() ends the process group (Accelerate's too): last in the launch
         [str(clm), ["--out", str(out / "clm-tb"), "--with_tracking"]],
@@ -56,11 +83,12 @@ def plan(out: Path, resume: bool) -> list[list[object]]:
 def launch(tmp: Path, name: str, extra: list[str], gradsync: bool) -> Path:
     out = tmp / name
     for sub in ("clm", "clm-tb", "cls", "fb", "save", "clm-cut", "clm-res2", "clm-res4", "cls-cut",
-                "clm-core"):
+                "clm-core", "parity", "parity-merged"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(plan(out, resume=gradsync)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "GRADSYNC_DEVICE": "cpu",
-           "TRANSFORMERS_VERBOSITY": "error"}
+           "TRANSFORMERS_VERBOSITY": "error", "DS_ACCELERATOR": "cpu",
+           "PARITY_LIBRARY": "gradsync" if gradsync else "accelerate"}
     cli = [str(BIN / "gradsync")] if gradsync else [str(BIN / "accelerate")]
     cmd = [*cli, "launch", "--num_processes", "2", *(extra or ["--multi_gpu"]),
            str(SCRIPTS / "run_all.py"), str(out / "plan.json"), *(["--gradsync"] if gradsync else [])]
@@ -82,6 +110,36 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "accelerate-fsdp": accelerate,
         "gradsync-fsdp": launch(tmp, "gradsync-fsdp", FSDP, gradsync=True),
     }
+
+
+def launch_zero2_merged(out: Path) -> Path:
+    """The parity script's one-model variant under ``gradsync launch`` with DeepSpeed ZeRO 2."""
+    out.mkdir(parents=True)
+    outside = ("GRADSYNC_", "ACCELERATE_", "PET_", "SLURM_", "PMI_", "OMPI_", "MV2_", "TORCHELASTIC_")
+    torchrun = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(outside) and k not in torchrun}
+    env.update({"OMP_NUM_THREADS": "1", "PARITY_LIBRARY": "gradsync", "DS_ACCELERATOR": "cpu"})
+    cmd = [sys.executable, "-m", "gradsync", "launch", "--nproc-per-node", "2", "--backend", "deepspeed",
+           "--zero-stage", "2", str(PARITY), str(out), *PARITY_ARGS, "--merged"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def parity(runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    folders = {
+        "accelerate": runs["accelerate-ddp"] / "parity",
+        "ddp": runs["gradsync-ddp"] / "parity",
+        "fsdp": runs["gradsync-fsdp"] / "parity",
+        "ddp_merged": runs["gradsync-ddp"] / "parity-merged",
+        "zero2_merged": launch_zero2_merged(tmp_path_factory.mktemp("parity") / "zero2_merged"),
+    }
+    out = {}
+    for name, folder in folders.items():
+        out[name] = torch.load(folder / "result.pt", weights_only=True)
+        out[name]["folder"] = folder
+    return out
 
 
 def params(folder: Path) -> dict[str, torch.Tensor]:
@@ -154,3 +212,103 @@ def test_gradsyncs_own_accelerator_says_when_a_schedule_was_sized_for_accelerate
     assert "the run ended after 6 optimizer steps" in said[0] and "built for 10 steps" in said[0]
     final = json.loads((runs["gradsync-ddp"] / "clm-core" / "final.json").read_text())
     assert final["lr"] > 0  # the schedule stopped halfway: what the warning is about
+
+
+def _max_param_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    assert sorted(a["params"]) == sorted(b["params"])
+    worst = 0.0
+    for name, value in a["params"].items():
+        other = b["params"][name]
+        assert value.shape == other.shape, name
+        worst = max(worst, (value.float() - other.float()).abs().max().item())
+    return worst
+
+
+def _logged(folder: Path) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = list((folder / "logs" / "parity").glob("events.out.tfevents.*"))
+    assert len(files) == 1, files  # the main process's only
+    events = EventAccumulator(str(files[0].parent))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars("train_loss")]
+
+
+PAIRS = [("accelerate", "ddp"), ("ddp", "fsdp"), ("ddp_merged", "zero2_merged")]
+
+
+def test_each_run_is_two_processes_with_its_backend(parity):
+    wrapped = {name: set(r["wrapped"].values()) for name, r in parity.items()}
+    assert wrapped["accelerate"] == wrapped["ddp"] == wrapped["ddp_merged"] == {"DistributedDataParallel"}
+    assert all(w.startswith("FSDP") for w in wrapped["fsdp"]), wrapped["fsdp"]  # fully_shard's classes
+    assert wrapped["zero2_merged"] == {"DeepSpeedEngine"}
+    for r in parity.values():
+        assert r["num_processes"] == 2
+        assert r["optimizer_steps"] == 6  # 96 samples / (4 x 4 x 2), two epochs
+
+
+@pytest.mark.parametrize("first, second", PAIRS)
+def test_the_final_parameters_are_the_same(parity, first, second):
+    worst = _max_param_diff(parity[first], parity[second])
+    assert worst <= TOL, worst
+
+
+@pytest.mark.parametrize("first, second", PAIRS)
+def test_gather_for_metrics_gives_the_same_outputs_once_per_sample(parity, first, second):
+    a, b = parity[first], parity[second]
+    assert a["names"] == b["names"]
+    assert len(a["names"]) == EVAL_SAMPLES  # the padded samples dropped
+    assert [n.split(":")[0] for n in a["names"]] == [f"sample{i}" for i in range(EVAL_SAMPLES)]
+    assert torch.equal(a["preds"], b["preds"])
+    assert [n.split(":")[1] for n in a["names"]] == [f"class{int(p)}" for p in a["preds"]]
+    assert a["logits"].shape == b["logits"].shape == (EVAL_SAMPLES, 3)
+    assert (a["logits"] - b["logits"]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("first, second", PAIRS)
+def test_reduce_and_the_logged_losses_are_the_same(parity, first, second):
+    a, b = parity[first], parity[second]
+    assert a["rank_mean"].tolist() == b["rank_mean"].tolist() == [0.5]
+    assert len(a["logged"]) == len(b["logged"]) == 6
+    assert a["logged"] == pytest.approx(b["logged"], abs=TOL)
+    read_a, read_b = _logged(a["folder"]), _logged(b["folder"])
+    assert [s for s, _ in read_a] == [s for s, _ in read_b] == [1, 2, 3, 4, 5, 6]  # step=
+    assert [v for _, v in read_a] == pytest.approx(a["logged"], rel=1e-6)
+    assert [v for _, v in read_b] == pytest.approx(b["logged"], rel=1e-6)
+
+
+def test_the_gradsync_backends_agree_on_the_evaluation_sums(parity):
+    # each rank's (summed loss, samples), averaged by reduce(reduction="mean")
+    for first, second in PAIRS[1:]:
+        assert parity[first]["reduced"].tolist() == pytest.approx(parity[second]["reduced"].tolist(), abs=TOL)
+
+
+def test_what_differs_from_accelerate(parity):
+    """The two differences this script shows; the parameters and gathered outputs are equal.
+
+    * Padding of the evaluation shards: Accelerate pads every process's last batch to the full
+      batch size (11 samples, batch 4: 16 rows seen, 8 per process); gradsync's sampler pads
+      only to an equal number of samples (12 rows, 6 per process). ``gather_for_metrics``
+      drops both paddings; a per-process sum passed to ``reduce`` sees them.
+    * The scheduler: Accelerate steps it once per process per optimizer step (its
+      ``split_batches=False`` convention), gradsync once per optimizer step.
+    """
+    acc, gs = parity["accelerate"], parity["ddp"]
+    assert acc["reduced"][1].item() == 8.0 and gs["reduced"][1].item() == 6.0
+    assert acc["scheduler_last_epoch"] == 2 * 6 and gs["scheduler_last_epoch"] == 6
+
+
+def test_an_evaluation_loader_may_have_its_own_batch_size(clean_env):
+    from torch.utils.data import DataLoader
+
+    from gradsync import Accelerator
+
+    accel = Accelerator(backend="single", gradient_accumulation_steps=4)
+    model = torch.nn.Linear(2, 2)
+    train = DataLoader(torch.arange(16.0).view(8, 2), batch_size=4)
+    evaluation = DataLoader(torch.arange(16.0).view(8, 2), batch_size=2)
+    try:
+        model, train, evaluation = accel.prepare(model, train, evaluation)
+        assert [len(b) for b in evaluation] == [2, 2, 2, 2]
+    finally:
+        accel.end()

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared
 from harness.checks import assert_matches_one_process, max_diff, reference, reference_amp
 from scenarios import amp
 from scenarios.common import Loop
@@ -38,9 +38,12 @@ SCENARIOS = {
 }
 
 
+SHARED = Shared("gloo2", SCENARIOS)
+
+
 @pytest.fixture(scope="module")
-def results():
-    return run_scenarios(SCENARIOS)
+def results(shared):
+    return shared(SHARED)
 
 
 def _off_boundary_reductions(records):

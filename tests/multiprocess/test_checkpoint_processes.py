@@ -20,6 +20,10 @@ from gradsync.checkpoint import MANIFEST
 
 from scenarios.checkpoints import fresh, trained
 
+#: Each test starts its own processes and shares nothing with the others: xdist may run
+#: them on either worker (tests/conftest.py).
+INDEPENDENT_TESTS = True
+
 TESTS = Path(__file__).resolve().parents[1]
 SCRIPT = TESTS / "scripts" / "resume_train.py"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared
 from scenarios import safety
 
 TARGETS = {
@@ -23,15 +23,20 @@ BACKEND = {"ddp": "ddp", "fsdp": "fsdp", "zero2": "deepspeed", "zero3": "deepspe
 CASES = [(name, target) for name, (targets, _) in TARGETS.items() for target in targets]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("safety")
-    scenarios = {
+def scenarios(root):
+    return {
         name: Scenario(safety.tampered_loads, backend=BACKEND[name], folder=str(root / name),
                        targets=targets, stage=stage)
         for name, (targets, stage) in TARGETS.items()
     }
-    return run_scenarios(scenarios, timeout=900)
+
+
+SHARED = Shared("gloo2", scenarios, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def results(shared):
+    return shared(SHARED)
 
 
 @pytest.mark.parametrize("name, target", CASES, ids=[f"{n}-{t.rpartition('/')[2]}" for n, t in CASES])

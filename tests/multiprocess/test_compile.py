@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared
 from harness.checks import assert_matches_one_process
 from scenarios import compiled
 from scenarios.common import Loop
@@ -19,9 +19,12 @@ SCENARIOS = {f"{b}_{w}": Scenario(compiled.train_compiled, backend=b, where=w, s
              for b in ("ddp", "fsdp") for w in WHERE}
 
 
+SHARED = Shared("gloo2", SCENARIOS, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+
+
 @pytest.fixture(scope="module")
-def results():
-    return run_scenarios(SCENARIOS, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+def results(shared):
+    return shared(SHARED)
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared
 from harness.checks import (
     assert_dropped_window_leaks_nothing,
     assert_export_is_the_gathered_model,
@@ -42,9 +42,12 @@ SCENARIOS = {
 }
 
 
+SHARED = Shared("gloo2", SCENARIOS)
+
+
 @pytest.fixture(scope="module")
-def results():
-    return run_scenarios(SCENARIOS)
+def results(shared):
+    return shared(SHARED)
 
 
 @pytest.mark.parametrize(

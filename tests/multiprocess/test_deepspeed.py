@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared
 from harness.checks import (
     assert_dropped_window_leaks_nothing,
     assert_export_is_the_gathered_model,
@@ -74,10 +74,13 @@ EQUIV = [n for n in SCENARIOS if n.startswith("s") and SCENARIOS[n].fn is ds.tra
 DROPPED = [n for n in SCENARIOS if "_drop_" in n]
 
 
+SHARED = Shared("gloo2", SCENARIOS, env={"DS_ACCELERATOR": "cpu"}, requires=("deepspeed",))
+
+
 @pytest.fixture(scope="module")
-def results():
+def results(shared):
     pytest.importorskip("deepspeed")
-    return run_scenarios(SCENARIOS, env={"DS_ACCELERATOR": "cpu"})
+    return shared(SHARED)
 
 
 @pytest.mark.parametrize("name", EQUIV)

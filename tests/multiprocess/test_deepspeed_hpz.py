@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared
 from harness.checks import (
     assert_dropped_window_leaks_nothing,
     assert_one_gradient_reduction,
@@ -41,10 +41,13 @@ TRAINED = [n for n in SCENARIOS if SCENARIOS[n].fn is hpz.train_hpz]
 DEFERRED = ["defer_k1", "defer_k4", "auto_k4", "defer_schedule"]
 
 
+SHARED = Shared("gloo4", SCENARIOS, nproc=NPROC, env={"DS_ACCELERATOR": "cpu"}, requires=("deepspeed",))
+
+
 @pytest.fixture(scope="module")
-def results():
+def results(shared):
     pytest.importorskip("deepspeed")
-    return run_scenarios(SCENARIOS, nproc=NPROC, env={"DS_ACCELERATOR": "cpu"})
+    return shared(SHARED)
 
 
 def _assert_all_ranks_match_one_process(ranks):

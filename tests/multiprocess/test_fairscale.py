@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared
 from harness.checks import (
     assert_clipping_matches_one_process,
     assert_dropped_window_leaks_nothing,
@@ -70,10 +70,13 @@ EQUIV = ["k1", "k4", "k4_every_step", "k4_no_buckets", "k4_no_buckets_every_step
          "k4_zero_grad_first", "k4_after_block", "k4_to_3"]
 
 
+SHARED = Shared("gloo2", SCENARIOS, requires=("fairscale",))
+
+
 @pytest.fixture(scope="module")
-def results():
+def results(shared):
     pytest.importorskip("fairscale", reason=SKIP_REASON)
-    return run_scenarios(SCENARIOS)
+    return shared(SHARED)
 
 
 @pytest.mark.parametrize("name", EQUIV)

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared
 from harness.checks import (
     assert_clipping_matches_one_process,
     assert_dropped_window_leaks_nothing,
@@ -74,9 +74,12 @@ EQUIVALENT = ["k1_defer", "k4_defer", "k1_every_step", "k4_every_step", "k4_auto
               "k4_auto_fits_all", "k4_auto_fits_grads", "k4_keep_explicit"]
 
 
+SHARED = Shared("gloo2", SCENARIOS)
+
+
 @pytest.fixture(scope="module")
-def results():
-    return run_scenarios(SCENARIOS)
+def results(shared):
+    return shared(SHARED)
 
 
 @pytest.mark.parametrize("name", EQUIVALENT)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared, run_scenarios
 from harness.checks import (
     assert_clipping_matches_one_process,
     assert_dropped_window_leaks_nothing,
@@ -57,9 +57,12 @@ TRAINED = [n for n, s in SCENARIOS.items() if s.fn is hsdp.train_hsdp and "drop"
            and n not in ("2x2_clip", "2x2_bf16")]
 
 
+SHARED = Shared("gloo4", SCENARIOS, nproc=4)
+
+
 @pytest.fixture(scope="module")
-def results():
-    return run_scenarios(SCENARIOS, nproc=4)
+def results(shared):
+    return shared(SHARED)
 
 
 @pytest.fixture(scope="module")

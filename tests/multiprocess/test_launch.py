@@ -13,6 +13,10 @@ import pytest
 
 from gradsync.launch import LaunchConfig, Launcher
 
+#: Each test starts its own processes and shares nothing with the others: xdist may run
+#: them on either worker (tests/conftest.py).
+INDEPENDENT_TESTS = True
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "report_rank.py"
 
 

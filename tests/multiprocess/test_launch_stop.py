@@ -18,6 +18,10 @@ from pathlib import Path
 
 import pytest
 
+#: Each test starts its own processes and shares nothing with the others: xdist may run
+#: them on either worker (tests/conftest.py).
+INDEPENDENT_TESTS = True
+
 pytestmark = pytest.mark.multiprocess
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"

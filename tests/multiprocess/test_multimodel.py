@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared
 from scenarios import multimodel as mm
 from scenarios import releases
 
@@ -17,10 +17,8 @@ PATTERNS = ("shared", "gan")
 KS = (1, 4, 3)  # 3: 8 batches per rank end with a partial window of 2
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("multimodel")
-    scenarios = {
+def scenarios(root):
+    return {
         **{f"{b}_{p}_k{k}": Scenario(mm.train, backend=b, pattern=p, k=k)
            for b in BACKENDS for p in PATTERNS for k in KS},
         **{f"{b}_{p}_resume": Scenario(mm.resume, backend=b, pattern=p, k=2, folder=str(root / f"{b}-{p}"))
@@ -29,7 +27,14 @@ def results(tmp_path_factory):
            for b in BACKENDS},
         "fsdp_release_fsdp": Scenario(mm.load_release, backend="fsdp", written_by="fsdp"),
     }
-    return run_scenarios(scenarios)
+
+
+SHARED = Shared("gloo2", scenarios)
+
+
+@pytest.fixture(scope="module")
+def results(shared):
+    return shared(SHARED)
 
 
 def _close(got, want, tol=1e-5):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared
 from scenarios import processes as sc
 
 SCENARIOS = {
@@ -22,9 +22,12 @@ SCENARIOS = {
 }
 
 
+SHARED = Shared("gloo2", SCENARIOS)
+
+
 @pytest.fixture(scope="module")
-def results():
-    return run_scenarios(SCENARIOS)
+def results(shared):
+    return shared(SHARED)
 
 
 def values(entry):

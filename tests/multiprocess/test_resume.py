@@ -21,6 +21,10 @@ import torch.nn.functional as F
 
 from scenarios.common import Indexed, make_model, make_optimizer, make_scheduler
 
+#: Each test starts its own processes and shares nothing with the others: xdist may run
+#: them on either worker (tests/conftest.py).
+INDEPENDENT_TESTS = True
+
 pytestmark = pytest.mark.multiprocess
 
 HERE = Path(__file__).resolve().parents[1]  # tests/
@@ -162,12 +166,12 @@ def test_a_raising_worker_fails_the_launch_with_its_error(tmp_path):
 
 
 def test_a_hung_collective_times_out_naming_the_operation(tmp_path):
-    # The collective timeout (30 s) is what is tested: every collective of the script has it,
-    # so it is long enough that one rank starting later than the other on a loaded machine
-    # cannot reach it before the barrier.
-    proc = launch("--nproc-per-node", "2", str(FAIL), "hang", timeout=300)
+    # The collective timeout (10 s) is what is tested. Every collective of the script has it,
+    # so the ranks first wait for each other with no limit (however late one starts on a
+    # loaded machine), then train their few steps together before rank 1 stops answering.
+    proc = launch("--nproc-per-node", "2", str(FAIL), "hang", str(tmp_path), timeout=300)
     assert proc.returncode == 1, proc.stderr
     block = proc.stderr[proc.stderr.index("gradsync: rank 0 (local rank 0) failed (exit code 1)"):]
     assert ("CollectiveError: wait_for_everyone() (a barrier) failed: timed out waiting for another "
-            "rank (timeout 30 s; set it with Accelerator(timeout=...) or GRADSYNC_TIMEOUT)") in block
+            "rank (timeout 10 s; set it with Accelerator(timeout=...) or GRADSYNC_TIMEOUT)") in block
     assert "gradsync: also stopped: rank 1 (SIGTERM)" in block

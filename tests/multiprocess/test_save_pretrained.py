@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared
 from scenarios import saving
 
 pytest.importorskip("transformers")
@@ -18,9 +18,12 @@ BACKENDS = ("fsdp", "ddp")
 SPELLINGS = ("plain", "get_state_dict", "own_state_dict", "save_model")
 
 
+SHARED = Shared("gloo2", {b: Scenario(saving.pretrained_saves, backend=b) for b in BACKENDS})
+
+
 @pytest.fixture(scope="module")
-def results():
-    return run_scenarios({b: Scenario(saving.pretrained_saves, backend=b) for b in BACKENDS})
+def results(shared):
+    return shared(SHARED)
 
 
 @pytest.mark.parametrize("spelling", SPELLINGS)

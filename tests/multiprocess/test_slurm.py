@@ -1,7 +1,7 @@
 """SLURM for real: a one-node cluster on this machine (``scripts/slurm/local-cluster.sh``:
 munged, slurmctld and slurmd on localhost, 2 CPUs, no cgroups), started once for this module
 and stopped after it. Every SLURM test of the suite lives in this module, so under
-``pytest -n 2 --dist loadfile`` one worker runs them all against the one cluster.
+``pytest -n 2 --dist loadgroup`` (tests/conftest.py) one worker runs them all against the one cluster.
 
 ``srun -n 2 python train.py`` (one task per process, nothing else) and ``sbatch`` of the
 docs' one-node script (``srun --ntasks-per-node=1 gradsync launch --nproc-per-node 2

@@ -13,6 +13,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.multiprocess
 
+#: Each test starts its own processes and shares nothing with the others: xdist may run
+#: them on either worker (tests/conftest.py).
+INDEPENDENT_TESTS = True
+
 
 def quick(name: str, out: Path) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick",

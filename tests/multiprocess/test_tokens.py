@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared
 from harness.checks import max_diff
 from scenarios.common import to_lists
 
@@ -42,10 +42,13 @@ SCENARIOS = {
 TOKEN_WEIGHTED = [n for n in LM if not n.endswith("mean")]
 
 
+SHARED = Shared("gloo2", SCENARIOS, env={"DS_ACCELERATOR": "cpu"}, requires=("deepspeed",))
+
+
 @pytest.fixture(scope="module")
-def results():
+def results(shared):
     pytest.importorskip("deepspeed")
-    return run_scenarios(SCENARIOS, env={"DS_ACCELERATOR": "cpu"})
+    return shared(SHARED)
 
 
 def token_reference(ranks):

@@ -9,15 +9,16 @@ import json
 
 import pytest
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared
 from scenarios import tracking
+
+SHARED = Shared("gloo2", lambda folder: {"ranks": Scenario(tracking.ranks, folder=str(folder))})
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("trackers")
-    results = run_scenarios({"ranks": Scenario(tracking.ranks, folder=str(folder))})
-    return folder, results["ranks"]
+def run(shared):
+    results = shared(SHARED)
+    return results.folder, results["ranks"]
 
 
 def test_only_rank_0_starts_trackers_and_no_call_is_a_collective(run):

@@ -1,5 +1,7 @@
 """`gradsync verify` end to end: each verify is one launch (2 gloo ranks, or 1 for the bad
-inputs) and one single-process reference, as a user runs it from the command line."""
+inputs) and one single-process reference, from the command line's words (``gradsync.cli``
+called in this process, as ``python -m gradsync`` calls it: one interpreter fewer per case;
+the multi-node refusal runs the real ``python -m gradsync verify``)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,16 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from gradsync import cli
+
+#: Each test starts its own processes and shares nothing with the others: xdist may run
+#: them on either worker (tests/conftest.py).
+INDEPENDENT_TESTS = True
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ROOT / "tests" / "scripts" / "verify_cases.py"
@@ -17,11 +26,19 @@ TRAIN = ROOT / "examples" / "train.py"
 CAUSAL = ROOT / "examples" / "causal_lm.py"
 
 
-def run_verify(*words: str | Path, timeout: float = 240) -> tuple[int, str]:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "gradsync", "verify", *map(str, words)],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    return proc.returncode, proc.stdout + proc.stderr
+@pytest.fixture
+def run_verify(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+               ) -> Callable[..., tuple[int, str]]:
+    """``gradsync verify WORDS`` -> (exit status, what it printed)."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.chdir(ROOT)
+
+    def run(*words: str | Path) -> tuple[int, str]:
+        code = cli.main(["verify", *map(str, words)])
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    return run
 
 
 def table(out: str) -> list[list[str]]:
@@ -38,7 +55,7 @@ def rel_diffs(out: str) -> list[float]:
     ("--backend", "fsdp"),
     ("--use-deepspeed", "--zero-stage", "2"),
 ], ids=["ddp", "fsdp2", "zero2"])
-def test_the_example_is_exact_on_every_backend(launch):
+def test_the_example_is_exact_on_every_backend(run_verify, launch):
     code, out = run_verify("--nproc-per-node", "2", *launch, "--gradient-accumulation-steps", "4",
                            TRAIN, "--epochs", "1")
     assert code == 0, out
@@ -51,24 +68,24 @@ def test_the_example_is_exact_on_every_backend(launch):
         assert all(r[5] == "0" for r in rows), out  # no gradient bytes off the boundary
 
 
-def test_the_example_is_exact_on_a_2x2_mesh_deferring_the_replica_all_reduce():
+def test_the_example_is_exact_on_a_2x2_mesh_deferring_the_replica_all_reduce(run_verify):
     code, out = run_verify("--nproc-per-node", "4", "--backend", "fsdp", "--fsdp-mesh", "2,2",
                            "--sync-policy", "defer_replicate", "--gradient-accumulation-steps", "4",
-                           TRAIN, "--epochs", "1", timeout=400)
+                           TRAIN, "--epochs", "1")
     assert code == 0, out
     assert "16 micro-batches per window" in out and "with 4 process(es)" in out
     assert max(rel_diffs(out)) <= 1e-5, out
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
-def test_the_token_weighted_example_is_exact(backend):
+def test_the_token_weighted_example_is_exact(run_verify, backend):
     code, out = run_verify("--nproc-per-node", "2", "--backend", backend,
                            "--gradient-accumulation-steps", "4", "--steps", "2", CAUSAL)
     assert code == 0, out
     assert len(table(out)) == 2 and max(rel_diffs(out)) <= 1e-5, out
 
 
-def test_a_loss_scaled_by_the_rank_differs_from_the_first_step(tmp_path):
+def test_a_loss_scaled_by_the_rank_differs_from_the_first_step(run_verify, tmp_path):
     text = TRAIN.read_text()
     line = "loss = nn.functional.mse_loss(model(x), y)"
     assert line in text
@@ -82,7 +99,7 @@ def test_a_loss_scaled_by_the_rank_differs_from_the_first_step(tmp_path):
     assert "differs from one process from step 1 on" in out
 
 
-def test_noise_in_the_step_is_reported_as_non_determinism_and_dataset_noise_is_replayed():
+def test_noise_in_the_step_is_reported_as_non_determinism_and_dataset_noise_is_replayed(run_verify):
     code, out = run_verify("--nproc-per-node", "2", CASES, "--case", "forward-noise")
     assert code == 2, out
     assert "not deterministic" in out and "torch" in out, out
@@ -97,7 +114,7 @@ def test_noise_in_the_step_is_reported_as_non_determinism_and_dataset_noise_is_r
     ("no-accumulate", ["completed no optimizer step"]),
     ("shards-itself", ["dataset_shards_itself=True"]),
 ])
-def test_what_cannot_be_verified_exits_2_with_one_line(case, words):
+def test_what_cannot_be_verified_exits_2_with_one_line(run_verify, case, words):
     # No --max-seconds: these runs end by themselves, however long a loaded machine takes.
     code, out = run_verify("--nproc-per-node", "1", CASES, "--case", case)
     assert code == 2, out
@@ -107,17 +124,19 @@ def test_what_cannot_be_verified_exits_2_with_one_line(case, words):
         assert word in verdict[0], out
 
 
-def test_a_script_that_hangs_is_stopped_at_max_seconds_with_one_line():
+def test_a_script_that_hangs_is_stopped_at_max_seconds_with_one_line(run_verify):
     # The script sleeps 10 minutes before it trains: it runs past the limit however fast or
     # loaded the machine is, so a short limit keeps the test short without making it flaky.
-    code, out = run_verify("--nproc-per-node", "1", "--max-seconds", "15", CASES, "--case", "hang")
+    code, out = run_verify("--nproc-per-node", "1", "--max-seconds", "5", CASES, "--case", "hang")
     assert code == 2, out
     verdict = [line for line in out.splitlines() if line.startswith("verdict: cannot verify")]
     assert len(verdict) == 1, out
-    assert "ran past --max-seconds=15" in verdict[0], out
+    assert "ran past --max-seconds=5" in verdict[0], out
 
 
 def test_a_multi_node_launch_is_refused_before_anything_starts():
-    code, out = run_verify("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "29999",
-                           TRAIN)
-    assert code == 2 and "one node" in out, out
+    proc = subprocess.run([sys.executable, "-m", "gradsync", "verify", "--nnodes", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", "29999", str(TRAIN)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 2 and "one node" in proc.stderr, proc.stdout + proc.stderr

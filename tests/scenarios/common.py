@@ -61,13 +61,18 @@ class Net(nn.Module):
 
 def audited_gloo_group() -> None:
     """The process group of a scenario run unless its module defines ``setup_process_group``:
-    gloo under gradsync's audit wrapper."""
+    gloo under gradsync's audit wrapper, which DeepSpeed adopts too (no C++ op builds on the
+    CPU, its INFO lines off), so every backend's scenarios can share one group."""
+    import os
+
     import torch.distributed as dist
 
     from gradsync import audit
 
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     audit.register()
     dist.init_process_group(audit.AUDIT_BACKEND["cpu"], timeout=timedelta(seconds=180))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
 def make_model(seed: int = 0) -> Net:

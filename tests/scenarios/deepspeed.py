@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import replace
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from gradsync import Accelerator, audit
+from gradsync import Accelerator
 
 from scenarios.common import (
     Indexed,
@@ -24,14 +20,6 @@ from scenarios.common import (
     make_optimizer,
     train,
 )
-
-
-def setup_process_group() -> None:
-    """The audited gloo group DeepSpeed adopts; no C++ op builds on the CPU."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    audit.register()
-    dist.init_process_group(audit.AUDIT_BACKEND["cpu"], timeout=timedelta(seconds=180))
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
 class CastIO(nn.Module):

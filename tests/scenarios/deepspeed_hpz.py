@@ -11,9 +11,9 @@ from torch import nn
 from gradsync import Accelerator
 
 from scenarios.common import Loop, Probe, make_model, train
-from scenarios.deepspeed import ds_config, setup_process_group
+from scenarios.deepspeed import ds_config
 
-__all__ = ["hpz_config", "refused", "setup_process_group", "train_hpz"]
+__all__ = ["hpz_config", "refused", "train_hpz"]
 
 
 def hpz_config(hpz: int) -> dict[str, Any]:

@@ -4,10 +4,7 @@ loaded; ``load_state(path, trusted=True)`` runs it and loads (run inside the wor
 
 from __future__ import annotations
 
-import logging
-import os
 import shutil
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,18 +13,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from gradsync import Accelerator, CheckpointError, audit
+from gradsync import Accelerator, CheckpointError
 from payload import tamper_dcp_item, tamper_pickle_file, tamper_torch_file
 
 from scenarios.common import Indexed, make_model
-
-
-def setup_process_group() -> None:
-    """The audited gloo group, which DeepSpeed adopts too (no C++ op builds on the CPU)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    audit.register()
-    dist.init_process_group(audit.AUDIT_BACKEND["cpu"], timeout=timedelta(seconds=180))
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
 def _accelerator(backend: str, stage: int | None) -> Accelerator:

@@ -16,7 +16,6 @@ from gradsync import Accelerator
 
 from scenarios.common import to_lists
 from scenarios.deepspeed import ds_config
-from scenarios.deepspeed import setup_process_group as _ds_setup
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 if str(EXAMPLES) not in sys.path:
@@ -27,10 +26,6 @@ import preference  # noqa: E402
 
 SAMPLES = 44  # 22 per rank, 11 micro-batches of 2: windows of 4, 4 and 3 per epoch
 LR = 0.05
-
-
-def setup_process_group() -> None:
-    _ds_setup()
 
 
 def _accel(backend: str, steps: int, **options: Any) -> Accelerator:
