@@ -5,8 +5,9 @@ shows no gradient bytes off the boundary under defer and tensor parallel's traff
 line; a Transformers tiny Llama through its own plan with token-weighted loss; checkpoints
 that reshard between (dp_shard 2, tp 2), a 1-D mesh of 4 and one process.
 
-Every 4-rank scenario runs in ONE launched group (the reshards included: a later scenario
-builds the other mesh in the same group); the one-process load is a second, 1-rank launch.
+Every 4-rank scenario runs in one group, shared with the other 4-rank modules (the reshards
+included: a later scenario builds the other mesh in the same group); the one-process load is a
+second, 1-rank launch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared, run_scenarios
 from harness.checks import assert_nd_matches_one_process, data_ranks, max_diff
 from scenarios import tp
 from scenarios.common import DROPS, Loop
@@ -69,9 +70,12 @@ TRAINED = [n for n in SCENARIOS if SCENARIOS[n].fn is tp.train_tp and "drop" not
            and not n.endswith(("_clip", "_clip_value", "_bf16"))]
 
 
+SHARED = Shared("gloo4", SCENARIOS, nproc=4)
+
+
 @pytest.fixture(scope="module")
-def results():
-    return run_scenarios(SCENARIOS, nproc=4)
+def results(shared):
+    return shared(SHARED)
 
 
 @pytest.fixture(scope="module")
