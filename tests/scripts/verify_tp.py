@@ -45,7 +45,8 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
     model, optimizer, loader = accel.prepare(model, optimizer, loader)
-    scale = 1 + accel.mesh.get_local_rank("dp_shard") if args.dp_bug else 1
+    mesh = accel.mesh  # None in one process
+    scale = 1 + mesh.get_local_rank("dp_shard") if args.dp_bug and mesh is not None else 1
     for _ in range(2):
         for xb, yb in loader:
             with accel.accumulate(model):

@@ -171,8 +171,9 @@ def mismatched_readers(folder: str | os.PathLike[str]) -> str | None:
             where = _first_difference(loaded[first], loaded[rank])
             if where is not None:
                 return (f"ranks {first} and {rank} of one tensor-parallel group read different "
-                        f"micro-batches ({where}), and they must read the same: prepare the loader "
-                        "with accel.prepare and draw no per-rank random numbers in the dataset")
+                        f"micro-batches ({where}), and they must read the same: build the same "
+                        "dataset on every rank, prepare its loader with accel.prepare, and draw "
+                        "no per-rank random numbers in it")
     return None
 
 
