@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "windows", allow_abbrev=False,
         description="Runs the script as `gradsync launch` would (the same flags) for --steps "
                     "optimizer steps, then as one process whose windows hold the same k x N "
-                    "micro-batches, and compares the parameters and window losses step by step. "
+                    "micro-batches (N: the data-parallel ranks; R x S under --parallelism), and compares the parameters and window losses step by step. "
                     "Exit status: 0 equal within the tolerance, 1 different, 2 could not verify.")
     _add_launch_flags(verify)
     checks = verify.add_argument_group("verification")

@@ -20,6 +20,11 @@ variables; an ``Accelerator`` built while ``GRADSYNC_VERIFY`` is set attaches a 
   micro-batches, in (micro-step, rank) order; partial windows, schedules and item counts
   are the global window's.
 
+On an N-D mesh (``parallelism`` with tp > 1) the ranks of one tensor-parallel group read the
+same micro-batches: N is then the data-parallel size R x S, the meta's ``readers`` lists
+the ranks of each data-parallel position, and the reference replays the first of each
+(``mismatched_readers`` checks beforehand that the others read the same).
+
 Nothing here runs unless those variables are set.
 """
 
@@ -37,6 +42,7 @@ from typing import Any
 
 import torch
 
+from gradsync import _dist as dist
 from gradsync.data.batches import tree_map
 from gradsync.settings import SETTINGS
 from gradsync.storage.rng import capture_rng
@@ -92,6 +98,83 @@ def read_meta(folder: str | os.PathLike[str]) -> dict[str, Any]:
         return {}
     data: dict[str, Any] = json.loads(path.read_text())
     return data
+
+
+def readers(data_ranks: list[int], size: int) -> list[list[int]]:
+    """The ranks of each data-parallel position, from each rank's place among them.
+
+    Args:
+        data_ranks: each rank's data-parallel rank, in rank order.
+        size: the data-parallel size.
+
+    Returns:
+        Per data-parallel position, the ranks that read its micro-batches (a tensor-parallel
+        group), in rank order.
+    """
+    return [[r for r, d in enumerate(data_ranks) if d == position] for position in range(size)]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two recorded batches are equal: the same structure, tensors equal in dtype, shape and
+    every element."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and bool(torch.equal(a, b)))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # an object without a truth value for ==
+        return False
+
+
+def _first_difference(ours: list[list[dict[str, Any]]], theirs: list[list[dict[str, Any]]]) -> str | None:
+    """Where two ranks' recorded loaders differ ("prepared loader L, pass P, batch B"), or None."""
+    if len(ours) != len(theirs):
+        return f"{len(ours)} and {len(theirs)} prepared loaders"
+    for i, (a_passes, b_passes) in enumerate(zip(ours, theirs)):
+        for p, (a, b) in enumerate(zip(a_passes, b_passes)):
+            where = f"prepared loader {i + 1}, pass {p + 1}"
+            for n, (x, y) in enumerate(zip(a["batches"], b["batches"])):
+                if not _same(x, y):
+                    return f"{where}, batch {n + 1}"
+            if len(a["batches"]) != len(b["batches"]):
+                return f"{where}: {len(a['batches'])} and {len(b['batches'])} batches"
+    return None
+
+
+def mismatched_readers(folder: str | os.PathLike[str]) -> str | None:
+    """Why the launched run's batches cannot be replayed as one per data-parallel position:
+    the ranks of a tensor-parallel group read different micro-batches (or left no record).
+
+    Args:
+        folder: the launched run's folder.
+
+    Returns:
+        One line saying which ranks differ where, and what to change; None when every group
+        read alike (or every rank is its own data-parallel position).
+    """
+    groups = read_meta(folder).get("readers") or []
+    if all(len(g) < 2 for g in groups):
+        return None
+    loaded: dict[int, list[list[dict[str, Any]]]] = {}
+    for group in groups:
+        for rank in group:
+            path = Path(folder) / batches_file(rank)
+            if not path.is_file():
+                return f"the launched run left no {path.name} (rank {rank} recorded nothing)"
+            loaded[rank] = torch.load(path, weights_only=False)["loaders"]
+        first = group[0]
+        for rank in group[1:]:
+            where = _first_difference(loaded[first], loaded[rank])
+            if where is not None:
+                return (f"ranks {first} and {rank} of one tensor-parallel group read different "
+                        f"micro-batches ({where}), and they must read the same: build the same "
+                        "dataset on every rank, prepare its loader with accel.prepare, and draw "
+                        "no per-rank random numbers in it")
+    return None
 
 
 class GlobalWindows:
@@ -286,10 +369,12 @@ class Verifier:
         folder: where to record.
         steps: the windows to run before stopping.
         replay_from: the launched run's folder (the reference), or None (the launched run).
+        data_parallel: the ranks that read distinct micro-batches (``Backend.data_parallel``:
+            ``rank``, ``size``); None: every rank.
     """
 
     def __init__(self, accel: Any, runner: Any, preparer: Any, prepared: Any, folder: str,
-                 steps: int, replay_from: str | None) -> None:
+                 steps: int, replay_from: str | None, data_parallel: Any = None) -> None:
         self.accel = accel
         self.prepared = prepared
         self.folder = Path(folder)
@@ -305,13 +390,19 @@ class Verifier:
         self._steps_at_start = 0
         self._audit_seen = 0
         self._rng_start: dict[str, Any] | None = None
+        processes = int(accel.world_size)
         self.meta: dict[str, Any] = {
-            "rank": self.rank, "world": int(accel.world_size), "reference": self.replay_from is not None,
+            "rank": self.rank, "world": processes, "processes": processes,
+            "readers": [[r] for r in range(processes)], "reference": self.replay_from is not None,
             "backend": accel.backend, "mixed_precision": accel.mixed_precision,
             "steps_wanted": steps, "k": [], "rows": [], "dropout": [], "dtypes": [],
             "param_names": [], "unverifiable": None, "rng_drawn": [], "loaders": 0,
             "stopped": False,
         }
+        if data_parallel is not None and int(data_parallel.size) != processes:
+            self.meta["world"] = int(data_parallel.size)
+            self.meta["readers"] = readers(dist.all_gather_object(int(data_parallel.rank)),
+                                           int(data_parallel.size))
         runner.before_window.append(self._before_window)
         runner.at_boundary.append(self._at_boundary)
         preparer.loader_hook = self._wrap_loader
@@ -340,9 +431,11 @@ class Verifier:
 
     def _read_batches(self) -> list[list[list[dict[str, Any]]]]:
         assert self.replay_from is not None
-        world = int(read_meta(self.replay_from).get("world", 1))
+        meta = read_meta(self.replay_from)
+        world = int(meta.get("world", 1))
+        first = [group[0] for group in meta.get("readers") or [[r] for r in range(world)]]
         per_rank = []
-        for rank in range(world):
+        for rank in first:  # one rank per data-parallel position
             path = self.replay_from / batches_file(rank)
             if not path.is_file():
                 raise ReplayExhausted(f"the launched run left no {path.name} (rank {rank} recorded nothing)")
@@ -487,5 +580,5 @@ def attach(accel: Any, parts: Any, environ: Mapping[str, str] | None = None) -> 
         return None
     steps = int(env.get(ENV_STEPS, "3"))
     return Verifier(accel, parts.runner, parts.preparer, parts.prepared, folder, steps,
-                    env.get(ENV_REPLAY) or None)
+                    env.get(ENV_REPLAY) or None, parts.backend.data_parallel)
 

@@ -9,7 +9,9 @@ It runs the script twice, for ``steps`` optimizer steps each:
 2. as the reference: one process on the ``single`` backend whose window ``w`` holds the
    same k x N micro-batches the N ranks read in window ``w`` (replayed by the prepared
    loaders in (micro-step, rank) order), starting from the launched run's initial
-   parameters;
+   parameters; on an N-D mesh with tensor parallelism N is the data-parallel size R x S
+   (the ranks of one tensor-parallel group read the same micro-batches, checked before the
+   reference runs) and the parameters are the DTensors' full tensors;
 
 then compares them step by step (``Report``). The in-process side is
 ``gradsync.verify.recorder``.
@@ -38,7 +40,14 @@ from typing import TYPE_CHECKING, Any
 from gradsync import extensions
 from gradsync._util import human_bytes
 from gradsync.errors import ConfigError
-from gradsync.verify.recorder import ENV_RECORD, ENV_REPLAY, ENV_STEPS, params_file, read_meta
+from gradsync.verify.recorder import (
+    ENV_RECORD,
+    ENV_REPLAY,
+    ENV_STEPS,
+    mismatched_readers,
+    params_file,
+    read_meta,
+)
 
 #: The module the launched and the reference run load as an extension (records or replays).
 RECORDER = "gradsync.verify.recorder"
@@ -429,12 +438,17 @@ def _verify(launcher: Launcher, world: int, steps: int, max_seconds: float, rtol
     if not run:
         return done(Report(UNVERIFIABLE, "cannot verify: the script never built a gradsync "
                                          "Accelerator"))
-    title = (f"{c.script} on {run.get('backend')} with {world} process(es) vs one process, "
+    data = int(run.get("world", world))  # the ranks that read distinct micro-batches
+    title = (f"{c.script} on {run.get('backend')} with {world} process(es)"
+             f"{f' ({data} data-parallel)' if data != world else ''} vs one process, "
              f"{steps} optimizer step(s)")
     if run.get("unverifiable"):
         return done(Report(UNVERIFIABLE, f"cannot verify: {run['unverifiable']}", title=title))
     if not run.get("rows"):
         return done(Report(UNVERIFIABLE, _NO_STEP, title=title))
+    mismatch = mismatched_readers(launched)
+    if mismatch is not None:
+        return done(Report(UNVERIFIABLE, f"cannot verify: {mismatch}", title=title))
     # 2. the reference: one process on the same global windows
     ref_env = _one_process_env(launcher)
     ref_env.update({ENV_RECORD: str(reference), ENV_STEPS: str(steps), ENV_REPLAY: str(launched),
@@ -454,7 +468,7 @@ def _verify(launcher: Launcher, world: int, steps: int, max_seconds: float, rtol
     ks = run.get("k", [])
     if ks:
         k_text = str(ks[0]) if len(set(ks)) == 1 else ",".join(map(str, ks))
-        report.title += f"; k={k_text} per process, {world * ks[0]} micro-batches per window"
+        report.title += f"; k={k_text} per process, {data * ks[0]} micro-batches per window"
     dropped = run.get("dropout", [])
     report.notes.insert(0, "dropout set to p=0 in both runs: " + ", ".join(dropped) if dropped
                         else "no dropout module to switch off (functional dropout is not seen)")
