@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from gradsync import ConfigError
-from gradsync._estimate import HYBRID_POLICIES, HybridCluster, estimate_hybrid, hybrid_mesh
+from gradsync._estimate import (
+    HYBRID_POLICIES,
+    HybridCluster,
+    MeshCluster,
+    estimate_hybrid,
+    estimate_mesh,
+    hybrid_mesh,
+)
 from gradsync.cli import main
 
 GB = 1e9
@@ -133,7 +140,8 @@ def test_the_estimate_matches_the_bytes_the_4_rank_benchmark_measured():
 
 
 def test_the_memory_a_deferred_window_holds_is_the_estimates():
-    """The same run's memory column (docs/img/hsdp_bytes.json, both meshes): before its
+    """The same run's memory column (docs/img/hsdp_bytes.json, the three meshes; on the
+    (dp_shard 2, tp 2) mesh G and P are a TP rank's share, G_T and P_T): before its
     boundary a ``defer`` window holds the unsharded gradients G, one that keeps the
     parameters gathered G + P (the gathered copy beside the shard), within 1 MiB on every
     rank; ``every_step`` and ``defer_replicate`` hold their G/S, plus at most one FSDP unit's
@@ -142,7 +150,7 @@ def test_the_memory_a_deferred_window_holds_is_the_estimates():
     from hsdp_bytes import estimated_held
 
     cells = json.loads(BENCH.read_text())["cells"]
-    assert {tuple(c["mesh"]) for c in cells} == {(2, 2), (1, 4)}
+    assert {tuple(c["mesh"]) for c in cells} == {(2, 2), (1, 4), (1, 2, 2)}
     unit = 1024 * 1025 * 4  # a block: Linear(1024, 1024), fp32
     for cell in cells:
         held, expected = cell["memory"]["held_bytes"], estimated_held(cell)
@@ -155,3 +163,31 @@ def test_the_memory_a_deferred_window_holds_is_the_estimates():
     mib = 2**20
     assert by[((2, 2), 4, "defer + params")]["memory"]["predicted_extra_bytes"] == 16859200  # (G + P)/2
     assert min(by[((2, 2), 4, "defer + params")]["memory"]["held_bytes"]) > 32 * mib  # G + P = 32.2 MiB
+
+
+def test_the_estimate_matches_the_tensor_parallel_mesh_the_benchmark_measured():
+    """benchmarks/hsdp_bytes.py on (dp_shard 2, tp 2) (docs/img/hsdp_bytes.json): per optimizer
+    step the dp_shard bytes a rank sends ((S-1)/S x the reduce-scatters' input, (S-1) x the
+    all-gathers' input shard) are ``estimate_mesh``'s with the plan's tp_share; the TP
+    all-reduces (2(T-1)/T x the tensor) are k x one micro-step's under every policy; the
+    adapter's count of a TP rank's gradients is the estimate's G_T; dp_shard reductions wait
+    for the boundary where the policy defers."""
+    cells = [c for c in json.loads(BENCH.read_text())["cells"] if c["mesh"] == [1, 2, 2]]
+    assert {(c["k"], c["asked"]) for c in cells} == {
+        (k, p) for k in (4, 8) for p in ("every_step", "defer", "defer + params", "auto")}
+    s, t = 2, 2
+    for cell in cells:
+        k, g = cell["k"], cell["grad_bytes"]
+        micro = 2 * (t - 1) / t * cell["micro_tp"]["allreduce"]
+        cluster = MeshCluster(g, g, dp_shard=s, tp=t, k=k, tp_share=cell["tp_share"], tp_bytes=micro)
+        est = {row.policy: row for row in estimate_mesh(cluster)}[cell["policy"]]
+        assert cluster.per_tp_rank(g) == pytest.approx(cell["held_grad_bytes"])
+        for window in cell["windows"]:
+            shard, tp = window["groups"]["shard"], window["groups"]["tp"]
+            gathered = shard["bytes"] - shard["reduction_bytes"]
+            sent = (s - 1) / s * shard["reduction_bytes"] + (s - 1) * gathered
+            assert sent == pytest.approx(est.shard_bytes), (k, cell["asked"])
+            assert 2 * (t - 1) / t * tp["bytes"] == pytest.approx(est.tp_bytes), (k, cell["asked"])
+            assert tp["ops"] == {"allreduce": 3 * k}  # 2 rowwise outputs, 1 colwise input gradient
+            deferred = cell["policy"] != "every_step"
+            assert window["shard_reduce_scatters_off_boundary"] == (0 if deferred else 4 * (k - 1))
