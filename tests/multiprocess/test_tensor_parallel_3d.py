@@ -1,5 +1,5 @@
-"""The 3-D mesh (dp_replicate 2, dp_shard 2, tp 2) on 8 gloo ranks with the tiny net: defer and
-defer_replicate equal one process on the same global windows; the audit splits the traffic
+"""The 3-D mesh (dp_replicate 2, dp_shard 2, tp 2) on 8 gloo ranks with the tiny net: every policy
+equals one process on the same global windows; the audit splits the traffic
 into shard, replicate and tp. One launched group (about 25 s on 2 cores)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from scenarios.common import Loop
 SAMPLES = 28
 RUN = Loop(samples=SAMPLES, micro_batch=2)
 CUBE = {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
-SCENARIOS = {p: Scenario(tp.train_tp, dims=CUBE, steps=4, loop=RUN, policy=p) for p in ("defer", "defer_replicate")}
+SCENARIOS = {p: Scenario(tp.train_tp, dims=CUBE, steps=4, loop=RUN, policy=p) for p in ("every_step", "defer", "defer_replicate", "auto")}
 
 
 @pytest.fixture(scope="module")
