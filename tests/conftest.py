@@ -43,6 +43,26 @@ def _no_leftover_process_group():
 
 
 @pytest.fixture
+def run_verify(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+               ) -> Callable[..., tuple[int, str]]:
+    """``gradsync verify WORDS`` run in this process, as ``python -m gradsync`` runs it (one
+    interpreter fewer per case) -> (exit status, what it printed)."""
+    from gradsync import cli
+
+    from harness.verify import ROOT
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.chdir(ROOT)
+
+    def run(*words: str | Path) -> tuple[int, str]:
+        code = cli.main(["verify", *map(str, words)])
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    return run
+
+
+@pytest.fixture
 def clean_env(monkeypatch):
     """No GRADSYNC_* or launcher variables from the outside."""
     for key in list(os.environ):

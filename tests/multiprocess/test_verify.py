@@ -6,44 +6,20 @@ the multi-node refusal runs the real ``python -m gradsync verify``)."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
-from gradsync import cli
+from harness.verify import ROOT, table
 
 #: Each test starts its own processes and shares nothing with the others: xdist may run
 #: them on either worker (tests/conftest.py).
 INDEPENDENT_TESTS = True
 
-ROOT = Path(__file__).resolve().parents[2]
 CASES = ROOT / "tests" / "scripts" / "verify_cases.py"
 TRAIN = ROOT / "examples" / "train.py"
 CAUSAL = ROOT / "examples" / "causal_lm.py"
-
-
-@pytest.fixture
-def run_verify(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-               ) -> Callable[..., tuple[int, str]]:
-    """``gradsync verify WORDS`` -> (exit status, what it printed)."""
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    monkeypatch.chdir(ROOT)
-
-    def run(*words: str | Path) -> tuple[int, str]:
-        code = cli.main(["verify", *map(str, words)])
-        out = capsys.readouterr()
-        return code, out.out + out.err
-
-    return run
-
-
-def table(out: str) -> list[list[str]]:
-    """The rows of the report's table (step, losses, diffs, bytes, verdict)."""
-    return [line.split() for line in out.splitlines() if re.match(r"^\s*\d+\s", line)]
 
 
 def rel_diffs(out: str) -> list[float]:

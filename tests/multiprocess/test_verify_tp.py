@@ -1,34 +1,20 @@
 """`gradsync verify` on an N-D mesh: a tensor-parallel MLP (two colwise/rowwise Linear pairs)
 launched on 4 gloo ranks as (dp_shard 2, tp 2) against one process replaying the 2 data-parallel
-ranks' micro-batches; two verifies, each one 4-rank launch and one single-process reference."""
+ranks' micro-batches; two verifies, each one 4-rank launch and one single-process reference
+(``gradsync.cli`` called in this process, as ``python -m gradsync`` calls it)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from harness.verify import ROOT, table
+
 SCRIPT = ROOT / "tests" / "scripts" / "verify_tp.py"
 LAUNCH = ("--parallelism", "dp_shard=2,tp=2", "--nproc-per-node", "4", "--backend", "fsdp",
           "--sync-policy", "defer", "--gradient-accumulation-steps", "2", "--steps", "3")
 
 
-def run_verify(*words: str | Path, timeout: float = 400) -> tuple[int, str]:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "gradsync", "verify", *map(str, words)],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-def table(out: str) -> list[list[str]]:
-    """The rows of the report's table (step, losses, diffs, bytes and unit, verdict)."""
-    return [line.split() for line in out.splitlines() if re.match(r"^\s*\d+\s", line)]
-
-
-def test_tp_on_dp_shard_equals_one_process_and_a_dp_rank_dependent_loss_differs(tmp_path):
+def test_tp_on_dp_shard_equals_one_process_and_a_dp_rank_dependent_loss_differs(run_verify, tmp_path):
     code, out = run_verify(*LAUNCH, "--verify-dir", tmp_path / "exact", SCRIPT)
     assert code == 0, out
     assert "with 4 process(es) (2 data-parallel)" in out, out
