@@ -1,6 +1,12 @@
-"""One rank of a scenario run: join the run's process group, run each scenario, write results.
+"""One scenario run: N ranks in one process group run each scenario and write their results.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 mp_worker.py SPEC OUT
+    python mp_worker.py NPROC SPEC OUT
+
+This process is the run's torchrun agent (``torch.distributed.launcher.elastic_launch``, the
+API behind ``torchrun --standalone``): it imports torch, gradsync and the scenarios' modules
+once, then forks the ranks, which start with everything imported. A fresh interpreter per
+rank would import the same modules again, seconds of CPU each on a small machine; how
+``gradsync launch`` starts real workers is tested by the launch tests, not here.
 
 SPEC is what ``harness.run_scenarios`` pickled: the group's setup function and, per scenario
 name, the function's module, its qualified name and its parameters.
@@ -12,7 +18,9 @@ import importlib
 import json
 import pickle
 import sys
+import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +33,19 @@ def find(module: str, name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def main() -> None:
-    spec_path, out_dir = sys.argv[1:3]
+def rank_main(spec_path: str, out_dir: str) -> None:
+    """One rank: join the group, run each scenario, write what it returned (or its error)."""
     spec = pickle.loads(Path(spec_path).read_bytes())
     find(*spec["setup"])()
     rank = dist.get_rank()
     results: dict[str, dict[str, object]] = {}
     for name, (module, qualname, params) in spec["scenarios"].items():
+        start = time.perf_counter()
         try:
             results[name] = {"ok": True, "result": find(module, qualname)(**params), "error": None}
         except Exception:
             results[name] = {"ok": False, "result": None, "error": traceback.format_exc()}
+        results[name]["seconds"] = time.perf_counter() - start  # the suite's cost, by scenario
         recorder = audit.recorder_of()
         if recorder is not None:
             recorder.clear()
@@ -46,5 +56,21 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def agent(nproc: int, spec_path: str, out_dir: str) -> None:
+    """Import what the ranks need, then start them as forks of this process."""
+    import torch._dynamo  # noqa: F401  (what every optimizer imports on first use)
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    import gradsync.accelerator  # noqa: F401
+
+    spec = pickle.loads(Path(spec_path).read_bytes())
+    for module in {spec["setup"][0], *(entry[0] for entry in spec["scenarios"].values())}:
+        importlib.import_module(module)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          start_method="fork")
+    elastic_launch(config, rank_main)(spec_path, out_dir)
+
+
 if __name__ == "__main__":
-    main()
+    agent(int(sys.argv[1]), sys.argv[2], sys.argv[3])

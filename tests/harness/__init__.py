@@ -137,11 +137,7 @@ def run_scenarios(
         "setup": (setup.__module__, setup.__qualname__),
         "scenarios": {name: (*reference_to(s.fn), dict(s.params)) for name, s in scenarios.items()},
     }))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", "--max-restarts=0",
-        str(WORKER), str(spec), str(out),
-    ]
+    cmd = [sys.executable, str(WORKER), str(nproc), str(spec), str(out)]  # the agent forks the ranks
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE) + os.pathsep + full_env.get("PYTHONPATH", "")})
     full_env.update(env or {})
