@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from types import ModuleType
 from typing import Any
 
 from gradsync.errors import ConfigError
@@ -62,3 +66,52 @@ def require_attr(obj: object, name: str, *, what: str, library: str, version: st
             f"{version} does not have; gradsync supports {library} {supported}: install one of "
             "those (constraints.txt pins the tested version)"
         ) from None
+
+
+def after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
+    """``callback(module)`` once the module ``name`` is imported: now when it already is, else
+    right after its import finishes (before the statement that imported it goes on).
+
+    The audit keeps torch.compile out of its process group this way without importing
+    ``torch._dynamo`` itself, seconds of start-up for a process that never compiles."""
+    module = sys.modules.get(name)
+    if module is not None:
+        callback(module)
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """One-shot finder: finds ``name`` as the path finder would, with a loader that calls
+    back after executing the module; it leaves ``sys.meta_path`` when used."""
+
+    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenCall(spec.loader, self.callback)
+        return spec
+
+
+class _ThenCall(importlib.abc.Loader):
+    """A module's own loader, then the callback; the module keeps its own loader."""
+
+    def __init__(self, loader: Any, callback: Callable[[ModuleType], None]) -> None:
+        self.loader, self.callback = loader, callback
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)  # type: ignore[no-any-return]
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        self.callback(module)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from gradsync import _torch_compat
 from gradsync._dist import is_distributed
-from gradsync._util import human_bytes
+from gradsync._util import after_import, human_bytes
 from gradsync.errors import ConfigError
 
 GROUP_LABELS = ("world", "shard", "replicate", "tp", "dp", "other")
@@ -464,11 +464,18 @@ class AuditProcessGroup(dist.ProcessGroup):
         return self.inner.recv(tensors, src, tag)
 
 
-# The collectives run eagerly even when called from inside a torch.compile'd model (DDP's
-# forward issues some): dynamo cannot trace a Python process group, and must not try.
-for _name, _method in list(vars(AuditProcessGroup).items()):
-    if callable(_method) and not _name.startswith("__") and _name not in ("_rec", "label"):
-        setattr(AuditProcessGroup, _name, torch.compiler.disable(_method))
+def _eager_under_compile(_dynamo: object) -> None:
+    """The collectives run eagerly even when called from inside a torch.compile'd model (DDP's
+    forward issues some): dynamo cannot trace a Python process group, and must not try. Done
+    when ``torch._dynamo`` is imported (nothing can be compiled before), not at this module's
+    import: importing dynamo costs seconds of CPU that a process which never builds an
+    optimizer or compiles need not pay."""
+    for name, method in list(vars(AuditProcessGroup).items()):
+        if callable(method) and not name.startswith("__") and name not in ("_rec", "label"):
+            setattr(AuditProcessGroup, name, torch.compiler.disable(method))
+
+
+after_import("torch._dynamo", _eager_under_compile)
 
 
 def _world_recorder() -> Recorder | None:

@@ -65,7 +65,7 @@ def test_launch_without_torch_says_so_in_one_line():
     assert "pip install torch" in lines[0]
 
 
-def test_import_gradsync_does_not_import_torch_until_the_accelerator_is_touched():
+def test_import_gradsync_does_not_import_torch_until_the_accelerator_is_touched_nor_dynamo_until_torch_does():
     code = (
         "import sys, gradsync\n"
         "from gradsync import BatchPlan, Config, ConfigError\n"
@@ -75,6 +75,14 @@ def test_import_gradsync_does_not_import_torch_until_the_accelerator_is_touched(
         "gradsync.Accelerator\n"
         "assert 'torch' in sys.modules\n"
         "assert gradsync.audit.REDUCTIONS\n"
+        # torch.compile's dynamo costs seconds of start-up: imported by the first optimizer
+        # (torch's own doing), and only then does the audit keep compiled code out of its group
+        "assert 'torch._dynamo' not in sys.modules, 'gradsync imported torch._dynamo'\n"
+        "assert not hasattr(gradsync.audit.AuditProcessGroup.allreduce, '_torchdynamo_disable')\n"
+        "import torch\n"
+        "torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)\n"
+        "assert gradsync.audit.AuditProcessGroup.allreduce._torchdynamo_disable\n"
+        "assert type(sys.modules['torch._dynamo'].__loader__).__name__ == 'SourceFileLoader'\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -216,3 +216,22 @@ def test_the_core_never_imports_its_tools():
     found = sorted(f"{m} -> {t}" for m, imported in core.items() for t in imported
                    if any(t == tool or t.startswith(tool + ".") for tool in tools))
     assert found == []
+
+
+def test_after_import_calls_back_at_once_for_an_imported_module_and_later_for_another(tmp_path,
+                                                                                    monkeypatch):
+    from gradsync._util import after_import
+
+    seen: list[str] = []
+    after_import("json", lambda m: seen.append(m.__name__))
+    assert seen == ["json"]
+    (tmp_path / "gradsync_probe_module.py").write_text("VALUE = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "gradsync_probe_module", raising=False)
+    after_import("gradsync_probe_module", lambda m: seen.append(f"{m.__name__}={m.VALUE}"))
+    assert seen == ["json"]
+    import gradsync_probe_module  # noqa: F401
+
+    assert seen == ["json", "gradsync_probe_module=3"]
+    assert not any(type(f).__name__ == "_AfterImport" for f in sys.meta_path)
+    monkeypatch.delitem(sys.modules, "gradsync_probe_module")
