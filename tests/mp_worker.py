@@ -57,8 +57,11 @@ def rank_main(spec_path: str, out_dir: str) -> None:
 
 
 def agent(nproc: int, spec_path: str, out_dir: str) -> None:
-    """Import what the ranks need, then start them as forks of this process."""
-    import torch._dynamo  # noqa: F401  (what every optimizer imports on first use)
+    """Import what the ranks need, then start them as forks of this process (fresh
+    interpreters where CUDA is present: a process that asked for devices cannot fork ranks
+    that use them)."""
+    import torch
+    import torch._dynamo  # what every optimizer imports on first use
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     import gradsync.accelerator  # noqa: F401
@@ -68,7 +71,7 @@ def agent(nproc: int, spec_path: str, out_dir: str) -> None:
         importlib.import_module(module)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          start_method="fork")
+                          start_method="spawn" if torch.cuda.is_available() else "fork")
     elastic_launch(config, rank_main)(spec_path, out_dir)
 
 
