@@ -26,6 +26,9 @@ SITE=$(mktemp -d)
 trap 'rm -rf "$SITE"' EXIT
 NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --quiet --site-dir "$SITE"
 echo "== pytest"
+# Each test process imports gradsync and the test helpers afresh: byte-compile them once (the
+# environment may say PYTHONDONTWRITEBYTECODE) instead of in every one of some 300 processes.
+"$VENV/bin/python" -m compileall -q src tests > /dev/null
 set +e
 "$VENV/bin/python" -m pytest -n 2 --dist loadgroup --no-loadscope-reorder "$@"  # tests/conftest.py: what runs where
 rc=$?
