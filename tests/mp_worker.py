@@ -73,11 +73,20 @@ def agent(nproc: int, spec_path: str, out_dir: str) -> None:
     import gradsync.accelerator  # noqa: F401
 
     spec = pickle.loads(Path(spec_path).read_bytes())
-    for module in {spec["setup"][0], *(entry[0] for entry in spec["scenarios"].values())}:
-        importlib.import_module(module)
+    fork = not torch.cuda.is_available()
+    for name in {spec["setup"][0], *(entry[0] for entry in spec["scenarios"].values())}:
+        module = importlib.import_module(name)
+        # What the module's scenarios import on first use, seconds each (DeepSpeed imports
+        # MLflow where it is installed and compiles its Muon kernels' wrappers): once, here.
+        for heavy in getattr(module, "PRELOAD", ()) if fork else ():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the ranks' group setup does
+            try:
+                importlib.import_module(heavy)
+            except ImportError:  # its tests are skipped, or fail in the ranks with the reason
+                pass
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          start_method="spawn" if torch.cuda.is_available() else "fork")
+                          start_method="fork" if fork else "spawn")
     elastic_launch(config, rank_main)(spec_path, out_dir)
 
 

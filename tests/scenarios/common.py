@@ -59,6 +59,11 @@ class Net(nn.Module):
         return self.head(x)
 
 
+#: What a scenario module that trains DeepSpeed imports on first use (``PRELOAD`` of its
+#: module: mp_worker.py's agent imports it once, before it forks the ranks).
+DEEPSPEED_PRELOAD = ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer")
+
+
 def audited_gloo_group() -> None:
     """The process group of a scenario run unless its module defines ``setup_process_group``:
     gloo under gradsync's audit wrapper, which DeepSpeed adopts too (no C++ op builds on the

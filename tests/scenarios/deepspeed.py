@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from gradsync import Accelerator
 
+from scenarios.common import DEEPSPEED_PRELOAD as PRELOAD  # noqa: F401  (mp_worker.py)
 from scenarios.common import (
     Indexed,
     Loop,

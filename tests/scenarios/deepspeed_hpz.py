@@ -10,6 +10,7 @@ from torch import nn
 
 from gradsync import Accelerator
 
+from scenarios.common import DEEPSPEED_PRELOAD as PRELOAD  # noqa: F401  (mp_worker.py)
 from scenarios.common import Loop, Probe, make_model, train
 from scenarios.deepspeed import ds_config
 

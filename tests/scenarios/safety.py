@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from gradsync import Accelerator, CheckpointError
 from payload import tamper_dcp_item, tamper_pickle_file, tamper_torch_file
 
+from scenarios.common import DEEPSPEED_PRELOAD as PRELOAD  # noqa: F401  (mp_worker.py)
 from scenarios.common import Indexed, make_model
 
 

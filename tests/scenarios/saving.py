@@ -17,6 +17,9 @@ import torch.distributed as dist
 from gradsync import Accelerator
 from gradsync.backends import _save_pretrained
 
+#: Imported on first use by a scenario here (mp_worker.py's agent imports it once).
+PRELOAD = ("transformers.models.gpt2.modeling_gpt2",)
+
 
 def _tiny_gpt2() -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel

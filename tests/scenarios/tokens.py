@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 import gradsync
 from gradsync import Accelerator
 
+from scenarios.common import DEEPSPEED_PRELOAD as PRELOAD  # noqa: F401  (mp_worker.py)
 from scenarios.common import to_lists
 from scenarios.deepspeed import ds_config
 

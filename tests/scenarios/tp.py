@@ -17,6 +17,9 @@ from gradsync import Accelerator
 
 from scenarios.common import Loop, make_model, make_optimizer, micro_step, to_lists, train
 
+#: Imported on first use by a scenario here (mp_worker.py's agent imports it once).
+PRELOAD = ("transformers.models.llama.modeling_llama",)
+
 #: The test network (scenarios.common.Net) split over tp: inp colwise, block 0 rowwise,
 #: block 1 colwise, head rowwise (every Linear is split; the tanh between runs on shards).
 NET_PLAN = {"inp": "colwise", "blocks.0.lin": "rowwise", "blocks.1.lin": "colwise", "head": "rowwise"}
