@@ -1,4 +1,5 @@
-"""One rank of the sync-overhead benchmark (started by sync_overhead.py through torchrun).
+"""One rank of the sync-overhead benchmark (``run(SPEC, OUT)``, started by sync_overhead.py as
+torchrun's agent starts ranks; or by hand:
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench_worker.py SPEC OUT
 
@@ -248,7 +249,11 @@ def run_group(label: str, k: int, spec: dict[str, Any], sizes: Sizes, device: to
 
 
 def main() -> None:
-    spec_path, out_dir = sys.argv[1:3]
+    run(*sys.argv[1:3])
+
+
+def run(spec_path: str, out_dir: str) -> None:
+    """One rank: every cell of the spec at ``spec_path``; ``rank{r}.json`` into ``out_dir``."""
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec.get("threads", 1))
     device_type = "cuda" if torch.cuda.is_available() and spec.get("device") != "cpu" else "cpu"

@@ -2,8 +2,8 @@
 
     python benchmarks/sync_overhead.py [--quick] [--out DIR]       (or: gradsync bench ...)
 
-Starts its own worker group (2 ranks, gloo on CPU / nccl on GPUs, through
-``torch.distributed.run --standalone``) and measures, per backend (ddp, fsdp, deepspeed
+Starts its own worker group (2 ranks, gloo on CPU / nccl on GPUs; this process is their
+torchrun agent, ``elastic_launch``; on CPU the ranks are forks of it) and measures, per backend (ddp, fsdp, deepspeed
 ZeRO 0 and 2, fairscale) and per accumulation k, five modes of the same training loop:
 
 * naive       gradsync, ``sync_policy="every_step"``
@@ -25,7 +25,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -146,24 +145,31 @@ def micro_benchmark(reps: int, iters: int, k: int = 4) -> dict[str, Any]:
 
 
 # -- the worker group ---------------------------------------------------------------
+def _process_setups(backends: list[str]) -> None:
+    """What each rank does first for its backends (DeepSpeed's imports), done once before the
+    ranks are forked."""
+    from bench_cells import CELLS
+
+    for label in backends:
+        cells = CELLS.get(label)
+        if cells is not None and cells.process_setup is not None and cells.missing() is None:
+            cells.process_setup()
+
+
 def run_workers(spec: dict[str, Any], out: Path, nproc: int, timeout: float) -> list[dict[str, Any]]:
+    from small_bench import launch_ranks
+
     work = Path(tempfile.mkdtemp(prefix="gradsync-bench-"))
     (work / "spec.json").write_text(json.dumps(spec))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "--max-restarts=0", str(WORKER), str(work / "spec.json"), str(work),
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
-    env.setdefault("OMP_NUM_THREADS", str(spec.get("threads", 1)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("PYTHONWARNINGS", "ignore")
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec.get("threads", 1)))
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
     log_path = out / "worker.log"
-    with log_path.open("w") as log:
-        try:
-            proc = subprocess.run(cmd, stdout=None, stderr=log, env=env, cwd=HERE, timeout=timeout)
-            code: int | str = proc.returncode
-        except subprocess.TimeoutExpired:
-            code = f"timeout after {timeout:.0f} s"
+    failed = launch_ranks(WORKER, "run", [str(work / "spec.json"), str(work)], nproc,
+                          work / "logs", timeout=timeout, quiet=False,
+                          before=lambda: _process_setups(spec["backends"]))
+    log_path.write_text("".join(p.read_text(errors="replace") for p in sorted((work / "logs").rglob("*.log")))
+                        + failed)
+    code: int | str = 1 if failed else 0
     results = []
     for rank in range(nproc):
         path = work / f"rank{rank}.json"
