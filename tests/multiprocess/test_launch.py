@@ -32,22 +32,20 @@ def reports(folder: Path) -> list[dict]:
 
 
 @pytest.mark.multiprocess
-def test_launch_two_processes_both_report(tmp_path):
-    proc = gradsync("launch", "--nproc-per-node", "2", "--gradient-accumulation-steps", "3",
-                    str(SCRIPT), str(tmp_path), "--flag", "value")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_two_workers_report_the_config_files_backend_the_flags_and_their_exit_status(tmp_path):
+    """One launch: the config file's backend reaches both workers (through GRADSYNC_CONFIG,
+    not a variable of its own), a flag wins over the file, the script's arguments arrive, and
+    rank 1's exit status is the launch's."""
+    cfg = write(tmp_path / "cfg.yaml", "backend: fsdp\ngradient_accumulation_steps: 2\n")
+    proc = gradsync("launch", "--nproc-per-node", "2", "--config", str(cfg),
+                    "--gradient-accumulation-steps", "3", str(SCRIPT), str(tmp_path), "--flag", "value",
+                    env={"REPORT_EXIT_CODE": "3"})
+    assert proc.returncode == 3, proc.stdout + proc.stderr
     got = reports(tmp_path)
     assert [r["rank"] for r in got] == [0, 1]
     for r in got:
-        assert r["world_size"] == 2 and r["backend"] == "ddp" and r["accumulation"] == 3
-        assert r["rank_sum"] == 1.0 and r["args"] == ["--flag", "value"]
-
-
-@pytest.mark.multiprocess
-def test_launch_returns_the_workers_exit_status(tmp_path):
-    proc = gradsync("launch", "--nproc-per-node", "2", str(SCRIPT), str(tmp_path),
-                    env={"REPORT_EXIT_CODE": "3"})
-    assert proc.returncode == 3, proc.stdout + proc.stderr
+        assert r["world_size"] == 2 and r["rank_sum"] == 1.0 and r["args"] == ["--flag", "value"]
+        assert (r["backend"], r["env_backend"], r["accumulation"]) == ("fsdp", None, 3)
 
 
 def free_port() -> int:
@@ -147,16 +145,6 @@ def test_dry_run_with_a_config_file_exports_only_what_was_given(tmp_path):
     assert not [line for line in env if line.startswith(("GRADSYNC_BACKEND=", "GRADSYNC_SYNC_POLICY="))], env
     assert sorted(line.split("=")[0] for line in env) == [
         "GRADSYNC_CONFIG", "GRADSYNC_GRADIENT_ACCUMULATION_STEPS"]
-
-
-@pytest.mark.multiprocess
-def test_launched_workers_run_the_config_files_backend(tmp_path):
-    cfg = write(tmp_path / "cfg.yaml", "backend: fsdp\ngradient_accumulation_steps: 2\n")
-    proc = gradsync("launch", "--nproc-per-node", "2", "--config", str(cfg), str(SCRIPT), str(tmp_path))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    got = reports(tmp_path)
-    assert [(r["rank"], r["backend"], r["env_backend"], r["accumulation"]) for r in got] == [
-        (0, "fsdp", None, 2), (1, "fsdp", None, 2)]
 
 
 def test_workers_see_the_config_files_backend_and_flags_still_win(tmp_path, clean_env):
