@@ -32,6 +32,18 @@ MULTIPROCESS = HERE / "multiprocess"
 sys.path.insert(0, str(HERE))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cost", action="store_true",
+                     help="print the test modules by CPU (harness/cost.py)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("cost"):
+        from harness import cost
+
+        config.pluginmanager.register(cost, "gradsync-test-cost")
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_process_group():
     """Tear down any process group a test created in this process."""
