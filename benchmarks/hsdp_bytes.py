@@ -476,11 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--meshes", default=";".join(MESHES),
                         help="the meshes of the 4 ranks, ';'-separated: 'R,S' (replicas, shards) or "
                              "parallelism text; default '2,2;1,4;dp_shard=2,tp=2'")
-    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        worker(json.loads(Path(args.worker[0]).read_text()), Path(args.worker[1]))
-        return 0
     spec = {
         "meshes": [_mesh(text) for text in args.meshes.split(";") if text.strip()],
         "sizes": QUICK_SIZES if args.quick else SIZES,

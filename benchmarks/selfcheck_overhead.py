@@ -37,7 +37,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from small_bench import QUICK_SIZES, SIZES, parser, ran_as_worker, run_workers, write  # noqa: E402
+from small_bench import QUICK_SIZES, SIZES, parser, run_workers, write  # noqa: E402
 
 
 def worker(spec: dict[str, Any], out: Path) -> None:
@@ -162,8 +162,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per group")
     p.add_argument("--calls", type=int, default=500, help="all-reduces per timed block")
     args = p.parse_args(argv)
-    if ran_as_worker(args, worker):
-        return 0
     sizes = QUICK_SIZES if args.quick else SIZES
     spec = {"sizes": sizes, "k": args.k, "steps": 4 if args.quick else args.steps,
             "calls": 50 if args.quick else args.calls}

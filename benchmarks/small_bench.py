@@ -113,19 +113,10 @@ def write(out_dir: str, name: str, result: dict[str, Any], table: str) -> None:
 
 def parser(description: str, quick: str) -> argparse.ArgumentParser:
     """The options every small benchmark takes: ``--out``, ``--k``, ``--quick`` (``quick``:
-    its help) and the hidden ``--worker SPEC DIR`` its ranks are started with."""
+    its help)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", default="benchmark-results")
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--quick", action="store_true", help=quick)
-    p.add_argument("--worker", nargs=2, metavar=("SPEC", "DIR"), help=argparse.SUPPRESS)
     return p
 
-
-def ran_as_worker(args: argparse.Namespace, worker: Callable[[dict[str, Any], Path], None]) -> bool:
-    """Run ``worker(spec, folder)`` when this process is one of the ranks ``run_workers``
-    started (``--worker``); whether it was."""
-    if not args.worker:
-        return False
-    worker(json.loads(Path(args.worker[0]).read_text()), Path(args.worker[1]))
-    return True

@@ -26,7 +26,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from small_bench import QUICK_SIZES, SIZES, parser, ran_as_worker, run_workers, write  # noqa: E402
+from small_bench import QUICK_SIZES, SIZES, parser, run_workers, write  # noqa: E402
 
 
 def worker(spec: dict[str, Any], out: Path) -> None:
@@ -101,8 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0], "a tiny model and 8 steps (a smoke run)")
     p.add_argument("--steps", type=int, default=42, help="optimizer steps per mode (2 are warm-up)")
     args = p.parse_args(argv)
-    if ran_as_worker(args, worker):
-        return 0
     sizes = QUICK_SIZES if args.quick else SIZES
     spec = {"sizes": sizes, "k": args.k, "steps": 8 if args.quick else args.steps}
     raw = run_workers(__file__, spec, f"token-weighting benchmark: DDP, 2 ranks, k={spec['k']}, "

@@ -37,7 +37,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from small_bench import QUICK_SIZES, SIZES, parser, ran_as_worker, run_workers, write  # noqa: E402
+from small_bench import QUICK_SIZES, SIZES, parser, run_workers, write  # noqa: E402
 
 MODES = ("off", "control", "on")  # control: a second loop without tracking, the noise floor
 
@@ -142,8 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=90, help="timed optimizer steps per mode (after 2 warm-up)")
     p.add_argument("--windows", type=int, default=1000, help="windows in the timing of the parts alone")
     args = p.parse_args(argv)
-    if ran_as_worker(args, worker):
-        return 0
     sizes = QUICK_SIZES if args.quick else SIZES
     spec = {"sizes": sizes, "k": args.k, "steps": 6 if args.quick else args.steps,
             "windows": 50 if args.quick else args.windows}
