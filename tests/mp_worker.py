@@ -14,6 +14,7 @@ name, the function's module, its qualified name and its parameters.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -84,6 +85,10 @@ def agent(nproc: int, spec_path: str, out_dir: str) -> None:
                 importlib.import_module(heavy)
             except ImportError:  # its tests are skipped, or fail in the ranks with the reason
                 pass
+    # What is imported stays: the collector need not walk it again in every rank (with
+    # torch, dynamo and DeepSpeed, each full collection walks a million objects, and DeepSpeed
+    # collects on every ZeRO-3 setup), and the forked ranks leave its pages shared.
+    gc.freeze()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           start_method="fork" if fork else "spawn")
