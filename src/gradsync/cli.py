@@ -163,6 +163,10 @@ def _add_launch_flags(launch: argparse.ArgumentParser) -> None:
                         help="run SCRIPT as a program, not with python")
     _add(launch, "--local-ranks-filter", default=None, metavar="RANKS",
          help="show the output of these local ranks only, e.g. 0,1")
+    _add(launch, "--start-method", default=None, metavar="exec|fork",
+         help="exec: each worker a fresh interpreter (the default); fork: on CPU, copies of "
+              "the launcher, which imported torch and gradsync once (seconds of CPU less "
+              "per worker; docs/checkpoints.md)")
     # The settings' flags (given: exported to the workers; not given: the config file's value).
     _add_setting_flags(launch, LAUNCH_SETTINGS)
     launch.add_argument("--config", default=None, metavar="YAML",
@@ -321,6 +325,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         redirects=args.redirects,
         no_python=args.no_python,
         local_ranks_filter=args.local_ranks_filter,
+        start_method=args.start_method,
         config_file=config_file,
         accelerate=accelerate,
         **{s.name: getattr(args, s.name) for s in LAUNCH_SETTINGS},

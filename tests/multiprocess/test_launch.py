@@ -294,3 +294,35 @@ def test_the_reported_rank_is_the_one_that_exited_not_the_one_the_launcher_stopp
 
     assert first_cause({0: Failure(-15, 1.0, "SIGTERM"), 1: Failure(3, 2.0)})[0] == 1
     assert first_cause({0: Failure(-9, 2.0, "SIGKILL"), 1: Failure(-15, 1.0, "SIGTERM")})[0] == 0
+
+
+@pytest.mark.multiprocess
+def test_a_forked_worker_starts_and_ends_as_a_fresh_interpreter_would(tmp_path):
+    """The same script under --start-method exec (the default) and fork: the same arguments,
+    ``__main__``, ``sys.path[0]``, stop-signal handlers, signal mask and thread count (the
+    launcher's, set after the copy's torch was imported), the same trained step, the exit
+    handlers run, and rank 1's exception reported the same way."""
+    script = SCRIPT.with_name("start_state.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_") and k != "OMP_NUM_THREADS"}
+    states = {}
+    for method in ("exec", "fork"):
+        out = tmp_path / method
+        out.mkdir()
+        proc = subprocess.run([sys.executable, "-m", "gradsync", "launch", "--nproc-per-node", "2",
+                               "--start-method", method, str(script), str(out)],
+                              capture_output=True, text=True, timeout=180, env=env)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "gradsync: rank 1 (local rank 1) failed (exit code 1)" in proc.stderr, proc.stderr
+        assert "ValueError: rank 1 raises after its step, on purpose" in proc.stderr
+        assert "Traceback" in proc.stderr and "Terminating process" not in proc.stderr
+        assert sorted(p.name for p in out.glob("exit*")) == ["exit0", "exit1"], proc.stderr
+        states[method] = reports(out)
+    for method, ranks in states.items():
+        assert [state.pop("argv") for state in ranks] == [[str(tmp_path / method)]] * 2
+    exec_, fork = states["exec"], states["fork"]
+    assert fork == exec_
+    for state in fork:
+        assert state["name"] == "__main__"
+        assert state["path0"] == str(script.parent) and state["blocked"] == []
+        assert state["handlers"]["SIGTERM"] == "0" and state["handlers"]["SIGINT"] == "default_int_handler"
+        assert state["omp"] is not None and state["threads"] == int(state["omp"])

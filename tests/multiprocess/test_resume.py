@@ -5,6 +5,11 @@ an LR schedule, dropout, shuffled data ending in partial windows. Its first atte
 the uninterrupted reference, then the checkpointed run, in which a rank SIGKILLs itself
 mid-window; torchrun restarts every worker, the script resumes from latest_checkpoint,
 and the final parameters must equal the reference bit for bit.
+
+The workers start as copies of the launcher (``--start-method fork``, ``FORK``): what is
+tested here is the training that resumes, not how a worker starts. fairscale's restarts and
+the two failure reports start fresh interpreters (the default), as does tests/multiprocess/
+test_launch.py, which also checks that a copy starts as a fresh interpreter would.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).resolve().parents[1]  # tests/
 SCRIPT = HERE / "scripts" / "resume_train.py"
 FAIL = HERE / "scripts" / "fail_rank.py"
+FORK = ("--start-method", "fork")
 
 
 def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -66,12 +72,13 @@ RUNS = {
     # (micro-steps 5 and 20: windows are 4, 4, 3 micro-steps per epoch), the first of them
     # committed in the background (the script saves every other checkpoint that way); the
     # save at 25 dies, and the last attempt resumes from micro-step 20 again.
-    "ddp": (["--max_restarts", "3"], ["--kill", "1:6,0:21,save:25"], "micro-0020"),
-    "fsdp": (["--max_restarts", "2"], ["--kill", "1:7,save:20", "--policy", "defer"], "micro-0015"),
+    "ddp": (["--max_restarts", "3", *FORK], ["--kill", "1:6,0:21,save:25"], "micro-0020"),
+    "fsdp": (["--max_restarts", "2", *FORK], ["--kill", "1:7,save:20", "--policy", "defer"], "micro-0015"),
     # DeepSpeed saves at boundaries only (micro-steps 15, in the background, and 30); the
     # first kill is mid-window, the second in the save at 30.
-    "deepspeed": (["--max_restarts", "2"], ["--kill", "1:21,save:30", "--boundary-only"], "micro-0015"),
-    # fairscale (legacy): boundary checkpoints too, its OSS optimizer state gathered on save.
+    "deepspeed": (["--max_restarts", "2", *FORK], ["--kill", "1:21,save:30", "--boundary-only"], "micro-0015"),
+    # fairscale (legacy): boundary checkpoints too, its OSS optimizer state gathered on save;
+    # its workers start as fresh interpreters (the default), restarts included.
     "fairscale": (["--max_restarts", "2"], ["--kill", "0:17,save:30", "--boundary-only"], "micro-0015"),
 }
 
@@ -99,13 +106,13 @@ def test_a_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, backend):
 def test_sigterm_on_one_rank_saves_on_every_rank_and_the_job_resumes(tmp_path):
     """Only rank 1 gets SIGTERM (mid-window 2); both ranks agree, save step-2 when window 3
     starts and exit cleanly; a new launch resumes bitwise."""
-    first = launch("--nproc-per-node", "2", str(SCRIPT), str(tmp_path), "--backend", "ddp",
+    first = launch("--nproc-per-node", "2", *FORK, str(SCRIPT), str(tmp_path), "--backend", "ddp",
                    "--with-reference", "--save-every", "1000", "--sigterm-at", "6", "--sigterm-rank", "1")
     assert first.returncode == 0, first.stdout + first.stderr[-6000:]
     assert "gradsync: SIGTERM received; saved" in first.stderr
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-2"]
     assert not (tmp_path / "final.pt").exists()
-    second = launch("--nproc-per-node", "2", str(SCRIPT), str(tmp_path), "--backend", "ddp",
+    second = launch("--nproc-per-node", "2", *FORK, str(SCRIPT), str(tmp_path), "--backend", "ddp",
                     "--save-every", "1000", "--sigterm-rank", "1")
     assert second.returncode == 0, second.stdout + second.stderr[-6000:]
     assert results(tmp_path, "final")[0]["resumed_from"] == str(tmp_path / "ckpt" / "step-2")
@@ -131,10 +138,10 @@ def test_fsdp_saved_on_two_ranks_resumes_on_one(tmp_path):
     """FSDP2 shards of 2 ranks resharded by torch.distributed.checkpoint onto 1 rank; the
     epoch resumes after as many samples as were consumed (no dropout: the reference replays
     the windows each run really trained on)."""
-    first = launch("--nproc-per-node", "2", str(SCRIPT), str(tmp_path), "--backend", "fsdp",
+    first = launch("--nproc-per-node", "2", *FORK, str(SCRIPT), str(tmp_path), "--backend", "fsdp",
                    "--dropout", "0", "--reshard-at", "15")
     assert first.returncode == 0, first.stdout + first.stderr[-6000:]
-    second = launch("--nproc-per-node", "1", str(SCRIPT), str(tmp_path), "--backend", "fsdp",
+    second = launch("--nproc-per-node", "1", *FORK, str(SCRIPT), str(tmp_path), "--backend", "fsdp",
                     "--dropout", "0", "--resume-from", str(tmp_path / "reshard"))
     assert second.returncode == 0, second.stdout + second.stderr[-6000:]
     before = [json.loads((tmp_path / f"reshard_rank{r}.json").read_text()) for r in (0, 1)]

@@ -1,7 +1,11 @@
 """`gradsync verify` end to end: each verify is one launch (2 gloo ranks, or 1 for the bad
 inputs) and one single-process reference, from the command line's words (``gradsync.cli``
 called in this process, as ``python -m gradsync`` calls it: one interpreter fewer per case;
-the multi-node refusal runs the real ``python -m gradsync verify``)."""
+the multi-node refusal runs the real ``python -m gradsync verify``).
+
+The launched runs start their workers as copies of the launcher (``--start-method fork``,
+``FORK``), except the README's DDP example: what is tested here is the verdict, not how a
+worker starts (tests/multiprocess/test_launch.py compares the two starts)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ INDEPENDENT_TESTS = True
 CASES = ROOT / "tests" / "scripts" / "verify_cases.py"
 TRAIN = ROOT / "examples" / "train.py"
 CAUSAL = ROOT / "examples" / "causal_lm.py"
+FORK = ("--start-method", "fork")
 
 
 def rel_diffs(out: str) -> list[float]:
@@ -27,9 +32,9 @@ def rel_diffs(out: str) -> list[float]:
 
 
 @pytest.mark.parametrize("launch", [
-    ("--backend", "ddp"),
-    ("--backend", "fsdp"),
-    ("--use-deepspeed", "--zero-stage", "2"),
+    ("--backend", "ddp"),  # as the README runs it: fresh interpreters
+    ("--backend", "fsdp", *FORK),
+    ("--use-deepspeed", "--zero-stage", "2", *FORK),
 ], ids=["ddp", "fsdp2", "zero2"])
 def test_the_example_is_exact_on_every_backend(run_verify, launch):
     code, out = run_verify("--nproc-per-node", "2", *launch, "--gradient-accumulation-steps", "4",
@@ -45,7 +50,7 @@ def test_the_example_is_exact_on_every_backend(run_verify, launch):
 
 
 def test_the_example_is_exact_on_a_2x2_mesh_deferring_the_replica_all_reduce(run_verify):
-    code, out = run_verify("--nproc-per-node", "4", "--backend", "fsdp", "--fsdp-mesh", "2,2",
+    code, out = run_verify("--nproc-per-node", "4", *FORK, "--backend", "fsdp", "--fsdp-mesh", "2,2",
                            "--sync-policy", "defer_replicate", "--gradient-accumulation-steps", "4",
                            TRAIN, "--epochs", "1")
     assert code == 0, out
@@ -55,7 +60,7 @@ def test_the_example_is_exact_on_a_2x2_mesh_deferring_the_replica_all_reduce(run
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 def test_the_token_weighted_example_is_exact(run_verify, backend):
-    code, out = run_verify("--nproc-per-node", "2", "--backend", backend,
+    code, out = run_verify("--nproc-per-node", "2", *FORK, "--backend", backend,
                            "--gradient-accumulation-steps", "4", "--steps", "2", CAUSAL)
     assert code == 0, out
     assert len(table(out)) == 2 and max(rel_diffs(out)) <= 1e-5, out
@@ -67,7 +72,7 @@ def test_a_loss_scaled_by_the_rank_differs_from_the_first_step(run_verify, tmp_p
     assert line in text
     buggy = tmp_path / "train_rank_bug.py"
     buggy.write_text(text.replace(line, line + " * (1 + accel.rank)"))
-    code, out = run_verify("--nproc-per-node", "2", "--gradient-accumulation-steps", "4", buggy)
+    code, out = run_verify("--nproc-per-node", "2", *FORK, "--gradient-accumulation-steps", "4", buggy)
     assert code == 1, out
     rows = table(out)
     assert rows and all(r[-1] == "DIFFERS" for r in rows), out
@@ -76,10 +81,10 @@ def test_a_loss_scaled_by_the_rank_differs_from_the_first_step(run_verify, tmp_p
 
 
 def test_noise_in_the_step_is_reported_as_non_determinism_and_dataset_noise_is_replayed(run_verify):
-    code, out = run_verify("--nproc-per-node", "2", CASES, "--case", "forward-noise")
+    code, out = run_verify("--nproc-per-node", "2", *FORK, CASES, "--case", "forward-noise")
     assert code == 2, out
     assert "not deterministic" in out and "torch" in out, out
-    code, out = run_verify("--nproc-per-node", "2", CASES, "--case", "dataset-noise")
+    code, out = run_verify("--nproc-per-node", "2", *FORK, CASES, "--case", "dataset-noise")
     assert code == 0, out  # the augmented batches are recorded, and replayed
     assert "dropout set to p=0 in both runs: 2 (p=0.2)" in out
 
@@ -92,7 +97,7 @@ def test_noise_in_the_step_is_reported_as_non_determinism_and_dataset_noise_is_r
 ])
 def test_what_cannot_be_verified_exits_2_with_one_line(run_verify, case, words):
     # No --max-seconds: these runs end by themselves, however long a loaded machine takes.
-    code, out = run_verify("--nproc-per-node", "1", CASES, "--case", case)
+    code, out = run_verify("--nproc-per-node", "1", *FORK, CASES, "--case", case)
     assert code == 2, out
     verdict = [line for line in out.splitlines() if line.startswith("verdict: cannot verify")]
     assert len(verdict) == 1, out
@@ -103,7 +108,7 @@ def test_what_cannot_be_verified_exits_2_with_one_line(run_verify, case, words):
 def test_a_script_that_hangs_is_stopped_at_max_seconds_with_one_line(run_verify):
     # The script sleeps 10 minutes before it trains: it runs past the limit however fast or
     # loaded the machine is, so a short limit keeps the test short without making it flaky.
-    code, out = run_verify("--nproc-per-node", "1", "--max-seconds", "5", CASES, "--case", "hang")
+    code, out = run_verify("--nproc-per-node", "1", *FORK, "--max-seconds", "5", CASES, "--case", "hang")
     assert code == 2, out
     verdict = [line for line in out.splitlines() if line.startswith("verdict: cannot verify")]
     assert len(verdict) == 1, out

@@ -1,7 +1,9 @@
 """`gradsync verify` on an N-D mesh: a tensor-parallel MLP (two colwise/rowwise Linear pairs)
 launched on 4 gloo ranks as (dp_shard 2, tp 2) against one process replaying the 2 data-parallel
 ranks' micro-batches; two verifies, each one 4-rank launch and one single-process reference
-(``gradsync.cli`` called in this process, as ``python -m gradsync`` calls it)."""
+(``gradsync.cli`` called in this process, as ``python -m gradsync`` calls it). The launched
+ranks start as copies of the launcher (``--start-method fork``): the verdict is tested here,
+not how a worker starts."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from harness.verify import ROOT, table
 
 SCRIPT = ROOT / "tests" / "scripts" / "verify_tp.py"
 LAUNCH = ("--parallelism", "dp_shard=2,tp=2", "--nproc-per-node", "4", "--backend", "fsdp",
-          "--sync-policy", "defer", "--gradient-accumulation-steps", "2", "--steps", "3")
+          "--sync-policy", "defer", "--gradient-accumulation-steps", "2", "--steps", "3",
+          "--start-method", "fork")
 
 
 def test_tp_on_dp_shard_equals_one_process_and_a_dp_rank_dependent_loss_differs(run_verify, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -311,6 +312,44 @@ def test_no_python_runs_the_program_with_its_words():
     args = torchrun_namespace(*launcher._torchrun_parts())
     assert args.no_python and args.training_script == "bash"
     assert args.training_script_args == ["-c", "echo --max"]
+
+
+@pytest.mark.parametrize("module", [False, True])
+def test_fork_start_has_torchruns_agent_run_gradsyncs_wrapper_in_each_copy(module):
+    from torch.distributed.run import config_from_args, run_script_path
+
+    from gradsync.launch import worker
+
+    config = LaunchConfig(script="pkg.train" if module else SCRIPT, script_args=["--max", "5"],
+                          module=module, nproc_per_node=2, start_method="fork")
+    launcher = _unvalidated(config) if module else Launcher(config, environ={})
+    args = torchrun_namespace(*launcher._torchrun_parts())
+    assert args.run_path and args.start_method == "fork" and not args.module
+    assert args.training_script == str(Path(worker.__file__).resolve())
+    assert args.training_script_args == [*(["-m"] if module else []), config.script, "--max", "5"]
+    launch_config, entry, entry_args = config_from_args(args)
+    assert entry is run_script_path and launch_config.start_method == "fork"
+    assert entry_args == [args.training_script, *args.training_script_args]
+    # The default, and exec said so: a fresh interpreter runs the wrapper module.
+    for method in (None, "exec"):
+        own, _ = launch({}, start_method=method)._torchrun_parts()
+        assert own[-2:] == ["-m", "gradsync.launch.worker"] and "--run-path" not in own
+
+
+@pytest.mark.parametrize("given, words", [
+    ({"start_method": "spawn"}, "--start-method='spawn' is unknown; use exec"),
+    ({"start_method": "fork", "no_python": True}, "drop one of them"),
+])
+def test_a_start_method_it_cannot_honour_is_refused_before_anything_starts(given, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        launch({}, **given)
+
+
+def test_the_cli_passes_the_start_method_to_the_launch():
+    args = cli.build_parser().parse_args(["launch", "--start-method", "fork", SCRIPT])
+    assert cli.launch_config(args).start_method == "fork"
+    args = cli.build_parser().parse_args(["launch", "--start_method", "exec", SCRIPT])
+    assert cli.launch_config(args).start_method == "exec"
 
 
 # -- SIGUSR1 forwarding, in parts -------------------------------------------------------

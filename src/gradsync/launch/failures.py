@@ -15,7 +15,10 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-_ELASTIC = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+_ELASTIC = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher",
+            "torch.multiprocessing")  # its "Terminating process ..." (--start-method fork)
+#: Loggers whose per-process lines gradsync replaces with its own report.
+_PER_PROCESS = ("torch.distributed.elastic.multiprocessing", "torch.multiprocessing")
 _AGENT = "torch.distributed.elastic.agent.server.api"
 
 
@@ -32,7 +35,7 @@ class _Quiet(logging.Filter):
             return False
         if record.levelno >= logging.CRITICAL:
             return True
-        if record.name.startswith("torch.distributed.elastic.multiprocessing"):
+        if record.name.startswith(_PER_PROCESS):
             return False  # "failed (exitcode: 1) local_rank: ...": gradsync reports it itself
         return record.levelno >= logging.ERROR
 

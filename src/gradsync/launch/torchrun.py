@@ -71,6 +71,10 @@ class LaunchConfig:
     redirects: str | None = None
     no_python: bool = False
     local_ranks_filter: str | None = None
+    #: How each worker starts: "exec" (None: the default) a fresh interpreter, as torchrun
+    #: starts it; "fork" (CPU training) a copy of this process, which imported torch and
+    #: gradsync once (``gradsync.launch.worker``: what a copy starts with).
+    start_method: str | None = None
     # The settings that have a launch flag (gradsync.settings.LAUNCH_SETTINGS, with their
     # declared types; tests/unit/test_settings.py checks that the two agree). The workers'
     # Accelerator() reads them from GRADSYNC_* variables. None (a switch: False) means "not
@@ -453,6 +457,11 @@ class Launcher:
                 argv.append(f"{flag}={value}")
         if c.no_python:
             return [*argv, "--no-python", c.script], list(c.script_args)
+        if c.start_method == "fork":  # torchrun's agent runs the wrapper in each copy
+            from gradsync.launch import worker
+
+            return ([*argv, "--run-path", "--start-method=fork", str(Path(worker.__file__).resolve())],
+                    [*(["-m"] if c.module else []), c.script, *c.script_args])
         # Each worker runs the script through gradsync's wrapper, which records its error.
         return ([*argv, "-m", "gradsync.launch.worker"],
                 [*(["-m"] if c.module else []), c.script, *c.script_args])
@@ -500,6 +509,8 @@ class Launcher:
                 ) from None
             except signals.Stopped as early:
                 return signals.stopped(early.signum, sys.stderr, workers=False)
+        if self.config.start_method == "fork":
+            _prepare_fork()
         for line in self.warnings:
             print(f"gradsync: warning: {line}", file=sys.stderr, flush=True)
         own, tail = self._torchrun_parts()
@@ -525,6 +536,32 @@ class Launcher:
 
 
 _RENDEZVOUS = ("rdzv_endpoint", "master_addr", "master_port")
+
+#: ``--start-method``: a fresh interpreter per worker (the default), or a copy of the launcher.
+START_METHODS = ("exec", "fork")
+
+
+def _prepare_fork() -> None:
+    """Before the workers start as copies of this process (``--start-method fork``): refuse
+    where torch sees a CUDA device, import what every training script imports (torch, the
+    dynamo an optimizer imports on first use, gradsync's Accelerator), and freeze it, so
+    that no worker's garbage collector walks those objects again and their pages stay
+    shared."""
+    import gc
+
+    import torch
+
+    if torch.cuda.is_available():
+        raise ConfigError(
+            "--start-method fork starts the workers as copies of the launcher, for training on "
+            "CPU; torch sees a CUDA device here, which a copy cannot use once the launcher has "
+            "asked for it: drop --start-method fork")
+    import torch._dynamo  # what an optimizer imports on first use
+
+    import gradsync.accelerator  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
 
 
 def _launch_env(launch: Mapping[str, Any], env: dict[str, str]) -> None:
@@ -613,6 +650,13 @@ def _check_torchrun_flags(c: LaunchConfig, max_nodes: int) -> None:
         raise ConfigError(f"--log-dir={c.log_dir!r} is an existing file; give a folder")
     if c.no_python and c.module:
         raise ConfigError("--no-python and -m cannot be used together; give one of them")
+    if c.start_method not in (None, *START_METHODS):
+        raise ConfigError(
+            f"--start-method={c.start_method!r} is unknown; use exec (each worker a fresh "
+            "interpreter, the default) or fork (CPU workers as copies of the launcher)")
+    if c.start_method == "fork" and c.no_python:
+        raise ConfigError("--start-method fork runs the script in a copy of the launcher's "
+                          "Python, and --no-python runs a program: drop one of them")
 
 
 def _check_settings(settings: Mapping[str, Any]) -> None:

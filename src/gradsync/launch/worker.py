@@ -14,6 +14,12 @@ the launcher's stop signals held off while it is written, so that torchrun never
 of one. `gradsync launch` then names the rank whose own exception came first, even when
 torchrun's agent saw another rank's exit first and stopped this one while it was exiting.
 
+With ``gradsync launch --start-method fork`` torchrun's agent runs this module in each
+worker, a copy of the launcher (``runpy``, its ``--run-path``); the copy first becomes what a
+fresh interpreter would be where it matters: the launcher's signal handlers and signal mask
+undone, torch's threads set from ``OMP_NUM_THREADS`` (read by torch when the launcher
+imported it), and the exit handlers run when the script ends, as Python runs them.
+
 ``SystemExit`` passes through unchanged. ``KeyboardInterrupt`` (SIGINT, which `gradsync
 launch` forwards when it is stopped) ends the worker as it ends ``python script.py``, killed
 by SIGINT, without its traceback: the launcher prints one line for the whole job.
@@ -21,8 +27,10 @@ by SIGINT, without its traceback: the launcher prints one line for the whole job
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
+import multiprocessing
 import os
 import runpy
 import signal
@@ -139,7 +147,54 @@ def _silent_interrupt(kind: type[BaseException], value: BaseException,
         sys.__excepthook__(kind, value, tb)
 
 
+#: The signals whose handlers a copy of the launcher inherits (its own and torchrun's agent's).
+_INHERITED = tuple(getattr(signal, name) for name in (
+    "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
+
+
+def _as_fresh_process() -> None:
+    """In a copy of the launcher: the signal handlers, mask and thread count a fresh
+    interpreter running the script would start with."""
+    for signum in _INHERITED:
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
+def _end_as_python_would(interrupted: bool) -> None:
+    """In a copy of the launcher, which multiprocessing ends with ``os._exit``: run the exit
+    handlers, as Python does at exit; after a KeyboardInterrupt, end by SIGINT as Python
+    does (multiprocessing would call it success)."""
+    atexit._run_exitfuncs()
+    if interrupted:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
 def main(argv: list[str] | None = None) -> None:
+    forked = multiprocessing.parent_process() is not None  # --start-method fork
+    if forked:
+        _as_fresh_process()
+    interrupted = False
+    try:
+        _run(argv)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
+    finally:
+        if forked:
+            _end_as_python_would(interrupted)
+
+
+def _run(argv: list[str] | None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         sys.exit("usage: python -m gradsync.launch.worker SCRIPT [ARGS...] | -m MODULE [ARGS...]")
@@ -147,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     if module:
         target, rest = args[1], args[2:]
         sys.argv = [target, *rest]
+        sys.path[0] = os.getcwd()  # as `python -m module` does
     else:
         target, rest = args[0], args[1:]
         sys.argv = [target, *rest]
