@@ -160,11 +160,13 @@ def test_a_raising_rank_is_named_when_the_agent_sees_the_other_rank_exit_first(t
     assert "killed by" not in proc.stderr and "ChildFailedError" not in proc.stderr
 
 
-def test_the_earliest_of_two_exceptions_is_named_whichever_exit_comes_first(tmp_path):
+@pytest.mark.parametrize("start", ["exec", "fork"])
+def test_the_earliest_of_two_exceptions_is_named_whichever_exit_comes_first(tmp_path, start):
     """Rank 0 raises ValueError and takes 10 minutes to exit; once it is exiting, rank 1
     raises AttributeError and exits at once. The agent sees rank 1's exit first; rank 0's
-    exception came first and is the one reported."""
-    proc = _launch(tmp_path, str(RAISE), str(tmp_path), "both")
+    exception came first and is the one reported. Under --start-method fork the agent
+    reports rank 1 only: rank 0's error file, beside it, still names rank 0."""
+    proc = _launch(tmp_path, "--start-method", start, str(RAISE), str(tmp_path), "both")
     assert proc.returncode == 1, proc.stderr
     block = _block(proc.stderr, 0)
     assert "ValueError: rank 0 raised first" in block

@@ -345,6 +345,20 @@ def test_a_start_method_it_cannot_honour_is_refused_before_anything_starts(given
         launch({}, **given)
 
 
+def test_fork_is_refused_where_torch_sees_a_cuda_device(monkeypatch):
+    import gc
+
+    import torch
+
+    from gradsync.launch import torchrun
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    frozen = gc.get_freeze_count()
+    with pytest.raises(ConfigError, match="torch sees a CUDA device here.*drop --start-method fork"):
+        torchrun._prepare_fork()
+    assert gc.get_freeze_count() == frozen  # refused before anything is frozen
+
+
 def test_the_cli_passes_the_start_method_to_the_launch():
     args = cli.build_parser().parse_args(["launch", "--start-method", "fork", SCRIPT])
     assert cli.launch_config(args).start_method == "fork"

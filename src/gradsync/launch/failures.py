@@ -13,6 +13,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, TextIO
 
 _ELASTIC = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher",
@@ -111,9 +112,40 @@ def first_cause(failures: dict[int, Any]) -> tuple[int, Any]:
     return min(failures.items(), key=key)
 
 
+def with_recorded(failures: dict[int, Any]) -> dict[int, Any]:
+    """``failures`` and the other workers of the same attempt that recorded an exception
+    (``gradsync.launch.worker.record``) but are not among them: with ``--start-method fork``
+    torchrun's agent reports only the first worker it sees fail, and the one whose own
+    exception came first may be another. Their error files lie beside the reported ones
+    (torchrun's ``attempt_N/LOCAL_RANK/error.json``)."""
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    except ImportError:
+        return failures
+    known = {int(f.local_rank) for f in failures.values()}
+    found = dict(failures)
+    for failure in failures.values():
+        error_file = Path(str(getattr(failure, "error_file", "") or ""))
+        if error_file.name != "error.json" or not error_file.parent.name.isdigit():
+            continue
+        for sibling in error_file.parent.parent.glob("*/error.json"):
+            if not sibling.parent.name.isdigit() or int(sibling.parent.name) in known:
+                continue
+            try:
+                other = ProcessFailure(local_rank=int(sibling.parent.name), pid=-1, exitcode=1,
+                                       error_file=str(sibling))
+            except (OSError, ValueError, TypeError):
+                continue
+            rank = str(_info(other).get("gradsync_rank", ""))
+            if rank.isdigit() and int(rank) not in found:
+                found[int(rank)] = other
+                known.add(other.local_rank)
+    return found
+
+
 def report(err: Any, stream: TextIO) -> int:
     """Print the first failing rank's error as one block; return the exit status to use."""
-    failures: dict[int, Any] = dict(err.failures)
+    failures: dict[int, Any] = with_recorded(dict(err.failures))
     rank, failure = first_cause(failures)
     info = _info(failure)
     lines = [f"gradsync: rank {rank} (local rank {failure.local_rank}) failed ({_how(failure, info)})"]
