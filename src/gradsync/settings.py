@@ -63,7 +63,8 @@ ItemCounter = Callable[[Any], int]
 #: True, or a dict of torch.compile arguments.
 CompileOption = bool | dict[str, Any]
 #: GRADSYNC_* variables that are not settings (read by the launcher, the adapters, the tools).
-OTHER_VARIABLES = frozenset({"CONFIG", "DEVICE", "DEEPSPEED_BUILD_OPS", "BENCHMARK", "VENV", "EXTENSIONS"})
+OTHER_VARIABLES = frozenset({"CONFIG", "DEVICE", "DEEPSPEED_BUILD_OPS", "BENCHMARK", "VENV", "EXTENSIONS",
+                             "ERRORS"})
 
 
 # -- the checks of the core settings that the type alone does not give -----------------

@@ -300,29 +300,40 @@ def test_the_reported_rank_is_the_one_that_exited_not_the_one_the_launcher_stopp
 def test_a_forked_worker_starts_and_ends_as_a_fresh_interpreter_would(tmp_path):
     """The same script under --start-method exec (the default) and fork: the same arguments,
     ``__main__``, ``sys.path[0]``, stop-signal handlers, signal mask and thread count (the
-    launcher's, set after the copy's torch was imported), the same trained step, the exit
-    handlers run, and rank 1's exception reported the same way."""
+    launcher's, set after the copy's torch was imported), a session of its own, output
+    written through, NumPy draws that differ between the ranks, the same trained step, exit
+    handlers run after the threads, and rank 1's exception reported the same way. Then a
+    forked launch whose workers all end by ``sys.exit()`` succeeds."""
     script = SCRIPT.with_name("start_state.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_") and k != "OMP_NUM_THREADS"}
+
+    def launch(method: str, mode: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+        out = tmp_path / f"{method}-{mode}"
+        out.mkdir()
+        return out, subprocess.run([sys.executable, "-m", "gradsync", "launch", "--nproc-per-node", "2",
+                                    "--start-method", method, str(script), str(out), mode],
+                                   capture_output=True, text=True, timeout=180, env=env)
+
     states = {}
     for method in ("exec", "fork"):
-        out = tmp_path / method
-        out.mkdir()
-        proc = subprocess.run([sys.executable, "-m", "gradsync", "launch", "--nproc-per-node", "2",
-                               "--start-method", method, str(script), str(out)],
-                              capture_output=True, text=True, timeout=180, env=env)
+        out, proc = launch(method, "raise")
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert "gradsync: rank 1 (local rank 1) failed (exit code 1)" in proc.stderr, proc.stderr
         assert "ValueError: rank 1 raises after its step, on purpose" in proc.stderr
         assert "Traceback" in proc.stderr and "Terminating process" not in proc.stderr
-        assert sorted(p.name for p in out.glob("exit*")) == ["exit0", "exit1"], proc.stderr
+        assert [p.read_text() for p in sorted(out.glob("exit*"))] == ["after the thread"] * 2, proc.stderr
+        draws = [p.read_text() for p in sorted(out.glob("draw*"))]
+        assert len(draws) == 2 and draws[0] != draws[1]
         states[method] = reports(out)
     for method, ranks in states.items():
-        assert [state.pop("argv") for state in ranks] == [[str(tmp_path / method)]] * 2
+        assert [state.pop("argv") for state in ranks] == [[str(tmp_path / f"{method}-raise"), "raise"]] * 2
     exec_, fork = states["exec"], states["fork"]
     assert fork == exec_
     for state in fork:
-        assert state["name"] == "__main__"
+        assert state["name"] == "__main__" and state["own_session"] and state["written_through"]
         assert state["path0"] == str(script.parent) and state["blocked"] == []
         assert state["handlers"]["SIGTERM"] == "0" and state["handlers"]["SIGINT"] == "default_int_handler"
         assert state["omp"] is not None and state["threads"] == int(state["omp"])
+    out, proc = launch("fork", "exit")  # torchrun's agent alone would wait for these forever
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [p.read_text() for p in sorted(out.glob("exit*"))] == ["after the thread"] * 2

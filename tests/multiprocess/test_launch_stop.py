@@ -146,12 +146,15 @@ def test_a_raising_rank_is_named_while_the_other_is_still_busy(tmp_path):
     assert "killed by" not in proc.stderr and "ChildFailedError" not in proc.stderr
 
 
-def test_a_raising_rank_is_named_when_the_agent_sees_the_other_rank_exit_first(tmp_path):
+@pytest.mark.parametrize("start", ["exec", "fork"])
+def test_a_raising_rank_is_named_when_the_agent_sees_the_other_rank_exit_first(tmp_path, start):
     """Rank 1 raises AttributeError and takes 10 minutes to exit (a slow exit handler); once
     it is exiting, rank 0 exits by itself (status 3). The agent sees rank 0's exit first and
     stops rank 1 by SIGTERM while it is still exiting. Rank 1's own exception is the one
-    reported, with the status its worker exits with."""
-    proc = _launch(tmp_path, str(RAISE), str(tmp_path), "slow-exit")
+    reported, with the status its worker exits with. Under --start-method fork the agent
+    reports rank 0 only, which recorded nothing: the records the workers also wrote for the
+    launcher name rank 1."""
+    proc = _launch(tmp_path, "--start-method", start, str(RAISE), str(tmp_path), "slow-exit")
     assert proc.returncode == 1, proc.stderr
     block = _block(proc.stderr, 1)
     assert block.count("Traceback (most recent call last)") == 1
@@ -165,7 +168,7 @@ def test_the_earliest_of_two_exceptions_is_named_whichever_exit_comes_first(tmp_
     """Rank 0 raises ValueError and takes 10 minutes to exit; once it is exiting, rank 1
     raises AttributeError and exits at once. The agent sees rank 1's exit first; rank 0's
     exception came first and is the one reported. Under --start-method fork the agent
-    reports rank 1 only: rank 0's error file, beside it, still names rank 0."""
+    reports rank 1 only: the records the workers also wrote for the launcher name rank 0."""
     proc = _launch(tmp_path, "--start-method", start, str(RAISE), str(tmp_path), "both")
     assert proc.returncode == 1, proc.stderr
     block = _block(proc.stderr, 0)

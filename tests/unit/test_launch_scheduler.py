@@ -318,7 +318,7 @@ def test_no_python_runs_the_program_with_its_words():
 def test_fork_start_has_torchruns_agent_run_gradsyncs_wrapper_in_each_copy(module):
     from torch.distributed.run import config_from_args, run_script_path
 
-    from gradsync.launch import worker
+    from gradsync.launch import failures, worker
 
     config = LaunchConfig(script="pkg.train" if module else SCRIPT, script_args=["--max", "5"],
                           module=module, nproc_per_node=2, start_method="fork")
@@ -326,6 +326,7 @@ def test_fork_start_has_torchruns_agent_run_gradsyncs_wrapper_in_each_copy(modul
     args = torchrun_namespace(*launcher._torchrun_parts())
     assert args.run_path and args.start_method == "fork" and not args.module
     assert args.training_script == str(Path(worker.__file__).resolve())
+    assert worker.ERRORS_ENV == failures.ERRORS_ENV  # the wrapper writes where the report reads
     assert args.training_script_args == [*(["-m"] if module else []), config.script, "--max", "5"]
     launch_config, entry, entry_args = config_from_args(args)
     assert entry is run_script_path and launch_config.start_method == "fork"

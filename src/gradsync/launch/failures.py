@@ -22,6 +22,11 @@ _ELASTIC = ("torch.distributed.elastic", "torch.distributed.run", "torch.distrib
 _PER_PROCESS = ("torch.distributed.elastic.multiprocessing", "torch.multiprocessing")
 _AGENT = "torch.distributed.elastic.agent.server.api"
 
+#: Under ``--start-method fork``: the folder each worker also writes its record to
+#: (``gradsync.launch.worker.ERRORS_ENV``, the same name: the wrapper imports nothing of
+#: gradsync's).
+ERRORS_ENV = "GRADSYNC_ERRORS"
+
 
 class _Quiet(logging.Filter):
     """Drops torchrun's warnings and per-process failure lines; turns its restart notice
@@ -58,6 +63,15 @@ def quiet_torchrun() -> Iterator[None]:
         agent.setLevel(level)
         for logger in loggers:
             logger.removeFilter(quiet)
+
+
+def unquiet() -> None:
+    """Take ``quiet_torchrun``'s filters off torch's loggers: what a worker started as a copy
+    of the launcher does first (its own logs are its own)."""
+    for logger in list(logging.Logger.manager.loggerDict.values()):
+        if isinstance(logger, logging.Logger):
+            for found in [f for f in logger.filters if isinstance(f, _Quiet)]:
+                logger.removeFilter(found)
 
 
 def _info(failure: Any) -> dict[str, Any]:
@@ -112,40 +126,44 @@ def first_cause(failures: dict[int, Any]) -> tuple[int, Any]:
     return min(failures.items(), key=key)
 
 
-def with_recorded(failures: dict[int, Any]) -> dict[int, Any]:
-    """``failures`` and the other workers of the same attempt that recorded an exception
-    (``gradsync.launch.worker.record``) but are not among them: with ``--start-method fork``
-    torchrun's agent reports only the first worker it sees fail, and the one whose own
-    exception came first may be another. Their error files lie beside the reported ones
-    (torchrun's ``attempt_N/LOCAL_RANK/error.json``)."""
+def with_recorded(failures: dict[int, Any], folder: str | None) -> dict[int, Any]:
+    """``failures`` and the workers of the same attempt that recorded an exception in
+    ``folder`` (``gradsync.launch.worker.ERRORS_ENV``) but are not among them: under
+    ``--start-method fork`` torchrun's agent reports only the first worker it sees fail, and
+    the one whose own exception came first may be another."""
+    if not folder:
+        return failures
     try:
         from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
     except ImportError:
         return failures
+    recorded: dict[tuple[int, int], Path] = {}
+    for path in Path(folder).glob("attempt*.local*.json"):
+        attempt_word, _, local_word = path.stem.removeprefix("attempt").partition(".local")
+        if attempt_word.isdigit() and local_word.isdigit():
+            recorded[int(attempt_word), int(local_word)] = path
+    if not recorded:
+        return failures
+    last = max(attempt for attempt, _ in recorded)  # the attempt that failed for good
     known = {int(f.local_rank) for f in failures.values()}
     found = dict(failures)
-    for failure in failures.values():
-        error_file = Path(str(getattr(failure, "error_file", "") or ""))
-        if error_file.name != "error.json" or not error_file.parent.name.isdigit():
+    for (attempt, local), path in sorted(recorded.items()):
+        if attempt != last or local in known:
             continue
-        for sibling in error_file.parent.parent.glob("*/error.json"):
-            if not sibling.parent.name.isdigit() or int(sibling.parent.name) in known:
-                continue
-            try:
-                other = ProcessFailure(local_rank=int(sibling.parent.name), pid=-1, exitcode=1,
-                                       error_file=str(sibling))
-            except (OSError, ValueError, TypeError):
-                continue
-            rank = str(_info(other).get("gradsync_rank", ""))
-            if rank.isdigit() and int(rank) not in found:
-                found[int(rank)] = other
-                known.add(other.local_rank)
+        try:
+            other = ProcessFailure(local_rank=local, pid=-1, exitcode=1, error_file=str(path))
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+        rank = str(_info(other).get("gradsync_rank", ""))
+        if rank.isdigit() and int(rank) not in found:
+            found[int(rank)] = other
     return found
 
 
-def report(err: Any, stream: TextIO) -> int:
-    """Print the first failing rank's error as one block; return the exit status to use."""
-    failures: dict[int, Any] = with_recorded(dict(err.failures))
+def report(err: Any, stream: TextIO, recorded: str | None = None) -> int:
+    """Print the first failing rank's error as one block; return the exit status to use.
+    ``recorded``: the folder the workers also wrote their records to (``with_recorded``)."""
+    failures: dict[int, Any] = with_recorded(dict(err.failures), recorded)
     rank, failure = first_cause(failures)
     info = _info(failure)
     lines = [f"gradsync: rank {rank} (local rank {failure.local_rank}) failed ({_how(failure, info)})"]

@@ -17,7 +17,9 @@ import dataclasses
 import os
 import re
 import shlex
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,7 @@ from gradsync.config import ENV_PREFIX, Config, env_vars, from_yaml, read_yaml
 from gradsync.errors import ConfigError
 from gradsync.launch import cluster as scheduler
 from gradsync.launch import failures, signals
+from gradsync.launch.failures import ERRORS_ENV
 from gradsync.options.fsdp import MeshSpec, ParallelismSpec
 from gradsync.settings import (
     BY_NAME,
@@ -458,9 +461,7 @@ class Launcher:
         if c.no_python:
             return [*argv, "--no-python", c.script], list(c.script_args)
         if c.start_method == "fork":  # torchrun's agent runs the wrapper in each copy
-            from gradsync.launch import worker
-
-            return ([*argv, "--run-path", "--start-method=fork", str(Path(worker.__file__).resolve())],
+            return ([*argv, "--run-path", "--start-method=fork", str(WORKER)],
                     [*(["-m"] if c.module else []), c.script, *c.script_args])
         # Each worker runs the script through gradsync's wrapper, which records its error.
         return ([*argv, "-m", "gradsync.launch.worker"],
@@ -509,33 +510,45 @@ class Launcher:
                 ) from None
             except signals.Stopped as early:
                 return signals.stopped(early.signum, sys.stderr, workers=False)
-        if self.config.start_method == "fork":
-            _prepare_fork()
-        for line in self.warnings:
-            print(f"gradsync: warning: {line}", file=sys.stderr, flush=True)
-        own, tail = self._torchrun_parts()
-        args = torchrun_namespace(own, tail)
-        stop: tuple[int, bool] | None = None
-        failed: Any = None
-        with (_environ(self.run_env()), failures.quiet_torchrun(), signals.forwarding(),
-              signals.stopping()):
-            try:
-                run(args)
-            except ChildFailedError as err:
-                failed = err
-            except SignalException as err:  # torchrun's agent stopped the workers
-                stop = (int(err.sigval), True)
-            except signals.Stopped as err:  # before the workers started
-                stop = (err.signum, False)
-        # Said once the handlers from before are back (torchrun's would raise in the middle).
-        if stop is not None:
-            return signals.stopped(stop[0], sys.stderr, workers=stop[1])
-        if failed is not None:
-            return failures.report(failed, sys.stderr)
-        return 0
+        env = self.run_env()
+        with contextlib.ExitStack() as cleanup:
+            if self.config.start_method == "fork":
+                _prepare_fork()
+                # torchrun's agent then reports only the first worker it sees fail: the
+                # workers also write their records here, for the report to name the first.
+                # (A folder without a finalizer: the copies run the launcher's exit
+                # handlers, and a TemporaryDirectory's would remove it in each.)
+                env[ERRORS_ENV] = tempfile.mkdtemp(prefix="gradsync-errors-")
+                cleanup.callback(shutil.rmtree, env[ERRORS_ENV], ignore_errors=True)
+            for line in self.warnings:
+                print(f"gradsync: warning: {line}", file=sys.stderr, flush=True)
+            own, tail = self._torchrun_parts()
+            args = torchrun_namespace(own, tail)
+            stop: tuple[int, bool] | None = None
+            failed: Any = None
+            with (_environ(env), failures.quiet_torchrun(), signals.forwarding(),
+                  signals.stopping()):
+                try:
+                    run(args)
+                except ChildFailedError as err:
+                    failed = err
+                except SignalException as err:  # torchrun's agent stopped the workers
+                    stop = (int(err.sigval), True)
+                except signals.Stopped as err:  # before the workers started
+                    stop = (err.signum, False)
+            # Said once the handlers from before are back (torchrun's would raise in the middle).
+            if stop is not None:
+                return signals.stopped(stop[0], sys.stderr, workers=stop[1])
+            if failed is not None:
+                return failures.report(failed, sys.stderr, recorded=env.get(ERRORS_ENV))
+            return 0
 
 
 _RENDEZVOUS = ("rdzv_endpoint", "master_addr", "master_port")
+
+#: The wrapper each worker runs the script with (``python -m gradsync.launch.worker``); not
+#: imported here, so that ``-m`` finds it unimported.
+WORKER = Path(__file__).resolve().with_name("worker.py")
 
 #: ``--start-method``: a fresh interpreter per worker (the default), or a copy of the launcher.
 START_METHODS = ("exec", "fork")

@@ -35,6 +35,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -46,6 +47,11 @@ _CONSEQUENCE = ("connection closed", "connection reset", "broken pipe", "timed o
 
 #: The exit status of a worker whose script raised.
 EXIT_CODE = 1
+
+#: Under ``--start-method fork``: a folder where each worker also writes its record
+#: (``attempt{N}.local{L}.json``), because torchrun's agent then reports only the first
+#: worker it sees fail.
+ERRORS_ENV = "GRADSYNC_ERRORS"
 
 #: The signals torchrun's agent stops workers with; held off while the error file is written.
 _STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -110,7 +116,14 @@ def record(err: BaseException, path: str | None = None) -> None:
         path: the file (default: ``TORCHELASTIC_ERROR_FILE``).
     """
     path = path or os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
+    copies = os.environ.get(ERRORS_ENV)  # --start-method fork: where the launcher reads them all
+    if copies:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        local = os.environ.get("LOCAL_RANK", "0")
+        path_copy: str | None = os.path.join(copies, f"attempt{attempt}.local{local}.json")
+    else:
+        path_copy = None
+    if not path and not path_copy:
         return
     now = time.time()
     own = own_error(err)
@@ -128,15 +141,22 @@ def record(err: BaseException, path: str | None = None) -> None:
             },
         }
     }
-    temporary = f"{path}.{os.getpid()}.tmp"
     with _stop_signals_held():
-        try:
-            with open(temporary, "w") as f:
-                json.dump(data, f)
-            os.replace(temporary, path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.remove(temporary)
+        for target in (path, path_copy):
+            if target:
+                _write_whole(target, data)
+
+
+def _write_whole(path: str, data: object) -> None:
+    """``data`` as JSON at ``path``, whole or not at all (a temporary file renamed over it)."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "w") as f:
+            json.dump(data, f)
+        os.replace(temporary, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
 
 
 def _silent_interrupt(kind: type[BaseException], value: BaseException,
@@ -153,8 +173,14 @@ _INHERITED = tuple(getattr(signal, name) for name in (
 
 
 def _as_fresh_process() -> None:
-    """In a copy of the launcher: the signal handlers, mask and thread count a fresh
-    interpreter running the script would start with."""
+    """In a copy of the launcher: what a fresh interpreter that torchrun starts with
+    ``python -u`` in a session of its own would have: its own session (a Ctrl-C at the
+    terminal reaches the launcher only, which passes it on), the default signal handlers
+    and an empty signal mask, torch's thread count from ``OMP_NUM_THREADS``, line-buffered
+    output, NumPy's global generator seeded afresh (Python's ``random`` reseeds itself
+    after a fork), and no filters the launcher put on torch's loggers."""
+    with contextlib.suppress(OSError):
+        os.setsid()
     for signum in _INHERITED:
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -164,12 +190,25 @@ def _as_fresh_process() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+    launcher = sys.modules.get("gradsync.launch.failures")
+    if launcher is not None:
+        launcher.unquiet()
 
 
 def _end_as_python_would(interrupted: bool) -> None:
-    """In a copy of the launcher, which multiprocessing ends with ``os._exit``: run the exit
-    handlers, as Python does at exit; after a KeyboardInterrupt, end by SIGINT as Python
-    does (multiprocessing would call it success)."""
+    """In a copy of the launcher, which multiprocessing ends with ``os._exit``: wait for the
+    threads, then run the exit handlers, as Python does at exit; after a KeyboardInterrupt,
+    end by SIGINT as Python does (multiprocessing would call it success). The handlers the
+    launcher's imports registered run too, as the same imports register them in a fresh
+    interpreter; the launcher registers none of its own (no ``TemporaryDirectory``: its
+    finalizer would run here)."""
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     if interrupted:
         for stream in (sys.stdout, sys.stderr):
@@ -189,6 +228,11 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         interrupted = True
         raise
+    except SystemExit as end:
+        # sys.exit() or sys.exit(None): success, as Python says; torchrun's agent would wait
+        # forever for a copy that ends so (it takes only status 0 for a return).
+        if not forked or end.code is not None:
+            raise
     finally:
         if forked:
             _end_as_python_would(interrupted)
