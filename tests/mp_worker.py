@@ -45,20 +45,22 @@ def rank_main(spec_path: str, out_dir: str) -> None:
     spec = pickle.loads(Path(spec_path).read_bytes())
     find(*spec["setup"])()
     rank = dist.get_rank()
-    results: dict[str, dict[str, object]] = {}
-    for name, (module, qualname, params) in spec["scenarios"].items():
-        start = time.perf_counter()
-        try:
-            results[name] = {"ok": True, "result": find(module, qualname)(**params), "error": None}
-        except Exception:
-            results[name] = {"ok": False, "result": None, "error": traceback.format_exc()}
-        results[name]["seconds"] = time.perf_counter() - start  # the suite's cost, by scenario
-        recorder = audit.recorder_of()
-        if recorder is not None:
-            recorder.clear()
-        dist.barrier()
-        # Written after every scenario, so a crash later keeps what was done.
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    # A line per scenario, written when it ends, so a crash later keeps what was done (the
+    # whole mapping rewritten after each would be megabytes of JSON each time).
+    with open(Path(out_dir, f"rank{rank}.jsonl"), "a") as lines:
+        for name, (module, qualname, params) in spec["scenarios"].items():
+            start = time.perf_counter()
+            try:
+                entry = {"ok": True, "result": find(module, qualname)(**params), "error": None}
+            except Exception:
+                entry = {"ok": False, "result": None, "error": traceback.format_exc()}
+            entry["seconds"] = time.perf_counter() - start  # the suite's cost, by scenario
+            recorder = audit.recorder_of()
+            if recorder is not None:
+                recorder.clear()
+            dist.barrier()
+            lines.write(json.dumps({"name": name, **entry}) + "\n")
+            lines.flush()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -29,6 +29,7 @@ import inspect
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -141,16 +142,32 @@ def run_scenarios(
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE) + os.pathsep + full_env.get("PYTHONPATH", "")})
     full_env.update(env or {})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=HERE)
-    log = proc.stdout + proc.stderr
-    by_rank = []
-    for rank in range(nproc):
-        path = out / f"rank{rank}.json"
-        if not path.exists():
-            raise ScenarioError(f"rank {rank} wrote no results (exit {proc.returncode}); log:\n{log[-6000:]}")
-        by_rank.append(json.loads(path.read_text()))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=HERE)
+        log = proc.stdout + proc.stderr
+        by_rank = []
+        for rank in range(nproc):
+            path = out / f"rank{rank}.jsonl"  # a line per scenario (mp_worker.py)
+            if not path.exists():
+                raise ScenarioError(f"rank {rank} wrote no results (exit {proc.returncode}); log:\n{log[-6000:]}")
+            by_rank.append(_scenario_lines(path))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # what the ranks wrote is read (megabytes a pool)
     # A worker may abort at exit after writing everything (seen with DeepSpeed): the files decide.
     return Results(by_rank, log)
+
+
+def _scenario_lines(path: Path) -> dict[str, Any]:
+    """Scenario name -> what a rank wrote (``mp_worker.py``: a JSON line each); a last line
+    cut short by a crash is left out."""
+    entries: dict[str, Any] = {}
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        entries[entry.pop("name")] = entry
+    return entries
 
 
 @dataclass(frozen=True)
