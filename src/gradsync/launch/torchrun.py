@@ -460,12 +460,11 @@ class Launcher:
                 argv.append(f"{flag}={value}")
         if c.no_python:
             return [*argv, "--no-python", c.script], list(c.script_args)
-        if c.start_method == "fork":  # torchrun's agent runs the wrapper in each copy
-            return ([*argv, "--run-path", "--start-method=fork", str(WORKER)],
-                    [*(["-m"] if c.module else []), c.script, *c.script_args])
-        # Each worker runs the script through gradsync's wrapper, which records its error.
-        return ([*argv, "-m", "gradsync.launch.worker"],
-                [*(["-m"] if c.module else []), c.script, *c.script_args])
+        # Each worker runs the script through gradsync's wrapper, which records its error:
+        # a fresh interpreter runs its module, or torchrun's agent runs its file in each copy.
+        wrapper = (["--run-path", "--start-method=fork", str(WORKER)] if c.start_method == "fork"
+                   else ["-m", "gradsync.launch.worker"])
+        return [*argv, *wrapper], [*(["-m"] if c.module else []), c.script, *c.script_args]
 
     def run_env(self) -> dict[str, str]:
         """The variables set while torchrun runs: the workers' settings and, with restarts,
