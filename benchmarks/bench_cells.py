@@ -39,7 +39,9 @@ class MLP(nn.Module):
     def __init__(self, width: int, depth: int, features: int, outputs: int) -> None:
         super().__init__()
         self.inp = nn.Linear(features, width)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)]
+        )
         self.head = nn.Linear(width, outputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +63,9 @@ class Sizes:
         torch.manual_seed(seed)
         return MLP(self.width, self.depth, self.features, self.outputs)
 
-    def batches(self, rank: int, count: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(
+        self, rank: int, count: int, device: torch.device
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         g = torch.Generator().manual_seed(1000 + rank)
         out = []
         for _ in range(count):
@@ -86,12 +90,17 @@ class Runner(Protocol):
 class GradsyncRunner:
     """The user's loop as the README writes it, on gradsync."""
 
-    def __init__(self, backend: str, sizes: Sizes, k: int, sync_policy: str | None, options: dict[str, Any]) -> None:
+    def __init__(
+        self, backend: str, sizes: Sizes, k: int, sync_policy: str | None, options: dict[str, Any]
+    ) -> None:
         from gradsync import Accelerator
 
         self.accel = Accelerator(
-            backend=backend, gradient_accumulation_steps=k, micro_batch_size=sizes.micro_batch,
-            sync_policy=sync_policy, **options,
+            backend=backend,
+            gradient_accumulation_steps=k,
+            micro_batch_size=sizes.micro_batch,
+            sync_policy=sync_policy,
+            **options,
         )
         model = sizes.model()
         self.model, self.opt = self.accel.prepare(model, sgd(model.parameters()))
@@ -220,12 +229,16 @@ class DeepSpeedManual:
     which is what gradsync's ``sync_policy="defer"`` does.
     """
 
-    def __init__(self, stage: int, coalesce: bool, sizes: Sizes, k: int, device: torch.device) -> None:
+    def __init__(
+        self, stage: int, coalesce: bool, sizes: Sizes, k: int, device: torch.device
+    ) -> None:
         import deepspeed
 
         model = sizes.model()
         engine, *_ = deepspeed.initialize(
-            model=model, optimizer=sgd(model.parameters()), config=deepspeed_config(stage, sizes, k),
+            model=model,
+            optimizer=sgd(model.parameters()),
+            config=deepspeed_config(stage, sizes, k),
             dist_init_required=False,
         )
         self.engine = self.model = engine
@@ -282,7 +295,9 @@ class BackendCells:
             try:
                 importlib.import_module(module)
             except Exception as err:  # ImportError, or an import-time failure of the backend
-                return f"{self.label}: skipped, `import {module}` failed ({type(err).__name__}: {err})"
+                return (
+                    f"{self.label}: skipped, `import {module}` failed ({type(err).__name__}: {err})"
+                )
         return None
 
 
@@ -304,24 +319,39 @@ def _deepspeed(stage: int) -> BackendCells:
 
 CELLS: dict[str, BackendCells] = {
     "ddp": BackendCells(
-        label="ddp", backend="ddp", requires=("gradsync.backends.ddp",), manual=DDPManual, accelerate=True,
+        label="ddp",
+        backend="ddp",
+        requires=("gradsync.backends.ddp",),
+        manual=DDPManual,
+        accelerate=True,
         rep_scale=3,
     ),
     "fsdp": BackendCells(
-        label="fsdp", backend="fsdp", requires=("gradsync.backends.fsdp",), manual=FSDPManual,
-        gradsync_policy="defer", best_options={"fsdp_keep_params_in_window": True},
-        note=("fsdp: FSDP2 (fully_shard per block, then the root); on gloo its reduce-scatter runs as a "
-              "full all-reduce; the gradsync column uses sync_policy='defer' with "
-              "fsdp_keep_params_in_window=True, the manual one the same through FSDP2's public setters"),
+        label="fsdp",
+        backend="fsdp",
+        requires=("gradsync.backends.fsdp",),
+        manual=FSDPManual,
+        gradsync_policy="defer",
+        best_options={"fsdp_keep_params_in_window": True},
+        note=(
+            "fsdp: FSDP2 (fully_shard per block, then the root); on gloo its reduce-scatter runs as a "
+            "full all-reduce; the gradsync column uses sync_policy='defer' with "
+            "fsdp_keep_params_in_window=True, the manual one the same through FSDP2's public setters"
+        ),
     ),
     "deepspeed-0": _deepspeed(0),
     "deepspeed-2": _deepspeed(2),
     "fairscale": BackendCells(
-        label="fairscale", backend="fairscale", requires=("fairscale", "gradsync.backends.fairscale"),
-        manual=FairscaleManual, grads_are_views=True,
-        note=("fairscale: legacy ShardedDataParallel + OSS (fairscale 0.4.13); a sync is one reduce "
-              "per owning rank (the gradients go to the rank whose optimizer shard holds them), "
-              "and each step broadcasts the updated parameters"),
+        label="fairscale",
+        backend="fairscale",
+        requires=("fairscale", "gradsync.backends.fairscale"),
+        manual=FairscaleManual,
+        grads_are_views=True,
+        note=(
+            "fairscale: legacy ShardedDataParallel + OSS (fairscale 0.4.13); a sync is one reduce "
+            "per owning rank (the gradients go to the rank whose optimizer shard holds them), "
+            "and each step broadcasts the updated parameters"
+        ),
     ),
 }
 
@@ -345,8 +375,13 @@ def build(cells: BackendCells, mode: str, sizes: Sizes, k: int, device: torch.de
     if mode == "default":
         return GradsyncRunner(cells.backend, sizes, k, None, cells.options(sizes, k))
     if mode == "gradsync":
-        return GradsyncRunner(cells.backend, sizes, k, cells.gradsync_policy,
-                              {**cells.options(sizes, k), **cells.best_options})
+        return GradsyncRunner(
+            cells.backend,
+            sizes,
+            k,
+            cells.gradsync_policy,
+            {**cells.options(sizes, k), **cells.best_options},
+        )
     if mode == "manual":
         return cells.manual(sizes, k, device)
     if mode == "accelerate":

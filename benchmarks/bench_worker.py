@@ -30,8 +30,9 @@ from gradsync import audit
 
 
 # -- memory -----------------------------------------------------------------------
-def _memory_step(runner: Any, batches: list[Any], k: int, rec: Any, device: torch.device,
-                 keep_grads: bool) -> dict[str, Any]:
+def _memory_step(
+    runner: Any, batches: list[Any], k: int, rec: Any, device: torch.device, keep_grads: bool
+) -> dict[str, Any]:
     """One optimizer step under the memory probe (untimed: the CPU probe's per-op sampling
     would slow the step): the peak above the window's start, and what the adapter predicted
     for the policy it ran (gradsync modes only)."""
@@ -47,13 +48,19 @@ def _memory_step(runner: Any, batches: list[Any], k: int, rec: Any, device: torc
     accel = getattr(runner, "accel", None)
     backend = getattr(accel, "_backend", None)
     memory = getattr(backend, "memory", None) or {}
-    return {"peak_bytes": probe.peak_bytes, "baseline_bytes": probe.baseline,
-            "predicted_extra_bytes": memory.get("deferral_extra_bytes"),
-            "reason": accel.sync_policy_reason if accel is not None else "", "method": probe.method}
+    return {
+        "peak_bytes": probe.peak_bytes,
+        "baseline_bytes": probe.baseline,
+        "predicted_extra_bytes": memory.get("deferral_extra_bytes"),
+        "reason": accel.sync_policy_reason if accel is not None else "",
+        "method": probe.method,
+    }
 
 
 # -- one mode's chunk of optimizer steps ----------------------------------------------
-def _run_steps(runner: Any, batches: list[Any], k: int, steps: int, start: int, rec: Any) -> tuple[list[float], list[float], list[float]]:
+def _run_steps(
+    runner: Any, batches: list[Any], k: int, steps: int, start: int, rec: Any
+) -> tuple[list[float], list[float], list[float]]:
     """Run ``steps`` optimizer steps; return per-step times, off-boundary and boundary micro-step times."""
     step_t, off_t, on_t = [], [], []
     n = len(batches)
@@ -126,11 +133,21 @@ def _agree(ok: bool, device: torch.device) -> bool:
 
 
 def _short(err: BaseException) -> str:
-    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[
+        :300
+    ]
 
 
 # -- one backend at one k -----------------------------------------------------------------
-def run_group(label: str, k: int, spec: dict[str, Any], sizes: Sizes, device: torch.device, rank: int, out: dict[str, Any]) -> None:
+def run_group(
+    label: str,
+    k: int,
+    spec: dict[str, Any],
+    sizes: Sizes,
+    device: torch.device,
+    rank: int,
+    out: dict[str, Any],
+) -> None:
     cells = CELLS[label]
     rec = audit.recorder_of()
     assert rec is not None, "the worker's process group must be the audited one"
@@ -156,7 +173,10 @@ def run_group(label: str, k: int, spec: dict[str, Any], sizes: Sizes, device: to
                 traceback.print_exc()
         if not _agree(err is None, device):
             runners.pop(mode, None)
-            out["notes"].append(f"{label} k={k} {mode}: skipped, building it failed" + (f" ({_short(err)})" if err else " on another rank"))
+            out["notes"].append(
+                f"{label} k={k} {mode}: skipped, building it failed"
+                + (f" ({_short(err)})" if err else " on another rank")
+            )
     modes = [m for m in modes if m in runners]
     initial = checksum(sizes.model())
     rec.clear()
@@ -171,13 +191,22 @@ def run_group(label: str, k: int, spec: dict[str, Any], sizes: Sizes, device: to
         except Exception as exc:
             if rank == 0:
                 traceback.print_exc()
-            out["notes"].append(f"{label} k={k} {mode}: dropped, a warm-up step failed ({_short(exc)})")
+            out["notes"].append(
+                f"{label} k={k} {mode}: dropped, a warm-up step failed ({_short(exc)})"
+            )
             modes.remove(mode)
             rec.close()
     rec.clear()
 
     res: dict[str, dict[str, Any]] = {
-        m: {"step_s": [], "off_s": [], "on_s": [], "rep_median_s": [], "memory": None, "audit": None}
+        m: {
+            "step_s": [],
+            "off_s": [],
+            "on_s": [],
+            "rep_median_s": [],
+            "memory": None,
+            "audit": None,
+        }
         for m in modes
     }
     # Memory: one more step per mode, each mode's from the same state (warmed up, its
@@ -185,22 +214,28 @@ def run_group(label: str, k: int, spec: dict[str, Any], sizes: Sizes, device: to
     for mode in modes:
         dist.barrier()
         try:
-            res[mode]["memory"] = _memory_step(runners[mode], batches, k, rec, device, cells.grads_are_views)
+            res[mode]["memory"] = _memory_step(
+                runners[mode], batches, k, rec, device, cells.grads_are_views
+            )
         except Exception as exc:
             if rank == 0:
                 traceback.print_exc()
-            out["notes"].append(f"{label} k={k} {mode}: no memory reading, its step under the probe "
-                                f"failed ({_short(exc)})")
+            out["notes"].append(
+                f"{label} k={k} {mode}: no memory reading, its step under the probe "
+                f"failed ({_short(exc)})"
+            )
             rec.close()
     rec.clear()
     ar_ms: list[float] = []
     for r in range(reps):
-        order = modes[r % len(modes):] + modes[: r % len(modes)] if modes else []
+        order = modes[r % len(modes) :] + modes[: r % len(modes)] if modes else []
         for mode in order:
             dist.barrier()
             rec.clear()
             try:
-                step_t, off_t, on_t = _run_steps(runners[mode], batches, k, steps, (r + 1) * steps * k, rec)
+                step_t, off_t, on_t = _run_steps(
+                    runners[mode], batches, k, steps, (r + 1) * steps * k, rec
+                )
             except Exception as exc:  # both ranks run the same code: they fail alike
                 if rank == 0:
                     traceback.print_exc()
@@ -223,7 +258,9 @@ def run_group(label: str, k: int, spec: dict[str, Any], sizes: Sizes, device: to
     ref = sums.get("gradsync")
     update = abs(ref - initial) if ref is not None else 0.0
     for m in modes:
-        res[m]["param_diff_rel"] = abs(sums[m] - ref) / update if ref is not None and update else None
+        res[m]["param_diff_rel"] = (
+            abs(sums[m] - ref) / update if ref is not None and update else None
+        )
 
     group = {
         "backend": label,
@@ -264,7 +301,11 @@ def run(spec_path: str, out_dir: str) -> None:
     audit.register()
     dist.init_process_group(audit.AUDIT_BACKEND[device_type], timeout=timedelta(seconds=300))
     rank = dist.get_rank()
-    device = torch.device(device_type, rank % max(1, torch.cuda.device_count())) if device_type == "cuda" else torch.device("cpu")
+    device = (
+        torch.device(device_type, rank % max(1, torch.cuda.device_count()))
+        if device_type == "cuda"
+        else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     sizes = Sizes(**spec["sizes"])

@@ -44,15 +44,27 @@ def main() -> None:
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--at", choices=("boundary", "mid-window"), default="boundary",
-                    help="save after the optimizer step, or one micro-step into the next window "
-                         "(then each rank also writes its 16 MiB of window gradients)")
+    ap.add_argument(
+        "--at",
+        choices=("boundary", "mid-window"),
+        default="boundary",
+        help="save after the optimizer step, or one micro-step into the next window "
+        "(then each rank also writes its 16 MiB of window gradients)",
+    )
     args = ap.parse_args()
     out = Path(args.out)
     accel = Accelerator(gradient_accumulation_steps=4, seed=0)
     w = args.width
-    model = nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(),
-                          nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.Linear(w, 1))
+    model = nn.Sequential(
+        nn.Linear(w, w),
+        nn.ReLU(),
+        nn.Linear(w, w),
+        nn.ReLU(),
+        nn.Linear(w, w),
+        nn.ReLU(),
+        nn.Linear(w, w),
+        nn.Linear(w, 1),
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, opt = accel.prepare(model, opt)
     x, y = torch.randn(8, w), torch.randn(8, 1)
@@ -71,8 +83,10 @@ def main() -> None:
         accel.wait_for_everyone()
         start = time.perf_counter()
         if accel.is_main_process:
-            state: dict[str, Any] = {"model": accel.unwrap_model(model).state_dict(),
-                                     "optimizer": opt.state_dict()}
+            state: dict[str, Any] = {
+                "model": accel.unwrap_model(model).state_dict(),
+                "optimizer": opt.state_dict(),
+            }
             with open(work / f"bare-{i}-{int(sync)}.pt", "wb") as f:
                 torch.save(state, f)
                 if sync:
@@ -113,8 +127,13 @@ def main() -> None:
                 what.unlink()
         accel.wait_for_everyone()
 
-    times: dict[str, list[float]] = {"torch.save": [], "torch.save+fsync": [], "save_state": [],
-                                     "save_state(background)": [], "background committed": []}
+    times: dict[str, list[float]] = {
+        "torch.save": [],
+        "torch.save+fsync": [],
+        "save_state": [],
+        "save_state(background)": [],
+        "background committed": [],
+    }
     for i in range(args.repeats):
         times["torch.save"].append(bare(i, False))
         discard("torch.save", work / f"bare-{i}-0.pt")
@@ -129,28 +148,39 @@ def main() -> None:
     if accel.is_main_process:
         median = {k: statistics.median(v) for k, v in times.items()}
         result = {
-            "backend": accel.backend, "world_size": accel.world_size, "repeats": args.repeats,
+            "backend": accel.backend,
+            "world_size": accel.world_size,
+            "repeats": args.repeats,
             "at": args.at,
             "parameters": sum(p.numel() for p in model.parameters()),
-            "median_s": median, "times_s": times,
+            "median_s": median,
+            "times_s": times,
             "ratio_vs_torch_save": median["save_state"] / median["torch.save"],
             "ratio_vs_torch_save_fsync": median["save_state"] / median["torch.save+fsync"],
-            "ratio_committed_vs_torch_save_fsync": median["background committed"] / median["torch.save+fsync"],
-            "ratio_background_vs_torch_save": median["save_state(background)"] / median["torch.save"],
+            "ratio_committed_vs_torch_save_fsync": median["background committed"]
+            / median["torch.save+fsync"],
+            "ratio_background_vs_torch_save": median["save_state(background)"]
+            / median["torch.save"],
             "bytes": sizes,
             "torch": torch.__version__,
         }
         (out / f"checkpoint_io_{args.at}.json").write_text(json.dumps(result, indent=1))
         mib = 1024 * 1024
-        print(f"{accel.backend}, {accel.world_size} ranks, {result['parameters']} parameters, "
-              f"saved at {args.at}, median of {args.repeats}:")
+        print(
+            f"{accel.backend}, {accel.world_size} ranks, {result['parameters']} parameters, "
+            f"saved at {args.at}, median of {args.repeats}:"
+        )
         for k, v in median.items():
             print(f"  {k:24s} {v * 1000:8.1f} ms")
-        print(f"  save_state / torch.save = {result['ratio_vs_torch_save']:.2f} "
-              f"(/ torch.save+fsync = {result['ratio_vs_torch_save_fsync']:.2f}); "
-              f"background: {result['ratio_background_vs_torch_save']:.2f}")
-        print(f"  on disk: torch.save {sizes['torch.save'] / mib:.1f} MiB, "
-              f"save_state {sizes['save_state'] / mib:.1f} MiB")
+        print(
+            f"  save_state / torch.save = {result['ratio_vs_torch_save']:.2f} "
+            f"(/ torch.save+fsync = {result['ratio_vs_torch_save_fsync']:.2f}); "
+            f"background: {result['ratio_background_vs_torch_save']:.2f}"
+        )
+        print(
+            f"  on disk: torch.save {sizes['torch.save'] / mib:.1f} MiB, "
+            f"save_state {sizes['save_state'] / mib:.1f} MiB"
+        )
         shutil.rmtree(work, ignore_errors=True)
     accel.end()
 

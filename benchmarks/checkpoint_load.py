@@ -38,8 +38,16 @@ def main() -> None:
     out = Path(args.out)
     accel = Accelerator(gradient_accumulation_steps=4, seed=0)
     w = args.width
-    model = nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(),
-                          nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.Linear(w, 1))
+    model = nn.Sequential(
+        nn.Linear(w, w),
+        nn.ReLU(),
+        nn.Linear(w, w),
+        nn.ReLU(),
+        nn.Linear(w, w),
+        nn.ReLU(),
+        nn.Linear(w, w),
+        nn.Linear(w, 1),
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, opt = accel.prepare(model, opt)
     x, y = torch.randn(8, w), torch.randn(8, 1)
@@ -78,16 +86,23 @@ def main() -> None:
     if accel.is_main_process:
         result: dict[str, object] = {
             "model": f"MLP width {w}, Adam, {accel.world_size} rank(s), backend {accel.backend}",
-            "repeats": args.repeats, "load_state_ms": statistics.median(loads),
+            "repeats": args.repeats,
+            "load_state_ms": statistics.median(loads),
         }
         line = f"load_state {result['load_state_ms']:.1f} ms"
         if checking:
             check = statistics.median(scanned) - statistics.median(plain)
-            result.update(verify_ms=statistics.median(plain), verify_and_scan_ms=statistics.median(scanned),
-                          scan_ms=check, scan_share=check / statistics.median(loads))
-            line += (f"; verifying the folder {result['verify_ms']:.2f} ms, with the pickle check "
-                     f"{result['verify_and_scan_ms']:.2f} ms: the check costs {check:.2f} ms "
-                     f"({check / statistics.median(loads):.1%} of load_state)")
+            result.update(
+                verify_ms=statistics.median(plain),
+                verify_and_scan_ms=statistics.median(scanned),
+                scan_ms=check,
+                scan_share=check / statistics.median(loads),
+            )
+            line += (
+                f"; verifying the folder {result['verify_ms']:.2f} ms, with the pickle check "
+                f"{result['verify_and_scan_ms']:.2f} ms: the check costs {check:.2f} ms "
+                f"({check / statistics.median(loads):.1%} of load_state)"
+            )
         (out / "checkpoint_load.json").write_text(json.dumps(result, indent=1))
         print(line, flush=True)
     accel.end()

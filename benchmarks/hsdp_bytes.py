@@ -80,7 +80,9 @@ def tp_plan(model: Any) -> dict[str, str]:
     from torch import nn
 
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    return {name: ("colwise", "rowwise")[i % 2] for i, name in enumerate(names[: len(names) // 2 * 2])}
+    return {
+        name: ("colwise", "rowwise")[i % 2] for i, name in enumerate(names[: len(names) // 2 * 2])
+    }
 
 
 def tp_share(model: Any, plan: dict[str, str]) -> float:
@@ -90,7 +92,9 @@ def tp_share(model: Any, plan: dict[str, str]) -> float:
     split = 0
     for name, style in plan.items():
         m = modules[name]
-        split += m.weight.numel() + (m.bias.numel() if style == "colwise" and m.bias is not None else 0)
+        split += m.weight.numel() + (
+            m.bias.numel() if style == "colwise" and m.bias is not None else 0
+        )
     return split / sum(p.numel() for p in model.parameters())
 
 
@@ -106,10 +110,17 @@ def _window_groups(records: list[Any]) -> dict[str, Any]:
             g["bytes"] += entry["bytes"]
             g["reduction_bytes"] += entry["reduction_bytes"]
     off = sum(rec.count("allreduce", group="replicate") for rec in records if not rec.boundary)
-    shard_off = sum(rec.count("reduce_scatter", group=label) for rec in records if not rec.boundary
-                    for label in ("shard", "world"))
-    return {"groups": out, "replicate_allreduces_off_boundary": off,
-            "shard_reduce_scatters_off_boundary": shard_off}
+    shard_off = sum(
+        rec.count("reduce_scatter", group=label)
+        for rec in records
+        if not rec.boundary
+        for label in ("shard", "world")
+    )
+    return {
+        "groups": out,
+        "replicate_allreduces_off_boundary": off,
+        "shard_reduce_scatters_off_boundary": shard_off,
+    }
 
 
 def _labels(mesh: Any) -> str:
@@ -160,9 +171,13 @@ def _memory_step(accel: Any, model: Any, opt: Any, batches: list[Any]) -> dict[s
     peaks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, (probe.peak_bytes, probe.baseline, held[-1] if held else 0))
     memory = getattr(accel._backend, "memory", {})
-    return {"peak_bytes": [p for p, _, _ in peaks], "baseline_bytes": [b for _, b, _ in peaks],
-            "held_bytes": [h for _, _, h in peaks],
-            "predicted_extra_bytes": memory.get("deferral_extra_bytes"), "method": probe.method}
+    return {
+        "peak_bytes": [p for p, _, _ in peaks],
+        "baseline_bytes": [b for _, b, _ in peaks],
+        "held_bytes": [h for _, _, h in peaks],
+        "predicted_extra_bytes": memory.get("deferral_extra_bytes"),
+        "method": probe.method,
+    }
 
 
 def worker(spec: dict[str, Any], out: Path) -> None:
@@ -186,11 +201,21 @@ def worker(spec: dict[str, Any], out: Path) -> None:
                     continue  # nothing to defer across one replica (gradsync refuses it)
                 policy, options = POLICIES[name]
                 plan = tp_plan(sizes.model()) if t > 1 else None
-                shape: dict[str, Any] = ({"parallelism": {"dp_replicate": r, "dp_shard": s, "tp": t},
-                                          "tp_plan": plan} if t > 1 else {"fsdp_mesh": (r, s)})
-                accel = Accelerator(backend="fsdp", sync_policy=policy, gradient_accumulation_steps=k,
-                                    micro_batch_size=sizes.micro_batch, audit=True, seed=0, **shape,
-                                    **options)
+                shape: dict[str, Any] = (
+                    {"parallelism": {"dp_replicate": r, "dp_shard": s, "tp": t}, "tp_plan": plan}
+                    if t > 1
+                    else {"fsdp_mesh": (r, s)}
+                )
+                accel = Accelerator(
+                    backend="fsdp",
+                    sync_policy=policy,
+                    gradient_accumulation_steps=k,
+                    micro_batch_size=sizes.micro_batch,
+                    audit=True,
+                    seed=0,
+                    **shape,
+                    **options,
+                )
                 rank = accel.rank
                 model = sizes.model()
                 share = tp_share(model, plan) if plan else 0.0
@@ -215,14 +240,29 @@ def worker(spec: dict[str, Any], out: Path) -> None:
                     windows.append(_window_groups(window))
                     summary = recorder.summary(window)
                     # TP payload of the window's first micro-step (off the boundary where k > 1)
-                    micro_tp = {op: window[0].nbytes(op, group="tp") for op in ("allreduce", "allgather")}
+                    micro_tp = {
+                        op: window[0].nbytes(op, group="tp") for op in ("allreduce", "allgather")
+                    }
                 kept = "parameters kept gathered" in accel.sync_policy_reason
-                cells.append({"k": k, "policy": accel.sync_policy + (" + params" if kept else ""),
-                              "asked": name, "reason": accel.sync_policy_reason, "grad_numel": numel,
-                              "grad_bytes": numel * 4, "windows": windows, "step_ms": step_ms,
-                              "summary": summary, "mesh": mesh, "labelled_by": labelled,
-                              "tp_share": share, "held_grad_bytes": held_numel * 4, "micro_tp": micro_tp,
-                              "memory": _memory_step(accel, model, opt, batches)})
+                cells.append(
+                    {
+                        "k": k,
+                        "policy": accel.sync_policy + (" + params" if kept else ""),
+                        "asked": name,
+                        "reason": accel.sync_policy_reason,
+                        "grad_numel": numel,
+                        "grad_bytes": numel * 4,
+                        "windows": windows,
+                        "step_ms": step_ms,
+                        "summary": summary,
+                        "mesh": mesh,
+                        "labelled_by": labelled,
+                        "tp_share": share,
+                        "held_grad_bytes": held_numel * 4,
+                        "micro_tp": micro_tp,
+                        "memory": _memory_step(accel, model, opt, batches),
+                    }
+                )
                 if rank == 0:
                     print(f"[hsdp] mesh={tuple(mesh)} k={k} {name:<16} {summary}", flush=True)
                 del model, opt, accel
@@ -256,9 +296,19 @@ def table(result: dict[str, Any]) -> str:
     hybrid = [c for c in result["cells"] if mesh_dims(c)[0] > 1 and mesh_dims(c)[2] == 1]
     for cell in hybrid:
         r, s, _ = mesh_dims(cell)
-        est = {row.policy: row for row in estimate_hybrid(HybridCluster(
-            grad_bytes=cell["grad_bytes"], param_bytes=cell["grad_bytes"], replicas=r, shards=s,
-            k=cell["k"], per_node=s))}
+        est = {
+            row.policy: row
+            for row in estimate_hybrid(
+                HybridCluster(
+                    grad_bytes=cell["grad_bytes"],
+                    param_bytes=cell["grad_bytes"],
+                    replicas=r,
+                    shards=s,
+                    k=cell["k"],
+                    per_node=s,
+                )
+            )
+        }
         off = max(w["replicate_allreduces_off_boundary"] for w in cell["windows"])
         lines.append(
             f"| {cell['k']} | {_shown(cell)} "
@@ -283,13 +333,18 @@ def table(result: dict[str, Any]) -> str:
         "The audit line of the last step of each cell:",
         "",
     ]
-    lines += [f"    mesh {tuple(c['mesh'])} k={c['k']} {_shown(c)}: {c['summary']}" for c in result["cells"]]
+    lines += [
+        f"    mesh {tuple(c['mesh'])} k={c['k']} {_shown(c)}: {c['summary']}"
+        for c in result["cells"]
+    ]
     return "\n".join(lines) + "\n"
 
 
 def _shown(cell: dict[str, Any]) -> str:
     """The policy as asked, and what it ran as where that differs (auto)."""
-    return cell["asked"] if cell["asked"] == cell["policy"] else f"{cell['asked']} -> {cell['policy']}"
+    return (
+        cell["asked"] if cell["asked"] == cell["policy"] else f"{cell['asked']} -> {cell['policy']}"
+    )
 
 
 def _payload(cell: dict[str, Any], label: str, op: str) -> float:
@@ -313,8 +368,12 @@ def sent_per_rank(cell: dict[str, Any]) -> tuple[float, float]:
     (S-1) x its input shard, an all-reduce 2(T-1)/T of its tensor."""
     _, s, t = mesh_dims(cell)
     label = shard_label(cell)
-    shard = (s - 1) / s * _payload(cell, label, "reduce_scatter") + (s - 1) * _payload(cell, label, "allgather")
-    tp = 2 * (t - 1) / t * _payload(cell, "tp", "allreduce") + (t - 1) * _payload(cell, "tp", "allgather")
+    shard = (s - 1) / s * _payload(cell, label, "reduce_scatter") + (s - 1) * _payload(
+        cell, label, "allgather"
+    )
+    tp = 2 * (t - 1) / t * _payload(cell, "tp", "allreduce") + (t - 1) * _payload(
+        cell, "tp", "allgather"
+    )
     return shard, tp
 
 
@@ -325,11 +384,26 @@ def estimate_row(cell: dict[str, Any]) -> Any:
 
     (r, s, t), g = mesh_dims(cell), cell["grad_bytes"]
     micro = cell.get("micro_tp") or {}
-    tp_bytes = (2 * (t - 1) / t * micro.get("allreduce", 0) + (t - 1) * micro.get("allgather", 0)
-                if t > 1 else None)  # what one rank sends over tp in one micro-step
-    rows = {row.policy: row for row in estimate_mesh(MeshCluster(
-        g, g, dp_replicate=r, dp_shard=s, tp=t, k=cell["k"], tp_share=cell.get("tp_share") or 1.0,
-        tp_bytes=tp_bytes))}
+    tp_bytes = (
+        2 * (t - 1) / t * micro.get("allreduce", 0) + (t - 1) * micro.get("allgather", 0)
+        if t > 1
+        else None
+    )  # what one rank sends over tp in one micro-step
+    rows = {
+        row.policy: row
+        for row in estimate_mesh(
+            MeshCluster(
+                g,
+                g,
+                dp_replicate=r,
+                dp_shard=s,
+                tp=t,
+                k=cell["k"],
+                tp_share=cell.get("tp_share") or 1.0,
+                tp_bytes=tp_bytes,
+            )
+        )
+    }
     return rows[cell["policy"]]
 
 
@@ -368,15 +442,20 @@ def tp_table(result: dict[str, Any]) -> str:
             f"| {_per_step(cell, 'shard', '', 'allgather'):.0f} | {_mib(shard)} | {_mib(row.shard_bytes)} "
             f"| {_per_step(cell, 'tp', '', 'allreduce'):.0f} | {_mib(tp)} "
             f"| {_mib(row.tp_bytes) if row.tp_bytes is not None else '-'} "
-            f"| {statistics.median(cell['step_ms']):.0f} |")
+            f"| {statistics.median(cell['step_ms']):.0f} |"
+        )
     first = cells[0]
     g_t = first["held_grad_bytes"]
-    lines += ["", f"TP plan: {', '.join(f'{n} {st}' for n, st in tp_plan_of(result).items())}; "
-              f"tp_share {first['tp_share']:.4f} of the model's bytes split over tp, so a rank of a TP group "
-              f"holds G_T = {_mib(g_t)} MiB of the {_mib(first['grad_bytes'])} MiB (the adapter's count); "
-              "sent / rank: (S-1)/S x the reduce-scatters' input + (S-1) x the all-gathers' input shard, "
-              "2(T-1)/T x the all-reduced tensors; the estimate's tp column is k x the TP bytes of the "
-              "window's first micro-step (the input it takes, `--tp-bytes`), against all k measured.", ""]
+    lines += [
+        "",
+        f"TP plan: {', '.join(f'{n} {st}' for n, st in tp_plan_of(result).items())}; "
+        f"tp_share {first['tp_share']:.4f} of the model's bytes split over tp, so a rank of a TP group "
+        f"holds G_T = {_mib(g_t)} MiB of the {_mib(first['grad_bytes'])} MiB (the adapter's count); "
+        "sent / rank: (S-1)/S x the reduce-scatters' input + (S-1) x the all-gathers' input shard, "
+        "2(T-1)/T x the all-reduced tensors; the estimate's tp column is k x the TP bytes of the "
+        "window's first micro-step (the input it takes, `--tp-bytes`), against all k measured.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -408,12 +487,18 @@ def memory_table(result: dict[str, Any]) -> str:
             f"| {_mib(_per_step(cell, 'replicate', 'bytes'))} | {_mib(_per_step(cell, 'tp', 'bytes'))} "
             f"| {_mib(max(mem['held_bytes']))} | {_mib(estimated_held(cell))} | {_mib(max(mem['peak_bytes']))} "
             f"| {_mib(predicted) if predicted is not None else '-'} "
-            f"| {statistics.median(cell['step_ms']):.0f} |")
+            f"| {statistics.median(cell['step_ms']):.0f} |"
+        )
     method = cells[0]["memory"]["method"] if cells else ""
     reasons = {f"{tuple(c['mesh'])}": c["reason"] for c in cells if c["asked"] == "auto"}
-    lines += ["", f"Memory, the largest of the 4 ranks: {method}; held: the level after micro-step k - 1, "
-              "before the boundary's. Auto's reason: "
-              + "; ".join(f"mesh {m}: {why}" for m, why in reasons.items()) + ".", ""]
+    lines += [
+        "",
+        f"Memory, the largest of the 4 ranks: {method}; held: the level after micro-step k - 1, "
+        "before the boundary's. Auto's reason: "
+        + "; ".join(f"mesh {m}: {why}" for m, why in reasons.items())
+        + ".",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -428,15 +513,25 @@ def memory_chart(result: dict[str, Any], path: Path) -> str | None:
     except ImportError:
         return "chart: skipped, matplotlib is not installed (pip install 'gradsync[bench]')"
     groups = list(dict.fromkeys((tuple(c["mesh"]), c["k"]) for c in result["cells"]))
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(groups), figsize=(4.2 * len(groups), 4.2), squeeze=False, sharey=True
+    )
     for ax, (mesh, k) in zip(axes[0], groups):
         cells = [c for c in result["cells"] if (tuple(c["mesh"]), c["k"]) == (mesh, k)]
         xs = range(len(cells))
-        series = [("held before the boundary", [max(c["memory"]["held_bytes"]) for c in cells], "C0"),
-                  ("estimate: held", [estimated_held(c) for c in cells], "C1"),
-                  ("peak", [max(c["memory"]["peak_bytes"]) for c in cells], "C7")]
+        series = [
+            ("held before the boundary", [max(c["memory"]["held_bytes"]) for c in cells], "C0"),
+            ("estimate: held", [estimated_held(c) for c in cells], "C1"),
+            ("peak", [max(c["memory"]["peak_bytes"]) for c in cells], "C7"),
+        ]
         for j, (name, values, color) in enumerate(series):
-            ax.bar([x + (j - 1) * 0.27 for x in xs], [v / 2**20 for v in values], 0.27, label=name, color=color)
+            ax.bar(
+                [x + (j - 1) * 0.27 for x in xs],
+                [v / 2**20 for v in values],
+                0.27,
+                label=name,
+                color=color,
+            )
         ax.set_xticks(list(xs), [c["asked"] for c in cells], rotation=30, ha="right", fontsize=8)
         ax.set_title(f"mesh {mesh}, k={k}", fontsize=9)
     axes[0][0].set_ylabel("MiB above the window start (largest rank)")
@@ -459,23 +554,32 @@ def _mesh(text: str) -> list[int]:
         except ConfigError as exc:
             raise SystemExit(f"hsdp_bytes: {exc}") from None
         if dims.cp != 1:
-            raise SystemExit(f"hsdp_bytes: --meshes entry {text!r}: cp={dims.cp} needs a GPU; drop cp")
+            raise SystemExit(
+                f"hsdp_bytes: --meshes entry {text!r}: cp={dims.cp} needs a GPU; drop cp"
+            )
         return list(dims.shape)
     r, s = (int(n) for n in text.split(","))
     if r * s != WORLD:
-        raise SystemExit(f"hsdp_bytes: --meshes entry {text!r}: replicas x shards must be the {WORLD} ranks")
+        raise SystemExit(
+            f"hsdp_bytes: --meshes entry {text!r}: replicas x shards must be the {WORLD} ranks"
+        )
     return [r, s, 1]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny model, k=4, one step: a smoke run")
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny model, k=4, one step: a smoke run"
+    )
     parser.add_argument("--out", default="bench-out", help="folder for hsdp_bytes.json and .md")
     parser.add_argument("--ks", default="4,8", help="accumulation steps, comma-separated")
     parser.add_argument("--steps", type=int, default=3, help="measured optimizer steps per cell")
-    parser.add_argument("--meshes", default=";".join(MESHES),
-                        help="the meshes of the 4 ranks, ';'-separated: 'R,S' (replicas, shards) or "
-                             "parallelism text; default '2,2;1,4;dp_shard=2,tp=2'")
+    parser.add_argument(
+        "--meshes",
+        default=";".join(MESHES),
+        help="the meshes of the 4 ranks, ';'-separated: 'R,S' (replicas, shards) or "
+        "parallelism text; default '2,2;1,4;dp_shard=2,tp=2'",
+    )
     args = parser.parse_args(argv)
     spec = {
         "meshes": [_mesh(text) for text in args.meshes.split(";") if text.strip()],
@@ -485,7 +589,9 @@ def main(argv: list[str] | None = None) -> int:
         "steps": 1 if args.quick else args.steps,
         "warmup": 1,
     }
-    result = run_workers(__file__, spec, f"hsdp_bytes: {WORLD} ranks, meshes {args.meshes}", nproc=WORLD)
+    result = run_workers(
+        __file__, spec, f"hsdp_bytes: {WORLD} ranks, meshes {args.meshes}", nproc=WORLD
+    )
     if result is None:
         return 1
     write(args.out, "hsdp_bytes", result, table(result))

@@ -56,9 +56,21 @@ def no_gradients(*models: Any) -> None:
 class _Mallinfo2(ctypes.Structure):
     """glibc's ``struct mallinfo2`` (glibc >= 2.33): ten ``size_t`` fields."""
 
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def heap_reader() -> Callable[[], int] | None:
@@ -85,7 +97,9 @@ _READ = heap_reader()
 def live_heap_bytes() -> int:
     """The live heap now, in bytes (``uordblks + hblkhd``; see the module's docstring)."""
     if _READ is None:
-        raise RuntimeError("mallinfo2() is not available: the CPU memory column needs glibc >= 2.33")
+        raise RuntimeError(
+            "mallinfo2() is not available: the CPU memory column needs glibc >= 2.33"
+        )
     return _READ()
 
 
@@ -143,8 +157,10 @@ class PeakMemory:
         if device.type == "cuda":
             self.method = "torch.cuda.max_memory_allocated - memory_allocated at the window start"
         else:
-            self.method = ("live heap (glibc mallinfo2 uordblks + hblkhd) sampled after every op by a "
-                           "TorchDispatchMode, peak minus the level at the window start")
+            self.method = (
+                "live heap (glibc mallinfo2 uordblks + hblkhd) sampled after every op by a "
+                "TorchDispatchMode, peak minus the level at the window start"
+            )
 
     def level(self) -> int:
         """The level now, above the one at entry (bytes): inside the block, what is held at
@@ -165,8 +181,9 @@ class PeakMemory:
             self.baseline = self._sampler.baseline
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device)) - self.baseline

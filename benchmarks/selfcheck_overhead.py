@@ -113,7 +113,11 @@ def worker(spec: dict[str, Any], out: Path) -> None:
     # -- per collective across the 2 ranks (network and scheduling noise included) -----
     per_call: dict[str, list[float]] = {"wrapped": [], "plain": []}
     for block in range(12):
-        order = (("wrapped", wrapped), ("plain", plain)) if block % 2 == 0 else (("plain", plain), ("wrapped", wrapped))
+        order = (
+            (("wrapped", wrapped), ("plain", plain))
+            if block % 2 == 0
+            else (("plain", plain), ("wrapped", wrapped))
+        )
         for name, group in order:
             dist.barrier()
             t0 = time.perf_counter()
@@ -148,12 +152,20 @@ def worker(spec: dict[str, Any], out: Path) -> None:
     recorder.outside.clear()
     times: dict[str, list[float]] = {"wrapped": [], "plain": []}
     for s in range(steps):
-        for name in (("wrapped", "plain") if s % 2 == 0 else ("plain", "wrapped")):
+        for name in ("wrapped", "plain") if s % 2 == 0 else ("plain", "wrapped"):
             times[name].append(one_step(name))
     if accel.rank == 0:
-        (out / "result.json").write_text(json.dumps(
-            {"per_call_us": per_call, "local_us": local_us, "layer_us": layer_us, "collectives_per_step": collectives,
-             "step_ms": times}))
+        (out / "result.json").write_text(
+            json.dumps(
+                {
+                    "per_call_us": per_call,
+                    "local_us": local_us,
+                    "layer_us": layer_us,
+                    "collectives_per_step": collectives,
+                    "step_ms": times,
+                }
+            )
+        )
     dist.barrier()
 
 
@@ -163,31 +175,51 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=500, help="all-reduces per timed block")
     args = p.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else SIZES
-    spec = {"sizes": sizes, "k": args.k, "steps": 4 if args.quick else args.steps,
-            "calls": 50 if args.quick else args.calls}
-    raw = run_workers(__file__, spec, f"self-check overhead benchmark: DDP, 2 ranks, k={spec['k']}, "
-                      f"{spec['steps']} steps per group")
+    spec = {
+        "sizes": sizes,
+        "k": args.k,
+        "steps": 4 if args.quick else args.steps,
+        "calls": 50 if args.quick else args.calls,
+    }
+    raw = run_workers(
+        __file__,
+        spec,
+        f"self-check overhead benchmark: DDP, 2 ranks, k={spec['k']}, "
+        f"{spec['steps']} steps per group",
+    )
     if raw is None:
         return 1
     wrapped_us = statistics.median(raw["per_call_us"]["wrapped"])
     plain_us = statistics.median(raw["per_call_us"]["plain"])
     local_wrapped = statistics.median(raw["local_us"]["wrapped"])
     local_plain = statistics.median(raw["local_us"]["plain"])
-    layer_extra = statistics.median(raw["layer_us"]["wrapped"]) - statistics.median(raw["layer_us"]["plain"])
+    layer_extra = statistics.median(raw["layer_us"]["wrapped"]) - statistics.median(
+        raw["layer_us"]["plain"]
+    )
     # the larger of the two (the 1-rank gloo difference carries timing noise): conservative
     extra_us = max(0.0, layer_extra, local_wrapped - local_plain)
     step_ms = statistics.median(raw["step_ms"]["plain"])
     n = raw["collectives_per_step"]
     ratios = [w / p for w, p in zip(raw["step_ms"]["wrapped"], raw["step_ms"]["plain"])]
     result = {
-        "backend": "ddp", "world_size": 2, "k": spec["k"], "sizes": sizes,
-        "allreduce_us_wrapped": wrapped_us, "allreduce_us_plain": plain_us,
-        "local_allreduce_us_wrapped": local_wrapped, "local_allreduce_us_plain": local_plain,
-        "wrapper_layer_us": layer_extra, "extra_us_per_collective": extra_us,
-        "collectives_per_step": n, "step_ms": step_ms,
+        "backend": "ddp",
+        "world_size": 2,
+        "k": spec["k"],
+        "sizes": sizes,
+        "allreduce_us_wrapped": wrapped_us,
+        "allreduce_us_plain": plain_us,
+        "local_allreduce_us_wrapped": local_wrapped,
+        "local_allreduce_us_plain": local_plain,
+        "wrapper_layer_us": layer_extra,
+        "extra_us_per_collective": extra_us,
+        "collectives_per_step": n,
+        "step_ms": step_ms,
         "estimated_share": extra_us * n / (step_ms * 1e3),
-        "end_to_end_ratio_median": statistics.median(ratios), "end_to_end_ratio_min": min(ratios),
-        "end_to_end_ratio_max": max(ratios), "target_share": 0.01, "raw": raw,
+        "end_to_end_ratio_median": statistics.median(ratios),
+        "end_to_end_ratio_min": min(ratios),
+        "end_to_end_ratio_max": max(ratios),
+        "target_share": 0.01,
+        "raw": raw,
     }
     table = (
         "| backend | k | wrapper's Python layer (us) | 1-rank all-reduce: wrapper / plain gloo (us) | "

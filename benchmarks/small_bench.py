@@ -22,7 +22,9 @@ SIZES = {"width": 1024, "depth": 3, "features": 1024, "outputs": 16, "micro_batc
 QUICK_SIZES = {"width": 64, "depth": 2, "features": 64, "outputs": 4, "micro_batch": 8}
 
 
-def run_workers(script: str, spec: dict[str, Any], title: str, nproc: int = 2) -> dict[str, Any] | None:
+def run_workers(
+    script: str, spec: dict[str, Any], title: str, nproc: int = 2
+) -> dict[str, Any] | None:
     """Run ``worker(spec, DIR)`` of ``script`` on ``nproc`` ranks; the ``result.json`` rank 0
     wrote, or None (with the workers' output on stderr) when there is none."""
     work = Path(tempfile.mkdtemp(prefix="gradsync-bench-"))
@@ -41,9 +43,16 @@ def worker_in(work: str, worker: Callable[[dict[str, Any], Path], None]) -> None
     worker(json.loads(Path(work, "spec.json").read_text()), Path(work))
 
 
-def launch_ranks(script: str | Path, entry: str, args: list[str], nproc: int, log_dir: Path,
-                 timeout: float | None = None, quiet: bool = True,
-                 before: Callable[[], None] | None = None) -> str:
+def launch_ranks(
+    script: str | Path,
+    entry: str,
+    args: list[str],
+    nproc: int,
+    log_dir: Path,
+    timeout: float | None = None,
+    quiet: bool = True,
+    before: Callable[[], None] | None = None,
+) -> str:
     """Run ``entry(*args)`` of the module at ``script`` on ``nproc`` ranks of one group; ""
     when every rank ended well, else what failed with the tail of the ranks' output (kept in
     ``log_dir``). ``entry`` may instead name a function of this module, which is then given
@@ -69,11 +78,17 @@ def launch_ranks(script: str | Path, entry: str, args: list[str], nproc: int, lo
     fork = not torch.cuda.is_available()
     if fork and before is not None:
         before()
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          start_method="fork" if fork else "spawn",
-                          logs_specs=DefaultLogsSpecs(log_dir=str(log_dir),
-                                                      redirects=Std.ALL if quiet else Std.ERR))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        start_method="fork" if fork else "spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL if quiet else Std.ERR),
+    )
     timer = threading.Timer(timeout, os.kill, (os.getpid(), signal.SIGTERM)) if timeout else None
     if timer is not None:
         timer.daemon = True
@@ -82,7 +97,9 @@ def launch_ranks(script: str | Path, entry: str, args: list[str], nproc: int, lo
         elastic_launch(config, _rank)(str(Path(script).resolve()), entry, *args)
         return ""
     except Exception as err:  # a rank failed, or the time ran out: the ranks' output says why
-        logs = "".join(p.read_text(errors="replace")[-3000:] for p in sorted(log_dir.rglob("*.log")))
+        logs = "".join(
+            p.read_text(errors="replace")[-3000:] for p in sorted(log_dir.rglob("*.log"))
+        )
         return f"{logs}{type(err).__name__}: {err}"
     finally:
         if timer is not None:
@@ -119,4 +136,3 @@ def parser(description: str, quick: str) -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--quick", action="store_true", help=quick)
     return p
-

@@ -41,13 +41,19 @@ FULL = {
     # ~4.2 M parameters (16 MiB of fp32 gradients), micro-batch 8: on one CPU core per rank
     # the all-reduce of the gradients costs about as much as a micro-step's compute.
     "sizes": {"width": 1024, "depth": 3, "features": 1024, "outputs": 16, "micro_batch": 8},
-    "batches": 16, "steps_per_rep": 1, "reps": 24, "warmup": 2,
+    "batches": 16,
+    "steps_per_rep": 1,
+    "reps": 24,
+    "warmup": 2,
     "micro": {"reps": 9, "iters": 800},
 }
 QUICK = {
     "ks": [1, 4],
     "sizes": {"width": 64, "depth": 2, "features": 64, "outputs": 4, "micro_batch": 4},
-    "batches": 8, "steps_per_rep": 2, "reps": 2, "warmup": 1,
+    "batches": 8,
+    "steps_per_rep": 2,
+    "reps": 2,
+    "warmup": 1,
     "micro": {"reps": 3, "iters": 200},
 }
 FORMULA = (
@@ -67,7 +73,14 @@ def _summary_ms(values_s: list[float]) -> dict[str, float]:
     if not ms:
         return {}
     q = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [ms[0]] * 3
-    return {"median": statistics.median(ms), "q1": q[0], "q3": q[2], "min": ms[0], "max": ms[-1], "n": len(ms)}
+    return {
+        "median": statistics.median(ms),
+        "q1": q[0],
+        "q3": q[2],
+        "min": ms[0],
+        "max": ms[-1],
+        "n": len(ms),
+    }
 
 
 def _expected(k: int, c: float, o: float, r_naive: float, r_gradsync: float, s: float) -> float:
@@ -156,7 +169,9 @@ def _process_setups(backends: list[str]) -> None:
             cells.process_setup()
 
 
-def run_workers(spec: dict[str, Any], out: Path, nproc: int, timeout: float) -> list[dict[str, Any]]:
+def run_workers(
+    spec: dict[str, Any], out: Path, nproc: int, timeout: float
+) -> list[dict[str, Any]]:
     from small_bench import launch_ranks
 
     work = Path(tempfile.mkdtemp(prefix="gradsync-bench-"))
@@ -164,11 +179,20 @@ def run_workers(spec: dict[str, Any], out: Path, nproc: int, timeout: float) -> 
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.get("threads", 1)))
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     log_path = out / "worker.log"
-    failed = launch_ranks(WORKER, "run", [str(work / "spec.json"), str(work)], nproc,
-                          work / "logs", timeout=timeout, quiet=False,
-                          before=lambda: _process_setups(spec["backends"]))
-    log_path.write_text("".join(p.read_text(errors="replace") for p in sorted((work / "logs").rglob("*.log")))
-                        + failed)
+    failed = launch_ranks(
+        WORKER,
+        "run",
+        [str(work / "spec.json"), str(work)],
+        nproc,
+        work / "logs",
+        timeout=timeout,
+        quiet=False,
+        before=lambda: _process_setups(spec["backends"]),
+    )
+    log_path.write_text(
+        "".join(p.read_text(errors="replace") for p in sorted((work / "logs").rglob("*.log")))
+        + failed
+    )
     code: int | str = 1 if failed else 0
     results = []
     for rank in range(nproc):
@@ -178,9 +202,14 @@ def run_workers(spec: dict[str, Any], out: Path, nproc: int, timeout: float) -> 
     if len(results) < nproc or code not in (0, "0"):
         tail = log_path.read_text()[-3000:]
         if len(results) < nproc:
-            raise RuntimeError(f"the benchmark workers wrote no results (exit {code}); {log_path}:\n{tail}")
+            raise RuntimeError(
+                f"the benchmark workers wrote no results (exit {code}); {log_path}:\n{tail}"
+            )
         # A rank may abort at exit after writing everything (seen with DeepSpeed): the files decide.
-        print(f"[bench] note: worker group exited with {code} after writing results; see {log_path}", flush=True)
+        print(
+            f"[bench] note: worker group exited with {code} after writing results; see {log_path}",
+            flush=True,
+        )
     return results
 
 
@@ -191,12 +220,16 @@ def _memory(rank0: dict[str, Any] | None, ranks: list[dict[str, Any] | None]) ->
     if rank0 is None or any(r is None for r in ranks):
         return {"peak_mib_per_rank": None, "predicted_extra_mib": None, "policy_reason": None}
     predicted = rank0["predicted_extra_bytes"]
-    return {"peak_mib_per_rank": [r["peak_bytes"] / 2**20 for r in ranks if r is not None],
-            "predicted_extra_mib": predicted / 2**20 if predicted is not None else None,
-            "policy_reason": rank0["reason"]}
+    return {
+        "peak_mib_per_rank": [r["peak_bytes"] / 2**20 for r in ranks if r is not None],
+        "predicted_extra_mib": predicted / 2**20 if predicted is not None else None,
+        "policy_reason": rank0["reason"],
+    }
 
 
-def analyse(ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+def analyse(
+    ranks: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
     rank0 = ranks[0]
     cells, ratios = [], []
     notes = list(dict.fromkeys(n for r in ranks for n in r["notes"]))
@@ -219,43 +252,62 @@ def analyse(ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dic
             reps[mode] = m["rep_median_s"]
             diff = m.get("param_diff_rel")
             if diff is not None and diff > 1e-3:
-                notes.append(f"{label} k={k} {mode}: final parameters differ from gradsync's by "
-                             f"{diff:.2e} of the update: this mode did not train the same way")
+                notes.append(
+                    f"{label} k={k} {mode}: final parameters differ from gradsync's by "
+                    f"{diff:.2e} of the update: this mode did not train the same way"
+                )
             red[mode] = m["audit"]["reduction_bytes"]
-            cells.append({
-                "backend": label, "k": k, "mode": mode, "policy": m["policy"],
-                "step_ms": stats,
-                "micro_step_ms": {"off_boundary": _summary_ms(m["off_s"]).get("median"),
-                                  "boundary": _summary_ms(m["on_s"]).get("median")},
-                "reductions_per_step": m["audit"]["reductions"],
-                "reduction_bytes_per_step": m["audit"]["reduction_bytes"],
-                "allgathers_per_step": m["audit"]["allgathers"],
-                "collective_bytes_per_step": m["audit"]["bytes"],
-                "reductions_per_micro_step": m["audit"]["reductions_per_micro_step"],
-                "param_diff_vs_gradsync": m.get("param_diff_rel"),
-                **_memory(m["memory"], [p["memory"] for p in peaks]),
-            })
+            cells.append(
+                {
+                    "backend": label,
+                    "k": k,
+                    "mode": mode,
+                    "policy": m["policy"],
+                    "step_ms": stats,
+                    "micro_step_ms": {
+                        "off_boundary": _summary_ms(m["off_s"]).get("median"),
+                        "boundary": _summary_ms(m["on_s"]).get("median"),
+                    },
+                    "reductions_per_step": m["audit"]["reductions"],
+                    "reduction_bytes_per_step": m["audit"]["reduction_bytes"],
+                    "allgathers_per_step": m["audit"]["allgathers"],
+                    "collective_bytes_per_step": m["audit"]["bytes"],
+                    "reductions_per_micro_step": m["audit"]["reductions_per_micro_step"],
+                    "param_diff_vs_gradsync": m.get("param_diff_rel"),
+                    **_memory(m["memory"], [p["memory"] for p in peaks]),
+                }
+            )
         c = compute_ms.get(label)
         gs_modes = group["modes"].get("gradsync")
-        boundary = statistics.median(gs_modes["on_s"]) * 1e3 if gs_modes and gs_modes["on_s"] else None
+        boundary = (
+            statistics.median(gs_modes["on_s"]) * 1e3 if gs_modes and gs_modes["on_s"] else None
+        )
         sync_ms = max(0.0, boundary - (c or 0.0) - o) if boundary is not None else None
         row: dict[str, Any] = {
-            "backend": label, "k": k, "allreduce_ms": a, "optimizer_ms": o, "compute_ms": c,
-            "sync_in_step_ms": sync_ms, "grad_bytes": grad_bytes,
+            "backend": label,
+            "k": k,
+            "allreduce_ms": a,
+            "optimizer_ms": o,
+            "compute_ms": c,
+            "sync_in_step_ms": sync_ms,
+            "grad_bytes": grad_bytes,
         }
         if "naive" in med and "gradsync" in med:
             r_n, r_g = red["naive"] / grad_bytes, red["gradsync"] / grad_bytes
             cc = c if c is not None else 0.0
             expected = _expected(k, cc, o, r_n, r_g, sync_ms if sync_ms is not None else a)
             measured = med["naive"] / med["gradsync"]
-            row.update({
-                "speedup": measured, "speedup_expected": expected,
-                "speedup_vs_expected": measured / expected,
-                "speedup_expected_floor": _expected(k, cc, o, r_n, r_g, a),
-                "speedup_vs_expected_floor": measured / _expected(k, cc, o, r_n, r_g, a),
-                "bytes_gradsync_over_naive": _ratio(red["gradsync"], red["naive"]),
-                "bytes_target": 1 / k,
-            })
+            row.update(
+                {
+                    "speedup": measured,
+                    "speedup_expected": expected,
+                    "speedup_vs_expected": measured / expected,
+                    "speedup_expected_floor": _expected(k, cc, o, r_n, r_g, a),
+                    "speedup_vs_expected_floor": measured / _expected(k, cc, o, r_n, r_g, a),
+                    "bytes_gradsync_over_naive": _ratio(red["gradsync"], red["naive"]),
+                    "bytes_target": 1 / k,
+                }
+            )
         if "naive" in med and "default" in med:
             row["speedup_default"] = med["naive"] / med["default"]
             if "speedup" in row:
@@ -274,12 +326,19 @@ def analyse(ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dic
 
 
 def _gathers(cells: list[dict[str, Any]], label: str, k: int, mode: str) -> float | None:
-    return next((c["allgathers_per_step"] for c in cells
-                 if c["backend"] == label and c["k"] == k and c["mode"] == mode), None)
+    return next(
+        (
+            c["allgathers_per_step"]
+            for c in cells
+            if c["backend"] == label and c["k"] == k and c["mode"] == mode
+        ),
+        None,
+    )
 
 
-def checks(ratios: list[dict[str, Any]], micro: dict[str, Any],
-           cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def checks(
+    ratios: list[dict[str, Any]], micro: dict[str, Any], cells: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """The acceptance targets (docs/benchmark.md), evaluated on this run."""
     out = []
 
@@ -290,13 +349,22 @@ def checks(ratios: list[dict[str, Any]], micro: dict[str, Any],
         label, k = row["backend"], row["k"]
         if label in ("ddp", "fsdp", "fairscale") and k == 8 and "speedup" in row:
             b = row["bytes_gradsync_over_naive"]
-            add(f"{label} k=8 bytes gradsync/naive", b, "1/k +-5%", b is not None and abs(b * k - 1) <= 0.05)
+            add(
+                f"{label} k=8 bytes gradsync/naive",
+                b,
+                "1/k +-5%",
+                b is not None and abs(b * k - 1) <= 0.05,
+            )
             v = row["speedup_vs_expected"]
             if _gathers(cells, label, k, "naive") == _gathers(cells, label, k, "gradsync"):
                 add(f"{label} k=8 speed-up / expected", v, "within 20%", abs(v - 1) <= 0.20)
             else:  # the formula counts gradient reductions only, not the all-gathers saved too
-                add(f"{label} k=8 speed-up / expected (the best mode also saves all-gathers)", v,
-                    ">= 0.80", v >= 0.80)
+                add(
+                    f"{label} k=8 speed-up / expected (the best mode also saves all-gathers)",
+                    v,
+                    ">= 0.80",
+                    v >= 0.80,
+                )
         if label == "ddp" and k in (4, 8):
             if "gradsync_over_manual" in row:
                 v = row["gradsync_over_manual"]
@@ -308,7 +376,12 @@ def checks(ratios: list[dict[str, Any]], micro: dict[str, Any],
         if row["k"] == 8 and "default_over_best_speedup" in row:
             v = row["default_over_best_speedup"]
             add(f"{row['backend']} k=8 default speed-up / best", v, ">= 0.90", v >= 0.90)
-    add("wrapper overhead us per micro-step", micro["overhead_us"], "< 50", micro["overhead_us"] < 50)
+    add(
+        "wrapper overhead us per micro-step",
+        micro["overhead_us"],
+        "< 50",
+        micro["overhead_us"] < 50,
+    )
     return out
 
 
@@ -337,13 +410,20 @@ def markdown(result: dict[str, Any]) -> str:
         "| peak MiB above the window start (minus naive's) | predicted extra MiB | params vs gradsync |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    naive = {(c["backend"], c["k"]): max(c["peak_mib_per_rank"]) for c in result["cells"]
-             if c["mode"] == "naive" and c["peak_mib_per_rank"]}
+    naive = {
+        (c["backend"], c["k"]): max(c["peak_mib_per_rank"])
+        for c in result["cells"]
+        if c["mode"] == "naive" and c["peak_mib_per_rank"]
+    }
     for c in result["cells"]:
         s = c["step_ms"]
         peak = max(c["peak_mib_per_rank"]) if c["peak_mib_per_rank"] else None
         base = naive.get((c["backend"], c["k"]))
-        memory = "-" if peak is None else f"{peak:.1f}" + (f" ({peak - base:+.1f})" if base is not None else "")
+        memory = (
+            "-"
+            if peak is None
+            else f"{peak:.1f}" + (f" ({peak - base:+.1f})" if base is not None else "")
+        )
         lines.append(
             f"| {c['backend']} | {c['k']} | {c['mode']} | {c['policy']} | {s['median']:.1f} [{s['q1']:.1f}-{s['q3']:.1f}] "
             f"| {c['reductions_per_step']:.1f} | {c['reduction_bytes_per_step'] / 2**20:.1f} "
@@ -355,6 +435,7 @@ def markdown(result: dict[str, Any]) -> str:
         "| backend | k | all-reduce ms (raw / in step) | compute ms/micro | naive/gradsync | naive/default (of best) | expected (floor) | bytes gradsync/naive (1/k) | gradsync/manual [rep range] | gradsync/accelerate [rep range] |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+
     def rng(r: dict[str, Any], name: str) -> str:
         if name not in r:
             return "-"
@@ -378,7 +459,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"Formula: {FORMULA}.",
         "",
-        "Checks: " + "; ".join(
+        "Checks: "
+        + "; ".join(
             f"{c['check']} = {_f(c['value'], '{:.3f}')} ({c['target']}: {'ok' if c['pass'] else 'MISSED'})"
             for c in result["checks"]
         ),
@@ -427,7 +509,9 @@ def chart(result: dict[str, Any], path: Path) -> str | None:
         axes[0][col].set_title(label)
     handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i}") for i in range(len(MODES))]
     fig.legend(handles, list(MODES), loc="upper right", fontsize=8, ncol=len(MODES))
-    fig.suptitle(f"gradsync sync overhead ({result['meta']['device']}, {result['meta']['world_size']} ranks)")
+    fig.suptitle(
+        f"gradsync sync overhead ({result['meta']['device']}, {result['meta']['world_size']} ranks)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -437,16 +521,31 @@ def chart(result: dict[str, Any], path: Path) -> str | None:
 # -- main -------------------------------------------------------------------------------
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="sync_overhead", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, few steps, k in {1, 4} (< 1 min)")
-    p.add_argument("--out", default="benchmark-results", help="output folder (default: ./benchmark-results)")
-    p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list of {', '.join(BACKENDS)}")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny model, few steps, k in {1, 4} (< 1 min)"
+    )
+    p.add_argument(
+        "--out", default="benchmark-results", help="output folder (default: ./benchmark-results)"
+    )
+    p.add_argument(
+        "--backends", default=",".join(BACKENDS), help=f"comma list of {', '.join(BACKENDS)}"
+    )
     p.add_argument("--ks", default=None, help="comma list of accumulation steps (default 1,4,8)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--reps", type=int, default=None, help="interleaved repetitions per cell")
-    p.add_argument("--steps-per-rep", type=int, default=None, help="optimizer steps per mode per repetition")
+    p.add_argument(
+        "--steps-per-rep", type=int, default=None, help="optimizer steps per mode per repetition"
+    )
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu forces gloo where CUDA exists")
-    p.add_argument("--timeout", type=float, default=None, help="seconds before the worker group is stopped")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu"),
+        default="auto",
+        help="cpu forces gloo where CUDA exists",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=None, help="seconds before the worker group is stopped"
+    )
     return p.parse_args(argv)
 
 
@@ -459,12 +558,18 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad_modes = [m for m in modes if m not in MODES]
     if unknown or bad_modes:
-        print(f"sync_overhead: error: --backends {unknown} / --modes {bad_modes} unknown; use "
-              f"{', '.join(BACKENDS)} / {', '.join(MODES)}", file=sys.stderr)
+        print(
+            f"sync_overhead: error: --backends {unknown} / --modes {bad_modes} unknown; use "
+            f"{', '.join(BACKENDS)} / {', '.join(MODES)}",
+            file=sys.stderr,
+        )
         return 2
     ks = [int(k) for k in args.ks.split(",")] if args.ks else preset["ks"]
     if any(k < 1 for k in ks):
-        print(f"sync_overhead: error: --ks={args.ks} must be positive integers, e.g. 1,4,8", file=sys.stderr)
+        print(
+            f"sync_overhead: error: --ks={args.ks} must be positive integers, e.g. 1,4,8",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -473,18 +578,29 @@ def main(argv: list[str] | None = None) -> int:
 
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
     spec = {
-        "backends": backends, "ks": ks, "modes": modes, "sizes": preset["sizes"],
-        "batches": preset["batches"], "warmup": preset["warmup"],
+        "backends": backends,
+        "ks": ks,
+        "modes": modes,
+        "sizes": preset["sizes"],
+        "batches": preset["batches"],
+        "warmup": preset["warmup"],
         "steps_per_rep": args.steps_per_rep or preset["steps_per_rep"],
         "reps": args.reps or preset["reps"],
-        "device": "cuda" if use_cuda else "cpu", "threads": 1,
+        "device": "cuda" if use_cuda else "cpu",
+        "threads": 1,
     }
     device = f"{'cuda/nccl' if use_cuda else 'cpu/gloo'}"
     print("[bench] wrapper micro-benchmark (one process, backend 'single') ...", flush=True)
     micro = micro_benchmark(**preset["micro"])
-    print(f"[bench] wrapper: bare {micro['bare_us']:.1f} us, gradsync {micro['gradsync_us']:.1f} us per "
-          f"micro-step, overhead {micro['overhead_us']:.1f} us", flush=True)
-    print(f"[bench] starting {args.nproc} ranks ({device}); backends {', '.join(backends)}; k {ks}", flush=True)
+    print(
+        f"[bench] wrapper: bare {micro['bare_us']:.1f} us, gradsync {micro['gradsync_us']:.1f} us per "
+        f"micro-step, overhead {micro['overhead_us']:.1f} us",
+        flush=True,
+    )
+    print(
+        f"[bench] starting {args.nproc} ranks ({device}); backends {', '.join(backends)}; k {ks}",
+        flush=True,
+    )
     timeout = args.timeout or (300.0 if args.quick else 1500.0)
     ranks = run_workers(spec, out, args.nproc, timeout)
     cells, ratios, notes = analyse(ranks)
@@ -493,13 +609,21 @@ def main(argv: list[str] | None = None) -> int:
         if b not in measured and not any(n.startswith(b + ":") for n in notes):
             notes.append(f"{b}: no cell measured (see {out / 'worker.log'})")
     if "fsdp" in measured or "deepspeed-2" in measured:
-        notes.append("on gloo a reduce-scatter is carried out as a full all-reduce: sharded backends "
-                     "save no bytes on the wire here; on CPU the ratios, not the times, carry over to GPUs")
+        notes.append(
+            "on gloo a reduce-scatter is carried out as a full all-reduce: sharded backends "
+            "save no bytes on the wire here; on CPU the ratios, not the times, carry over to GPUs"
+        )
     sizes = spec["sizes"]
     numel = ranks[0]["groups"][0]["grad_numel"] if ranks[0]["groups"] else None
     result: dict[str, Any] = {
         "meta": {
-            "command": shlex.join(["python", "benchmarks/sync_overhead.py", *(argv if argv is not None else sys.argv[1:])]),
+            "command": shlex.join(
+                [
+                    "python",
+                    "benchmarks/sync_overhead.py",
+                    *(argv if argv is not None else sys.argv[1:]),
+                ]
+            ),
             "quick": args.quick,
             "device": device,
             "world_size": args.nproc,
@@ -507,16 +631,29 @@ def main(argv: list[str] | None = None) -> int:
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
             "python": platform.python_version(),
             "torch": torch.__version__,
-            "model": (f"MLP {sizes['features']}->{sizes['width']} x{sizes['depth']} blocks ->{sizes['outputs']}, "
-                      f"{numel} parameters, micro-batch {sizes['micro_batch']}, SGD momentum, fp32"),
-            "backends": backends, "ks": ks, "modes": modes,
-            "warmup_steps": spec["warmup"], "reps": spec["reps"], "steps_per_rep": spec["steps_per_rep"],
+            "model": (
+                f"MLP {sizes['features']}->{sizes['width']} x{sizes['depth']} blocks ->{sizes['outputs']}, "
+                f"{numel} parameters, micro-batch {sizes['micro_batch']}, SGD momentum, fp32"
+            ),
+            "backends": backends,
+            "ks": ks,
+            "modes": modes,
+            "warmup_steps": spec["warmup"],
+            "reps": spec["reps"],
+            "steps_per_rep": spec["steps_per_rep"],
             "timed_steps_per_mode": spec["reps"] * spec["steps_per_rep"],
-            "memory": ("per rank, one untimed optimizer step per mode after the warm-up: the peak above "
-                       "the window's start of " + ("torch.cuda.max_memory_allocated" if use_cuda else
-                       "the live heap (glibc mallinfo2 uordblks + hblkhd) sampled after every op by a "
-                       "TorchDispatchMode (benchmarks/peak_memory.py)") + "; predicted: the adapter's "
-                       "deferral_extra_bytes for the policy it ran (what auto weighs against its budget)"),
+            "memory": (
+                "per rank, one untimed optimizer step per mode after the warm-up: the peak above "
+                "the window's start of "
+                + (
+                    "torch.cuda.max_memory_allocated"
+                    if use_cuda
+                    else "the live heap (glibc mallinfo2 uordblks + hblkhd) sampled after every op by a "
+                    "TorchDispatchMode (benchmarks/peak_memory.py)"
+                )
+                + "; predicted: the adapter's "
+                "deferral_extra_bytes for the policy it ran (what auto weighs against its budget)"
+            ),
             "formula": FORMULA,
             "seconds": None,
         },
@@ -541,8 +678,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / "sync_overhead.md").write_text(table)
     print()
     print(table)
-    print(f"[bench] wrote {out / 'sync_overhead.json'}, {out / 'sync_overhead.md'}, {out / 'sync_overhead.png'} "
-          f"in {result['meta']['seconds']} s")
+    print(
+        f"[bench] wrote {out / 'sync_overhead.json'}, {out / 'sync_overhead.md'}, {out / 'sync_overhead.png'} "
+        f"in {result['meta']['seconds']} s"
+    )
     return 0
 
 

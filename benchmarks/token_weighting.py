@@ -45,18 +45,26 @@ def worker(spec: dict[str, Any], out: Path) -> None:
     def data() -> list[dict[str, torch.Tensor]]:
         """Samples for every rank (the prepared loader shards them), each with its tokens."""
         g = torch.Generator().manual_seed(1000)
-        return [{"x": torch.randn(sizes.features, generator=g),
-                 "y": torch.randn(sizes.outputs, generator=g),
-                 "tokens": torch.randint(1, 17, (), generator=g)}
-                for _ in range(k * steps * sizes.micro_batch * 2)]
+        return [
+            {
+                "x": torch.randn(sizes.features, generator=g),
+                "y": torch.randn(sizes.outputs, generator=g),
+                "tokens": torch.randint(1, 17, (), generator=g),
+            }
+            for _ in range(k * steps * sizes.micro_batch * 2)
+        ]
 
     def per_sample(model: Any, b: dict[str, torch.Tensor]) -> torch.Tensor:
         return ((model(b["x"]) - b["y"]) ** 2).mean(dim=1)
 
     runners = {}
     for mode in ("mean", "control", "sum"):  # control: a second "mean" loop, the noise floor
-        accel = Accelerator(backend="ddp", gradient_accumulation_steps=k, seed=0,
-                            count_items=(lambda b: b["tokens"].sum()) if mode == "sum" else None)
+        accel = Accelerator(
+            backend="ddp",
+            gradient_accumulation_steps=k,
+            seed=0,
+            count_items=(lambda b: b["tokens"].sum()) if mode == "sum" else None,
+        )
         model = sizes.model()
         model, opt = accel.prepare(model, sgd(model.parameters()))
         loader = accel.prepare(DataLoader(data(), batch_size=sizes.micro_batch))
@@ -83,7 +91,7 @@ def worker(spec: dict[str, Any], out: Path) -> None:
     times: dict[str, list[float]] = {mode: [] for mode in runners}
     modes = list(runners)
     for s in range(steps - 2):
-        order = modes[s % 3:] + modes[: s % 3]  # each mode first, middle and last in turn
+        order = modes[s % 3 :] + modes[: s % 3]  # each mode first, middle and last in turn
         for mode in order:
             times[mode].append(one_step(mode, iters[mode]))
     count_ms = []
@@ -94,7 +102,9 @@ def worker(spec: dict[str, Any], out: Path) -> None:
         torch.distributed.all_reduce(t)
         count_ms.append((time.perf_counter() - t0) * 1e3)
     if accel.rank == 0:
-        (out / "result.json").write_text(json.dumps({"times": times, "count_allreduce_ms": count_ms}))
+        (out / "result.json").write_text(
+            json.dumps({"times": times, "count_allreduce_ms": count_ms})
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,21 +113,32 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else SIZES
     spec = {"sizes": sizes, "k": args.k, "steps": 8 if args.quick else args.steps}
-    raw = run_workers(__file__, spec, f"token-weighting benchmark: DDP, 2 ranks, k={spec['k']}, "
-                      f"{spec['steps']} steps per mode")
+    raw = run_workers(
+        __file__,
+        spec,
+        f"token-weighting benchmark: DDP, 2 ranks, k={spec['k']}, {spec['steps']} steps per mode",
+    )
     if raw is None:
         return 1
     mean_ms, sum_ms = raw["times"]["mean"], raw["times"]["sum"]
     ratios = [s / m for s, m in zip(sum_ms, mean_ms)]
     control = [c / m for c, m in zip(raw["times"]["control"], mean_ms)]
     result = {
-        "backend": "ddp", "world_size": 2, "k": spec["k"], "sizes": sizes,
-        "mean_step_ms": statistics.median(mean_ms), "sum_step_ms": statistics.median(sum_ms),
-        "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "backend": "ddp",
+        "world_size": 2,
+        "k": spec["k"],
+        "sizes": sizes,
+        "mean_step_ms": statistics.median(mean_ms),
+        "sum_step_ms": statistics.median(sum_ms),
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
         "control_ratio_median": statistics.median(control),
         "count_allreduce_ms": statistics.median(raw["count_allreduce_ms"]),
-        "count_allreduce_share": statistics.median(raw["count_allreduce_ms"]) / statistics.median(mean_ms),
-        "target_ratio": 1.01, "raw": raw,
+        "count_allreduce_share": statistics.median(raw["count_allreduce_ms"])
+        / statistics.median(mean_ms),
+        "target_ratio": 1.01,
+        "raw": raw,
     }
     table = (
         "| backend | k | mean loop (ms/step) | token-weighted (ms/step) | ratio (median of pairs) | "

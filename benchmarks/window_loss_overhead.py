@@ -60,10 +60,14 @@ def worker(spec: dict[str, Any], out: Path) -> None:
     def data() -> list[dict[str, torch.Tensor]]:
         """Samples for every rank (the prepared loader shards them), each with its tokens."""
         g = torch.Generator().manual_seed(1000)
-        return [{"x": torch.randn(sizes.features, generator=g),
-                 "y": torch.randn(sizes.outputs, generator=g),
-                 "tokens": torch.randint(1, 17, (), generator=g)}
-                for _ in range(k * (steps + 3) * sizes.micro_batch * 2)]
+        return [
+            {
+                "x": torch.randn(sizes.features, generator=g),
+                "y": torch.randn(sizes.outputs, generator=g),
+                "tokens": torch.randint(1, 17, (), generator=g),
+            }
+            for _ in range(k * (steps + 3) * sizes.micro_batch * 2)
+        ]
 
     def per_sample(model: Any, b: dict[str, torch.Tensor]) -> torch.Tensor:
         out: torch.Tensor = ((model(b["x"]) - b["y"]) ** 2).mean(dim=1)
@@ -71,8 +75,13 @@ def worker(spec: dict[str, Any], out: Path) -> None:
 
     runners = {}
     for mode in MODES:
-        accel = Accelerator(backend="ddp", gradient_accumulation_steps=k, seed=0,
-                            count_items=lambda b: b["tokens"].sum(), track_window_loss=mode == "on")
+        accel = Accelerator(
+            backend="ddp",
+            gradient_accumulation_steps=k,
+            seed=0,
+            count_items=lambda b: b["tokens"].sum(),
+            track_window_loss=mode == "on",
+        )
         mlp = sizes.model()
         model, opt = accel.prepare(mlp, sgd(mlp.parameters()))
         samples: Any = data()  # a list of samples is a map-style dataset
@@ -104,14 +113,14 @@ def worker(spec: dict[str, Any], out: Path) -> None:
     losses.clear()
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for s in range(steps):
-        order = MODES[s % 3:] + MODES[: s % 3]  # each mode first, middle and last in turn
+        order = MODES[s % 3 :] + MODES[: s % 3]  # each mode first, middle and last in turn
         for mode in order:
             times[mode].append(one_step(mode))
 
     # -- the parts alone: the same WindowLoss the Accelerator builds, on the same group ----
     accel = runners["on"][0]
     wl = WindowLoss(accel.device, accel.world_size, accel._runner.own_collective)
-    loss = (torch.randn((), requires_grad=True) * 2.0)  # a scalar loss with a graph, as in the loop
+    loss = torch.randn((), requires_grad=True) * 2.0  # a scalar loss with a graph, as in the loop
     add_us: list[float] = []  # per backward
     allreduce_us: list[float] = []  # per window: started and waited for at once
     start_us: list[float] = []  # of which: starting it
@@ -131,22 +140,44 @@ def worker(spec: dict[str, Any], out: Path) -> None:
         allreduce_us.append((t3 - t1) * 1e6)
     assert math.isfinite(value)
     if accel.rank == 0:
-        (out / "result.json").write_text(json.dumps(
-            {"times": times, "read_us": read_us, "add_us": add_us, "allreduce_us": allreduce_us,
-             "start_us": start_us, "window_loss_last": losses[-1], "windows_read": len(losses)}))
+        (out / "result.json").write_text(
+            json.dumps(
+                {
+                    "times": times,
+                    "read_us": read_us,
+                    "add_us": add_us,
+                    "allreduce_us": allreduce_us,
+                    "start_us": start_us,
+                    "window_loss_last": losses[-1],
+                    "windows_read": len(losses),
+                }
+            )
+        )
     dist.barrier()
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0], "a tiny model and a few steps (a smoke run)")
-    p.add_argument("--steps", type=int, default=90, help="timed optimizer steps per mode (after 2 warm-up)")
-    p.add_argument("--windows", type=int, default=1000, help="windows in the timing of the parts alone")
+    p.add_argument(
+        "--steps", type=int, default=90, help="timed optimizer steps per mode (after 2 warm-up)"
+    )
+    p.add_argument(
+        "--windows", type=int, default=1000, help="windows in the timing of the parts alone"
+    )
     args = p.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else SIZES
-    spec = {"sizes": sizes, "k": args.k, "steps": 6 if args.quick else args.steps,
-            "windows": 50 if args.quick else args.windows}
-    raw = run_workers(__file__, spec, f"window-loss overhead benchmark: DDP, 2 ranks, k={spec['k']}, "
-                      f"{spec['steps']} steps per mode")
+    spec = {
+        "sizes": sizes,
+        "k": args.k,
+        "steps": 6 if args.quick else args.steps,
+        "windows": 50 if args.quick else args.windows,
+    }
+    raw = run_workers(
+        __file__,
+        spec,
+        f"window-loss overhead benchmark: DDP, 2 ranks, k={spec['k']}, "
+        f"{spec['steps']} steps per mode",
+    )
     if raw is None:
         return 1
     off, on, ctl = raw["times"]["off"], raw["times"]["on"], raw["times"]["control"]
@@ -157,20 +188,29 @@ def main(argv: list[str] | None = None) -> int:
     allreduce_us = statistics.median(raw["allreduce_us"])
     per_step_us = spec["k"] * add_us + allreduce_us
     result = {
-        "backend": "ddp", "world_size": 2, "k": spec["k"], "sizes": sizes,
-        "off_step_ms": step_ms, "on_step_ms": statistics.median(on),
+        "backend": "ddp",
+        "world_size": 2,
+        "k": spec["k"],
+        "sizes": sizes,
+        "off_step_ms": step_ms,
+        "on_step_ms": statistics.median(on),
         "control_step_ms": statistics.median(ctl),
-        "add_us": add_us, "allreduce_us": allreduce_us,
+        "add_us": add_us,
+        "allreduce_us": allreduce_us,
         "allreduce_start_us": statistics.median(raw["start_us"]),
         "read_in_loop_us": statistics.median(raw["read_us"]),
         "read_in_loop_mean_us": statistics.mean(raw["read_us"]),
         "estimated_us_per_step": per_step_us,
         "estimated_share": per_step_us / (step_ms * 1e3),
-        "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
         "control_ratio_median": statistics.median(control),
         "ratio_over_control": statistics.median(ratios) / statistics.median(control),
-        "window_loss_last": raw["window_loss_last"], "windows_read": raw["windows_read"],
-        "target_share": 0.005, "raw": raw,
+        "window_loss_last": raw["window_loss_last"],
+        "windows_read": raw["windows_read"],
+        "target_share": 0.005,
+        "raw": raw,
     }
     table = (
         "| backend | k | untracked (ms/step) | tracked (ms/step) | add per backward (us) | "

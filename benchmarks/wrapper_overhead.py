@@ -114,7 +114,7 @@ def measure(reps: int, iters: int, k: int = 4) -> dict[str, Any]:
     times: dict[str, list[float]] = {name: [] for name in loops}
     names = list(loops)
     for r in range(reps):
-        order = names[r % len(names):] + names[:r % len(names)]  # each loop first in turn
+        order = names[r % len(names) :] + names[: r % len(names)]  # each loop first in turn
         for name in order:
             times[name].append(loops[name]() / iters * 1e6)
 
@@ -124,10 +124,14 @@ def measure(reps: int, iters: int, k: int = 4) -> dict[str, Any]:
     diffs = over("gradsync")
     result: dict[str, Any] = {
         "model": "Linear(8, 1), micro-batch 4, SGD, backend 'single', prepared DataLoader",
-        "k": k, "reps": reps, "micro_steps_per_rep": iters,
-        "bare_us": statistics.median(times["bare"]), "gradsync_us": statistics.median(times["gradsync"]),
+        "k": k,
+        "reps": reps,
+        "micro_steps_per_rep": iters,
+        "bare_us": statistics.median(times["bare"]),
+        "gradsync_us": statistics.median(times["gradsync"]),
         "seeded_us": statistics.median(times["seeded"]),
-        "overhead_us": statistics.median(diffs), "overhead_us_min": min(diffs),
+        "overhead_us": statistics.median(diffs),
+        "overhead_us_min": min(diffs),
         "overhead_us_max": max(diffs),
         "over_seeded_us": statistics.median(over("gradsync", "seeded")),
     }
@@ -140,16 +144,26 @@ def measure(reps: int, iters: int, k: int = 4) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--reps", type=int, default=15, help="interleaved repetitions (default 15)")
-    p.add_argument("--iters", type=int, default=2000, help="micro-steps per repetition (default 2000)")
-    p.add_argument("--out", default=None, help="folder for wrapper_overhead.json (default: print only)")
+    p.add_argument(
+        "--iters", type=int, default=2000, help="micro-steps per repetition (default 2000)"
+    )
+    p.add_argument(
+        "--out", default=None, help="folder for wrapper_overhead.json (default: print only)"
+    )
     args = p.parse_args()
     result = measure(args.reps, args.iters)
-    print(f"bare {result['bare_us']:.1f} us, gradsync {result['gradsync_us']:.1f} us per micro-step; "
-          f"overhead {result['overhead_us']:.1f} us (median of {args.reps} interleaved repetitions, "
-          f"range {result['overhead_us_min']:.1f} to {result['overhead_us_max']:.1f})")
-    print(f"seeded hand loop {result['seeded_us']:.1f} us: gradsync - seeded = {result['over_seeded_us']:.1f} us")
+    print(
+        f"bare {result['bare_us']:.1f} us, gradsync {result['gradsync_us']:.1f} us per micro-step; "
+        f"overhead {result['overhead_us']:.1f} us (median of {args.reps} interleaved repetitions, "
+        f"range {result['overhead_us_min']:.1f} to {result['overhead_us_max']:.1f})"
+    )
+    print(
+        f"seeded hand loop {result['seeded_us']:.1f} us: gradsync - seeded = {result['over_seeded_us']:.1f} us"
+    )
     if "accelerate_us" in result:
-        print(f"accelerate {result['accelerate_us']:.1f} us: overhead {result['accelerate_overhead_us']:.1f} us")
+        print(
+            f"accelerate {result['accelerate_us']:.1f} us: overhead {result['accelerate_overhead_us']:.1f} us"
+        )
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

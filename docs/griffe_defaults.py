@@ -32,7 +32,9 @@ class SettingDefaults(griffe.Extension):
             docstring = cls.docstring
             if docstring is None:
                 continue
-            sections = docstring.parse(docstring.parser or "google", **(docstring.parser_options or {}))
+            sections = docstring.parse(
+                docstring.parser or "google", **(docstring.parser_options or {})
+            )
             for section in sections:
                 if section.kind is not griffe.DocstringSectionKind.parameters:
                     continue

@@ -63,8 +63,13 @@ def on_pre_build(config: Any, **kwargs: Any) -> None:
 
 def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
     """Fill the placeholders of the settings and CLI pages."""
-    fills = {SETTINGS_MARK: settings_markdown, CLI_MARK: cli_markdown,
-             CLI_COUNT_MARK: cli_count_markdown, VERSION_MARK: version, NAMES_MARK: names_markdown}
+    fills = {
+        SETTINGS_MARK: settings_markdown,
+        CLI_MARK: cli_markdown,
+        CLI_COUNT_MARK: cli_count_markdown,
+        VERSION_MARK: version,
+        NAMES_MARK: names_markdown,
+    }
     for mark, fill in fills.items():
         if mark in markdown:
             markdown = markdown.replace(mark, fill())
@@ -104,10 +109,14 @@ BACKEND_TITLES = {
     None: ("Every backend", "The core settings: they apply whatever the backend."),
     "ddp": ("DDP (`ddp`)", "Options of the `ddp` backend ([the training loop](../guide.md))."),
     "fsdp": ("FSDP2 (`fsdp`)", "Options of the `fsdp` backend ([FSDP2](../fsdp.md))."),
-    "deepspeed": ("DeepSpeed (`deepspeed`)",
-                  "Options of the `deepspeed` backend ([DeepSpeed](../deepspeed.md))."),
-    "fairscale": ("fairscale (`fairscale`, legacy)",
-                  "Options of the `fairscale` backend ([fairscale](../fairscale.md))."),
+    "deepspeed": (
+        "DeepSpeed (`deepspeed`)",
+        "Options of the `deepspeed` backend ([DeepSpeed](../deepspeed.md)).",
+    ),
+    "fairscale": (
+        "fairscale (`fairscale`, legacy)",
+        "Options of the `fairscale` backend ([fairscale](../fairscale.md)).",
+    ),
 }
 
 
@@ -129,9 +138,15 @@ def settings_markdown() -> str:
     unknown = sorted(str(b) for b in groups if b not in BACKEND_TITLES)
     if unknown:
         raise ValueError(f"docs/hooks.py: no title for the settings of backend(s) {unknown}")
-    out = ["Jump to: " + " · ".join(
-        f"[{BACKEND_TITLES[b][0].split(' (')[0]}](#{_slug(BACKEND_TITLES[b][0])})"
-        for b in BACKEND_TITLES if b in groups), ""]
+    out = [
+        "Jump to: "
+        + " · ".join(
+            f"[{BACKEND_TITLES[b][0].split(' (')[0]}](#{_slug(BACKEND_TITLES[b][0])})"
+            for b in BACKEND_TITLES
+            if b in groups
+        ),
+        "",
+    ]
     for backend, (title, intro) in BACKEND_TITLES.items():
         if backend not in groups:
             continue
@@ -199,7 +214,7 @@ def _usage(parser: argparse.ArgumentParser) -> str:
     formatter = argparse.HelpFormatter(parser.prog, width=96)  # not the terminal's width
     formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups)
     lines = formatter.format_help().rstrip().splitlines()
-    return "\n".join([lines[0].removeprefix(prefix)] + [line[len(prefix):] for line in lines[1:]])
+    return "\n".join([lines[0].removeprefix(prefix)] + [line[len(prefix) :] for line in lines[1:]])
 
 
 def _arguments(parser: argparse.ArgumentParser) -> list[str]:
@@ -207,14 +222,23 @@ def _arguments(parser: argparse.ArgumentParser) -> list[str]:
     hidden = {a.dest: a for a in parser._actions if a.help == argparse.SUPPRESS}
     out: list[str] = []
     for group in parser._action_groups:
-        actions = [a for a in group._group_actions
-                   if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
+        actions = [
+            a
+            for a in group._group_actions
+            if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)
+        ]
         if not actions:
             continue
-        out += [f"**{group.title}**", "", "| argument | value | default | meaning |",
-                "|---|---|---|---|"]
+        out += [
+            f"**{group.title}**",
+            "",
+            "| argument | value | default | meaning |",
+            "|---|---|---|---|",
+        ]
         for action in actions:
-            names = [f"`{s}`" for s in action.option_strings] or [f"`{action.metavar or action.dest}`"]
+            names = [f"`{s}`" for s in action.option_strings] or [
+                f"`{action.metavar or action.dest}`"
+            ]
             alias = hidden.get(action.dest)
             if alias is not None and alias is not action:
                 names += [f"`{s}`" for s in alias.option_strings]

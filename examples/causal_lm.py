@@ -65,8 +65,16 @@ def make_model(seed: int = 0) -> torch.nn.Module:
     hf_logging.set_verbosity_error()
     torch.manual_seed(seed)
     config = GPT2Config(
-        vocab_size=VOCAB, n_positions=MAX_LEN, n_embd=32, n_layer=2, n_head=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        vocab_size=VOCAB,
+        n_positions=MAX_LEN,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
         loss_type="ForCausalLM",
     )
     return GPT2LMHeadModel(config)
@@ -76,8 +84,10 @@ def summed_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch
     """Cross-entropy summed over the batch's predicted tokens (labels shifted by one)."""
     logits = model(input_ids=batch["input_ids"]).logits
     return torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch["labels"][:, 1:].reshape(-1),
-        ignore_index=-100, reduction="sum",
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        batch["labels"][:, 1:].reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
     )
 
 
@@ -87,21 +97,31 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--log-with", default=None,
-                        help="trackers for the loss, e.g. tensorboard or csv (files in --project-dir)")
+    parser.add_argument(
+        "--log-with",
+        default=None,
+        help="trackers for the loss, e.g. tensorboard or csv (files in --project-dir)",
+    )
     parser.add_argument("--project-dir", default="runs")
     args = parser.parse_args()
 
-    accel = Accelerator(seed=0, count_items=gradsync.count_label_tokens, log_with=args.log_with,
-                        project_dir=args.project_dir if args.log_with else None)
+    accel = Accelerator(
+        seed=0,
+        count_items=gradsync.count_label_tokens,
+        log_with=args.log_with,
+        project_dir=args.project_dir if args.log_with else None,
+    )
     accel.init_trackers("causal_lm", config=vars(args))
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    loader = DataLoader(Sequences(args.samples), batch_size=args.micro_batch_size, shuffle=True,
-                        collate_fn=collate)
+    loader = DataLoader(
+        Sequences(args.samples), batch_size=args.micro_batch_size, shuffle=True, collate_fn=collate
+    )
     model, optimizer, loader = accel.prepare(model, optimizer, loader)
-    accel.print(f"backend={accel.backend} world={accel.world_size} "
-                f"accumulation={accel.gradient_accumulation_steps} batches/rank/epoch={len(loader)}")
+    accel.print(
+        f"backend={accel.backend} world={accel.world_size} "
+        f"accumulation={accel.gradient_accumulation_steps} batches/rank/epoch={len(loader)}"
+    )
     losses: list[float] = []
     for _ in range(args.epochs):
         for batch in loader:
@@ -115,9 +135,13 @@ def main() -> None:
                 # the update minimised (not the last micro-batch's loss)
                 losses.append(accel.window_loss)
                 accel.log({"loss": accel.window_loss, "tokens": accel.window_items})
-                accel.print(f"step {len(losses):3d}  tokens {accel.window_items:5d}  loss {losses[-1]:.4f}")
-    accel.print(f"token-mean loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f} "
-                f"over {len(losses)} optimizer steps")
+                accel.print(
+                    f"step {len(losses):3d}  tokens {accel.window_items:5d}  loss {losses[-1]:.4f}"
+                )
+    accel.print(
+        f"token-mean loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f} "
+        f"over {len(losses)} optimizer steps"
+    )
     accel.end_training()
 
 

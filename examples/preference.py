@@ -38,7 +38,9 @@ class PreferencePairs(Dataset[dict[str, Any]]):
             a_len = int(torch.randint(2, 6, (1,), generator=g))
             seq = (start + step * torch.arange(p_len + a_len)) % VOCAB
             rejected = torch.randint(0, VOCAB, (a_len,), generator=g)
-            self.items.append({"prompt": seq[:p_len], "chosen": seq[p_len:], "rejected": rejected, "id": i})
+            self.items.append(
+                {"prompt": seq[:p_len], "chosen": seq[p_len:], "rejected": rejected, "id": i}
+            )
 
     def __len__(self) -> int:
         return len(self.items)
@@ -72,9 +74,18 @@ def make_model(seed: int = 0) -> torch.nn.Module:
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                        eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -83,12 +94,18 @@ def answer_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> t
     logits = model(input_ids=batch["input_ids"]).logits[:, :-1].float()
     labels = batch["labels"][:, 1:]
     mask = labels != -100
-    picked = torch.gather(F.log_softmax(logits, dim=-1), 2, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    picked = torch.gather(
+        F.log_softmax(logits, dim=-1), 2, labels.clamp(min=0).unsqueeze(-1)
+    ).squeeze(-1)
     return (picked * mask).sum(dim=1)
 
 
-def dpo_loss(policy: torch.nn.Module, reference: torch.nn.Module, batch: dict[str, torch.Tensor],
-             beta: float = 0.5) -> torch.Tensor:
+def dpo_loss(
+    policy: torch.nn.Module,
+    reference: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    beta: float = 0.5,
+) -> torch.Tensor:
     """The DPO loss, mean over the micro-batch's pairs."""
     with torch.no_grad():
         ref = answer_logprobs(reference, batch)
@@ -97,14 +114,22 @@ def dpo_loss(policy: torch.nn.Module, reference: torch.nn.Module, batch: dict[st
     return -F.logsigmoid(beta * margin).mean()
 
 
-def train(accel: Accelerator, *, pairs: int = 44, micro_batch: int = 2, epochs: int = 1,
-          lr: float = 0.05, log: bool = False) -> dict[str, Any]:
+def train(
+    accel: Accelerator,
+    *,
+    pairs: int = 44,
+    micro_batch: int = 2,
+    epochs: int = 1,
+    lr: float = 0.05,
+    log: bool = False,
+) -> dict[str, Any]:
     """Train the policy; returns the pairs each micro-step saw, per window."""
     policy = make_model()
     reference = copy.deepcopy(policy).requires_grad_(False).eval()
     optimizer = torch.optim.SGD(policy.parameters(), lr=lr)
-    loader = DataLoader(PreferencePairs(pairs), batch_size=micro_batch, shuffle=True,
-                        collate_fn=collate_pairs)
+    loader = DataLoader(
+        PreferencePairs(pairs), batch_size=micro_batch, shuffle=True, collate_fn=collate_pairs
+    )
     policy, optimizer, loader = accel.prepare(policy, optimizer, loader)
     reference = accel.prepare(reference)
     windows: list[list[list[list[int]]]] = []
@@ -134,8 +159,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
     accel = Accelerator(seed=0)
-    out = train(accel, pairs=args.pairs, micro_batch=args.micro_batch_size, epochs=args.epochs,
-                log=True)
+    out = train(
+        accel, pairs=args.pairs, micro_batch=args.micro_batch_size, epochs=args.epochs, log=True
+    )
     accel.print(f"DPO loss: first step {out['losses'][0]:.4f} -> last step {out['losses'][-1]:.4f}")
 
 

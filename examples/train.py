@@ -88,8 +88,9 @@ def main() -> None:
                 )
             if args.checkpoints and accel.sync_gradients and accel.optimizer_steps % 5 == 0:
                 # committed (fsync, marker, rename) by rank 0 while training goes on
-                accel.save_state(f"{args.checkpoints}/step-{accel.optimizer_steps}", keep_last=2,
-                                 background=True)
+                accel.save_state(
+                    f"{args.checkpoints}/step-{accel.optimizer_steps}", keep_last=2, background=True
+                )
     accel.print(
         f"held-out loss {first:.4f} -> {last:.4f} ({first / last:.1f}x lower) after "
         f"{accel.optimizer_steps} optimizer steps"

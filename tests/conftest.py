@@ -34,8 +34,9 @@ sys.path.insert(0, str(HERE))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--cost", action="store_true",
-                     help="print the test modules by CPU (harness/cost.py)")
+    parser.addoption(
+        "--cost", action="store_true", help="print the test modules by CPU (harness/cost.py)"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -64,8 +65,9 @@ def _no_leftover_process_group():
 
 
 @pytest.fixture
-def run_verify(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-               ) -> Callable[..., tuple[int, str]]:
+def run_verify(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., tuple[int, str]]:
     """``gradsync verify WORDS`` run in this process, as ``python -m gradsync`` runs it (one
     interpreter fewer per case) -> (exit status, what it printed)."""
     from gradsync import cli
@@ -87,7 +89,13 @@ def run_verify(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPat
 def clean_env(monkeypatch):
     """No GRADSYNC_* or launcher variables from the outside."""
     for key in list(os.environ):
-        if key.startswith("GRADSYNC_") or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if key.startswith("GRADSYNC_") or key in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ):
             monkeypatch.delenv(key)
     return monkeypatch
 
@@ -104,7 +112,9 @@ def _module_key(item: pytest.Item) -> str:
 
 
 @pytest.fixture(scope="session")
-def shared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Any], Any]:
+def shared(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[Any], Any]:
     """``shared(SHARED)``: this module's part of its pool's one group (``harness.run_shared``),
     launched the first time a module of the pool asks, for every selected module of it."""
     from harness import run_shared
@@ -119,7 +129,9 @@ def shared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                 members.setdefault(_module_key(item), other)
         if handle.pool not in runs:
             try:
-                runs[handle.pool] = run_shared(members, tmp_path_factory.mktemp(f"shared-{handle.pool}"))
+                runs[handle.pool] = run_shared(
+                    members, tmp_path_factory.mktemp(f"shared-{handle.pool}")
+                )
             except Exception as err:  # every module of the pool reports it
                 runs[handle.pool] = err
         found = runs[handle.pool]
@@ -141,12 +153,19 @@ def _module_scope(path: str) -> str | None:
     except (OSError, SyntaxError):
         return None
     for node in tree.body:
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name)):
+        if not (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+        ):
             continue
         name, value = node.targets[0].id, node.value
-        if (name == "SHARED" and isinstance(value, ast.Call) and value.args
-                and isinstance(value.args[0], ast.Constant)):
+        if (
+            name == "SHARED"
+            and isinstance(value, ast.Call)
+            and value.args
+            and isinstance(value.args[0], ast.Constant)
+        ):
             return f"pool-{value.args[0].value}"
         if name == "INDEPENDENT_TESTS" and isinstance(value, ast.Constant) and value.value is True:
             return ""

@@ -91,9 +91,16 @@ def agent(nproc: int, spec_path: str, out_dir: str) -> None:
     # torch, dynamo and DeepSpeed, each full collection walks a million objects, and DeepSpeed
     # collects on every ZeRO-3 setup), and the forked ranks leave its pages shared.
     gc.freeze()
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          start_method="fork" if fork else "spawn")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        start_method="fork" if fork else "spawn",
+    )
     elastic_launch(config, rank_main)(spec_path, out_dir)
 
 

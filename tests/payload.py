@@ -70,8 +70,11 @@ def tamper_dcp_item(folder: Path, dcp: str, marker: str | Path) -> str:
     meta_path = folder / dcp / ".metadata"
     with open(meta_path, "rb") as f:
         metadata = pickle.load(f)
-    fqn = next(k for k, v in sorted(metadata.state_dict_metadata.items())
-               if isinstance(v, BytesStorageMetadata))
+    fqn = next(
+        k
+        for k, v in sorted(metadata.state_dict_metadata.items())
+        if isinstance(v, BytesStorageMetadata)
+    )
     index = MetadataIndex(fqn)
     info = metadata.storage_data[index]
     shard = folder / dcp / str(info.relative_path)
@@ -84,8 +87,9 @@ def tamper_dcp_item(folder: Path, dcp: str, marker: str | Path) -> str:
     offset = shard.stat().st_size
     with open(shard, "ab") as f:
         f.write(blob)
-    metadata.storage_data[index] = type(info)(info.relative_path, offset, len(blob),
-                                              *[getattr(info, n) for n in _extra_fields(info)])
+    metadata.storage_data[index] = type(info)(
+        info.relative_path, offset, len(blob), *[getattr(info, n) for n in _extra_fields(info)]
+    )
     with open(meta_path, "wb") as f:
         pickle.dump(metadata, f)
     refresh_manifest(folder, f"{dcp}/.metadata", f"{dcp}/{info.relative_path}")

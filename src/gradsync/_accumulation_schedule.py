@@ -94,8 +94,10 @@ class RampUp:
         return self.global_batch_at(consumed[window]) // self.per_micro_step
 
     def describe(self) -> str:
-        return (f"ramp-up: global batch {self.start} + {self.increment} per step over "
-                f"{self.samples} samples, up to {self.target}")
+        return (
+            f"ramp-up: global batch {self.start} + {self.increment} per step over "
+            f"{self.samples} samples, up to {self.target}"
+        )
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,9 @@ def parse_step_keyed(text: str) -> StepKeyed:
                 f"gradient_accumulation_steps={text!r}: {entry!r} is not STEP:K; write the schedule "
                 "as 'STEP:K STEP:K ...' with whole numbers, e.g. '0:2 100:4 300:8'"
             )
-        points[int(step)] = check_positive_int(f"gradient_accumulation_steps (at step {step})", k.strip())
+        points[int(step)] = check_positive_int(
+            f"gradient_accumulation_steps (at step {step})", k.strip()
+        )
     return _keyed(points, text)
 
 
@@ -144,7 +148,10 @@ def _keyed(points: Mapping[int, int], shown: object) -> StepKeyed:
 
 
 def parse(
-    value: Any, *, micro_batch_size: int | None = None, data_parallel_size: int = 1,
+    value: Any,
+    *,
+    micro_batch_size: int | None = None,
+    data_parallel_size: int = 1,
     global_batch_size: int | None = None,
 ) -> Schedule:
     """A Schedule from any accepted form (see the module doc)."""
@@ -154,7 +161,9 @@ def parse(
             try:
                 value = json.loads(text)
             except ValueError:
-                raise ConfigError(f"gradient_accumulation_steps={text!r} is not valid JSON") from None
+                raise ConfigError(
+                    f"gradient_accumulation_steps={text!r} is not valid JSON"
+                ) from None
         elif ":" in text:
             return parse_step_keyed(text)
         else:
@@ -163,8 +172,10 @@ def parse(
         if set(value) >= {"start", "increment", "samples"}:
             return _ramp(value, micro_batch_size, data_parallel_size, global_batch_size)
         try:
-            points = {int(k): check_positive_int(f"gradient_accumulation_steps (at step {k})", v)
-                      for k, v in value.items()}
+            points = {
+                int(k): check_positive_int(f"gradient_accumulation_steps (at step {k})", v)
+                for k, v in value.items()
+            }
         except (TypeError, ValueError):
             raise ConfigError(
                 f"gradient_accumulation_steps={dict(value)!r} is neither a ramp-up "
@@ -179,10 +190,14 @@ def parse(
 def _ramp(value: Mapping[str, Any], micro: int | None, world: int, target: int | None) -> RampUp:
     unknown = set(value) - {"start", "increment", "samples"}
     if unknown:
-        raise ConfigError(f"gradient_accumulation_steps ramp-up has unknown key(s) {', '.join(sorted(unknown))}; "
-                          "use start, increment and samples")
+        raise ConfigError(
+            f"gradient_accumulation_steps ramp-up has unknown key(s) {', '.join(sorted(unknown))}; "
+            "use start, increment and samples"
+        )
     start = check_positive_int("gradient_accumulation_steps ramp-up start", value["start"])
-    increment = check_positive_int("gradient_accumulation_steps ramp-up increment", value["increment"])
+    increment = check_positive_int(
+        "gradient_accumulation_steps ramp-up increment", value["increment"]
+    )
     samples = check_positive_int("gradient_accumulation_steps ramp-up samples", value["samples"])
     if micro is None or target is None:
         raise ConfigError(

@@ -84,8 +84,12 @@ def assemble(owner: Any, config: Config, rules: Rules) -> Parts:
     rank, world, _ = dist.rank_info()
     name = backends.resolve_auto(config.backend, world)
     if name == "single" and world > 1 and not dist.is_distributed():
-        log.warning("gradsync: backend='single' while %s reports %d processes: each trains a "
-                    "model of its own; use backend='ddp' (or 'auto') to train one", where.scheduler, world)
+        log.warning(
+            "gradsync: backend='single' while %s reports %d processes: each trains a "
+            "model of its own; use backend='ddp' (or 'auto') to train one",
+            where.scheduler,
+            world,
+        )
     plan, schedule = solve_with_schedule(  # R x S of an N-D mesh's ranks read distinct data
         data_parallel_size=nd_mesh.data_parallel_size(config.parallelism, world),
         global_batch_size=config.global_batch_size,
@@ -105,9 +109,11 @@ def assemble(owner: Any, config: Config, rules: Rules) -> Parts:
         # A new pass of the loader that fed an unfinished window (its last pass was broken
         # off mid-window): the window cannot be completed; drop it, never carry it over.
         if window.fed_by(loader):
-            log.warning("gradsync: a new epoch starts inside an unfinished accumulation window (did "
-                        "the loop break early?); dropping its gradients so they do not leak into "
-                        "the next window")
+            log.warning(
+                "gradsync: a new epoch starts inside an unfinished accumulation window (did "
+                "the loop break early?); dropping its gradients so they do not leak into "
+                "the next window"
+            )
             runner.drop()
 
     loaders = LoaderContext(window, backend.device, on_epoch_start, config.count_items)
@@ -118,36 +124,93 @@ def assemble(owner: Any, config: Config, rules: Rules) -> Parts:
         runner.at_boundary.append(loss.at_boundary)
     recorder = _audit(config)
     if recorder is not None:
-        runner.observers.append(AuditObserver(
-            recorder, window, main_process=rank == 0,
-            describe=lambda n: f"rank {rank} step {n} ({backend.name}, {backend.policy})"))
+        runner.observers.append(
+            AuditObserver(
+                recorder,
+                window,
+                main_process=rank == 0,
+                describe=lambda n: f"rank {rank} step {n} ({backend.name}, {backend.policy})",
+            )
+        )
     count = None
     if config.count_items is not None:
-        count = ItemCount(config.count_items, window, backend, prepared, plan.data_parallel_size,
-                          runner.own_collective, data.group)
+        count = ItemCount(
+            config.count_items,
+            window,
+            backend,
+            prepared,
+            plan.data_parallel_size,
+            runner.own_collective,
+            data.group,
+        )
         runner.observers.append(count)
-    gradients = Gradients(window=window, backend=backend, runner=runner, prepared=prepared, rules=rules,
-                          data_parallel_size=plan.data_parallel_size, timeout=config.timeout,
-                          count=count, loss=loss, self_check=None)
-    check = selfcheck.start(enabled=config.self_check, audit=recorder, policy=lambda: backend.policy,
-                            rank=rank, world_size=world, backend=backend.name)
+    gradients = Gradients(
+        window=window,
+        backend=backend,
+        runner=runner,
+        prepared=prepared,
+        rules=rules,
+        data_parallel_size=plan.data_parallel_size,
+        timeout=config.timeout,
+        count=count,
+        loss=loss,
+        self_check=None,
+    )
+    check = selfcheck.start(
+        enabled=config.self_check,
+        audit=recorder,
+        policy=lambda: backend.policy,
+        rank=rank,
+        world_size=world,
+        backend=backend.name,
+    )
     if check is not None:
         gradients.self_check = SelfCheckObserver(check, gradients.self_check_over)
         runner.observers.append(gradients.self_check)
     planner = Planner(window, prepared, follow_data=config.sync_with_dataloader)
-    preparer = Preparer(config, plan, backend, window.view, prepared, loaders, planner.check_length,
-                        gradients.before_step if loss is not None else None, rules=rules)
-    ended = weakref.finalize(owner, warn_unfinished, prepared.schedulers, prepared.steps_applied,
-                             1 if rules.scheduler_per_process else world, rank == 0, log.warning)
+    preparer = Preparer(
+        config,
+        plan,
+        backend,
+        window.view,
+        prepared,
+        loaders,
+        planner.check_length,
+        gradients.before_step if loss is not None else None,
+        rules=rules,
+    )
+    ended = weakref.finalize(
+        owner,
+        warn_unfinished,
+        prepared.schedulers,
+        prepared.steps_applied,
+        1 if rules.scheduler_per_process else world,
+        rank == 0,
+        log.warning,
+    )
     if config.requeue and requeue_command() is None:
-        log.warning("gradsync: requeue=True outside a SLURM job (no SLURM_JOB_ID): the job "
-                    "will not be requeued")
+        log.warning(
+            "gradsync: requeue=True outside a SLURM job (no SLURM_JOB_ID): the job "
+            "will not be requeued"
+        )
     parts = Parts(
-        config=config, rules=rules, backend=backend, window=window, prepared=prepared, runner=runner,
-        loaders=loaders, state=CheckpointState(prepared, window, backend, loaders), preparer=preparer,
-        gradients=gradients, planner=planner,
-        trackers=tracking.Trackers(config.log_with, config.project_dir, step=prepared.steps_applied),
-        signals=SignalWatch(config.signal_folder(), config.save_signals), audit=recorder, ended=ended,
+        config=config,
+        rules=rules,
+        backend=backend,
+        window=window,
+        prepared=prepared,
+        runner=runner,
+        loaders=loaders,
+        state=CheckpointState(prepared, window, backend, loaders),
+        preparer=preparer,
+        gradients=gradients,
+        planner=planner,
+        trackers=tracking.Trackers(
+            config.log_with, config.project_dir, step=prepared.steps_applied
+        ),
+        signals=SignalWatch(config.signal_folder(), config.save_signals),
+        audit=recorder,
+        ended=ended,
     )
     return parts
 

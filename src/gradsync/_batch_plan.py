@@ -60,8 +60,16 @@ class BatchPlan:
                 global batch size alone.
         """
         world = check_positive_int("data_parallel_size", data_parallel_size)
-        g = None if global_batch_size is None else check_positive_int("global_batch_size", global_batch_size)
-        m = None if micro_batch_size is None else check_positive_int("micro_batch_size", micro_batch_size)
+        g = (
+            None
+            if global_batch_size is None
+            else check_positive_int("global_batch_size", global_batch_size)
+        )
+        m = (
+            None
+            if micro_batch_size is None
+            else check_positive_int("micro_batch_size", micro_batch_size)
+        )
         k = (
             None
             if gradient_accumulation_steps is None
@@ -129,12 +137,18 @@ def solve_with_schedule(
     value = gradient_accumulation_steps
     if not is_schedule(value):
         plan = BatchPlan.solve(
-            data_parallel_size=data_parallel_size, global_batch_size=global_batch_size,
-            micro_batch_size=micro_batch_size, gradient_accumulation_steps=value,
+            data_parallel_size=data_parallel_size,
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            gradient_accumulation_steps=value,
         )
         return plan, Constant(plan.gradient_accumulation_steps)
-    sched = parse(value, micro_batch_size=micro_batch_size, data_parallel_size=data_parallel_size,
-                  global_batch_size=global_batch_size)
+    sched = parse(
+        value,
+        micro_batch_size=micro_batch_size,
+        data_parallel_size=data_parallel_size,
+        global_batch_size=global_batch_size,
+    )
     if global_batch_size is not None and not isinstance(sched, RampUp):
         raise ConfigError(
             f"global_batch_size={global_batch_size} fixes k, but gradient_accumulation_steps="
@@ -142,7 +156,10 @@ def solve_with_schedule(
             "(or a ramp-up {'start': ..., 'increment': ..., 'samples': ...} to reach global_batch_size)"
         )
     plan = BatchPlan.solve(
-        data_parallel_size=data_parallel_size, micro_batch_size=micro_batch_size,
-        gradient_accumulation_steps=check_positive_int("gradient_accumulation_steps", sched.steps_at(0)),
+        data_parallel_size=data_parallel_size,
+        micro_batch_size=micro_batch_size,
+        gradient_accumulation_steps=check_positive_int(
+            "gradient_accumulation_steps", sched.steps_at(0)
+        ),
     )
     return plan, sched

@@ -55,9 +55,16 @@ class _Meta:
 
 
 def setting(
-    doc: str, *, flag: bool | str = False, backend: str | None = None, accepts: Any = None,
-    check: Check | None = None, parse: Parse | None = None, hint: str | None = None,
-    minimum: int | None = None, metavar: str | None = None,
+    doc: str,
+    *,
+    flag: bool | str = False,
+    backend: str | None = None,
+    accepts: Any = None,
+    check: Check | None = None,
+    parse: Parse | None = None,
+    hint: str | None = None,
+    minimum: int | None = None,
+    metavar: str | None = None,
 ) -> dict[str, Any]:
     """The metadata of a setting's dataclass field: ``field(default=..., metadata=setting(...))``.
 
@@ -179,17 +186,23 @@ class Setting:
             try:
                 return int(raw)
             except ValueError:
-                raise ConfigError(f"{source}={raw!r} is not an integer; set it to {self._whole()}") from None
+                raise ConfigError(
+                    f"{source}={raw!r} is not an integer; set it to {self._whole()}"
+                ) from None
         if float in members:
             try:
                 return float(raw)
             except ValueError:
-                raise ConfigError(f"{source}={raw!r} is not a number; set it to {self.hint or 'a number'}") from None
+                raise ConfigError(
+                    f"{source}={raw!r} is not a number; set it to {self.hint or 'a number'}"
+                ) from None
         if any(_is_mapping(m) for m in members):
             try:
                 return json.loads(raw)
             except ValueError:
-                raise ConfigError(f"{source}={raw!r} is not JSON; set it to a JSON object") from None
+                raise ConfigError(
+                    f"{source}={raw!r} is not JSON; set it to a JSON object"
+                ) from None
         return raw
 
     def validate(self, value: Any, config: Any) -> Any:
@@ -212,8 +225,11 @@ class Setting:
         elif members == (int,):
             if self.minimum == 1:
                 return check_positive_int(name, value)
-            if isinstance(value, bool) or not isinstance(value, int) or (
-                    self.minimum is not None and value < self.minimum):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or (self.minimum is not None and value < self.minimum)
+            ):
                 raise ConfigError(
                     f"{name}={value!r} must be {self._whole().replace('a whole number', 'an integer')}"
                     + (" or None" if self.optional else "")
@@ -240,14 +256,29 @@ def declared(cls: type) -> tuple[Setting, ...]:
         if not isinstance(meta, _Meta):
             raise TypeError(f"{cls.__name__}.{f.name} has no setting(...) metadata")
         held = hints[f.name]
-        flag = meta.flag if isinstance(meta.flag, str) else (
-            "--" + f.name.replace("_", "-") if meta.flag else None)
-        out.append(Setting(
-            name=f.name, type=held if meta.accepts is None else meta.accepts, default=f.default,
-            doc=meta.doc, env=ENV_PREFIX + f.name.upper(), yaml_key=f.name, flag=flag,
-            backend=meta.backend, field_type=held, check=meta.check, parse=meta.parse,
-            hint=meta.hint, minimum=meta.minimum, metavar=meta.metavar,
-        ))
+        flag = (
+            meta.flag
+            if isinstance(meta.flag, str)
+            else ("--" + f.name.replace("_", "-") if meta.flag else None)
+        )
+        out.append(
+            Setting(
+                name=f.name,
+                type=held if meta.accepts is None else meta.accepts,
+                default=f.default,
+                doc=meta.doc,
+                env=ENV_PREFIX + f.name.upper(),
+                yaml_key=f.name,
+                flag=flag,
+                backend=meta.backend,
+                field_type=held,
+                check=meta.check,
+                parse=meta.parse,
+                hint=meta.hint,
+                minimum=meta.minimum,
+                metavar=meta.metavar,
+            )
+        )
     return tuple(out)
 
 
@@ -280,10 +311,14 @@ def type_text(tp: Any) -> str:
     if origin is Literal:
         return " | ".join(repr(a) for a in args)
     if origin is Callable:
-        params = "..." if args[0] is Ellipsis else "[" + ", ".join(type_text(a) for a in args[0]) + "]"
+        params = (
+            "..." if args[0] is Ellipsis else "[" + ", ".join(type_text(a) for a in args[0]) + "]"
+        )
         return f"Callable[{params}, {type_text(args[-1])}]"
     if origin is not None:
-        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(type_text(a) for a in args)}]"
+        return (
+            f"{getattr(origin, '__name__', str(origin))}[{', '.join(type_text(a) for a in args)}]"
+        )
     return str(getattr(tp, "__name__", tp))
 
 

@@ -63,9 +63,14 @@ class Environment:
         """torch's ``env://`` variables for this process (empty with one process)."""
         if self.world_size == 1 or self.master_addr is None or self.master_port is None:
             return {}
-        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
-                "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.local_world_size),
-                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
 
     def describe(self) -> str:
         """One line per field, for ``gradsync env``.
@@ -73,10 +78,12 @@ class Environment:
         Returns:
             The text.
         """
-        lines = [f"scheduler: {self.scheduler}" + (f" (job {self.job_id})" if self.job_id else ""),
-                 f"rank {self.rank} of {self.world_size}; local rank {self.local_rank} of "
-                 f"{self.local_world_size}; node {self.node_rank} of {self.nnodes or '?'}",
-                 f"master: {self.master_addr or '?'}:{self.master_port or '?'}"]
+        lines = [
+            f"scheduler: {self.scheduler}" + (f" (job {self.job_id})" if self.job_id else ""),
+            f"rank {self.rank} of {self.world_size}; local rank {self.local_rank} of "
+            f"{self.local_world_size}; node {self.node_rank} of {self.nnodes or '?'}",
+            f"master: {self.master_addr or '?'}:{self.master_port or '?'}",
+        ]
         if self.problem:
             lines.append(f"problem: {self.problem}")
         return "\n".join(lines)
@@ -99,13 +106,29 @@ def detect(environ: Mapping[str, str] | None = None, *, parent: int | None = Non
         return _slurm(env)
     for name, prefix in (("openmpi", "OMPI_COMM_WORLD_"), ("mvapich", "MV2_COMM_WORLD_")):
         if prefix + "RANK" in env and prefix + "SIZE" in env:
-            return _mpi(env, name, int(env[prefix + "RANK"]), int(env[prefix + "SIZE"]),
-                        env.get(prefix + "LOCAL_RANK"), env.get(prefix + "LOCAL_SIZE"),
-                        env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_ess_base_jobid")
-                        or env.get("MPIRUN_ID"), parent)
+            return _mpi(
+                env,
+                name,
+                int(env[prefix + "RANK"]),
+                int(env[prefix + "SIZE"]),
+                env.get(prefix + "LOCAL_RANK"),
+                env.get(prefix + "LOCAL_SIZE"),
+                env.get("PMIX_NAMESPACE")
+                or env.get("OMPI_MCA_ess_base_jobid")
+                or env.get("MPIRUN_ID"),
+                parent,
+            )
     if "PMI_RANK" in env and "PMI_SIZE" in env:
-        return _mpi(env, "mpich", int(env["PMI_RANK"]), int(env["PMI_SIZE"]), env.get("MPI_LOCALRANKID"),
-                    env.get("MPI_LOCALNRANKS"), env.get("PMI_KVSNAME"), parent)
+        return _mpi(
+            env,
+            "mpich",
+            int(env["PMI_RANK"]),
+            int(env["PMI_SIZE"]),
+            env.get("MPI_LOCALRANKID"),
+            env.get("MPI_LOCALNRANKS"),
+            env.get("PMI_KVSNAME"),
+            parent,
+        )
     if any(key.startswith("PET_") for key in env):
         return _kubeflow(env)
     return Environment()
@@ -138,15 +161,30 @@ def _torchrun(env: Mapping[str, str]) -> Environment:
     problem = None
     per_node = env.get("PET_NPROC_PER_NODE", "")
     if "LOCAL_RANK" not in env and per_node.isdigit() and int(per_node) > 1:
-        problem = (f"the pod is set for {per_node} processes (PET_NPROC_PER_NODE={per_node}, "
-                   f"WORLD_SIZE={world}) but this one was started alone: run `gradsync launch "
-                   "train.py` as the container's command (it starts them)")
+        problem = (
+            f"the pod is set for {per_node} processes (PET_NPROC_PER_NODE={per_node}, "
+            f"WORLD_SIZE={world}) but this one was started alone: run `gradsync launch "
+            "train.py` as the container's command (it starts them)"
+        )
     if world > 1 and ("MASTER_ADDR" not in env or _port(env) is None):
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
-        problem = (f"RANK and WORLD_SIZE={world} are set but {' and '.join(missing) or 'a numeric MASTER_PORT'} "
-                   "not: set them, or start the job with `gradsync launch`")
-    return Environment("torchrun", rank, world, local_rank, local_world, node, nnodes,
-                       env.get("MASTER_ADDR"), _port(env), env.get("TORCHELASTIC_RUN_ID"), problem)
+        problem = (
+            f"RANK and WORLD_SIZE={world} are set but {' and '.join(missing) or 'a numeric MASTER_PORT'} "
+            "not: set them, or start the job with `gradsync launch`"
+        )
+    return Environment(
+        "torchrun",
+        rank,
+        world,
+        local_rank,
+        local_world,
+        node,
+        nnodes,
+        env.get("MASTER_ADDR"),
+        _port(env),
+        env.get("TORCHELASTIC_RUN_ID"),
+        problem,
+    )
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -209,42 +247,90 @@ def _slurm(env: Mapping[str, str]) -> Environment:
     rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
     node = _int(env, "SLURM_NODEID", 0)
     nnodes = _int(env, "SLURM_STEP_NUM_NODES", _int(env, "SLURM_NNODES", 1))
-    local_world = tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "")), node)
+    local_world = tasks_on_node(
+        env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "")), node
+    )
     job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
     step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "0"
-    hosts = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
+    hosts = expand_hostlist(
+        env.get("SLURM_STEP_NODELIST")
+        or env.get("SLURM_JOB_NODELIST")
+        or env.get("SLURM_NODELIST")
+        or ""
+    )
     addr = env.get("MASTER_ADDR") or (hosts[0] if hosts else None)
     port = _port(env) or (derived_port(f"slurm-{job}-{step}") if job else None)
     problem = None
     if world > 1 and (addr is None or port is None):
-        problem = (f"SLURM reports {world} tasks but no master address could be derived (no node "
-                   "list, no job id): set MASTER_ADDR and MASTER_PORT, or run under `gradsync launch`")
-    return Environment("slurm", rank, world, _int(env, "SLURM_LOCALID", 0), local_world or 1, node, nnodes,
-                       addr, port, job, problem)
+        problem = (
+            f"SLURM reports {world} tasks but no master address could be derived (no node "
+            "list, no job id): set MASTER_ADDR and MASTER_PORT, or run under `gradsync launch`"
+        )
+    return Environment(
+        "slurm",
+        rank,
+        world,
+        _int(env, "SLURM_LOCALID", 0),
+        local_world or 1,
+        node,
+        nnodes,
+        addr,
+        port,
+        job,
+        problem,
+    )
 
 
-def _mpi(env: Mapping[str, str], name: str, rank: int, world: int, local_rank: str | None,
-         local_size: str | None, identity: str | None, parent: int | None) -> Environment:
+def _mpi(
+    env: Mapping[str, str],
+    name: str,
+    rank: int,
+    world: int,
+    local_rank: str | None,
+    local_size: str | None,
+    identity: str | None,
+    parent: int | None,
+) -> Environment:
     local = int(local_rank) if local_rank and local_rank.isdigit() else 0
     local_world = int(local_size) if local_size and local_size.isdigit() else None
     one_node = local_world == world
     addr = env.get("MASTER_ADDR") or ("127.0.0.1" if one_node else None)
     # On one node the launcher's process id is an identity every rank shares; across nodes it
     # is not (one launcher process per node), so only the job's own identity serves there.
-    job = identity or (f"{name}-{parent if parent is not None else os.getppid()}" if one_node else None)
+    job = identity or (
+        f"{name}-{parent if parent is not None else os.getppid()}" if one_node else None
+    )
     port = _port(env) or (derived_port(job) if job else None)
     problem = None
     if world > 1 and (addr is None or port is None):
         where = "on several nodes" if local_world is not None else "(its local size is unknown)"
-        missing = " and ".join(k for k, v in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if v is None)
-        export = ("-x MASTER_ADDR=host0 -x MASTER_PORT=29500" if name == "openmpi"
-                  else "-genv MASTER_ADDR host0 -genv MASTER_PORT 29500")
+        missing = " and ".join(
+            k for k, v in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if v is None
+        )
+        export = (
+            "-x MASTER_ADDR=host0 -x MASTER_PORT=29500"
+            if name == "openmpi"
+            else "-genv MASTER_ADDR host0 -genv MASTER_PORT 29500"
+        )
         verb = "are" if " and " in missing else "is"
-        problem = (f"{name} reports {world} ranks {where} and {missing} {verb} not set: export "
-                   f"MASTER_ADDR (rank 0's host) and MASTER_PORT to every rank, e.g. mpiexec {export} ...")
+        problem = (
+            f"{name} reports {world} ranks {where} and {missing} {verb} not set: export "
+            f"MASTER_ADDR (rank 0's host) and MASTER_PORT to every rank, e.g. mpiexec {export} ..."
+        )
     nnodes = world // local_world if local_world and world % local_world == 0 else None
-    return Environment(name, rank, world, local, local_world or 1, rank // local_world if local_world else 0,
-                       nnodes, addr, port, identity, problem)
+    return Environment(
+        name,
+        rank,
+        world,
+        local,
+        local_world or 1,
+        rank // local_world if local_world else 0,
+        nnodes,
+        addr,
+        port,
+        identity,
+        problem,
+    )
 
 
 def _kubeflow(env: Mapping[str, str]) -> Environment:
@@ -254,11 +340,23 @@ def _kubeflow(env: Mapping[str, str]) -> Environment:
     many = not (nnodes.split(":")[-1] == "1" and per_node in ("1", "auto", "cpu", "gpu"))
     problem = None
     if many:
-        problem = (f"Kubeflow set torchrun's PET_* options (PET_NNODES={nnodes}, "
-                   f"PET_NPROC_PER_NODE={per_node}) for a launcher, and this process was started "
-                   "without one: run `gradsync launch train.py` (it reads them) as the container's command")
+        problem = (
+            f"Kubeflow set torchrun's PET_* options (PET_NNODES={nnodes}, "
+            f"PET_NPROC_PER_NODE={per_node}) for a launcher, and this process was started "
+            "without one: run `gradsync launch train.py` (it reads them) as the container's command"
+        )
     master = env.get("PET_MASTER_ADDR")
     port = env.get("PET_MASTER_PORT", "")
-    return Environment("kubeflow", 0, 1, 0, 1, node, int(nnodes.split(":")[-1]) if nnodes.split(":")[-1].isdigit() else None,
-                       master, int(port) if port.isdigit() else None, env.get("PET_RDZV_ID") or env.get("JOB_NAME"),
-                       problem)
+    return Environment(
+        "kubeflow",
+        0,
+        1,
+        0,
+        1,
+        node,
+        int(nnodes.split(":")[-1]) if nnodes.split(":")[-1].isdigit() else None,
+        master,
+        int(port) if port.isdigit() else None,
+        env.get("PET_RDZV_ID") or env.get("JOB_NAME"),
+        problem,
+    )

@@ -79,9 +79,24 @@ from dataclasses import dataclass, replace
 
 from gradsync.errors import ConfigError
 
-__all__ = ["BACKENDS", "HYBRID_POLICIES", "Cluster", "HybridCluster", "HybridRow", "MeshCluster", "MeshRow",
-           "Row", "auto_policy", "estimate", "estimate_hybrid", "estimate_mesh", "format_hybrid", "format_mesh",
-           "format_table", "hybrid_mesh"]
+__all__ = [
+    "BACKENDS",
+    "HYBRID_POLICIES",
+    "Cluster",
+    "HybridCluster",
+    "HybridRow",
+    "MeshCluster",
+    "MeshRow",
+    "Row",
+    "auto_policy",
+    "estimate",
+    "estimate_hybrid",
+    "estimate_mesh",
+    "format_hybrid",
+    "format_mesh",
+    "format_table",
+    "hybrid_mesh",
+]
 
 #: The backends the estimate knows, in output order.
 BACKENDS = ("ddp", "fsdp", "zero2", "zero3")
@@ -144,8 +159,11 @@ def _time_ms(c: Cluster, sent: float, calls: int) -> float:
 def _ops(c: Cluster) -> dict[str, list[tuple[str, float, float, int]]]:
     """(backend/mode) -> [(collective, bytes sent per call-group, times per step, calls)]."""
     r, k, g, p = _ring(c), c.k, c.grad_bytes, c.param_bytes
-    ar, rs, ag = ("all-reduce", 2 * r * g, _calls(c, g)), ("reduce-scatter", r * g, _calls(c, g)), \
-        ("all-gather", r * p, _calls(c, p))
+    ar, rs, ag = (
+        ("all-reduce", 2 * r * g, _calls(c, g)),
+        ("reduce-scatter", r * g, _calls(c, g)),
+        ("all-gather", r * p, _calls(c, p)),
+    )
 
     def times(op: tuple[str, float, int], n: float) -> tuple[str, float, float, int]:
         return (op[0], op[1], n, op[2])
@@ -168,7 +186,9 @@ def estimate(cluster: Cluster, backends: tuple[str, ...] = BACKENDS) -> list[Row
     c = cluster.check()
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
-        raise ConfigError(f"backend {unknown[0]!r} is unknown to the estimate; use {', '.join(BACKENDS)}")
+        raise ConfigError(
+            f"backend {unknown[0]!r} is unknown to the estimate; use {', '.join(BACKENDS)}"
+        )
     rows: list[Row] = []
     for key, ops in _ops(c).items():
         backend, mode = key.split("/")
@@ -179,13 +199,19 @@ def estimate(cluster: Cluster, backends: tuple[str, ...] = BACKENDS) -> list[Row
         if c.sync_ms is not None:
             # A measured sync: scale it by how many gradient syncs the mode issues per step.
             grad_syncs = sum(n for name, _, n, _ in ops if name != "all-gather")
-            gathers = sum(_time_ms(c, nbytes, calls) * n for name, nbytes, n, calls in ops if name == "all-gather")
+            gathers = sum(
+                _time_ms(c, nbytes, calls) * n
+                for name, nbytes, n, calls in ops
+                if name == "all-gather"
+            )
             comm = grad_syncs * c.sync_ms + gathers
         step = c.k * c.compute_ms + c.optimizer_ms + comm
         rows.append(Row(backend, mode, sent, comm, step, 1.0))
     naive = {row.backend: row.step_ms for row in rows if row.mode.startswith("naive")}
-    return [Row(r.backend, r.mode, r.sent_bytes, r.comm_ms, r.step_ms, naive[r.backend] / r.step_ms)
-            for r in rows]
+    return [
+        Row(r.backend, r.mode, r.sent_bytes, r.comm_ms, r.step_ms, naive[r.backend] / r.step_ms)
+        for r in rows
+    ]
 
 
 def _size(n: float) -> str:
@@ -210,8 +236,10 @@ def format_table(cluster: Cluster, rows: list[Row], *, nodes: int, per_node: int
         f"{'backend':<8} {'mode':<20} {'sent/rank':>11} {'comm ms':>10} {'step ms':>10} {'speed-up':>9}",
     ]
     for r in rows:
-        lines.append(f"{r.backend:<8} {r.mode:<20} {_size(r.sent_bytes):>11} {r.comm_ms:>10.1f} "
-                     f"{r.step_ms:>10.1f} {r.speedup:>8.2f}x")
+        lines.append(
+            f"{r.backend:<8} {r.mode:<20} {_size(r.sent_bytes):>11} {r.comm_ms:>10.1f} "
+            f"{r.step_ms:>10.1f} {r.speedup:>8.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -246,16 +274,22 @@ def hybrid_mesh(text: str, world: int, per_node: int) -> tuple[int, int]:
     try:
         r, s = (int(p) for p in parts)
     except ValueError:
-        raise ConfigError(f"--fsdp-mesh={text!r}: give R,S (replicas, shards; one may be -1) or 'node'") from None
+        raise ConfigError(
+            f"--fsdp-mesh={text!r}: give R,S (replicas, shards; one may be -1) or 'node'"
+        ) from None
     if (r, s).count(-1) == 2 or any(n == 0 or n < -1 for n in (r, s)):
-        raise ConfigError(f"--fsdp-mesh={text!r}: give two positive sizes, or one of them -1 to infer it")
+        raise ConfigError(
+            f"--fsdp-mesh={text!r}: give two positive sizes, or one of them -1 to infer it"
+        )
     if r == -1:
         r = world // s if world % s == 0 else 0
     elif s == -1:
         s = world // r if world % r == 0 else 0
     if r * s != world:
-        raise ConfigError(f"--fsdp-mesh={text!r} does not fit {world} ranks: R x S must equal the "
-                          "world (nodes x processes per node)")
+        raise ConfigError(
+            f"--fsdp-mesh={text!r} does not fit {world} ranks: R x S must equal the "
+            "world (nodes x processes per node)"
+        )
     return r, s
 
 
@@ -284,7 +318,9 @@ class HybridCluster:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 0")
         if self.replicas < 1 or self.shards < 1 or self.k < 1:
-            raise ConfigError(f"replicas={self.replicas}, shards={self.shards} and k={self.k} must be >= 1")
+            raise ConfigError(
+                f"replicas={self.replicas}, shards={self.shards} and k={self.k} must be >= 1"
+            )
         return self
 
     @property
@@ -335,15 +371,35 @@ def estimate_hybrid(cluster: HybridCluster) -> list[HybridRow]:
     for policy, (n_rs, n_ag, n_ar, held) in plan.items():
         in_shard = n_rs * rs + n_ag * ag
         across = n_ar * ar
-        calls = (n_rs * calls_g if s > 1 else 0) + (n_ag * calls_p if s > 1 else 0) + (n_ar * calls_ar if r > 1 else 0)
-        comm = calls * c.latency_us / 1e3 + (in_shard / intra_bw + across / (c.inter_gbs * 1e9)) * 1e3
+        calls = (
+            (n_rs * calls_g if s > 1 else 0)
+            + (n_ag * calls_p if s > 1 else 0)
+            + (n_ar * calls_ar if r > 1 else 0)
+        )
+        comm = (
+            calls * c.latency_us / 1e3 + (in_shard / intra_bw + across / (c.inter_gbs * 1e9)) * 1e3
+        )
         intra, cross = (0.0, in_shard + across) if c.shard_crosses_nodes else (in_shard, across)
         step = k * c.compute_ms + c.optimizer_ms + comm
         kept = p if policy == "defer + params" else 0.0  # the gathered copy, beside the shard
-        rows.append(HybridRow(policy, intra, cross, float(n_ar if r > 1 else 0), held,
-                              held - shard + kept, comm, step, 1.0))
+        rows.append(
+            HybridRow(
+                policy,
+                intra,
+                cross,
+                float(n_ar if r > 1 else 0),
+                held,
+                held - shard + kept,
+                comm,
+                step,
+                1.0,
+            )
+        )
     base = rows[0].step_ms
-    return [HybridRow(**{**vars(row), "speedup": base / row.step_ms if row.step_ms else 1.0}) for row in rows]
+    return [
+        HybridRow(**{**vars(row), "speedup": base / row.step_ms if row.step_ms else 1.0})
+        for row in rows
+    ]
 
 
 def format_hybrid(cluster: HybridCluster, rows: list[HybridRow]) -> str:
@@ -368,8 +424,10 @@ def format_hybrid(cluster: HybridCluster, rows: list[HybridRow]) -> str:
         "gathered)",
     ]
     if c.shard_crosses_nodes:
-        lines.append(f"warning: S={c.shards} does not divide the {c.per_node} processes per node: shard "
-                     "groups cross nodes, so their traffic is counted as cross-node")
+        lines.append(
+            f"warning: S={c.shards} does not divide the {c.per_node} processes per node: shard "
+            "groups cross nodes, so their traffic is counted as cross-node"
+        )
     lines += [
         "",
         f"{'policy':<16} {'in-node/rank':>13} {'cross-node/rank':>16} {'cross ARs':>10} "
@@ -379,7 +437,8 @@ def format_hybrid(cluster: HybridCluster, rows: list[HybridRow]) -> str:
         lines.append(
             f"{row.policy:<16} {_size(row.intra_bytes):>13} {_size(row.cross_bytes):>16} "
             f"{row.cross_allreduces:>10.0f} {_size(row.grad_memory):>12} {_size(row.extra_memory):>10} "
-            f"{row.comm_ms:>10.1f} {row.step_ms:>10.1f} {row.speedup:>8.2f}x")
+            f"{row.comm_ms:>10.1f} {row.step_ms:>10.1f} {row.speedup:>8.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -398,8 +457,12 @@ class MeshCluster:
     dp_shard: int = 1  # S
     tp: int = 1  # T
     k: int = 1  # micro-steps per optimizer step
-    tp_share: float = 1.0  # the share of the model's bytes the TP plan shards (the rest is replicated)
-    tp_bytes: float | None = None  # TP traffic each rank sends per micro-step (model-dependent; None: unknown)
+    tp_share: float = (
+        1.0  # the share of the model's bytes the TP plan shards (the rest is replicated)
+    )
+    tp_bytes: float | None = (
+        None  # TP traffic each rank sends per micro-step (model-dependent; None: unknown)
+    )
     budget_bytes: float | None = None  # auto's budget per rank (None: auto's choice not shown)
     intra_gbs: float = INTRA_GBS  # bus bandwidth per rank inside a node, GB/s
     inter_gbs: float = INTER_GBS  # bus bandwidth per rank across nodes, GB/s
@@ -415,15 +478,19 @@ class MeshCluster:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be an integer >= 1")
         if not 0.0 <= self.tp_share <= 1.0:
-            raise ConfigError(f"tp_share={self.tp_share!r} must be between 0 and 1 (the share of the "
-                              "model's bytes the TP plan shards)")
+            raise ConfigError(
+                f"tp_share={self.tp_share!r} must be between 0 and 1 (the share of the "
+                "model's bytes the TP plan shards)"
+            )
         for name in ("tp_bytes", "budget_bytes"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"{name}={value!r} must be >= 0, or None when unknown")
         if self.per_node is not None and self.per_node % self.tp:
-            raise ConfigError(f"tp={self.tp} does not divide the {self.per_node} processes per node: a TP "
-                              "group would span nodes; pick tp dividing the processes per node")
+            raise ConfigError(
+                f"tp={self.tp} does not divide the {self.per_node} processes per node: a TP "
+                "group would span nodes; pick tp dividing the processes per node"
+            )
         return self
 
     @property
@@ -438,13 +505,23 @@ class MeshCluster:
 @dataclass(frozen=True)
 class MeshRow:
     policy: str  # one of HYBRID_POLICIES ("defer_replicate" only where dp_replicate > 1)
-    shard_bytes: float  # bytes a rank sends per optimizer step in its dp_shard group (RS + all-gathers)
-    replicate_bytes: float  # bytes a rank sends per optimizer step in its dp_replicate group (all-reduce)
-    tp_bytes: float | None  # bytes a rank sends per optimizer step in its TP group (None: model-dependent)
+    shard_bytes: (
+        float  # bytes a rank sends per optimizer step in its dp_shard group (RS + all-gathers)
+    )
+    replicate_bytes: (
+        float  # bytes a rank sends per optimizer step in its dp_replicate group (all-reduce)
+    )
+    tp_bytes: (
+        float | None
+    )  # bytes a rank sends per optimizer step in its TP group (None: model-dependent)
     grad_memory: float  # gradient bytes a rank holds through the window
     param_memory: float  # parameter bytes a rank holds through the window: its shard, and the gathered copy when kept
-    extra_memory: float  # beyond every_step's: gradients above G_T/S, and P_T for parameters kept gathered
-    deferral_bytes: float  # what auto weighs against its budget (the adapter's deferral_extra_bytes)
+    extra_memory: (
+        float  # beyond every_step's: gradients above G_T/S, and P_T for parameters kept gathered
+    )
+    deferral_bytes: (
+        float  # what auto weighs against its budget (the adapter's deferral_extra_bytes)
+    )
     comm_ms: float  # data-parallel communication per step (TP traffic not included)
     step_ms: float
     speedup: float  # every_step step time / this step time
@@ -475,27 +552,51 @@ def estimate_mesh(cluster: MeshCluster) -> list[MeshRow]:
     g, p = c.per_tp_rank(c.grad_bytes), c.per_tp_rank(c.param_bytes)
     # Bytes per dimension: with no node boundary, the shard group's traffic is "intra" and the
     # replicate group's "cross". Times: the dp_shard x tp block of consecutive ranks in a node.
-    flat = HybridCluster(grad_bytes=g, param_bytes=p, replicas=r, shards=s, k=k, intra_gbs=c.intra_gbs,
-                         inter_gbs=c.inter_gbs, latency_us=c.latency_us, compute_ms=c.compute_ms,
-                         optimizer_ms=c.optimizer_ms, bucket_bytes=c.bucket_bytes)
+    flat = HybridCluster(
+        grad_bytes=g,
+        param_bytes=p,
+        replicas=r,
+        shards=s,
+        k=k,
+        intra_gbs=c.intra_gbs,
+        inter_gbs=c.inter_gbs,
+        latency_us=c.latency_us,
+        compute_ms=c.compute_ms,
+        optimizer_ms=c.optimizer_ms,
+        bucket_bytes=c.bucket_bytes,
+    )
     per_dim = estimate_hybrid(flat)
-    timed = estimate_hybrid(replace(flat, per_node=c.per_node // c.tp if c.per_node is not None else None))
+    timed = estimate_hybrid(
+        replace(flat, per_node=c.per_node // c.tp if c.per_node is not None else None)
+    )
     tp_bytes = 0.0 if c.tp == 1 else None if c.tp_bytes is None else k * c.tp_bytes
     kept = {"defer + params"}
-    deferral = {"every_step": 0.0, "defer_replicate": math.ceil(g / s), "defer": g - g // s,
-                "defer + params": g - g // s + p}
+    deferral = {
+        "every_step": 0.0,
+        "defer_replicate": math.ceil(g / s),
+        "defer": g - g // s,
+        "defer + params": g - g // s + p,
+    }
     rows = []
     for bytes_row, time_row in zip(per_dim, timed):
         policy = bytes_row.policy
         if policy == "defer_replicate" and r == 1:
             continue
-        rows.append(MeshRow(
-            policy=policy, shard_bytes=bytes_row.intra_bytes, replicate_bytes=bytes_row.cross_bytes,
-            tp_bytes=tp_bytes,
-            grad_memory=bytes_row.grad_memory, param_memory=p / s + (p if policy in kept else 0.0),
-            extra_memory=bytes_row.extra_memory,
-            deferral_bytes=float(deferral[policy]),
-            comm_ms=time_row.comm_ms, step_ms=time_row.step_ms, speedup=time_row.speedup))
+        rows.append(
+            MeshRow(
+                policy=policy,
+                shard_bytes=bytes_row.intra_bytes,
+                replicate_bytes=bytes_row.cross_bytes,
+                tp_bytes=tp_bytes,
+                grad_memory=bytes_row.grad_memory,
+                param_memory=p / s + (p if policy in kept else 0.0),
+                extra_memory=bytes_row.extra_memory,
+                deferral_bytes=float(deferral[policy]),
+                comm_ms=time_row.comm_ms,
+                step_ms=time_row.step_ms,
+                speedup=time_row.speedup,
+            )
+        )
     return rows
 
 
@@ -511,10 +612,19 @@ def format_mesh(cluster: MeshCluster, rows: list[MeshRow]) -> str:
     """
     c = cluster
     g_t = c.per_tp_rank(c.grad_bytes)
-    share = "" if c.tp_share == 1.0 else f" (tp_share {c.tp_share:g} of the model sharded, the rest replicated)"
-    tp = ("the TP traffic (activations, every micro-step under every policy) is model-dependent: "
-          "give --tp-bytes per micro-step to add it" if c.tp > 1 and c.tp_bytes is None else
-          "tp: k x the given TP bytes per micro-step, under every policy" if c.tp > 1 else "no TP group")
+    share = (
+        ""
+        if c.tp_share == 1.0
+        else f" (tp_share {c.tp_share:g} of the model sharded, the rest replicated)"
+    )
+    tp = (
+        "the TP traffic (activations, every micro-step under every policy) is model-dependent: "
+        "give --tp-bytes per micro-step to add it"
+        if c.tp > 1 and c.tp_bytes is None
+        else "tp: k x the given TP bytes per micro-step, under every policy"
+        if c.tp > 1
+        else "no TP group"
+    )
     lines = [
         f"mesh dp_replicate={c.dp_replicate} x dp_shard={c.dp_shard} x tp={c.tp} ({c.world} ranks), k={c.k}: "
         f"gradients {_size(c.grad_bytes)} per model copy, {_size(g_t)} per TP rank{share}, "
@@ -538,7 +648,8 @@ def format_mesh(cluster: MeshCluster, rows: list[MeshRow]) -> str:
         lines.append(
             f"{row.policy:<16} {_size(row.shard_bytes):>14} {_size(row.replicate_bytes):>13} {tp_text:>10} "
             f"{_size(row.grad_memory):>10} {_size(row.param_memory):>10} {_size(row.extra_memory):>10} "
-            f"{_size(row.deferral_bytes):>12} {row.comm_ms:>9.1f} {row.step_ms:>9.1f} {row.speedup:>8.2f}x")
+            f"{_size(row.deferral_bytes):>12} {row.comm_ms:>9.1f} {row.step_ms:>9.1f} {row.speedup:>8.2f}x"
+        )
     if budget:
         lines += ["", budget]
     return "\n".join(lines)

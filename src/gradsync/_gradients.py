@@ -29,10 +29,20 @@ REDUCTIONS = ("mean", "sum", "normalized")
 class Gradients:
     """Backward's scaling, the window's items and clipping, for one Accelerator."""
 
-    def __init__(self, *, window: Window, backend: Backend, runner: Runner, prepared: Prepared,
-                 rules: Rules, data_parallel_size: int, timeout: float | None,
-                 count: ItemCount | None, loss: WindowLoss | None,
-                 self_check: SelfCheckObserver | None) -> None:
+    def __init__(
+        self,
+        *,
+        window: Window,
+        backend: Backend,
+        runner: Runner,
+        prepared: Prepared,
+        rules: Rules,
+        data_parallel_size: int,
+        timeout: float | None,
+        count: ItemCount | None,
+        loss: WindowLoss | None,
+        self_check: SelfCheckObserver | None,
+    ) -> None:
         self._window = window
         self._backend = backend
         self._runner = runner
@@ -81,8 +91,11 @@ class Gradients:
                     f"gradient_accumulation_steps={self._window.steps}; put the forward and the "
                     "backward inside the accumulate block, which decides when gradients sync"
                 )
-            scale = 1 if step is None else (step.size if self._rules.loss_divisor == "window"
-                                            else self._window.steps)
+            scale = (
+                1
+                if step is None
+                else (step.size if self._rules.loss_divisor == "window" else self._window.steps)
+            )
             if self.loss is not None:
                 self.loss.add(loss, 1.0 / (scale * self.loss.world), step, keeps_graph=keeps_graph)
             if not self._runner.names:  # no collective to name: the common one-process path
@@ -97,7 +110,9 @@ class Gradients:
                 self._run(loss, 1.0 / scale, kwargs)
             return
         if reduction not in REDUCTIONS:
-            raise ConfigError(f"backward(reduction={reduction!r}) is unknown; use one of {', '.join(REDUCTIONS)}")
+            raise ConfigError(
+                f"backward(reduction={reduction!r}) is unknown; use one of {', '.join(REDUCTIONS)}"
+            )
         if self.count is None:
             raise ConfigError(
                 f"backward(reduction={reduction!r}) needs count_items to know the window's items; "
@@ -114,7 +129,9 @@ class Gradients:
             return  # nothing to learn from; the boundary skips the step
         factor = self._world / items if reduction == "sum" else float(self._world)
         if self.loss is not None:
-            self.loss.add(loss, 1.0 / items if reduction == "sum" else 1.0, step, keeps_graph=keeps_graph)
+            self.loss.add(
+                loss, 1.0 / items if reduction == "sum" else 1.0, step, keeps_graph=keeps_graph
+            )
         with naming_collective(self._name, self._timeout):
             self._run(loss, factor, kwargs)
 
@@ -135,8 +152,9 @@ class Gradients:
     def self_check_over(self) -> None:
         self.self_check = None
 
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
-                        norm_type: float) -> torch.Tensor | None:
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float
+    ) -> torch.Tensor | None:
         """The global norm, clipped at a boundary; None off it."""
         params = self._unscaled(parameters, "clip_grad_norm_")
         if params is None:
@@ -170,8 +188,10 @@ class Gradients:
     def window_loss(self) -> float:
         """The last window's loss (see ``Accelerator.window_loss``)."""
         if self.loss is None:
-            raise ConfigError("accel.window_loss is off (track_window_loss=False); build the "
-                              "Accelerator without it to read the window's loss")
+            raise ConfigError(
+                "accel.window_loss is off (track_window_loss=False); build the "
+                "Accelerator without it to read the window's loss"
+            )
         return self.loss.value
 
     def before_step(self) -> None:

@@ -75,8 +75,9 @@ def drop_window(window: Window, backend: Backend, prepared: Prepared) -> None:
 class Runner:
     """Runs the ``accumulate`` blocks of one Accelerator."""
 
-    def __init__(self, window: Window, backend: Backend, prepared: Prepared,
-                 timeout: float | None) -> None:
+    def __init__(
+        self, window: Window, backend: Backend, prepared: Prepared, timeout: float | None
+    ) -> None:
         self.window = window
         self.backend = backend
         self.prepared = prepared
@@ -113,7 +114,9 @@ class MicroStepBlock:
 
     __slots__ = ("_began", "_force", "_inner", "_models", "_runner", "_step")
 
-    def __init__(self, runner: Runner, models: Sequence[torch.nn.Module], force: bool | None) -> None:
+    def __init__(
+        self, runner: Runner, models: Sequence[torch.nn.Module], force: bool | None
+    ) -> None:
         self._runner = runner
         self._models = models
         self._force = force
@@ -164,26 +167,32 @@ class MicroStepBlock:
     def _describe(self) -> str:
         step = self._step
         assert step is not None
-        return (f"the forward/backward of micro-step {step.index + 1} of {step.size} "
-                f"(window {self._runner.window.completed_windows + 1})")
+        return (
+            f"the forward/backward of micro-step {step.index + 1} of {step.size} "
+            f"(window {self._runner.window.completed_windows + 1})"
+        )
 
     def _fail(self) -> None:
         """The micro-step raised: every observer that began aborts (in reverse order) and the
         open window is dropped on every layer, so a stray step() after the error applies
         nothing."""
         observers = self._runner.observers
-        for observer in reversed(observers[:self._began]):
+        for observer in reversed(observers[: self._began]):
             with contextlib.suppress(Exception):  # the block's own error is the one to raise
                 observer.abort()
         self._runner.drop()
 
-    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> bool:
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: Any
+    ) -> bool:
         runner, step, inner = self._runner, self._step, self._inner
         assert step is not None and inner is not None
         naming = naming_collective(self._describe, runner.timeout) if runner.names else None
         try:
             try:
-                swallowed = type(inner) is not contextlib.nullcontext and inner.__exit__(kind, err, tb)
+                swallowed = type(inner) is not contextlib.nullcontext and inner.__exit__(
+                    kind, err, tb
+                )
             except BaseException as new:  # the backend's exit raised (e.g. DDP's unused parameters)
                 if naming is not None:
                     naming.__exit__(type(new), new, new.__traceback__)
@@ -225,8 +234,9 @@ class AuditObserver:
 
     done = False
 
-    def __init__(self, recorder: Recorder, window: Window, describe: Callable[[int], str],
-                 main_process: bool) -> None:
+    def __init__(
+        self, recorder: Recorder, window: Window, describe: Callable[[int], str], main_process: bool
+    ) -> None:
         self.recorder = recorder
         self._window = window
         self._describe = describe  # window number -> "rank R step N (backend, policy)"
@@ -248,12 +258,15 @@ class AuditObserver:
         self.recorder.close()
 
     def _report(self) -> None:
-        window = self.recorder.records[self._window_start:]
+        window = self.recorder.records[self._window_start :]
         self._window_start = len(self.recorder.records)
         if self._main and window:
             number = self._window.completed_windows + 1  # the window closing now
-            print(f"[gradsync audit] {self._describe(number)}: "
-                  f"{self.recorder.summary(window)}", file=sys.stdout, flush=True)
+            print(
+                f"[gradsync audit] {self._describe(number)}: {self.recorder.summary(window)}",
+                file=sys.stdout,
+                flush=True,
+            )
 
 
 class SelfCheckObserver:
@@ -290,9 +303,16 @@ class ItemCount:
 
     done = False
 
-    def __init__(self, count: ItemCounter, window: Window, backend: Backend, prepared: Prepared,
-                 world_size: int, own: Callable[[], contextlib.AbstractContextManager[None]],
-                 group: Any = None) -> None:
+    def __init__(
+        self,
+        count: ItemCounter,
+        window: Window,
+        backend: Backend,
+        prepared: Prepared,
+        world_size: int,
+        own: Callable[[], contextlib.AbstractContextManager[None]],
+        group: Any = None,
+    ) -> None:
         self.count = count
         self._window = window
         self._backend = backend
@@ -314,8 +334,9 @@ class ItemCount:
         except Exception as err:  # the other ranks must not wait for this one's count forever
             error = err
         if self._world > 1:
-            t = torch.tensor([local, int(error is not None)], dtype=torch.int64,
-                             device=self._backend.device)
+            t = torch.tensor(
+                [local, int(error is not None)], dtype=torch.int64, device=self._backend.device
+            )
             with self._own():
                 work = torch.distributed.all_reduce(t, group=self._group, async_op=True)
             self._pending = (work, t, error)
@@ -345,7 +366,8 @@ class ItemCount:
         if step.boundary and self._window.skips_step:
             log.warning(
                 "gradsync: window %d holds no item (count_items gave 0 on every rank); its "
-                "optimizer and scheduler steps are skipped", self._window.completed_windows + 1,
+                "optimizer and scheduler steps are skipped",
+                self._window.completed_windows + 1,
             )
             self._backend.abort_window(self._prepared.models)  # drop what its backward left
 

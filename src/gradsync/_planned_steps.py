@@ -15,8 +15,14 @@ from gradsync.errors import UsageError
 log = logging.getLogger("gradsync")
 
 
-def plan_steps(schedule: Schedule, batches_per_epoch: int, num_epochs: int, *, start: int = 0,
-               follow_data: bool = True) -> int:
+def plan_steps(
+    schedule: Schedule,
+    batches_per_epoch: int,
+    num_epochs: int,
+    *,
+    start: int = 0,
+    follow_data: bool = True,
+) -> int:
     """Optimizer steps of ``num_epochs`` passes of ``batches_per_epoch`` micro-batches, windows
     sized by ``schedule`` from ``start`` completed windows on. With ``follow_data`` every pass
     ends its last window early (the partial window is a step); without, windows run on across
@@ -47,7 +53,9 @@ def declared_total(scheduler: Any) -> tuple[int, str] | None:
     if isinstance(total, int):
         return total, f"{type(inner).__name__}.total_steps"
     for fn in getattr(inner, "lr_lambdas", []):  # e.g. Transformers' get_*_schedule_with_warmup
-        if isinstance(fn, functools.partial) and isinstance(fn.keywords.get("num_training_steps"), int):
+        if isinstance(fn, functools.partial) and isinstance(
+            fn.keywords.get("num_training_steps"), int
+        ):
             return int(fn.keywords["num_training_steps"]), "LambdaLR num_training_steps"
     return None
 
@@ -62,9 +70,13 @@ def length_mismatch(scheduler: Any, planned: int) -> str | None:
         f"gradsync: the LR scheduler was built for {total} steps ({where}), but the run will take "
         f"{planned} optimizer steps (accel.planned_optimizer_steps); build it with {planned} so "
         "its schedule ends with the training"
-        + (f" ({total} = {total // planned} x {planned}: sized for Accelerate's rule, one "
-           "scheduler step per process per update; gradsync.accelerate.Accelerator keeps "
-           "that rule)" if planned and total % planned == 0 and total > planned else "")
+        + (
+            f" ({total} = {total // planned} x {planned}: sized for Accelerate's rule, one "
+            "scheduler step per process per update; gradsync.accelerate.Accelerator keeps "
+            "that rule)"
+            if planned and total % planned == 0 and total > planned
+            else ""
+        )
     )
 
 
@@ -91,8 +103,9 @@ def sized_per_process(scheduler: Any, steps_done: int, processes: int) -> str | 
     )
 
 
-def warn_unfinished(schedulers: list[Any], steps: Any, processes: int, main: bool,
-                    warn: Any) -> None:
+def warn_unfinished(
+    schedulers: list[Any], steps: Any, processes: int, main: bool, warn: Any
+) -> None:
     """At the end of a run (``end()``, or at exit): ``sized_per_process`` for each
     scheduler, said once on the main process through ``warn``."""
     if not main:
@@ -121,8 +134,10 @@ class Planner:
         loaders = self._prepared.loaders
         loader = loader if loader is not None else (loaders[0] if loaders else None)
         if loader is None:
-            raise UsageError("planned_optimizer_steps() needs a prepared dataloader: "
-                             "accel.prepare(loader) first, or pass loader=...")
+            raise UsageError(
+                "planned_optimizer_steps() needs a prepared dataloader: "
+                "accel.prepare(loader) first, or pass loader=..."
+            )
         try:
             per_epoch = len(loader)
         except TypeError:
@@ -130,8 +145,13 @@ class Planner:
                 "planned_optimizer_steps() needs a dataloader with a length; this one has none "
                 "(an IterableDataset without __len__): count the steps yourself"
             ) from None
-        self.planned = plan_steps(self._window.schedule, per_epoch, num_epochs,
-                                  start=self._window.completed_windows, follow_data=self._follow_data)
+        self.planned = plan_steps(
+            self._window.schedule,
+            per_epoch,
+            num_epochs,
+            start=self._window.completed_windows,
+            follow_data=self._follow_data,
+        )
         for scheduler in self._prepared.schedulers:
             self.check_length(scheduler)
         return self.planned

@@ -45,10 +45,18 @@ class Preparer:
     """Prepares objects for one Accelerator; ``plan`` is its batch plan (the first prepared
     dataloader fixes the micro batch size when no setting did)."""
 
-    def __init__(self, config: Config, plan: BatchPlan, backend: Backend, view: WindowView,
-                 registry: Prepared, loaders: LoaderContext,
-                 on_scheduler: Callable[[PreparedScheduler], None],
-                 before_step: Callable[[], None] | None = None, rules: Rules = GRADSYNC) -> None:
+    def __init__(
+        self,
+        config: Config,
+        plan: BatchPlan,
+        backend: Backend,
+        view: WindowView,
+        registry: Prepared,
+        loaders: LoaderContext,
+        on_scheduler: Callable[[PreparedScheduler], None],
+        before_step: Callable[[], None] | None = None,
+        rules: Rules = GRADSYNC,
+    ) -> None:
         self._config = config
         self._rules = rules
         self.plan = plan
@@ -57,7 +65,9 @@ class Preparer:
         self._registry = registry
         self._loaders = loaders
         self._on_scheduler = on_scheduler
-        self._sized_by_settings = plan.micro_batch_size is not None  # else the first loader sizes it
+        self._sized_by_settings = (
+            plan.micro_batch_size is not None
+        )  # else the first loader sizes it
         self._before_step = before_step
         #: ``gradsync verify``: replaces each loader's sharded source (records or replays it).
         self.loader_hook: Callable[[Any], Any] | None = None
@@ -94,7 +104,9 @@ class Preparer:
         for opt in optimizers:
             for earlier in (m for m in owners[id(opt)] if id(m) not in out):  # prepared before
                 now[id(opt)] = self._backend.attach(earlier, now[id(opt)])
-            out[id(opt)] = self._add_optimizer(now[id(opt)], [out.get(id(m), m) for m in owners[id(opt)]])
+            out[id(opt)] = self._add_optimizer(
+                now[id(opt)], [out.get(id(m), m) for m in owners[id(opt)]]
+            )
         for wrapped, new in built:
             self._add_optimizer(new, [wrapped])
         for obj in objects:
@@ -104,8 +116,11 @@ class Preparer:
                 replaced = now.get(id(obj.optimizer))
                 if replaced is not None and replaced is not obj.optimizer:
                     obj.optimizer = replaced
-                scheduler = PreparedScheduler(obj, self._registry.step_counter(obj.optimizer),
-                                              self._rules.scheduler_steps(self.plan.data_parallel_size))
+                scheduler = PreparedScheduler(
+                    obj,
+                    self._registry.step_counter(obj.optimizer),
+                    self._rules.scheduler_steps(self.plan.data_parallel_size),
+                )
                 self._registry.add_scheduler(scheduler)
                 self._on_scheduler(scheduler)
                 out[id(obj)] = scheduler
@@ -119,16 +134,18 @@ class Preparer:
         result = tuple(out[id(o)] for o in objects)
         return result[0] if len(result) == 1 else result
 
-    def _add_optimizer(self, optimizer: torch.optim.Optimizer,
-                       models: Sequence[torch.nn.Module]) -> PreparedOptimizer:
+    def _add_optimizer(
+        self, optimizer: torch.optim.Optimizer, models: Sequence[torch.nn.Module]
+    ) -> PreparedOptimizer:
         prepared = PreparedOptimizer(optimizer, self._backend, self._view, self._config.timeout)
         prepared.before_step = self._before_step
         prepared.names = dist.is_multiprocess()
         self._registry.add_optimizer(prepared, models)
         return prepared
 
-    def _owners(self, optimizer: torch.optim.Optimizer,
-                models: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    def _owners(
+        self, optimizer: torch.optim.Optimizer, models: Sequence[torch.nn.Module]
+    ) -> list[torch.nn.Module]:
         """The models (of this call, or prepared before) whose parameters ``optimizer``
         holds, matched by identity; a ConfigError for a parameter of no model, or of a frozen one."""
         candidates = [*models, *self._registry.models]
@@ -165,11 +182,15 @@ class Preparer:
                 "mixed_precision='fp16' and use accel.backward(loss) (accel.scaler holds its state)"
             )
         if any(isinstance(o, PreparedOptimizer) for o in objects):
-            raise ConfigError("prepare() got an optimizer that is already prepared; pass the original")
+            raise ConfigError(
+                "prepare() got an optimizer that is already prepared; pass the original"
+            )
         seen: set[int] = set()
         for obj in objects:
             if id(obj) in seen:
-                raise ConfigError(f"prepare() got the same {type(obj).__name__} twice; pass it once")
+                raise ConfigError(
+                    f"prepare() got the same {type(obj).__name__} twice; pass it once"
+                )
             seen.add(id(obj))
 
     def _prepare_dataloader(self, loader: Any) -> PreparedDataLoader:
@@ -179,8 +200,12 @@ class Preparer:
         # The first loader must fit batch sizes the settings fixed; a later one (an
         # evaluation loader, say) may batch as it likes: it does not define the plan.
         first = not self._registry.loaders
-        if (first and self._sized_by_settings and batch is not None
-                and batch != self.plan.micro_batch_size):
+        if (
+            first
+            and self._sized_by_settings
+            and batch is not None
+            and batch != self.plan.micro_batch_size
+        ):
             raise ConfigError(
                 f"the dataloader's batch_size={batch} contradicts micro_batch_size="
                 f"{self.plan.micro_batch_size} ({self.plan.describe()}); build the DataLoader with "
@@ -191,12 +216,23 @@ class Preparer:
         rank, world = data.rank, data.size
         rules = self._rules
         if rules.dealing == "batches" and not self._config.dataset_shards_itself:
-            sharded = deal_batches(loader, rank=rank, world_size=world, split=rules.split_batches,
-                                   even=rules.even_batches, seedable=rules.seedable_sampler,
-                                   data_seed=rules.data_seed)
+            sharded = deal_batches(
+                loader,
+                rank=rank,
+                world_size=world,
+                split=rules.split_batches,
+                even=rules.even_batches,
+                seedable=rules.seedable_sampler,
+                data_seed=rules.data_seed,
+            )
         else:
-            sharded = shard_dataloader(loader, rank=rank, world_size=world, seed=seed,
-                                       dataset_shards_itself=self._config.dataset_shards_itself)
+            sharded = shard_dataloader(
+                loader,
+                rank=rank,
+                world_size=world,
+                seed=seed,
+                dataset_shards_itself=self._config.dataset_shards_itself,
+            )
         if self.loader_hook is not None:  # gradsync verify (gradsync.verify.recorder)
             sharded = self.loader_hook(sharded)
         prepared = PreparedDataLoader(sharded, self._loaders)

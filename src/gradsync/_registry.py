@@ -40,7 +40,9 @@ class Prepared:
         if any(p.requires_grad for p in model.parameters()):
             self.trained.append(model)
 
-    def add_optimizer(self, optimizer: PreparedOptimizer, models: Iterable[torch.nn.Module] = ()) -> None:
+    def add_optimizer(
+        self, optimizer: PreparedOptimizer, models: Iterable[torch.nn.Module] = ()
+    ) -> None:
         """``optimizer``, linked to each of ``models`` (those whose parameters it holds)."""
         self.optimizers.append(optimizer)
         for model in models:
@@ -58,7 +60,10 @@ class Prepared:
     def register(self, objects: Sequence[Any]) -> None:
         """``register_for_checkpointing``: objects with ``state_dict`` / ``load_state_dict``."""
         for obj in objects:
-            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            if not (
+                callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))
+            ):
                 raise ConfigError(
                     f"register_for_checkpointing() got a {type(obj).__name__}, which has no "
                     "state_dict()/load_state_dict(); register objects that have both"
@@ -101,8 +106,11 @@ class Prepared:
     def holding(self, parameters: Iterable[torch.Tensor]) -> list[PreparedOptimizer]:
         """The prepared optimizers that hold any of ``parameters``."""
         wanted = {id(p) for p in parameters}
-        return [o for o in self.optimizers
-                if any(id(p) in wanted for group in o.param_groups for p in group["params"])]
+        return [
+            o
+            for o in self.optimizers
+            if any(id(p) in wanted for group in o.param_groups for p in group["params"])
+        ]
 
     def step_counter(self, optimizer: Any) -> Callable[[], int]:
         """The applied-step count of the prepared optimizer wrapping ``optimizer`` (the
@@ -126,9 +134,13 @@ class Prepared:
 
     def counts(self) -> dict[str, int]:
         """How many of each kind were prepared (a checkpoint must match them)."""
-        return {"models": len(self.models), "schedulers": len(self.schedulers),
-                "objects": len(self.objects), "loaders": len(self.loaders),
-                "optimizers": len(self.optimizers)}
+        return {
+            "models": len(self.models),
+            "schedulers": len(self.schedulers),
+            "objects": len(self.objects),
+            "loaders": len(self.loaders),
+            "optimizers": len(self.optimizers),
+        }
 
     def clear(self) -> None:
         """Forget everything (``accel.free_memory``)."""

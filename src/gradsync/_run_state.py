@@ -143,7 +143,9 @@ class RunState:
         self._accel.print(*args, **kwargs)
 
     def __repr__(self) -> str:
-        return (f"Distributed environment: {self.distributed_type.value}\n"
-                f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
-                f"Local process index: {self.local_process_index}\nDevice: {self.device}\n"
-                f"Mixed precision type: {self.mixed_precision}\n")
+        return (
+            f"Distributed environment: {self.distributed_type.value}\n"
+            f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
+            f"Local process index: {self.local_process_index}\nDevice: {self.device}\n"
+            f"Mixed precision type: {self.mixed_precision}\n"
+        )

@@ -46,8 +46,15 @@ class SelfCheck:
     micro-step, and removes them again.
     """
 
-    def __init__(self, recorder: Recorder, *, audited: bool, policy: Callable[[], str],
-                 where: str, steps: int = STEPS) -> None:
+    def __init__(
+        self,
+        recorder: Recorder,
+        *,
+        audited: bool,
+        policy: Callable[[], str],
+        where: str,
+        steps: int = STEPS,
+    ) -> None:
         self.recorder = recorder
         self.audited = audited
         self._policy = policy
@@ -127,13 +134,19 @@ class SelfCheck:
         if record.reductions and not {"shard", "replicate"} & set(record.group_labels()):
             # The mesh's groups carry no labels (gradsync.audit.label_group): the shard group's
             # reduce-scatters cannot be told from the all-reduce across replicas.
-            log.debug("gradsync self-check (%s): the mesh's process groups are not labelled in the "
-                      "audit; nothing to judge under defer_replicate", self._where)
+            log.debug(
+                "gradsync self-check (%s): the mesh's process groups are not labelled in the "
+                "audit; nothing to judge under defer_replicate",
+                self._where,
+            )
             self.done = True
             return
         across = record.count("allreduce", group="replicate")
-        others = [g for g in record.group_labels()
-                  if g not in ("shard", "replicate") and g not in COMPUTE_LABELS]
+        others = [
+            g
+            for g in record.group_labels()
+            if g not in ("shard", "replicate") and g not in COMPUTE_LABELS
+        ]
         elsewhere = sum(record.count(*REDUCTIONS, group=g) for g in others)
         if not boundary and across:
             self._warn(
@@ -145,7 +158,9 @@ class SelfCheck:
                 "set_requires_all_reduce(True) on it yourself"
             )
         elif not boundary and elsewhere:  # a reduction outside the mesh's groups: as under defer
-            self._warn_off_boundary(elsewhere, sum(record.nbytes(*REDUCTIONS, group=g) for g in others))
+            self._warn_off_boundary(
+                elsewhere, sum(record.nbytes(*REDUCTIONS, group=g) for g in others)
+            )
         elif boundary and self._backward and not across:
             self._warn(
                 "a boundary micro-step ran accel.backward but did not all-reduce across replicas "
@@ -160,8 +175,15 @@ class SelfCheck:
         self.done = True  # once is enough
 
 
-def start(*, enabled: bool, audit: Recorder | None, policy: Callable[[], str], rank: int,
-          world_size: int, backend: str) -> SelfCheck | None:
+def start(
+    *,
+    enabled: bool,
+    audit: Recorder | None,
+    policy: Callable[[], str],
+    rank: int,
+    world_size: int,
+    backend: str,
+) -> SelfCheck | None:
     """The self-check for a new Accelerator, or None when it is off or has nothing to count
     (one process, or a process group created outside gradsync)."""
     if not enabled or world_size < 2 or policy() not in (*DEFERRING, "every_step"):

@@ -26,8 +26,9 @@ SUPPORTED_TORCH = "2.6 to 2.13"
 
 def require(obj: object, name: str, what: str) -> Any:
     """``getattr(obj, name)``, or a RuntimeError naming what is missing and the fix."""
-    return require_attr(obj, name, what=what, library="torch", version=torch.__version__,
-                        supported=SUPPORTED_TORCH)
+    return require_attr(
+        obj, name, what=what, library="torch", version=torch.__version__, supported=SUPPORTED_TORCH
+    )
 
 
 def default_store() -> Any:
@@ -38,15 +39,11 @@ def default_store() -> Any:
 
 
 def allgather_base(pg: Any, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
-    return require(pg, "_allgather_base", "all-gather into one tensor")(
-        output, inp, opts
-    )
+    return require(pg, "_allgather_base", "all-gather into one tensor")(output, inp, opts)
 
 
 def reduce_scatter_base(pg: Any, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
-    return require(pg, "_reduce_scatter_base", "reduce-scatter of one tensor")(
-        output, inp, opts
-    )
+    return require(pg, "_reduce_scatter_base", "reduce-scatter of one tensor")(output, inp, opts)
 
 
 def set_nccl_timeout(opts: Any, timeout: timedelta) -> None:
@@ -86,8 +83,11 @@ def weights_only_globals() -> frozenset[str]:
     ``torch.serialization.add_safe_globals``."""
     from torch import _weights_only_unpickler
 
-    own = require(_weights_only_unpickler, "_get_allowed_globals",
-                  "the weights_only allow-list (checkpoint safety)")()
+    own = require(
+        _weights_only_unpickler,
+        "_get_allowed_globals",
+        "the weights_only allow-list (checkpoint safety)",
+    )()
     added = set()
     for entry in torch.serialization.get_safe_globals():
         obj = entry[0] if isinstance(entry, tuple) else entry

@@ -55,7 +55,9 @@ def human_bytes(n: float) -> str:
     return f"{value:.1f} GiB"
 
 
-def require_attr(obj: object, name: str, *, what: str, library: str, version: str, supported: str) -> Any:
+def require_attr(
+    obj: object, name: str, *, what: str, library: str, version: str, supported: str
+) -> Any:
     """``getattr(obj, name)`` for a private attribute of ``library``; where this version of
     it lacks one, a RuntimeError that names what is missing and the supported versions."""
     try:
@@ -88,8 +90,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
         self.name, self.callback = name, callback
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != self.name:
             return None
         if self in sys.meta_path:

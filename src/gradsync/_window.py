@@ -144,7 +144,9 @@ class Window:
             return self._pending_steps
         if self.is_open:
             return self._steps
-        return check_positive_int("gradient_accumulation_steps", self._schedule.steps_at(self._completed))
+        return check_positive_int(
+            "gradient_accumulation_steps", self._schedule.steps_at(self._completed)
+        )
 
     @steps.setter
     def steps(self, value: int) -> None:
@@ -259,14 +261,18 @@ class Window:
             live.append(ticket)
             if ticket.fresh:
                 ticket.fresh = False
-                if best is None or (ticket.started_at, -ticket.serial) > (best.started_at, -best.serial):
+                if best is None or (ticket.started_at, -ticket.serial) > (
+                    best.started_at,
+                    -best.serial,
+                ):
                     best, best_feed = ticket, feed
         self._tickets = live
         return best_feed
 
     # -- driven by the Accelerator ------------------------------------------
-    def begin(self, *, remaining: int | None = None, last: bool = False,
-              force: bool | None = None) -> MicroStep:
+    def begin(
+        self, *, remaining: int | None = None, last: bool = False, force: bool | None = None
+    ) -> MicroStep:
         """Start a micro-step and decide whether it is a boundary (``force``: the caller
         decides, as ``no_sync`` / ``trigger_sync_in_backward`` do; the loss is then scaled
         by the planned k, whatever the number of micro-steps the window ends up with)."""
@@ -282,7 +288,8 @@ class Window:
         if self._index == 0:  # a window starts: its k, from the schedule (or the user's change)
             self._pending_steps = None
             self._steps = check_positive_int(
-                "gradient_accumulation_steps", self._schedule.steps_at(self._completed))
+                "gradient_accumulation_steps", self._schedule.steps_at(self._completed)
+            )
         if feed is not None and self._follow_data:
             remaining, last = feed.remaining, feed.last
             if split is not None:
@@ -333,7 +340,9 @@ class Window:
             self._split = None
         return split
 
-    def _split_position(self, split: _Split, remaining: int | None, last: bool) -> tuple[int | None, bool]:
+    def _split_position(
+        self, split: _Split, remaining: int | None, last: bool
+    ) -> tuple[int | None, bool]:
         """Micro-steps left in the pass (this one included) and whether this is its last,
         counting every later loader batch as the micro-batches it will be split into."""
         assert split.feed is not None
@@ -386,8 +395,12 @@ class Window:
                 "micro-batch(es) of a split_batch() still to run; save after its last micro-batch"
             )
         return {
-            "steps": self._steps, "pending_steps": self._pending_steps, "index": self._index,
-            "size": self._size, "boundary": self._boundary, "completed": self._completed,
+            "steps": self._steps,
+            "pending_steps": self._pending_steps,
+            "index": self._index,
+            "size": self._size,
+            "boundary": self._boundary,
+            "completed": self._completed,
             "items": self._items,
         }
 

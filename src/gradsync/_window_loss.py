@@ -33,8 +33,13 @@ class WindowLoss:
     """The window loss of one Accelerator (see the module docstring). The micro-step runner
     calls ``at_boundary`` after a window's last micro-step; nothing runs on the others."""
 
-    def __init__(self, device: torch.device, world: int,
-                 own: Callable[[], contextlib.AbstractContextManager[None]], group: Any = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        world: int,
+        own: Callable[[], contextlib.AbstractContextManager[None]],
+        group: Any = None,
+    ) -> None:
         self._device = device
         self.world = world  # the data-parallel ranks (their process group: ``group``)
         self._group = group
@@ -52,8 +57,14 @@ class WindowLoss:
         self._first: MicroStep | None = None  # the first micro-step of the share's window
         self.windows = 0  # windows whose loss was taken
 
-    def add(self, loss: torch.Tensor, weight: float, step: MicroStep | None, *,
-            keeps_graph: bool = False) -> None:
+    def add(
+        self,
+        loss: torch.Tensor,
+        weight: float,
+        step: MicroStep | None,
+        *,
+        keeps_graph: bool = False,
+    ) -> None:
         """This rank's ``loss`` counts ``weight`` times in the objective of the window of
         ``step`` (None: a backward outside ``accumulate``, a window of its own).
         ``keeps_graph``: the backward keeps its graph (``retain_graph=True``): only a
@@ -64,8 +75,10 @@ class WindowLoss:
             self._first = step  # what a dropped window left is not this one's
             self._losses, self._weights = [], []
         elif step is self._closed:
-            log.warning("gradsync: backward() after optimizer.step() in a window's last micro-step: "
-                        "its gradients reach no update, and accel.window_loss leaves it out")
+            log.warning(
+                "gradsync: backward() after optimizer.step() in a window's last micro-step: "
+                "its gradients reach no update, and accel.window_loss leaves it out"
+            )
             return
         # The loss itself (detaching costs a tensor per micro-step): after its backward the
         # graph's buffers are freed, and only this scalar and its graph's nodes stay alive.

@@ -27,8 +27,13 @@ class PreparedOptimizer(torch.optim.Optimizer):
     correctly, and the gradients stay readable after ``step()`` until the next window.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, backend: Backend, window: WindowView,
-                 timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        backend: Backend,
+        window: WindowView,
+        timeout: float | None = None,
+    ) -> None:
         # Deliberately no super().__init__: the wrapped optimizer owns groups, state and hooks.
         self.optimizer = optimizer
         self._backend = backend
@@ -157,5 +162,3 @@ class PreparedScheduler:
         if name == "scheduler":
             raise AttributeError(name)
         return getattr(self.scheduler, name)
-
-

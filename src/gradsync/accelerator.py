@@ -308,7 +308,7 @@ class Accelerator:
 
     @property
     def mixed_precision(self) -> str:
-        """"no", "bf16" or "fp16"."""
+        """ "no", "bf16" or "fp16"."""
         return self.config.mixed_precision
 
     @property
@@ -443,7 +443,9 @@ class Accelerator:
             UsageError: no model given, or the block entered inside another one.
         """
         if not models:
-            raise UsageError("accumulate() needs the prepared model: `with accel.accumulate(model):`")
+            raise UsageError(
+                "accumulate() needs the prepared model: `with accel.accumulate(model):`"
+            )
         return self._p.runner.run(models)
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -460,7 +462,9 @@ class Accelerator:
         """
         return self._p.runner.run((model,), force=False)
 
-    def trigger_sync_in_backward(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    def trigger_sync_in_backward(
+        self, model: torch.nn.Module
+    ) -> contextlib.AbstractContextManager[None]:
         """Manual control: one micro-step that closes the window, so the next backward of
         ``model`` reduces the gradients accumulated so far, even when the forward ran inside
         ``no_sync`` (Accelerate's ``trigger_sync_in_backward``); ``optimizer.step()`` applies
@@ -474,7 +478,9 @@ class Accelerator:
         """
         return self._p.runner.run((model,), force=True)
 
-    def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
+    def skip_first_batches(
+        self, dataloader: PreparedDataLoader, num_batches: int = 0
+    ) -> PreparedDataLoader:
         """The prepared ``dataloader``, whose next pass starts after its first
         ``num_batches`` batches (on this rank), for resuming by hand. ``load_state`` already
         resumes a prepared loader mid-epoch; called after it (Accelerate's resume pattern) it
@@ -612,8 +618,14 @@ class Accelerator:
         self._p.gradients.clip_grad_value_(parameters, clip_value)
 
     # -- checkpoints ---------------------------------------------------------
-    def save_state(self, path: str | os.PathLike[str] | None = None, *, keep_last: int | None = None,
-                   background: bool = False, output_dir: str | os.PathLike[str] | None = None) -> str:
+    def save_state(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        keep_last: int | None = None,
+        background: bool = False,
+        output_dir: str | os.PathLike[str] | None = None,
+    ) -> str:
         """Save everything training needs to go on exactly: models, optimizers, schedulers,
         the window (also mid-window, with each rank's local gradients, where the backend
         can: DeepSpeed and fairscale save only at a boundary), every rank's RNG, every
@@ -645,8 +657,14 @@ class Accelerator:
                 and the checkpoint kept; nothing else changed, and training can go on).
             CollectiveError: another rank stopped answering.
         """
-        path = choose_folder("save_state", path, "output_dir", output_dir, self.config.project_dir,
-                             self.optimizer_steps)
+        path = choose_folder(
+            "save_state",
+            path,
+            "output_dir",
+            output_dir,
+            self.config.project_dir,
+            self.optimizer_steps,
+        )
         with naming_collective(f"save_state({os.fspath(path)!r})", self.config.timeout):
             return self._p.state.save(path, keep_last, background=background)
 
@@ -663,8 +681,13 @@ class Accelerator:
         with naming_collective("wait_for_checkpoint()", self.config.timeout):
             return self._p.state.settle()
 
-    def load_state(self, path: str | os.PathLike[str] | None = None, *, trusted: bool = False,
-                   input_dir: str | os.PathLike[str] | None = None) -> None:
+    def load_state(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        trusted: bool = False,
+        input_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         """Restore a checkpoint written by ``save_state`` (on every rank, after ``prepare``).
         The next pass over each prepared loader resumes at the first batch not yet consumed;
         ``loader.epoch`` is that pass's epoch. Loading never runs code from the folder: every
@@ -696,8 +719,13 @@ class Accelerator:
         """
         self._prepared.register(objects)
 
-    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike[str],
-                   max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> str:
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        save_directory: str | os.PathLike[str],
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> str:
         """The model's full weights, gathered from every rank and written by rank 0 into the
         folder ``save_directory`` in Transformers' layout, which ``from_pretrained`` reads
         (call it on every rank): ``model.safetensors``, or numbered shards and
@@ -723,11 +751,18 @@ class Accelerator:
             CollectiveError: another rank stopped answering while the weights were gathered.
         """
         with naming_collective("save_model() (gathering the weights)", self.config.timeout):
-            return save_model(self._backend, model, save_directory, self.rank,
-                              max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+            return save_model(
+                self._backend,
+                model,
+                save_directory,
+                self.rank,
+                max_shard_size=max_shard_size,
+                safe_serialization=safe_serialization,
+            )
 
-    def save(self, obj: Any, f: str | os.PathLike[str] | IO[bytes],
-             safe_serialization: bool = False) -> None:
+    def save(
+        self, obj: Any, f: str | os.PathLike[str] | IO[bytes], safe_serialization: bool = False
+    ) -> None:
         """Save ``obj`` on the main process only, in place of ``torch.save`` (the other ranks
         write nothing and do not wait). A path is written under a temporary name, then
         renamed.
@@ -743,7 +778,8 @@ class Accelerator:
         export.save(obj, f, main=self.is_main_process, safe_serialization=safe_serialization)
 
     def register_save_state_pre_hook(
-        self, hook: Callable[[list[torch.nn.Module], list[dict[str, Any]], str], None],
+        self,
+        hook: Callable[[list[torch.nn.Module], list[dict[str, Any]], str], None],
     ) -> RemovableHandle:
         """Call ``hook(models, weights, output_dir)`` in every ``save_state``, on every rank,
         once every rank has written its files into the folder being written (``output_dir``:
@@ -761,7 +797,9 @@ class Accelerator:
         """
         return self._p.state.add_save_hook(hook, self.unwrap_model, self.get_state_dict)
 
-    def register_load_state_pre_hook(self, hook: Callable[[list[torch.nn.Module], str], None]) -> RemovableHandle:
+    def register_load_state_pre_hook(
+        self, hook: Callable[[list[torch.nn.Module], str], None]
+    ) -> RemovableHandle:
         """Call ``hook(models, input_dir)`` in every ``load_state``, on every rank, once the
         checkpoint is verified and before anything is loaded (``models``: the prepared
         models, unwrapped). gradsync then loads every model itself.
@@ -796,8 +834,12 @@ class Accelerator:
         return self._signals.received is not None
 
     # -- models and processes ----------------------------------------------
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
-                     keep_torch_compile: bool = True) -> torch.nn.Module:
+    def unwrap_model(
+        self,
+        model: torch.nn.Module,
+        keep_fp32_wrapper: bool = True,
+        keep_torch_compile: bool = True,
+    ) -> torch.nn.Module:
         """The user's module inside whatever wrapper ``prepare`` put around it.
 
         Args:
@@ -842,8 +884,12 @@ class Accelerator:
             yield
 
     # -- experiment tracking ------------------------------------------------
-    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
-                      init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+    def init_trackers(
+        self,
+        project_name: str,
+        config: dict[str, Any] | None = None,
+        init_kwargs: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
         """Start the trackers of ``log_with`` (created on the main process only) and record
         ``config`` with the run. Call it once, on every rank, before ``log``.
 
@@ -861,8 +907,12 @@ class Accelerator:
         """
         self._p.trackers.init(project_name, config, init_kwargs)
 
-    def log(self, values: dict[str, Any], step: int | None = None,
-            log_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+    def log(
+        self,
+        values: dict[str, Any],
+        step: int | None = None,
+        log_kwargs: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
         """Record ``values`` with every tracker, on the main process only; on the other
         processes it returns at once and never waits for another rank. One-element tensors
         (any device) and NumPy scalars are recorded as Python numbers; what each tracker
@@ -963,11 +1013,13 @@ class Accelerator:
         """
         it = self._loaders.last_pass() if self._loaders.last_pass is not None else None
         with self._p.runner.own_collective():  # over the ranks that read distinct batches
-            return metrics.gather_for_metrics(input_data, it, self._backend.data_parallel,
-                                              use_gather_object=use_gather_object)
+            return metrics.gather_for_metrics(
+                input_data, it, self._backend.data_parallel, use_gather_object=use_gather_object
+            )
 
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0,
-               op: str | None = None) -> Any:
+    def reduce(
+        self, tensor: Any, reduction: str = "sum", scale: float = 1.0, op: str | None = None
+    ) -> Any:
         """Each tensor of ``tensor`` reduced over ranks (on an N-D mesh: the data-parallel
         ranks of this rank's tensor-parallel coordinate), then multiplied by ``scale``, as
         Accelerate's ``Accelerator.reduce`` documents it. Where Accelerate's code differs
@@ -992,7 +1044,9 @@ class Accelerator:
             ConfigError: an unknown reduction, or ``op`` and ``reduction`` that disagree.
         """
         with self._p.runner.own_collective():
-            return metrics.reduce(tensor, reduction, scale, op, group=self._backend.data_parallel.group)
+            return metrics.reduce(
+                tensor, reduction, scale, op, group=self._backend.data_parallel.group
+            )
 
     # -- where code runs (no collectives, except the *_process_first barriers) --
     @contextlib.contextmanager
@@ -1020,8 +1074,9 @@ class Accelerator:
             ConfigError: an input that cannot be split, or a dict whose values differ in
                 length.
         """
-        with processes.split_between_processes(inputs, self.rank, self.world_size,
-                                               apply_padding) as share:
+        with processes.split_between_processes(
+            inputs, self.rank, self.world_size, apply_padding
+        ) as share:
             yield share
 
     def on_main_process(self, function: Callable[P, R]) -> Callable[P, R | None]:
@@ -1061,11 +1116,16 @@ class Accelerator:
         return processes.on_last_process(function, ranks=self)
 
     @overload
-    def on_process(self, function: Callable[P, R], process_index: int | None = None) -> Callable[P, R | None]: ...
+    def on_process(
+        self, function: Callable[P, R], process_index: int | None = None
+    ) -> Callable[P, R | None]: ...
     @overload
-    def on_process(self, function: None = None, process_index: int | None = None) -> processes.Decorator: ...
-    def on_process(self, function: Callable[..., Any] | None = None,
-                   process_index: int | None = None) -> Callable[..., Any] | processes.Decorator:
+    def on_process(
+        self, function: None = None, process_index: int | None = None
+    ) -> processes.Decorator: ...
+    def on_process(
+        self, function: Callable[..., Any] | None = None, process_index: int | None = None
+    ) -> Callable[..., Any] | processes.Decorator:
         """A decorator: ``function`` runs on the process of rank ``process_index`` only;
         elsewhere a call returns None. Written ``@accel.on_process(process_index=1)``. In
         one process it runs whatever the index (as in Accelerate).
@@ -1086,13 +1146,16 @@ class Accelerator:
         return processes.on_process(function, process_index=process_index, ranks=self)
 
     @overload
-    def on_local_process(self, function: Callable[P, R],
-                         local_process_index: int | None = None) -> Callable[P, R | None]: ...
+    def on_local_process(
+        self, function: Callable[P, R], local_process_index: int | None = None
+    ) -> Callable[P, R | None]: ...
     @overload
-    def on_local_process(self, function: None = None,
-                         local_process_index: int | None = None) -> processes.Decorator: ...
-    def on_local_process(self, function: Callable[..., Any] | None = None,
-                         local_process_index: int | None = None) -> Callable[..., Any] | processes.Decorator:
+    def on_local_process(
+        self, function: None = None, local_process_index: int | None = None
+    ) -> processes.Decorator: ...
+    def on_local_process(
+        self, function: Callable[..., Any] | None = None, local_process_index: int | None = None
+    ) -> Callable[..., Any] | processes.Decorator:
         """A decorator: ``function`` runs on the process of local rank
         ``local_process_index`` of each machine only; elsewhere a call returns None.
         Written ``@accel.on_local_process(local_process_index=1)``. In one process it runs
@@ -1111,8 +1174,9 @@ class Accelerator:
         """
         if function is None:
             return processes.on_local_process(local_process_index=local_process_index, ranks=self)
-        return processes.on_local_process(function, local_process_index=local_process_index,
-                                          ranks=self)
+        return processes.on_local_process(
+            function, local_process_index=local_process_index, ranks=self
+        )
 
     @contextlib.contextmanager
     def local_main_process_first(self) -> Iterator[None]:
@@ -1122,8 +1186,9 @@ class Accelerator:
         with processes.goes_first(self.is_local_main_process, self._backend.barrier):
             yield
 
-    def pad_across_processes(self, data: Any, dim: int = 0, pad_index: float = 0,
-                             pad_first: bool = False) -> Any:
+    def pad_across_processes(
+        self, data: Any, dim: int = 0, pad_index: float = 0, pad_first: bool = False
+    ) -> Any:
         """Each tensor of ``data`` padded along ``dim`` to the largest size on any rank.
 
         Args:

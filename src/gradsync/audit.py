@@ -110,8 +110,11 @@ class MicroStepRecord:
             The number of those ops in ``ops`` (gradsync's own are not counted).
         """
         wanted = set(names) or None
-        return sum(1 for op, _, g in self.labelled()
-                   if (wanted is None or op in wanted) and (group is None or g == group))
+        return sum(
+            1
+            for op, _, g in self.labelled()
+            if (wanted is None or op in wanted) and (group is None or g == group)
+        )
 
     def nbytes(self, *names: str, group: str | None = None) -> int:
         """The payload bytes of the micro-step's collectives among ``names``.
@@ -124,20 +127,27 @@ class MicroStepRecord:
             The summed payload bytes of those ops in ``ops``.
         """
         wanted = set(names) or None
-        return sum(b for op, b, g in self.labelled()
-                   if (wanted is None or op in wanted) and (group is None or g == group))
+        return sum(
+            b
+            for op, b, g in self.labelled()
+            if (wanted is None or op in wanted) and (group is None or g == group)
+        )
 
     @property
     def reductions(self) -> int:
         """The number of reducing collectives (``REDUCTIONS``): gradient syncs (those of the
         groups in ``COMPUTE_LABELS``, tensor parallel's, left out)."""
-        return sum(1 for op, _, g in self.labelled() if op in REDUCTIONS and g not in COMPUTE_LABELS)
+        return sum(
+            1 for op, _, g in self.labelled() if op in REDUCTIONS and g not in COMPUTE_LABELS
+        )
 
     @property
     def reduction_bytes(self) -> int:
         """The payload bytes of the reducing collectives (``REDUCTIONS``), tensor parallel's
         left out."""
-        return sum(b for op, b, g in self.labelled() if op in REDUCTIONS and g not in COMPUTE_LABELS)
+        return sum(
+            b for op, b, g in self.labelled() if op in REDUCTIONS and g not in COMPUTE_LABELS
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The record as plain data (for JSON).
@@ -241,7 +251,12 @@ class Recorder:
             keep: False also removes it from ``records`` (a micro-step that was dropped).
         """
         with self._lock:
-            if not keep and self._current is not None and self.records and self.records[-1] is self._current:
+            if (
+                not keep
+                and self._current is not None
+                and self.records
+                and self.records[-1] is self._current
+            ):
                 self.records.pop()
             self._current = None
 
@@ -381,7 +396,11 @@ class AuditProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         self._rec("allreduce", tensors)
-        return self.inner.allreduce(tensors, opts) if opts is not None else self.inner.allreduce(tensors)
+        return (
+            self.inner.allreduce(tensors, opts)
+            if opts is not None
+            else self.inner.allreduce(tensors)
+        )
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         self._rec("allreduce", tensors)
@@ -399,7 +418,9 @@ class AuditProcessGroup(dist.ProcessGroup):
         self._rec("barrier", [])
         return self.inner.barrier(opts)
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
         self._rec("allgather", inputs)
         return self.inner.allgather(outputs, inputs, opts)
 
@@ -420,7 +441,9 @@ class AuditProcessGroup(dist.ProcessGroup):
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Any:
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+    ) -> Any:
         self._rec("reduce_scatter", inputs)
         return self.inner.reduce_scatter(outputs, inputs, opts)
 
@@ -437,7 +460,9 @@ class AuditProcessGroup(dist.ProcessGroup):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    def all_to_all_single(self, output: Any, inp: Any, out_splits: Any, in_splits: Any, opts: Any) -> Any:
+    def all_to_all_single(
+        self, output: Any, inp: Any, out_splits: Any, in_splits: Any, opts: Any
+    ) -> Any:
         self._rec("alltoall", inp)
         return self.inner.alltoall_base(output, inp, out_splits, in_splits, opts)
 

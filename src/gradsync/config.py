@@ -35,9 +35,23 @@ from gradsync.settings import (
 )
 
 __all__ = [
-    "ENV_PREFIX", "GRAD_SCALER_KEYS", "MIXED_PRECISION", "OTHER_VARIABLES", "SYNC_POLICIES",
-    "Config", "MixedPrecision", "RequestedPolicy", "SyncPolicy", "did_you_mean", "env_vars",
-    "from_env", "from_yaml", "load_config", "read_yaml", "reference_markdown", "to_env",
+    "ENV_PREFIX",
+    "GRAD_SCALER_KEYS",
+    "MIXED_PRECISION",
+    "OTHER_VARIABLES",
+    "SYNC_POLICIES",
+    "Config",
+    "MixedPrecision",
+    "RequestedPolicy",
+    "SyncPolicy",
+    "did_you_mean",
+    "env_vars",
+    "from_env",
+    "from_yaml",
+    "load_config",
+    "read_yaml",
+    "reference_markdown",
+    "to_env",
 ]
 
 log = logging.getLogger("gradsync")
@@ -84,11 +98,13 @@ def _warn_unknown_variables(env: Mapping[str, str]) -> None:
     for key in sorted(env):
         if not key.startswith(ENV_PREFIX) or key in _BY_ENV or key in others:
             continue
-        close = _util.closest(key[len(ENV_PREFIX):].lower(), BY_NAME, cutoff=0.75)
+        close = _util.closest(key[len(ENV_PREFIX) :].lower(), BY_NAME, cutoff=0.75)
         if close:
             log.warning(
                 "gradsync: %s=%r is not a gradsync setting and is ignored (did you mean %s?)",
-                key, env[key], BY_NAME[close].env,
+                key,
+                env[key],
+                BY_NAME[close].env,
             )
 
 
@@ -162,7 +178,10 @@ def load_config(
                 log.warning(
                     "gradsync: %s=%r given in code overrides %s=%r (e.g. from gradsync launch); "
                     "drop the keyword to use the launcher's value",
-                    key, value, BY_NAME[key].env, from_environment[key],
+                    key,
+                    value,
+                    BY_NAME[key].env,
+                    from_environment[key],
                 )
             merged[key] = value
         else:
@@ -193,7 +212,9 @@ def env_vars(settings: Mapping[str, Any]) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, value in settings.items():
         if name not in BY_NAME:
-            raise ConfigError(f"{name!r} is not a gradsync setting{did_you_mean(name)}; known: {_KNOWN}")
+            raise ConfigError(
+                f"{name!r} is not a gradsync setting{did_you_mean(name)}; known: {_KNOWN}"
+            )
         if value is not None:
             out[BY_NAME[name].env] = to_text(value)
     return out
@@ -208,6 +229,6 @@ def to_env(config: Config) -> dict[str, str]:
     Returns:
         Variable -> text.
     """
-    return env_vars({
-        s.name: getattr(config, s.name) for s in SETTINGS if getattr(config, s.name) != s.default
-    })
+    return env_vars(
+        {s.name: getattr(config, s.name) for s in SETTINGS if getattr(config, s.name) != s.default}
+    )

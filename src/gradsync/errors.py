@@ -28,8 +28,15 @@ class CheckpointError(RuntimeError):
 
 
 #: Words of torch's errors when a collective waited too long or a peer went away.
-_LOST = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
-         "connection refused", "peer closed")
+_LOST = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "connection refused",
+    "peer closed",
+)
 
 
 #: Marks of an error raised by a process group (gloo, NCCL) rather than by user code.
@@ -55,7 +62,9 @@ class naming_collective:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> Literal[False]:
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: Any
+    ) -> Literal[False]:
         if not isinstance(err, RuntimeError) or isinstance(err, CollectiveError):
             return False
         text = " ".join(str(err).split())
@@ -65,8 +74,10 @@ class naming_collective:
             return False
         if "timed out" in low or "timeout" in low:
             limit = f"{self.timeout:g} s" if self.timeout is not None else "torch's default, 30 min"
-            why = (f"timed out waiting for another rank (timeout {limit}; set it with "
-                   "Accelerator(timeout=...) or GRADSYNC_TIMEOUT)")
+            why = (
+                f"timed out waiting for another rank (timeout {limit}; set it with "
+                "Accelerator(timeout=...) or GRADSYNC_TIMEOUT)"
+            )
         else:
             why = "lost its connection to another rank (that rank exited or crashed)"
         operation = self.operation if isinstance(self.operation, str) else self.operation()

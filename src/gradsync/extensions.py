@@ -37,6 +37,8 @@ def named(environ: Mapping[str, str] | None = None) -> list[Extension]:
         try:
             module: Any = importlib.import_module(name)
         except ImportError as err:
-            raise ConfigError(f"{ENV}={env[ENV]!r}: cannot import {name!r} ({err}); unset it") from None
+            raise ConfigError(
+                f"{ENV}={env[ENV]!r}: cannot import {name!r} ({err}); unset it"
+            ) from None
         found.append(module)
     return found

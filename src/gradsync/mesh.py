@@ -24,8 +24,17 @@ from gradsync.errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["COMPUTE_DIMS", "DATA_PARALLEL_DIMS", "DIMS", "MESH_DIMS", "Parallelism", "build",
-           "data_parallel_size", "from_text", "parse"]
+__all__ = [
+    "COMPUTE_DIMS",
+    "DATA_PARALLEL_DIMS",
+    "DIMS",
+    "MESH_DIMS",
+    "Parallelism",
+    "build",
+    "data_parallel_size",
+    "from_text",
+    "parse",
+]
 
 #: The dims a ``parallelism`` mapping names, in the mesh's order (outermost first) and "cp",
 #: recognised and refused above 1 (context parallel needs a GPU).
@@ -41,10 +50,16 @@ COMPUTE_DIMS = ("tp", "cp")
 #: exist): replicas outermost, tensor parallel innermost (neighbouring ranks).
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 #: Accelerate's names: ``ParallelismConfig``'s attributes and its config file's keys.
-ACCELERATE_ATTRIBUTES = {"dp_replicate_size": "dp_replicate", "dp_shard_size": "dp_shard",
-                         "tp_size": "tp", "cp_size": "cp"}
-_FIX = ("give the sizes of dp_replicate, dp_shard and tp (one may be -1: inferred), whose "
-        "product is the world size, e.g. {'dp_shard': 2, 'tp': 2} or 'dp_shard=2,tp=2'")
+ACCELERATE_ATTRIBUTES = {
+    "dp_replicate_size": "dp_replicate",
+    "dp_shard_size": "dp_shard",
+    "tp_size": "tp",
+    "cp_size": "cp",
+}
+_FIX = (
+    "give the sizes of dp_replicate, dp_shard and tp (one may be -1: inferred), whose "
+    "product is the world size, e.g. {'dp_shard': 2, 'tp': 2} or 'dp_shard=2,tp=2'"
+)
 
 
 @dataclass(frozen=True)
@@ -129,7 +144,9 @@ def _from_mapping(value: Mapping[Any, Any], name: str) -> Parallelism:
             continue
         sizes[dim] = _size(name, dim, raw)
     if sum(1 for n in sizes.values() if n == -1) > 1:
-        raise ConfigError(f"{name}={dict(value)!r} has more than one -1: only one can be inferred; {_FIX}")
+        raise ConfigError(
+            f"{name}={dict(value)!r} has more than one -1: only one can be inferred; {_FIX}"
+        )
     return Parallelism(**sizes)
 
 

@@ -68,8 +68,12 @@ def gather(data: Any, group: Any = None) -> Any:
     return apply(lambda t: torch.cat(gather_pieces(t, group)), data, "gather")
 
 
-def gather_for_metrics(data: Any, last_pass: LoaderIteration | None, world: int | DataParallel,
-                       use_gather_object: bool = False) -> Any:
+def gather_for_metrics(
+    data: Any,
+    last_pass: LoaderIteration | None,
+    world: int | DataParallel,
+    use_gather_object: bool = False,
+) -> Any:
     """``gather``, with the rows put back in the sampler's order and its end-of-pass padding
     dropped when ``data`` holds one row per sample of the batch ``last_pass`` (the pass of a
     prepared loader that yielded last) just yielded from a sample-sharded sampler.
@@ -102,21 +106,31 @@ def gather_for_metrics(data: Any, last_pass: LoaderIteration | None, world: int 
     if use_gather_object or not _all_tensors(data):
         if last_pass is None or layout is None or world == 1 or not isinstance(data, list | tuple):
             return gather_object(data, group)
-        pieces = [list(piece) if isinstance(piece, list | tuple) else [piece]
-                  for piece in all_gather_object(data, group)]
+        pieces = [
+            list(piece) if isinstance(piece, list | tuple) else [piece]
+            for piece in all_gather_object(data, group)
+        ]
         batch_size, total = layout
         if any(len(piece) > batch_size for piece in pieces):
             return [entry for piece in pieces for entry in piece]
-        return [pieces[rank][row] for rank, row in sample_positions(
-            [len(piece) for piece in pieces], batch_index=last_pass.yielded - 1,
-            batch_size=batch_size, total=total)]
+        return [
+            pieces[rank][row]
+            for rank, row in sample_positions(
+                [len(piece) for piece in pieces],
+                batch_index=last_pass.yielded - 1,
+                batch_size=batch_size,
+                total=total,
+            )
+        ]
     if last_pass is None or layout is None or world == 1:
         return gather(data, group)
     batch_size, total = layout
     index = last_pass.yielded - 1
 
     def one(t: torch.Tensor) -> torch.Tensor:
-        return sampler_order(gather_pieces(t, group), batch_index=index, batch_size=batch_size, total=total)
+        return sampler_order(
+            gather_pieces(t, group), batch_index=index, batch_size=batch_size, total=total
+        )
 
     return apply(one, data, "gather_for_metrics")
 
@@ -157,8 +171,9 @@ def gather_object(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
-def reduce(data: Any, reduction: str = "sum", scale: float = 1.0, op: str | None = None,
-           group: Any = None) -> Any:
+def reduce(
+    data: Any, reduction: str = "sum", scale: float = 1.0, op: str | None = None, group: Any = None
+) -> Any:
     """Each tensor of ``data`` reduced over ranks, as Accelerate's ``Accelerator.reduce``
     documents it, then multiplied by ``scale``.
 
@@ -186,13 +201,19 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0, op: str | None
     name = "reduction"
     if op is not None:
         if reduction not in ("sum", op):
-            raise ConfigError(f"reduce(reduction={reduction!r}, op={op!r}) disagree; op is the "
-                              "former name of reduction: give one of them")
+            raise ConfigError(
+                f"reduce(reduction={reduction!r}, op={op!r}) disagree; op is the "
+                "former name of reduction: give one of them"
+            )
         reduction, name = op, "op"
     if reduction not in REDUCTIONS:
-        raise ConfigError(f"reduce({name}={reduction!r}) is unknown; use one of "
-                          + ", ".join(repr(r) for r in REDUCTIONS))
-    torch_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(reduction, dist.ReduceOp.SUM)
+        raise ConfigError(
+            f"reduce({name}={reduction!r}) is unknown; use one of "
+            + ", ".join(repr(r) for r in REDUCTIONS)
+        )
+    torch_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(
+        reduction, dist.ReduceOp.SUM
+    )
 
     def one(t: torch.Tensor) -> torch.Tensor:
         out = t.detach().clone()
@@ -210,7 +231,9 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0, op: str | None
     return apply(one, data, "reduce")
 
 
-def pad_rows(t: torch.Tensor, length: int, dim: int = 0, value: float = 0, first: bool = False) -> torch.Tensor:
+def pad_rows(
+    t: torch.Tensor, length: int, dim: int = 0, value: float = 0, first: bool = False
+) -> torch.Tensor:
     """``t`` padded with ``value`` along ``dim`` to ``length`` (at the start when ``first``)."""
     missing = length - t.shape[dim]
     if missing <= 0:
@@ -221,14 +244,18 @@ def pad_rows(t: torch.Tensor, length: int, dim: int = 0, value: float = 0, first
     return torch.cat([fill, t] if first else [t, fill], dim=dim)
 
 
-def pad_across_processes(data: Any, dim: int = 0, pad_index: float = 0, pad_first: bool = False) -> Any:
+def pad_across_processes(
+    data: Any, dim: int = 0, pad_index: float = 0, pad_first: bool = False
+) -> Any:
     """Each tensor of ``data`` padded along ``dim`` to the largest size any rank has there."""
 
     def one(t: torch.Tensor) -> torch.Tensor:
         if not is_multiprocess() or t.dim() == 0:
             return t
         if not -t.dim() <= dim < t.dim():
-            raise ConfigError(f"pad_across_processes(dim={dim}) is out of range for a {t.dim()}-d tensor")
+            raise ConfigError(
+                f"pad_across_processes(dim={dim}) is out of range for a {t.dim()}-d tensor"
+            )
         size = torch.tensor([t.shape[dim]], dtype=torch.int64, device=t.device)
         dist.all_reduce(size, op=dist.ReduceOp.MAX)
         return pad_rows(t, int(size.item()), dim=dim, value=pad_index, first=pad_first)
@@ -236,8 +263,9 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: float = 0, pad_firs
     return apply(one, data, "pad_across_processes")
 
 
-def sample_positions(lengths: Sequence[int], *, batch_index: int, batch_size: int,
-                     total: int) -> list[tuple[int, int]]:
+def sample_positions(
+    lengths: Sequence[int], *, batch_index: int, batch_size: int, total: int
+) -> list[tuple[int, int]]:
     """(rank, row) of each row gathered from one batch of a sample-sharded evaluation pass,
     in the sampler's order, the padding dropped; ``lengths`` holds each rank's row count.
 
@@ -257,11 +285,17 @@ def sample_positions(lengths: Sequence[int], *, batch_index: int, batch_size: in
     return [(rank, t) for _, rank, t in placed]
 
 
-def sampler_order(pieces: Sequence[torch.Tensor], *, batch_index: int, batch_size: int, total: int) -> torch.Tensor:
+def sampler_order(
+    pieces: Sequence[torch.Tensor], *, batch_index: int, batch_size: int, total: int
+) -> torch.Tensor:
     """Rows gathered from one batch of a sample-sharded evaluation pass, put back in the
     sampler's order with the padding dropped (see ``sample_positions``)."""
-    order = sample_positions([piece.shape[0] for piece in pieces], batch_index=batch_index,
-                             batch_size=batch_size, total=total)
+    order = sample_positions(
+        [piece.shape[0] for piece in pieces],
+        batch_index=batch_index,
+        batch_size=batch_size,
+        total=total,
+    )
     if not order:
         return pieces[0][:0]
     return torch.stack([pieces[rank][t] for rank, t in order])

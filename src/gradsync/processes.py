@@ -84,13 +84,17 @@ def _is_tensor(value: Any) -> bool:
 def _length(value: Any, what: str) -> int:
     if _is_tensor(value):
         if value.dim() == 0:
-            raise ConfigError(f"split_between_processes cannot split {what}, a 0-d tensor; "
-                              "give a tensor with a first dimension, or a list")
+            raise ConfigError(
+                f"split_between_processes cannot split {what}, a 0-d tensor; "
+                "give a tensor with a first dimension, or a list"
+            )
         return int(value.shape[0])
     if isinstance(value, list | tuple) or callable(getattr(value, "select", None)):
         return len(value)
-    raise ConfigError(f"split_between_processes cannot split {what}, a {type(value).__name__}; "
-                      "give a list, a tuple, a tensor, a dataset with select() or a dict of them")
+    raise ConfigError(
+        f"split_between_processes cannot split {what}, a {type(value).__name__}; "
+        "give a list, a tuple, a tensor, a dataset with select() or a dict of them"
+    )
 
 
 def _slice(value: Any, start: int, end: int, target: int) -> Any:
@@ -137,14 +141,18 @@ def process_share(inputs: S, rank: int, world: int, apply_padding: bool = False)
             lengths, or a rank outside ``range(world)``.
     """
     if world < 1 or not 0 <= rank < world:
-        raise ConfigError(f"split_between_processes: rank {rank} is not one of the {world} "
-                          "process(es); give 0 <= rank < world")
+        raise ConfigError(
+            f"split_between_processes: rank {rank} is not one of the {world} "
+            "process(es); give 0 <= rank < world"
+        )
     if isinstance(inputs, Mapping):
         lengths = {key: _length(value, f"the value of {key!r}") for key, value in inputs.items()}
         if len(set(lengths.values())) > 1:
             sizes = ", ".join(f"{key!r}: {n}" for key, n in lengths.items())
-            raise ConfigError(f"split_between_processes takes a dict whose values have one "
-                              f"length; these have {sizes}")
+            raise ConfigError(
+                f"split_between_processes takes a dict whose values have one "
+                f"length; these have {sizes}"
+            )
         length = next(iter(lengths.values()), 0)
     else:
         length = _length(inputs, "the inputs")
@@ -160,8 +168,9 @@ def process_share(inputs: S, rank: int, world: int, apply_padding: bool = False)
 
 
 @contextlib.contextmanager
-def split_between_processes(inputs: S, rank: int | None = None, world: int | None = None,
-                            apply_padding: bool = False) -> Iterator[S]:
+def split_between_processes(
+    inputs: S, rank: int | None = None, world: int | None = None, apply_padding: bool = False
+) -> Iterator[S]:
     """This rank's contiguous share of ``inputs``, as Accelerate's
     ``split_between_processes`` gives it (e.g. prompts for distributed inference)::
 
@@ -213,11 +222,14 @@ class Decorator(Protocol):
         ...
 
 
-def _only_where(function: Callable[P, R], runs_here: Callable[[Ranks], bool],
-                ranks: Ranks | None) -> Callable[P, R | None]:
+def _only_where(
+    function: Callable[P, R], runs_here: Callable[[Ranks], bool], ranks: Ranks | None
+) -> Callable[P, R | None]:
     if not callable(function):
-        raise ConfigError(f"a process decorator takes a function, not {function!r}; write "
-                          "@on_main_process above a def, or on_process(process_index=N)")
+        raise ConfigError(
+            f"a process decorator takes a function, not {function!r}; write "
+            "@on_main_process above a def, or on_process(process_index=N)"
+        )
     where = ranks if ranks is not None else CurrentRanks()
 
     @functools.wraps(function)
@@ -229,7 +241,9 @@ def _only_where(function: Callable[P, R], runs_here: Callable[[Ranks], bool],
     return only_there
 
 
-def on_main_process(function: Callable[P, R], *, ranks: Ranks | None = None) -> Callable[P, R | None]:
+def on_main_process(
+    function: Callable[P, R], *, ranks: Ranks | None = None
+) -> Callable[P, R | None]:
     """``function``, run on the main process (rank 0) only; elsewhere a call returns None.
 
     Args:
@@ -242,8 +256,9 @@ def on_main_process(function: Callable[P, R], *, ranks: Ranks | None = None) -> 
     return _only_where(function, lambda r: r.rank == 0, ranks)
 
 
-def on_local_main_process(function: Callable[P, R], *,
-                          ranks: Ranks | None = None) -> Callable[P, R | None]:
+def on_local_main_process(
+    function: Callable[P, R], *, ranks: Ranks | None = None
+) -> Callable[P, R | None]:
     """``function``, run on the first process of each machine (local rank 0) only;
     elsewhere a call returns None.
 
@@ -257,7 +272,9 @@ def on_local_main_process(function: Callable[P, R], *,
     return _only_where(function, lambda r: r.local_rank == 0, ranks)
 
 
-def on_last_process(function: Callable[P, R], *, ranks: Ranks | None = None) -> Callable[P, R | None]:
+def on_last_process(
+    function: Callable[P, R], *, ranks: Ranks | None = None
+) -> Callable[P, R | None]:
     """``function``, run on the last process (rank ``world_size - 1``) only; elsewhere a
     call returns None.
 
@@ -275,26 +292,33 @@ def _index(value: int | None, name: str, decorator: str) -> int:
     if value is None:
         raise ConfigError(f"{decorator} needs {name}: write @{decorator}({name}=N)")
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{decorator}({name}={value!r}) is not a process index; give an "
-                          "int >= 0")
+        raise ConfigError(f"{decorator}({name}={value!r}) is not a process index; give an int >= 0")
     return value
 
 
 def _in_range(index: int, name: str, decorator: str, where: Ranks) -> None:
     world = where.world_size
     if world > 1 and index >= world:
-        raise ConfigError(f"{decorator}({name}={index}) names no process: there are {world} "
-                          f"(indices 0 to {world - 1})")
+        raise ConfigError(
+            f"{decorator}({name}={index}) names no process: there are {world} "
+            f"(indices 0 to {world - 1})"
+        )
 
 
 @overload
-def on_process(function: Callable[P, R], *, process_index: int | None = ...,
-               ranks: Ranks | None = ...) -> Callable[P, R | None]: ...
+def on_process(
+    function: Callable[P, R], *, process_index: int | None = ..., ranks: Ranks | None = ...
+) -> Callable[P, R | None]: ...
 @overload
-def on_process(function: None = ..., *, process_index: int | None = ...,
-               ranks: Ranks | None = ...) -> Decorator: ...
-def on_process(function: Callable[..., Any] | None = None, *, process_index: int | None = None,
-               ranks: Ranks | None = None) -> Callable[..., Any] | Decorator:
+def on_process(
+    function: None = ..., *, process_index: int | None = ..., ranks: Ranks | None = ...
+) -> Decorator: ...
+def on_process(
+    function: Callable[..., Any] | None = None,
+    *,
+    process_index: int | None = None,
+    ranks: Ranks | None = None,
+) -> Callable[..., Any] | Decorator:
     """``function``, run on the process of rank ``process_index`` only; elsewhere a call
     returns None. Without ``function`` it is the decorator: ``@on_process(process_index=1)``.
 
@@ -315,6 +339,7 @@ def on_process(function: Callable[..., Any] | None = None, *, process_index: int
     """
     index = _index(process_index, "process_index", "on_process")
     if function is None:
+
         def decorate(fn: Callable[P, R], /) -> Callable[P, R | None]:
             return on_process(fn, process_index=index, ranks=ranks)
 
@@ -328,14 +353,19 @@ def on_process(function: Callable[..., Any] | None = None, *, process_index: int
 
 
 @overload
-def on_local_process(function: Callable[P, R], *, local_process_index: int | None = ...,
-                     ranks: Ranks | None = ...) -> Callable[P, R | None]: ...
+def on_local_process(
+    function: Callable[P, R], *, local_process_index: int | None = ..., ranks: Ranks | None = ...
+) -> Callable[P, R | None]: ...
 @overload
-def on_local_process(function: None = ..., *, local_process_index: int | None = ...,
-                     ranks: Ranks | None = ...) -> Decorator: ...
-def on_local_process(function: Callable[..., Any] | None = None, *,
-                     local_process_index: int | None = None,
-                     ranks: Ranks | None = None) -> Callable[..., Any] | Decorator:
+def on_local_process(
+    function: None = ..., *, local_process_index: int | None = ..., ranks: Ranks | None = ...
+) -> Decorator: ...
+def on_local_process(
+    function: Callable[..., Any] | None = None,
+    *,
+    local_process_index: int | None = None,
+    ranks: Ranks | None = None,
+) -> Callable[..., Any] | Decorator:
     """``function``, run on the process of local rank ``local_process_index`` of each
     machine only; elsewhere a call returns None. Without ``function`` it is the decorator:
     ``@on_local_process(local_process_index=1)``. In one process it runs whatever the index.
@@ -354,6 +384,7 @@ def on_local_process(function: Callable[..., Any] | None = None, *,
     """
     index = _index(local_process_index, "local_process_index", "on_local_process")
     if function is None:
+
         def decorate(fn: Callable[P, R], /) -> Callable[P, R | None]:
             return on_local_process(fn, local_process_index=index, ranks=ranks)
 

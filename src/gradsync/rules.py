@@ -50,12 +50,25 @@ class Rules:
     data_seed: int | None = None
 
     @classmethod
-    def accelerate(cls, *, split_batches: bool = False, even_batches: bool = True,
-                   seedable_sampler: bool = False, data_seed: int | None = None) -> Rules:
+    def accelerate(
+        cls,
+        *,
+        split_batches: bool = False,
+        even_batches: bool = True,
+        seedable_sampler: bool = False,
+        data_seed: int | None = None,
+    ) -> Rules:
         """Accelerate's rule book (with its ``DataLoaderConfiguration`` choices)."""
-        return cls(name="accelerate", loss_divisor="steps", scheduler_per_process=not split_batches,
-                   dealing="batches", split_batches=split_batches, even_batches=even_batches,
-                   seedable_sampler=seedable_sampler, data_seed=data_seed)
+        return cls(
+            name="accelerate",
+            loss_divisor="steps",
+            scheduler_per_process=not split_batches,
+            dealing="batches",
+            split_batches=split_batches,
+            even_batches=even_batches,
+            seedable_sampler=seedable_sampler,
+            data_seed=data_seed,
+        )
 
     def scheduler_steps(self, processes: int) -> int:
         """LR scheduler steps per optimizer step."""

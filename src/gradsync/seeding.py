@@ -36,18 +36,23 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
         ConfigError: ``seed`` is not an int from 0 to 2**32 - 1 (after adding the rank).
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"set_seed(seed={seed!r}) needs an int from 0 to {MAX_SEED}, e.g. "
-                          "set_seed(42)")
+        raise ConfigError(
+            f"set_seed(seed={seed!r}) needs an int from 0 to {MAX_SEED}, e.g. set_seed(42)"
+        )
     if device_specific:
         rank = dist.rank()
         if not 0 <= seed + rank <= MAX_SEED:
-            raise ConfigError(f"set_seed(seed={seed}, device_specific=True) on rank {rank} gives "
-                              f"{seed + rank}, outside 0..{MAX_SEED}; give a seed from 0 to "
-                              f"{MAX_SEED - rank}")
+            raise ConfigError(
+                f"set_seed(seed={seed}, device_specific=True) on rank {rank} gives "
+                f"{seed + rank}, outside 0..{MAX_SEED}; give a seed from 0 to "
+                f"{MAX_SEED - rank}"
+            )
         seed += rank
     elif not 0 <= seed <= MAX_SEED:
-        raise ConfigError(f"set_seed(seed={seed}) is outside 0..{MAX_SEED} (NumPy's range); "
-                          "give a seed in it, e.g. set_seed(42)")
+        raise ConfigError(
+            f"set_seed(seed={seed}) is outside 0..{MAX_SEED} (NumPy's range); "
+            "give a seed in it, e.g. set_seed(42)"
+        )
     random.seed(seed)
     try:
         import numpy as np

@@ -36,10 +36,27 @@ from gradsync.options.fsdp import FSDPOptions, check_replicate_policy
 from gradsync.tracking._names import check_log_with
 
 __all__ = [
-    "BY_NAME", "CORE_SETTINGS", "ENV_PREFIX", "GRAD_SCALER_KEYS", "LAUNCH_SETTINGS",
-    "MIXED_PRECISION", "OTHER_VARIABLES", "SETTINGS", "SYNC_POLICIES", "AccumulationSteps",
-    "CompileOption", "Config", "CoreSettings", "ItemCounter", "MixedPrecision", "ModuleSelector",
-    "RequestedPolicy", "Setting", "SyncPolicy", "reference_markdown", "type_text",
+    "BY_NAME",
+    "CORE_SETTINGS",
+    "ENV_PREFIX",
+    "GRAD_SCALER_KEYS",
+    "LAUNCH_SETTINGS",
+    "MIXED_PRECISION",
+    "OTHER_VARIABLES",
+    "SETTINGS",
+    "SYNC_POLICIES",
+    "AccumulationSteps",
+    "CompileOption",
+    "Config",
+    "CoreSettings",
+    "ItemCounter",
+    "MixedPrecision",
+    "ModuleSelector",
+    "RequestedPolicy",
+    "Setting",
+    "SyncPolicy",
+    "reference_markdown",
+    "type_text",
 ]
 
 #: A resolved sync policy: "defer" (no gradient collective off the boundary), "every_step"
@@ -49,22 +66,30 @@ __all__ = [
 SyncPolicy = Literal["defer", "every_step", "native", "defer_replicate"]
 #: A requested policy: a resolved one, or "auto" (the backend decides).
 RequestedPolicy = Literal["auto", "defer", "every_step", "native", "defer_replicate"]
-SYNC_POLICIES: tuple[RequestedPolicy, ...] = ("auto", "defer", "every_step", "native", "defer_replicate")
+SYNC_POLICIES: tuple[RequestedPolicy, ...] = (
+    "auto",
+    "defer",
+    "every_step",
+    "native",
+    "defer_replicate",
+)
 MixedPrecision = Literal["no", "bf16", "fp16"]
 MIXED_PRECISION: tuple[MixedPrecision, ...] = ("no", "bf16", "fp16")
 GRAD_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 #: Micro-batches per optimizer step: a number, or a schedule (see gradsync._accumulation_schedule): text such
 #: as "0:2 100:4", a mapping (step -> k, or a ramp-up {"start", "increment", "samples"}), or a
 #: callable optimizer_step -> k.
-AccumulationSteps = (int | str | Mapping[int, int] | Mapping[str, int] | Mapping[str, Any]
-                     | Callable[[int], int])
+AccumulationSteps = (
+    int | str | Mapping[int, int] | Mapping[str, int] | Mapping[str, Any] | Callable[[int], int]
+)
 #: fn(batch) -> the items (e.g. tokens) it holds.
 ItemCounter = Callable[[Any], int]
 #: True, or a dict of torch.compile arguments.
 CompileOption = bool | dict[str, Any]
 #: GRADSYNC_* variables that are not settings (read by the launcher, the adapters, the tools).
-OTHER_VARIABLES = frozenset({"CONFIG", "DEVICE", "DEEPSPEED_BUILD_OPS", "BENCHMARK", "VENV", "EXTENSIONS",
-                             "ERRORS"})
+OTHER_VARIABLES = frozenset(
+    {"CONFIG", "DEVICE", "DEEPSPEED_BUILD_OPS", "BENCHMARK", "VENV", "EXTENSIONS", "ERRORS"}
+)
 
 
 # -- the checks of the core settings that the type alone does not give -----------------
@@ -114,7 +139,9 @@ def _check_count_items(name: str, value: Any, config: Any) -> ItemCounter:
         try:
             loaded: ItemCounter = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as err:
-            raise ConfigError(f"{name}={value!r} cannot be loaded ({err}); give 'module:function'") from None
+            raise ConfigError(
+                f"{name}={value!r} cannot be loaded ({err}); give 'module:function'"
+            ) from None
         return loaded
     raise ConfigError(
         f"{name}={value!r} must be a callable fn(batch) -> int, or 'module:function' such as "
@@ -130,7 +157,9 @@ def _check_grad_scaler(name: str, value: Any, config: Any) -> Any:
             "dict, e.g. grad_scaler={'init_scale': 1024}, and use accel.scaler"
         )
     if not isinstance(value, dict) or set(value) - set(GRAD_SCALER_KEYS):
-        raise ConfigError(f"grad_scaler={value!r} must be a dict with keys from {', '.join(GRAD_SCALER_KEYS)}")
+        raise ConfigError(
+            f"grad_scaler={value!r} must be a dict with keys from {', '.join(GRAD_SCALER_KEYS)}"
+        )
     if config.mixed_precision != "fp16":
         raise ConfigError(
             f"grad_scaler={value!r} with mixed_precision={config.mixed_precision!r}: a "
@@ -142,8 +171,11 @@ def _check_grad_scaler(name: str, value: Any, config: Any) -> Any:
 def _check_checkpointing(name: str, value: Any, config: Any) -> Any:
     if isinstance(value, list | tuple) and not value:
         return None
-    if not (isinstance(value, str | type) or callable(value)
-            or (isinstance(value, list | tuple) and all(isinstance(a, str | type) for a in value))):
+    if not (
+        isinstance(value, str | type)
+        or callable(value)
+        or (isinstance(value, list | tuple) and all(isinstance(a, str | type) for a in value))
+    ):
         raise ConfigError(
             f"activation_checkpointing={value!r} must be a module class name, a class, a list "
             "of those, or a callable module -> bool"
@@ -195,7 +227,11 @@ SIGNAL_NAMES = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGCONT", 
 
 def _check_signals(name: str, value: Any, config: Any) -> tuple[str, ...]:
     names = (value,) if isinstance(value, str) else value
-    if not isinstance(names, list | tuple) or not names or not all(isinstance(n, str) for n in names):
+    if (
+        not isinstance(names, list | tuple)
+        or not names
+        or not all(isinstance(n, str) for n in names)
+    ):
         raise ConfigError(f"{name}={value!r} must be signal names, e.g. ('SIGTERM', 'SIGUSR1')")
     out = []
     for raw in names:
@@ -211,7 +247,9 @@ def _check_signals(name: str, value: Any, config: Any) -> tuple[str, ...]:
 
 def _check_project_dir(name: str, value: Any, config: Any) -> str:
     if not isinstance(value, str | os.PathLike) or not os.fspath(value):
-        raise ConfigError(f"{name}={value!r} must be a folder path for the trackers' files, or None")
+        raise ConfigError(
+            f"{name}={value!r} must be a folder path for the trackers' files, or None"
+        )
     return os.fspath(value)
 
 
@@ -220,81 +258,202 @@ class CoreSettings:
     """The settings every backend reads. The order is the order of validation: a check may
     read the settings above it (already validated)."""
 
-    backend: str = field(default="auto", metadata=setting(
-        "auto (ddp when the world size is above 1, else single), single, ddp, fsdp, deepspeed "
-        "or fairscale (legacy)", flag=True, check=_check_backend, metavar="B"))
-    gradient_accumulation_steps: AccumulationSteps | None = field(default=None, metadata=setting(
-        "micro-batches per optimizer step (None: 1, or derived from the batch sizes), or a "
-        "schedule: '0:2 100:4', a ramp-up dict, a callable optimizer_step -> k",
-        flag=True, check=_check_steps, parse=_steps_from_text, metavar="K",
-        hint="a number of steps, or a schedule such as '0:2 100:4'"))
-    micro_batch_size: int | None = field(default=None, metadata=setting(
-        "samples per micro-batch and process (give two of the three sizes to derive the third)",
-        flag=True, minimum=1, metavar="M"))
-    global_batch_size: int | None = field(default=None, metadata=setting(
-        "samples per optimizer step over all processes: micro x k x processes",
-        flag=True, minimum=1, metavar="G"))
-    sync_policy: RequestedPolicy = field(default="auto", metadata=setting(
-        "when gradients are reduced: auto (the backend decides), defer (only at the window's "
-        "boundary), every_step, native, defer_replicate (fsdp on a 2-D mesh: across replicas "
-        "only at the boundary)", flag=True, check=_check_policy, metavar="P"))
-    mixed_precision: MixedPrecision = field(default="no", metadata=setting(
-        "no, bf16 or fp16 (autocast, and a window-aware loss scaler for fp16)",
-        flag=True, metavar="MP"))
-    seed: int | None = field(default=None, metadata=setting(
-        "seeds torch on every rank and the sharded sampler", flag=True, metavar="N"))
-    audit: bool = field(default=False, metadata=setting(
-        "count collectives per micro-step and print a summary per optimizer step", flag=True))
-    sync_with_dataloader: bool = field(default=True, metadata=setting(
-        "a window ends with the dataloader's pass (False: windows run on across passes)"))
-    count_items: ItemCounter | None = field(default=None, metadata=setting(
-        "fn(batch) -> items (e.g. tokens) it holds, for backward(reduction='sum' or "
-        "'normalized'); from text: 'module:function'",
-        accepts=ItemCounter | str | None, check=_check_count_items))
-    grad_scaler: dict[str, Any] | None = field(default=None, metadata=setting(
-        "fp16 loss-scaler settings: init_scale, growth_factor, backoff_factor, growth_interval",
-        check=_check_grad_scaler))
-    activation_checkpointing: ModuleSelector | None = field(default=None, metadata=setting(
-        "modules whose forward is recomputed in backward: class names, classes or a callable "
-        "module -> bool", check=_check_checkpointing))
-    compile: CompileOption | None = field(default=None, metadata=setting(
-        "torch.compile the model where the backend wants it: True, or a dict of its arguments",
-        check=_check_compile))
-    self_check: bool = field(default=True, metadata=setting(
-        "with a deferring policy, check the first optimizer steps' collectives and warn when "
-        "a micro-step off the boundary reduced gradients"))
-    dataset_shards_itself: bool = field(default=False, metadata=setting(
-        "an IterableDataset yields each rank's own shard itself: gradsync leaves it alone"))
-    sync_memory_budget: int | None = field(default=None, metadata=setting(
-        "bytes per rank that deferring may hold on FSDP2 and ZeRO 2/3 under sync_policy=auto "
-        "(None: a share of the free memory)", check=check_bytes, minimum=0))
-    timeout: float | None = field(default=None, metadata=setting(
-        "seconds a collective waits for the other ranks before it fails, naming the operation "
-        "(None: torch's default, 30 min)", check=_check_timeout,
-        hint="the seconds to wait, e.g. 600"))
-    save_on_sigterm: str | None = field(default=None, metadata=setting(
-        "the old name of save_on_signal", accepts=str | os.PathLike[str] | None,
-        check=_check_folder))
-    save_on_signal: str | None = field(default=None, metadata=setting(
-        "a folder: on one of save_signals (a scheduler's notice of preemption), every rank "
-        "saves a checkpoint there (step-N) when the next window starts, then exits 0",
-        accepts=str | os.PathLike[str] | None, check=_check_signal_folder))
-    save_signals: Sequence[str] = field(default=("SIGTERM", "SIGUSR1"), metadata=setting(
-        "the signals save_on_signal saves on (SLURM sends SIGUSR1 with --signal=USR1@90)",
-        accepts=str | Sequence[str], check=_check_signals))
-    requeue: bool = field(default=False, metadata=setting(
-        "on SLURM, requeue the job (scontrol requeue) after the save_on_signal checkpoint, "
-        "so that it starts again and resumes from it"))
-    log_with: Sequence[Any] | None = field(default=None, metadata=setting(
-        "experiment trackers for accel.log: tensorboard, wandb, mlflow, csv, jsonl, all, or "
-        "tracker objects (comma-separated from text)",
-        accepts=str | Sequence[Any] | None, check=check_log_with, metavar="T"))
-    project_dir: str | None = field(default=None, metadata=setting(
-        "the folder trackers write into (their logging_dir), created by the main process",
-        accepts=str | os.PathLike[str] | None, check=_check_project_dir))
-    track_window_loss: bool = field(default=True, metadata=setting(
-        "keep accel.window_loss: the global mean of a window's losses, weighted as the update "
-        "(one small all-reduce per optimizer step)"))
+    backend: str = field(
+        default="auto",
+        metadata=setting(
+            "auto (ddp when the world size is above 1, else single), single, ddp, fsdp, deepspeed "
+            "or fairscale (legacy)",
+            flag=True,
+            check=_check_backend,
+            metavar="B",
+        ),
+    )
+    gradient_accumulation_steps: AccumulationSteps | None = field(
+        default=None,
+        metadata=setting(
+            "micro-batches per optimizer step (None: 1, or derived from the batch sizes), or a "
+            "schedule: '0:2 100:4', a ramp-up dict, a callable optimizer_step -> k",
+            flag=True,
+            check=_check_steps,
+            parse=_steps_from_text,
+            metavar="K",
+            hint="a number of steps, or a schedule such as '0:2 100:4'",
+        ),
+    )
+    micro_batch_size: int | None = field(
+        default=None,
+        metadata=setting(
+            "samples per micro-batch and process (give two of the three sizes to derive the third)",
+            flag=True,
+            minimum=1,
+            metavar="M",
+        ),
+    )
+    global_batch_size: int | None = field(
+        default=None,
+        metadata=setting(
+            "samples per optimizer step over all processes: micro x k x processes",
+            flag=True,
+            minimum=1,
+            metavar="G",
+        ),
+    )
+    sync_policy: RequestedPolicy = field(
+        default="auto",
+        metadata=setting(
+            "when gradients are reduced: auto (the backend decides), defer (only at the window's "
+            "boundary), every_step, native, defer_replicate (fsdp on a 2-D mesh: across replicas "
+            "only at the boundary)",
+            flag=True,
+            check=_check_policy,
+            metavar="P",
+        ),
+    )
+    mixed_precision: MixedPrecision = field(
+        default="no",
+        metadata=setting(
+            "no, bf16 or fp16 (autocast, and a window-aware loss scaler for fp16)",
+            flag=True,
+            metavar="MP",
+        ),
+    )
+    seed: int | None = field(
+        default=None,
+        metadata=setting(
+            "seeds torch on every rank and the sharded sampler", flag=True, metavar="N"
+        ),
+    )
+    audit: bool = field(
+        default=False,
+        metadata=setting(
+            "count collectives per micro-step and print a summary per optimizer step", flag=True
+        ),
+    )
+    sync_with_dataloader: bool = field(
+        default=True,
+        metadata=setting(
+            "a window ends with the dataloader's pass (False: windows run on across passes)"
+        ),
+    )
+    count_items: ItemCounter | None = field(
+        default=None,
+        metadata=setting(
+            "fn(batch) -> items (e.g. tokens) it holds, for backward(reduction='sum' or "
+            "'normalized'); from text: 'module:function'",
+            accepts=ItemCounter | str | None,
+            check=_check_count_items,
+        ),
+    )
+    grad_scaler: dict[str, Any] | None = field(
+        default=None,
+        metadata=setting(
+            "fp16 loss-scaler settings: init_scale, growth_factor, backoff_factor, growth_interval",
+            check=_check_grad_scaler,
+        ),
+    )
+    activation_checkpointing: ModuleSelector | None = field(
+        default=None,
+        metadata=setting(
+            "modules whose forward is recomputed in backward: class names, classes or a callable "
+            "module -> bool",
+            check=_check_checkpointing,
+        ),
+    )
+    compile: CompileOption | None = field(
+        default=None,
+        metadata=setting(
+            "torch.compile the model where the backend wants it: True, or a dict of its arguments",
+            check=_check_compile,
+        ),
+    )
+    self_check: bool = field(
+        default=True,
+        metadata=setting(
+            "with a deferring policy, check the first optimizer steps' collectives and warn when "
+            "a micro-step off the boundary reduced gradients"
+        ),
+    )
+    dataset_shards_itself: bool = field(
+        default=False,
+        metadata=setting(
+            "an IterableDataset yields each rank's own shard itself: gradsync leaves it alone"
+        ),
+    )
+    sync_memory_budget: int | None = field(
+        default=None,
+        metadata=setting(
+            "bytes per rank that deferring may hold on FSDP2 and ZeRO 2/3 under sync_policy=auto "
+            "(None: a share of the free memory)",
+            check=check_bytes,
+            minimum=0,
+        ),
+    )
+    timeout: float | None = field(
+        default=None,
+        metadata=setting(
+            "seconds a collective waits for the other ranks before it fails, naming the operation "
+            "(None: torch's default, 30 min)",
+            check=_check_timeout,
+            hint="the seconds to wait, e.g. 600",
+        ),
+    )
+    save_on_sigterm: str | None = field(
+        default=None,
+        metadata=setting(
+            "the old name of save_on_signal",
+            accepts=str | os.PathLike[str] | None,
+            check=_check_folder,
+        ),
+    )
+    save_on_signal: str | None = field(
+        default=None,
+        metadata=setting(
+            "a folder: on one of save_signals (a scheduler's notice of preemption), every rank "
+            "saves a checkpoint there (step-N) when the next window starts, then exits 0",
+            accepts=str | os.PathLike[str] | None,
+            check=_check_signal_folder,
+        ),
+    )
+    save_signals: Sequence[str] = field(
+        default=("SIGTERM", "SIGUSR1"),
+        metadata=setting(
+            "the signals save_on_signal saves on (SLURM sends SIGUSR1 with --signal=USR1@90)",
+            accepts=str | Sequence[str],
+            check=_check_signals,
+        ),
+    )
+    requeue: bool = field(
+        default=False,
+        metadata=setting(
+            "on SLURM, requeue the job (scontrol requeue) after the save_on_signal checkpoint, "
+            "so that it starts again and resumes from it"
+        ),
+    )
+    log_with: Sequence[Any] | None = field(
+        default=None,
+        metadata=setting(
+            "experiment trackers for accel.log: tensorboard, wandb, mlflow, csv, jsonl, all, or "
+            "tracker objects (comma-separated from text)",
+            accepts=str | Sequence[Any] | None,
+            check=check_log_with,
+            metavar="T",
+        ),
+    )
+    project_dir: str | None = field(
+        default=None,
+        metadata=setting(
+            "the folder trackers write into (their logging_dir), created by the main process",
+            accepts=str | os.PathLike[str] | None,
+            check=_check_project_dir,
+        ),
+    )
+    track_window_loss: bool = field(
+        default=True,
+        metadata=setting(
+            "keep accel.window_loss: the global mean of a window's losses, weighted as the update "
+            "(one small all-reduce per optimizer step)"
+        ),
+    )
 
 
 # Core first: the backend options' checks may read the core settings.
@@ -371,4 +530,3 @@ def reference_markdown() -> str:
 def _cell(text: str) -> str:
     """Text safe in a Markdown table cell."""
     return " ".join(text.split()).replace("|", "\\|")
-

@@ -45,12 +45,16 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 overrode_max_train_steps = True
 num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
 max_train_steps = args.epochs * num_update_steps_per_epoch
-lr_scheduler = get_scheduler(name="linear", optimizer=optimizer,
-                             num_warmup_steps=1 * accelerator.num_processes,
-                             num_training_steps=max_train_steps)
+lr_scheduler = get_scheduler(
+    name="linear",
+    optimizer=optimizer,
+    num_warmup_steps=1 * accelerator.num_processes,
+    num_training_steps=max_train_steps,
+)
 
 model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+)
 num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
 max_train_steps = args.epochs * num_update_steps_per_epoch
 
@@ -69,7 +73,9 @@ if args.resume_from_checkpoint:
         starting_epoch = int(training_difference.replace("epoch_", "")) + 1
         completed_steps = starting_epoch * num_update_steps_per_epoch
     else:
-        resume_step = int(training_difference.replace("step_", "")) * args.gradient_accumulation_steps
+        resume_step = (
+            int(training_difference.replace("step_", "")) * args.gradient_accumulation_steps
+        )
         starting_epoch = resume_step // len(train_dataloader)
         completed_steps = resume_step // args.gradient_accumulation_steps
         resume_step -= starting_epoch * len(train_dataloader)
@@ -111,8 +117,15 @@ for epoch in range(starting_epoch, args.epochs):
     perplexity = math.exp(eval_loss)
     logger.info(f"epoch {epoch}: perplexity: {perplexity}")
     if args.with_tracking:
-        accelerator.log({"perplexity": perplexity, "train_loss": total_loss.item() / len(train_dataloader),
-                         "epoch": epoch, "step": completed_steps}, step=completed_steps)
+        accelerator.log(
+            {
+                "perplexity": perplexity,
+                "train_loss": total_loss.item() / len(train_dataloader),
+                "epoch": epoch,
+                "step": completed_steps,
+            },
+            step=completed_steps,
+        )
 
 accelerator.wait_for_everyone()
 if args.with_tracking:
@@ -121,5 +134,11 @@ state = {k: v.detach().cpu().clone() for k, v in accelerator.get_state_dict(mode
 if accelerator.is_main_process:
     torch.save(state, os.path.join(args.out, "final.pt"))
     with open(os.path.join(args.out, "final.json"), "w") as f:
-        json.dump({"completed_steps": completed_steps, "lr": lr_scheduler.get_last_lr()[0],
-                   "perplexity": perplexity if not args.stop_after else None}, f)
+        json.dump(
+            {
+                "completed_steps": completed_steps,
+                "lr": lr_scheduler.get_last_lr()[0],
+                "perplexity": perplexity if not args.stop_after else None,
+            },
+            f,
+        )

@@ -19,7 +19,9 @@ parser.add_argument("--stop_after_epoch", type=int, default=None)
 parser.add_argument("--resume", action="store_true")
 args = parser.parse_args()
 
-project = ProjectConfiguration(project_dir=args.out, automatic_checkpoint_naming=True, total_limit=2)
+project = ProjectConfiguration(
+    project_dir=args.out, automatic_checkpoint_naming=True, total_limit=2
+)
 accelerator = Accelerator(gradient_accumulation_steps=3, project_config=project)
 if accelerator.distributed_type == DistributedType.NO:
     accelerator.print("one process")
@@ -29,14 +31,16 @@ x = torch.randn(70, 6, generator=g)
 y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
 train = TensorDataset(x[:50], y[:50])
 evals = TensorDataset(x[50:], y[50:])  # 20 samples: not a multiple of 2 ranks x 3
-model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-                            torch.nn.Linear(16, 2))
+model = torch.nn.Sequential(
+    torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 2)
+)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
 train_dl = DataLoader(train, batch_size=4, shuffle=True)
 eval_dl = DataLoader(evals, batch_size=3)
 model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
-    model, optimizer, train_dl, eval_dl, scheduler)
+    model, optimizer, train_dl, eval_dl, scheduler
+)
 
 start = 0
 if args.resume:
@@ -72,4 +76,6 @@ if accelerator.is_main_process:
     torch.save(state, os.path.join(args.out, "final.pt"))
     kept = sorted(os.listdir(os.path.join(args.out, "checkpoints")))
     with open(os.path.join(args.out, "final.json"), "w") as f:
-        json.dump({"accuracies": accuracies, "checkpoints": kept, "lr": scheduler.get_last_lr()[0]}, f)
+        json.dump(
+            {"accuracies": accuracies, "checkpoints": kept, "lr": scheduler.get_last_lr()[0]}, f
+        )

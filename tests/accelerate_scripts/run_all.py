@@ -37,7 +37,9 @@ def respell(source: str) -> str:
 def run(script: Path, args: list[str], gradsync: bool, core: bool = False) -> None:
     source = script.read_text()
     if core:
-        source = source.replace("from accelerate import Accelerator\n", "from gradsync import Accelerator\n")
+        source = source.replace(
+            "from accelerate import Accelerator\n", "from gradsync import Accelerator\n"
+        )
     if gradsync:
         source = respell(source)
     sys.argv = [str(script), *args]

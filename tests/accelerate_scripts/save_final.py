@@ -21,7 +21,9 @@ set_seed(5)
 model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 model, optimizer = accelerator.prepare(model, optimizer)
-ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(accelerator.process_index))
+ids = torch.randint(
+    0, 64, (4, 16), generator=torch.Generator().manual_seed(accelerator.process_index)
+)
 for _ in range(2):
     loss = model(input_ids=ids, labels=ids).loss
     accelerator.backward(loss)
@@ -30,11 +32,17 @@ for _ in range(2):
 
 accelerator.wait_for_everyone()
 unwrapped_model = accelerator.unwrap_model(model)
-unwrapped_model.save_pretrained(os.path.join(args.out, "plain"), is_main_process=accelerator.is_main_process,
-                                save_function=accelerator.save)
-unwrapped_model.save_pretrained(os.path.join(args.out, "with_state_dict"),
-                                is_main_process=accelerator.is_main_process,
-                                save_function=accelerator.save, state_dict=accelerator.get_state_dict(model))
+unwrapped_model.save_pretrained(
+    os.path.join(args.out, "plain"),
+    is_main_process=accelerator.is_main_process,
+    save_function=accelerator.save,
+)
+unwrapped_model.save_pretrained(
+    os.path.join(args.out, "with_state_dict"),
+    is_main_process=accelerator.is_main_process,
+    save_function=accelerator.save,
+    state_dict=accelerator.get_state_dict(model),
+)
 state = {k: v.detach().cpu().clone() for k, v in accelerator.get_state_dict(model).items()}
 accelerator.wait_for_everyone()
 if accelerator.is_main_process:

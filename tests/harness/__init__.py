@@ -53,8 +53,10 @@ def reference_to(fn: Callable[..., Any]) -> tuple[str, str]:
     if not callable(fn) or not module or not name:
         raise TypeError(f"a scenario must be a function, not {fn!r}")
     if not module.startswith("scenarios.") or "<locals>" in name or "." in name:
-        raise TypeError(f"scenario {module}.{name} must be a module-level function of a "
-                        "scenarios.* module (the workers import it by name)")
+        raise TypeError(
+            f"scenario {module}.{name} must be a module-level function of a "
+            "scenarios.* module (the workers import it by name)"
+        )
     if getattr(importlib.import_module(module), name, None) is not fn:
         raise TypeError(f"{module}.{name} is not that module's attribute {name!r}")
     return module, name
@@ -93,7 +95,9 @@ class Results:
         out = []
         for rank, results in enumerate(self.by_rank):
             if name not in results:
-                raise ScenarioError(f"rank {rank} wrote no result for {name!r}; log:\n{self.log[-4000:]}")
+                raise ScenarioError(
+                    f"rank {rank} wrote no result for {name!r}; log:\n{self.log[-4000:]}"
+                )
             entry = results[name]
             if not entry["ok"]:
                 raise ScenarioError(f"scenario {name!r} failed on rank {rank}:\n{entry['error']}")
@@ -110,12 +114,16 @@ def group_setup(scenarios: Mapping[str, Scenario]) -> Callable[[], None]:
     audited gloo group (``scenarios.common.audited_gloo_group``)."""
     from scenarios.common import audited_gloo_group
 
-    setups = {getattr(sys.modules[s.fn.__module__], "setup_process_group", audited_gloo_group)
-              for s in scenarios.values()}
+    setups = {
+        getattr(sys.modules[s.fn.__module__], "setup_process_group", audited_gloo_group)
+        for s in scenarios.values()
+    }
     if len(setups) > 1:
         names = sorted(f"{f.__module__}.{f.__qualname__}" for f in setups)
-        raise ValueError(f"these scenarios want different process groups ({', '.join(names)}): "
-                         "run them in separate run_scenarios calls")
+        raise ValueError(
+            f"these scenarios want different process groups ({', '.join(names)}): "
+            "run them in separate run_scenarios calls"
+        )
     return setups.pop() if setups else audited_gloo_group
 
 
@@ -134,22 +142,43 @@ def run_scenarios(
     setup = group_setup(scenarios)
     out = Path(tempfile.mkdtemp(prefix="gradsync-mp-"))
     spec = out / "scenarios.pickle"
-    spec.write_bytes(pickle.dumps({
-        "setup": (setup.__module__, setup.__qualname__),
-        "scenarios": {name: (*reference_to(s.fn), dict(s.params)) for name, s in scenarios.items()},
-    }))
-    cmd = [sys.executable, str(WORKER), str(nproc), str(spec), str(out)]  # the agent forks the ranks
+    spec.write_bytes(
+        pickle.dumps(
+            {
+                "setup": (setup.__module__, setup.__qualname__),
+                "scenarios": {
+                    name: (*reference_to(s.fn), dict(s.params)) for name, s in scenarios.items()
+                },
+            }
+        )
+    )
+    cmd = [
+        sys.executable,
+        str(WORKER),
+        str(nproc),
+        str(spec),
+        str(out),
+    ]  # the agent forks the ranks
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
-    full_env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE) + os.pathsep + full_env.get("PYTHONPATH", "")})
+    full_env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(HERE) + os.pathsep + full_env.get("PYTHONPATH", ""),
+        }
+    )
     full_env.update(env or {})
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=HERE)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=HERE
+        )
         log = proc.stdout + proc.stderr
         by_rank = []
         for rank in range(nproc):
             path = out / f"rank{rank}.jsonl"  # a line per scenario (mp_worker.py)
             if not path.exists():
-                raise ScenarioError(f"rank {rank} wrote no results (exit {proc.returncode}); log:\n{log[-6000:]}")
+                raise ScenarioError(
+                    f"rank {rank} wrote no results (exit {proc.returncode}); log:\n{log[-6000:]}"
+                )
             by_rank.append(_scenario_lines(path))
     finally:
         shutil.rmtree(out, ignore_errors=True)  # what the ranks wrote is read (megabytes a pool)
@@ -223,8 +252,11 @@ def run_shared(members: Mapping[str, Shared], root: Path) -> dict[str, PartOf]:
     for key, handle in members.items():
         folders[key] = root / "".join(c if c.isalnum() else "_" for c in key)
         folders[key].mkdir(parents=True, exist_ok=True)
-        scenarios = handle.scenarios(folders[key]) if callable(handle.scenarios) else handle.scenarios
+        scenarios = (
+            handle.scenarios(folders[key]) if callable(handle.scenarios) else handle.scenarios
+        )
         merged.update({f"{key}::{name}": scenario for name, scenario in scenarios.items()})
-    whole = run_scenarios(merged, nproc=nprocs.pop(), env=env,
-                          timeout=sum(h.timeout for h in handles))
+    whole = run_scenarios(
+        merged, nproc=nprocs.pop(), env=env, timeout=sum(h.timeout for h in handles)
+    )
     return {key: PartOf(whole, f"{key}::", folders[key]) for key in members}

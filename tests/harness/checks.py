@@ -56,12 +56,12 @@ def reference(
 
 def max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max(
-        float((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max()) for k in a
-    )
+    return max(float((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max()) for k in a)
 
 
-def assert_matches_one_process(rank_results: list[dict[str, Any]], **reference_kwargs: Any) -> dict[str, Any]:
+def assert_matches_one_process(
+    rank_results: list[dict[str, Any]], **reference_kwargs: Any
+) -> dict[str, Any]:
     """Every rank's final parameters equal one process on the same windows (fp32, 1e-5),
     and the ranks agree exactly; returns the reference for further checks."""
     ref = reference(rank_results, **reference_kwargs)
@@ -79,8 +79,9 @@ def data_ranks(rank_results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return chosen
 
 
-def assert_nd_matches_one_process(rank_results: list[dict[str, Any]], tolerance: float = 1e-5,
-                                  **reference_kwargs: Any) -> dict[str, Any]:
+def assert_nd_matches_one_process(
+    rank_results: list[dict[str, Any]], tolerance: float = 1e-5, **reference_kwargs: Any
+) -> dict[str, Any]:
     """Every rank of an N-D mesh ends with the parameters of one process trained on the data
     ranks' global windows (within ``tolerance``), and all ranks agree exactly."""
     ref = reference(data_ranks(rank_results), **reference_kwargs)
@@ -90,7 +91,9 @@ def assert_nd_matches_one_process(rank_results: list[dict[str, Any]], tolerance:
     return ref
 
 
-def assert_dropped_window_leaks_nothing(rank_results: list[dict[str, Any]], **reference_kwargs: Any) -> None:
+def assert_dropped_window_leaks_nothing(
+    rank_results: list[dict[str, Any]], **reference_kwargs: Any
+) -> None:
     """A dropped window was really dropped mid-way (it held micro-batches), nothing of it
     reached the parameters: they equal one process that never saw its micro-batches."""
     for r in rank_results:
@@ -119,11 +122,16 @@ def assert_mid_window_save_refused(rank_results: list[dict[str, Any]], backend: 
     for rank in rank_results:
         for background in (False, True):
             message = rank[f"mid_background_{background}"]
-            assert message.startswith("UsageError: save_state() inside an accumulation window is not "
-                                      f"supported with backend='{backend}'"), message
+            assert message.startswith(
+                "UsageError: save_state() inside an accumulation window is not "
+                f"supported with backend='{backend}'"
+            ), message
             assert "call it at a boundary" in message and "\n" not in message
         assert rank["left_after_refusal"] == []
-        assert [p.rsplit("/", 1)[-1] for p in rank["boundary_saves"]] == ["b-default", "b-background"]
+        assert [p.rsplit("/", 1)[-1] for p in rank["boundary_saves"]] == [
+            "b-default",
+            "b-background",
+        ]
         assert rank["committed"].endswith("b-background")
         assert rank["after"] == ["b-background", "b-default"]
         assert rank["restored"] is True
@@ -141,10 +149,19 @@ def assert_export_is_the_gathered_model(rank_results: list[dict[str, Any]]) -> N
     assert all(r["path_name"] == "export" for r in rank_results)
 
 
-def reference_amp(rank_results: list[dict[str, Any]], *, samples: int, optimizer: str = "sgd",
-                  lr: float = 0.05, clip: float | None = None, clip_value: float | None = None,
-                  poison_window: int | None = None, spike_window: int | None = None, poison_rank: int = 1,
-                  grad_scaler: dict[str, Any] | None = None) -> dict[str, Any]:
+def reference_amp(
+    rank_results: list[dict[str, Any]],
+    *,
+    samples: int,
+    optimizer: str = "sgd",
+    lr: float = 0.05,
+    clip: float | None = None,
+    clip_value: float | None = None,
+    poison_window: int | None = None,
+    spike_window: int | None = None,
+    poison_rank: int = 1,
+    grad_scaler: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One process on the same global windows under the same fp16 autocast and GradScaler:
     each micro-batch's loss divided by the window's micro-batch count, scaled, backward;
     at the window's end unscale, clip, step (skipped on inf/NaN), update."""
@@ -177,8 +194,13 @@ def reference_amp(rank_results: list[dict[str, Any]], *, samples: int, optimizer
         if not skipped[-1]:
             sched.step()
         scales.append(scaler.get_scale())
-    return {"state": to_lists(model.state_dict()), "skipped": skipped, "scales": scales,
-            "norms": norms, "last_epoch": sched.last_epoch}
+    return {
+        "state": to_lists(model.state_dict()),
+        "skipped": skipped,
+        "scales": scales,
+        "norms": norms,
+        "last_epoch": sched.last_epoch,
+    }
 
 
 def unused_reference(rank_results: list[dict[str, Any]], *, samples: int = 40) -> dict[str, Any]:
@@ -189,7 +211,9 @@ def unused_reference(rank_results: list[dict[str, Any]], *, samples: int = 40) -
     for w in range(len(rank_results[0]["windows"])):
         micro = [mb for r in rank_results for mb in r["windows"][w]]
         opt.zero_grad()
-        loss = sum(F.mse_loss(model(data.x[mb[:-1]], side=mb[-1] == -1), data.y[mb[:-1]]) for mb in micro)
+        loss = sum(
+            F.mse_loss(model(data.x[mb[:-1]], side=mb[-1] == -1), data.y[mb[:-1]]) for mb in micro
+        )
         (loss / len(micro)).backward()
         opt.step()
     return {"state": to_lists(model.state_dict())}
@@ -209,5 +233,8 @@ def assert_one_gradient_reduction(ops: list[list[Any]], grad_bytes: int) -> None
     sizes = reductions(ops)
     gradient_sized = [b for b in sizes if b > SCALAR_BYTES]
     assert len(gradient_sized) == 1, f"want one reduction of the gradients, got {gradient_sized}"
-    assert grad_bytes <= gradient_sized[0] <= grad_bytes + SCALAR_SLACK, (gradient_sized, grad_bytes)
+    assert grad_bytes <= gradient_sized[0] <= grad_bytes + SCALAR_SLACK, (
+        gradient_sized,
+        grad_bytes,
+    )
     assert sum(sizes) <= grad_bytes + SCALAR_SLACK, (sizes, grad_bytes)

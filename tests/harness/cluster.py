@@ -19,10 +19,31 @@ TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "cluster_train.py"
 
 #: Variables of a scheduler, an MPI launcher or torchrun that the test process may have
 #: inherited (a suite run inside a SLURM job): none of them reaches a job the test starts.
-_OUTSIDE = ("GRADSYNC_", "PET_", "SLURM_", "SRUN_", "SBATCH_", "PMI_", "PMIX_", "MPI_LOCAL", "HYDRA_",
-            "OMPI_", "MV2_", "TORCHELASTIC_")
-_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-             "MASTER_PORT", "MPIRUN_ID", "JOB_NAME")
+_OUTSIDE = (
+    "GRADSYNC_",
+    "PET_",
+    "SLURM_",
+    "SRUN_",
+    "SBATCH_",
+    "PMI_",
+    "PMIX_",
+    "MPI_LOCAL",
+    "HYDRA_",
+    "OMPI_",
+    "MV2_",
+    "TORCHELASTIC_",
+)
+_TORCHRUN = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MPIRUN_ID",
+    "JOB_NAME",
+)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -42,11 +63,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_each(envs: list[dict[str, str]], out: Path, cwd: Path, timeout: float = 240) -> tuple[list[int], str]:
+def start_each(
+    envs: list[dict[str, str]], out: Path, cwd: Path, timeout: float = 240
+) -> tuple[list[int], str]:
     """``python cluster_train.py OUT`` once per environment, all at once (what a launcher or
     an operator does for its processes or pods); their exit codes and their output."""
-    procs = [subprocess.Popen([sys.executable, str(TRAIN), str(out)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd) for env in envs]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(TRAIN), str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=cwd,
+        )
+        for env in envs
+    ]
     outputs = []
     try:
         for p in procs:
@@ -64,8 +96,9 @@ def reports(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
 
 
-def assert_one_group_equal_to_one_process(folder: Path, *, local_ranks: list[int],
-                                          local_main: list[bool], output: str = "") -> list[dict[str, Any]]:
+def assert_one_group_equal_to_one_process(
+    folder: Path, *, local_ranks: list[int], local_main: list[bool], output: str = ""
+) -> list[dict[str, Any]]:
     """Two ranks wrote their report from one 2-rank group (backend "auto" chose DDP), with
     these local ranks and local-main flags, and trained exactly what one process trains on
     the same global windows (fp32, 1e-5; the two ranks bitwise equal). Returns the reports."""

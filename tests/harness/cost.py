@@ -26,7 +26,10 @@ _ENV = "GRADSYNC_TEST_COST_FILE"  # one file for the controller and its xdist wo
 
 
 def _cpu() -> tuple[float, float]:
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
     return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
 
 
@@ -38,12 +41,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, None]:
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, Any, None]:
     (own, kids), start = _cpu(), time.monotonic()
     yield
     (own_after, kids_after), wall = _cpu(), time.monotonic() - start
-    record = {"module": item.nodeid.split("::")[0], "own": own_after - own,
-              "children": kids_after - kids, "wall": wall}
+    record = {
+        "module": item.nodeid.split("::")[0],
+        "own": own_after - own,
+        "children": kids_after - kids,
+        "wall": wall,
+    }
     with open(os.environ[_ENV], "a") as out:
         out.write(json.dumps(record) + "\n")
 
@@ -61,7 +70,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         entry[2] += record["wall"]
     path.unlink()
     write = terminalreporter.write_line
-    write(f"CPU by test module (this process and its children), {sum(e[1] for e in totals.values()):.0f} s in all:")
+    write(
+        f"CPU by test module (this process and its children), {sum(e[1] for e in totals.values()):.0f} s in all:"
+    )
     write(f"{'tests':>6} {'CPU s':>8} {'wall s':>8}  module")
     for module, (count, cpu, wall) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:30]:
         write(f"{int(count):6d} {cpu:8.1f} {wall:8.1f}  {module}")

@@ -19,13 +19,13 @@ def wandb_records(path: Path) -> list[Any]:
         if left < 7:  # a block's tail too short for a header is padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:
             pos += left
             continue
         if pos + 7 + length > len(data):  # still being written
             break
-        pending += data[pos + 7:pos + 7 + length]
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # full, or the last piece of a record
             record = pb.Record()

@@ -13,10 +13,15 @@ from scenarios import accelerate_api as api
 BACKENDS = ("ddp", "fsdp")
 STYLES = ("trigger", "plain", "backward_only")
 SCENARIOS = {
-    **{f"{b}_loss_k{k}": Scenario(api.window_loss, backend=b, k=k, samples=22, read_on="all")
-       for b in BACKENDS for k in (1, 4)},
-    **{f"{b}_loss_main_only": Scenario(api.window_loss, backend=b, k=2, samples=16, read_on="main")
-       for b in BACKENDS},
+    **{
+        f"{b}_loss_k{k}": Scenario(api.window_loss, backend=b, k=k, samples=22, read_on="all")
+        for b in BACKENDS
+        for k in (1, 4)
+    },
+    **{
+        f"{b}_loss_main_only": Scenario(api.window_loss, backend=b, k=2, samples=16, read_on="main")
+        for b in BACKENDS
+    },
     **{f"{b}_tokens": Scenario(api.token_window_loss, backend=b) for b in BACKENDS},
     **{f"ddp_manual_{s}": Scenario(api.manual, backend="ddp", style=s) for s in STYLES},
     "fsdp_manual_trigger": Scenario(api.manual, backend="fsdp", style="trigger"),
@@ -27,8 +32,14 @@ SCENARIOS = {
 def scenarios(tensorboard_dir):
     return {
         **SCENARIOS,
-        "ddp_logged": Scenario(api.window_loss, backend="ddp", k=4, samples=22, read_on="main",
-                               project_dir=str(tensorboard_dir / "ddp")),
+        "ddp_logged": Scenario(
+            api.window_loss,
+            backend="ddp",
+            k=4,
+            samples=22,
+            read_on="main",
+            project_dir=str(tensorboard_dir / "ddp"),
+        ),
         "gpt2_logged": Scenario(api.gpt2_tokens, project_dir=str(tensorboard_dir / "gpt2")),
     }
 
@@ -56,7 +67,8 @@ def _logged(folder):
 
 @pytest.mark.parametrize("name, folder", [("ddp_logged", "ddp/run"), ("gpt2_logged", "gpt2/gpt2")])
 def test_the_logged_loss_read_back_from_tensorboard_is_the_global_window_mean(
-        results, tensorboard_dir, name, folder):
+    results, tensorboard_dir, name, folder
+):
     expected = results[name][0]["expected"]
     logged = _logged(tensorboard_dir / folder)
     assert [step for step, _ in logged] == list(range(1, len(expected) + 1))  # optimizer steps

@@ -37,10 +37,17 @@ SCRIPTS = ("test_script", "test_ops", "test_sync")
 #: ``same_on_every_rank`` (Accelerate's reads Accelerate's own process state, which
 #: ``gradsync launch`` never creates).
 KEPT = {
-    "RegressionDataset", "RegressionModel", "assert_exception",
+    "RegressionDataset",
+    "RegressionModel",
+    "assert_exception",
     # probes of the machine and of installed packages
-    "is_bf16_available", "is_cuda_available", "is_datasets_available", "is_fp16_available",
-    "is_hpu_available", "is_mps_available", "is_pytest_available",
+    "is_bf16_available",
+    "is_cuda_available",
+    "is_datasets_available",
+    "is_fp16_available",
+    "is_hpu_available",
+    "is_mps_available",
+    "is_pytest_available",
     # a torch Sampler the test builds its own DataLoader with (not prepared by it)
     "SeedableRandomSampler",
 }
@@ -60,55 +67,81 @@ PASSING: list[tuple[str, str]] = [
     ("test_script", "training_check(use_seedable_sampler=False)"),
     ("test_script", "training_check(use_seedable_sampler=True)"),
     ("test_script", "test_trigger()"),
-    *[("test_ops", f"{name}(state)") for name in (
-        "test_gather", "test_gather_object", "test_gather_non_contiguous", "test_broadcast",
-        "test_pad_across_processes", "test_reduce_sum", "test_reduce_mean", "test_reduce_max")],
+    *[
+        ("test_ops", f"{name}(state)")
+        for name in (
+            "test_gather",
+            "test_gather_object",
+            "test_gather_non_contiguous",
+            "test_broadcast",
+            "test_pad_across_processes",
+            "test_reduce_sum",
+            "test_reduce_mean",
+            "test_reduce_max",
+        )
+    ],
     ("test_sync", "test_distributed_sync(accelerator)"),
     # the LR after every step and the gradients' sync points equal Accelerate's
-    *[("test_sync", f"test_gradient_accumulation_with_opt_and_scheduler({split}, False, {each})")
-      for split, each in itertools.product((True, False), (True, False))],
+    *[
+        ("test_sync", f"test_gradient_accumulation_with_opt_and_scheduler({split}, False, {each})")
+        for split, each in itertools.product((True, False), (True, False))
+    ],
 ]
 
-DISPATCH = ("DataLoaderConfiguration(dispatch_batches=True) is refused: every rank reads its "
-            "own batches, none is sent from rank 0")
-NO_LOADER_FUNCTION = ("accelerate.data_loader.prepare_data_loader (the function form, building "
-                      "Accelerate's DataLoaderShard) is not in gradsync.accelerate: loaders are "
-                      "prepared by Accelerator.prepare")
-WINDOW_CLEARS = ("gradsync clears the gradients when a window opens; the test never calls "
-                 "zero_grad, so under Accelerate the second window's gradients still hold the "
-                 "first's and the test's single-process reference accumulates them too")
+DISPATCH = (
+    "DataLoaderConfiguration(dispatch_batches=True) is refused: every rank reads its "
+    "own batches, none is sent from rank 0"
+)
+NO_LOADER_FUNCTION = (
+    "accelerate.data_loader.prepare_data_loader (the function form, building "
+    "Accelerate's DataLoaderShard) is not in gradsync.accelerate: loaders are "
+    "prepared by Accelerator.prepare"
+)
+WINDOW_CLEARS = (
+    "gradsync clears the gradients when a window opens; the test never calls "
+    "zero_grad, so under Accelerate the second window's gradients still hold the "
+    "first's and the test's single-process reference accumulates them too"
+)
 
 #: call -> why it is not run against gradsync.accelerate
 EXCLUDED: dict[str, str] = {
     "rng_sync_check()": "synchronize_rng_states is refused by gradsync.accelerate.utils: "
-                        "prepared loaders keep every rank's generator equal themselves",
+    "prepared loaders keep every rank's generator equal themselves",
     "dl_preparation_check()": NO_LOADER_FUNCTION,
     "central_dl_preparation_check()": f"{NO_LOADER_FUNCTION}; and {DISPATCH}",
     "custom_sampler_check()": f"{NO_LOADER_FUNCTION}; and it inspects Accelerate's "
-                              "dl.batch_sampler.batch_sampler",
+    "dl.batch_sampler.batch_sampler",
     "check_seedable_sampler_in_batch_sampler_shard()": f"{NO_LOADER_FUNCTION}; and it inspects "
-                                                       "Accelerate's BatchSamplerShard",
+    "Accelerate's BatchSamplerShard",
     "test_split_between_processes_dataset(datasets_Dataset)": "needs Hugging Face datasets",
     "test_reinstantiated_state()": "expects Accelerate's AttributeError after "
-                                   "AcceleratorState._reset_state(); gradsync shares no state "
-                                   "between instances, so _reset_state is a no-op",
+    "AcceleratorState._reset_state(); gradsync shares no state "
+    "between instances, so _reset_state is a no-op",
     "test_op_checker(state)": "Accelerate's debug-mode shape checks (state.debug = True, "
-                              "DistributedOperationException) are not in gradsync.accelerate",
+    "DistributedOperationException) are not in gradsync.accelerate",
     "test_copy_tensor_to_devices(state)": "returns at once unless MULTI_GPU or XLA (nothing is "
-                                          "checked on CPU); copy_tensor_to_devices is not in "
-                                          "gradsync.accelerate.utils",
+    "checked on CPU); copy_tensor_to_devices is not in "
+    "gradsync.accelerate.utils",
     "test_noop_sync(accelerator)": "main() runs it on one process only (DistributedType.NO)",
     "test_dataloader_break()": "GradientState.active_dataloader (the loader being iterated, "
-                               "innermost first) is not in gradsync.accelerate",
+    "innermost first) is not in gradsync.accelerate",
     "test_distributed_sync_multiple_fwd(accelerator)": (
         "gradsync's no_sync is a whole micro-step: a plain backward after no_sync micro-steps "
         "closes their window and syncs (DDP decides at the forward, under no_sync), and each "
-        "next(iter(dataloader)) starts a new pass inside the open window, which is dropped"),
-    **{f"test_gradient_accumulation({split}, False, {each})": WINDOW_CLEARS
-       for split, each in itertools.product((True, False), (True, False))},
-    **{f"{fn}({split}, True, {each})": DISPATCH
-       for fn in ("test_gradient_accumulation", "test_gradient_accumulation_with_opt_and_scheduler")
-       for split, each in itertools.product((True, False), (True, False))},
+        "next(iter(dataloader)) starts a new pass inside the open window, which is dropped"
+    ),
+    **{
+        f"test_gradient_accumulation({split}, False, {each})": WINDOW_CLEARS
+        for split, each in itertools.product((True, False), (True, False))
+    },
+    **{
+        f"{fn}({split}, True, {each})": DISPATCH
+        for fn in (
+            "test_gradient_accumulation",
+            "test_gradient_accumulation_with_opt_and_scheduler",
+        )
+        for split, each in itertools.product((True, False), (True, False))
+    },
 }
 
 
@@ -174,8 +207,12 @@ def respelled(script: str) -> types.ModuleType:
     body: list[ast.stmt] = []
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "accelerate":
-            body += [ast.parse(f"{a.asname or a.name} = __resolve__({node.module!r}, {a.name!r})").body[0]
-                     for a in node.names]
+            body += [
+                ast.parse(f"{a.asname or a.name} = __resolve__({node.module!r}, {a.name!r})").body[
+                    0
+                ]
+                for a in node.names
+            ]
         else:
             body.append(node)
     tree.body = body
@@ -192,8 +229,11 @@ def main_calls(script: str) -> set[str]:
     tree = ast.parse((Path(shipped.__file__).parent / f"{script}.py").read_text())
     defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
-    return {c.func.id for c in ast.walk(main) if isinstance(c, ast.Call)
-            and isinstance(c.func, ast.Name) and c.func.id in defined}
+    return {
+        c.func.id
+        for c in ast.walk(main)
+        if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in defined
+    }
 
 
 # -- the ranks -----------------------------------------------------------------------------
@@ -213,9 +253,15 @@ def run_on_this_rank(out: Path) -> None:
             eval(call, {**vars(modules[script]), "accelerator": accelerator, "state": state})
             results.append({"call": f"{script}:{call}", "error": None})
         except Exception as error:
-            where = [f"{f.filename}:{f.lineno}" for f in traceback.extract_tb(error.__traceback__)][-3:]
-            results.append({"call": f"{script}:{call}",
-                            "error": f"{type(error).__name__}: {error} at {' > '.join(where)}"})
+            where = [f"{f.filename}:{f.lineno}" for f in traceback.extract_tb(error.__traceback__)][
+                -3:
+            ]
+            results.append(
+                {
+                    "call": f"{script}:{call}",
+                    "error": f"{type(error).__name__}: {error} at {' > '.join(where)}",
+                }
+            )
         faulthandler.cancel_dump_traceback_later()
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(results))
 
@@ -230,7 +276,9 @@ shipped_scripts = pytest.importorskip("accelerate.test_utils.scripts")
 
 
 def test_every_test_function_main_calls_is_run_or_excluded() -> None:
-    covered = {call.split("(")[0] for _, call in PASSING} | {call.split("(")[0] for call in EXCLUDED}
+    covered = {call.split("(")[0] for _, call in PASSING} | {
+        call.split("(")[0] for call in EXCLUDED
+    }
     for script in SCRIPTS:
         assert main_calls(script) <= covered, (script, main_calls(script) - covered)
     assert not {call for _, call in PASSING} & EXCLUDED.keys()
@@ -238,10 +286,21 @@ def test_every_test_function_main_calls_is_run_or_excluded() -> None:
 
 def test_accelerates_own_test_functions_pass_against_gradsync_accelerate(tmp_path: Path) -> None:
     repo_src = Path(__file__).resolve().parents[2] / "src"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRADSYNC_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_src), os.environ.get("PYTHONPATH")]))}
-    cmd = [str(Path(sys.executable).parent / "gradsync"), "launch", "--nproc-per-node", "2",
-           __file__, str(tmp_path)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GRADSYNC_DEVICE": "cpu",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_src), os.environ.get("PYTHONPATH")])),
+    }
+    cmd = [
+        str(Path(sys.executable).parent / "gradsync"),
+        "launch",
+        "--nproc-per-node",
+        "2",
+        __file__,
+        str(tmp_path),
+    ]
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     log = (done.stdout + done.stderr)[-6000:]
     for rank in (0, 1):

@@ -65,13 +65,34 @@ def plan(out: Path, resume: bool) -> list[list[object]]:
     ]
     if resume:  # interrupted runs and their resumes, under gradsync only
         steps += [
-            [str(clm), ["--out", str(out / "clm-cut"), "--checkpointing_steps", "2", "--stop_after", "2"]],
-            [str(clm), ["--out", str(out / "clm-res2"), "--checkpointing_steps", "2",
-                        "--resume_from_checkpoint", str(out / "clm-cut" / "step_2")]],
+            [
+                str(clm),
+                ["--out", str(out / "clm-cut"), "--checkpointing_steps", "2", "--stop_after", "2"],
+            ],
+            [
+                str(clm),
+                [
+                    "--out",
+                    str(out / "clm-res2"),
+                    "--checkpointing_steps",
+                    "2",
+                    "--resume_from_checkpoint",
+                    str(out / "clm-cut" / "step_2"),
+                ],
+            ],
             # step_4 sits after an epoch with a partial window: the script's own arithmetic
             # asks to skip 3 batches where 2 were trained on; the checkpoint knows better
-            [str(clm), ["--out", str(out / "clm-res4"), "--checkpointing_steps", "2",
-                        "--resume_from_checkpoint", str(out / "clm" / "step_4")]],
+            [
+                str(clm),
+                [
+                    "--out",
+                    str(out / "clm-res4"),
+                    "--checkpointing_steps",
+                    "2",
+                    "--resume_from_checkpoint",
+                    str(out / "clm" / "step_4"),
+                ],
+            ],
             [str(cls), ["--out", str(out / "cls-cut"), "--stop_after_epoch", "0"]],
             [str(cls), ["--out", str(out / "cls-cut"), "--resume"]],
             # gradsync's own Accelerator on a schedule sized for Accelerate's rule: said once
@@ -82,16 +103,42 @@ def plan(out: Path, resume: bool) -> list[list[object]]:
 
 def launch(tmp: Path, name: str, extra: list[str], gradsync: bool) -> Path:
     out = tmp / name
-    for sub in ("clm", "clm-tb", "cls", "fb", "save", "clm-cut", "clm-res2", "clm-res4", "cls-cut",
-                "clm-core", "parity", "parity-merged"):
+    for sub in (
+        "clm",
+        "clm-tb",
+        "cls",
+        "fb",
+        "save",
+        "clm-cut",
+        "clm-res2",
+        "clm-res4",
+        "cls-cut",
+        "clm-core",
+        "parity",
+        "parity-merged",
+    ):
         (out / sub).mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(plan(out, resume=gradsync)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "GRADSYNC_DEVICE": "cpu",
-           "TRANSFORMERS_VERBOSITY": "error", "DS_ACCELERATOR": "cpu",
-           "PARITY_LIBRARY": "gradsync" if gradsync else "accelerate"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "ACCELERATE_USE_CPU": "1",
+        "GRADSYNC_DEVICE": "cpu",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "DS_ACCELERATOR": "cpu",
+        "PARITY_LIBRARY": "gradsync" if gradsync else "accelerate",
+    }
     cli = [str(BIN / "gradsync")] if gradsync else [str(BIN / "accelerate")]
-    cmd = [*cli, "launch", "--num_processes", "2", *(extra or ["--multi_gpu"]),
-           str(SCRIPTS / "run_all.py"), str(out / "plan.json"), *(["--gradsync"] if gradsync else [])]
+    cmd = [
+        *cli,
+        "launch",
+        "--num_processes",
+        "2",
+        *(extra or ["--multi_gpu"]),
+        str(SCRIPTS / "run_all.py"),
+        str(out / "plan.json"),
+        *(["--gradsync"] if gradsync else []),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     (out / "log.txt").write_text(done.stdout + done.stderr)
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{(done.stdout + done.stderr)[-4000:]}"
@@ -115,19 +162,51 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def launch_zero2_merged(out: Path) -> Path:
     """The parity script's one-model variant under ``gradsync launch`` with DeepSpeed ZeRO 2."""
     out.mkdir(parents=True)
-    outside = ("GRADSYNC_", "ACCELERATE_", "PET_", "SLURM_", "PMI_", "OMPI_", "MV2_", "TORCHELASTIC_")
-    torchrun = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    outside = (
+        "GRADSYNC_",
+        "ACCELERATE_",
+        "PET_",
+        "SLURM_",
+        "PMI_",
+        "OMPI_",
+        "MV2_",
+        "TORCHELASTIC_",
+    )
+    torchrun = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(outside) and k not in torchrun}
     env.update({"OMP_NUM_THREADS": "1", "PARITY_LIBRARY": "gradsync", "DS_ACCELERATOR": "cpu"})
-    cmd = [sys.executable, "-m", "gradsync", "launch", "--nproc-per-node", "2", "--backend", "deepspeed",
-           "--zero-stage", "2", str(PARITY), str(out), *PARITY_ARGS, "--merged"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gradsync",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--backend",
+        "deepspeed",
+        "--zero-stage",
+        "2",
+        str(PARITY),
+        str(out),
+        *PARITY_ARGS,
+        "--merged",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return out
 
 
 @pytest.fixture(scope="module")
-def parity(runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def parity(
+    runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Any]]:
     folders = {
         "accelerate": runs["accelerate-ddp"] / "parity",
         "ddp": runs["gradsync-ddp"] / "parity",
@@ -157,36 +236,51 @@ def test_only_import_lines_are_respelled() -> None:
         before = (SCRIPTS / script).read_text().splitlines()
         after = respell("\n".join(before)).splitlines()
         changed = [(x, y) for x, y in zip(before, after) if x != y]
-        assert changed and all(x.lstrip().startswith(("from accelerate", "import accelerate"))
-                               for x, _ in changed)
+        assert changed and all(
+            x.lstrip().startswith(("from accelerate", "import accelerate")) for x, _ in changed
+        )
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 @pytest.mark.parametrize("script", ["clm", "cls", "fb", "save"])
-def test_a_script_ends_with_accelerates_parameters(runs: dict[str, Path], backend: str, script: str) -> None:
+def test_a_script_ends_with_accelerates_parameters(
+    runs: dict[str, Path], backend: str, script: str
+) -> None:
     theirs, ours = runs[f"accelerate-{backend}"] / script, runs[f"gradsync-{backend}"] / script
     assert_close(params(theirs), params(ours))
     if script == "save":  # what save_pretrained wrote is what trained, under either
         for folder in (theirs, ours):
             assert json.loads((folder / "final.json").read_text())["reloaded"] == {
-                "plain": 0.0, "with_state_dict": 0.0}
+                "plain": 0.0,
+                "with_state_dict": 0.0,
+            }
         return
-    assert json.loads((theirs / "final.json").read_text()) == json.loads((ours / "final.json").read_text())
+    assert json.loads((theirs / "final.json").read_text()) == json.loads(
+        (ours / "final.json").read_text()
+    )
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 @pytest.mark.parametrize("resumed", ["clm-res2", "clm-res4"])
 def test_a_resume_through_skip_first_batches_equals_the_uninterrupted_run(
-        runs: dict[str, Path], backend: str, resumed: str) -> None:
+    runs: dict[str, Path], backend: str, resumed: str
+) -> None:
     run = runs[f"gradsync-{backend}"]
     assert_close(params(run / "clm"), params(run / resumed), tol=0.0)
     log = (run / "log.txt").read_text()
     if resumed == "clm-res4":  # one line for the run, not one per rank
-        assert log.count("skip_first_batches(3) after load_state: the checkpoint was saved after batch 2") == 1
+        assert (
+            log.count(
+                "skip_first_batches(3) after load_state: the checkpoint was saved after batch 2"
+            )
+            == 1
+        )
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
-def test_automatic_checkpoint_naming_resumes_and_keeps_total_limit(runs: dict[str, Path], backend: str) -> None:
+def test_automatic_checkpoint_naming_resumes_and_keeps_total_limit(
+    runs: dict[str, Path], backend: str
+) -> None:
     run = runs[f"gradsync-{backend}"]
     assert_close(params(run / "cls"), params(run / "cls-cut"), tol=0.0)
     whole = json.loads((run / "cls" / "final.json").read_text())
@@ -199,13 +293,26 @@ def test_automatic_checkpoint_naming_resumes_and_keeps_total_limit(runs: dict[st
 def test_the_tracked_run_and_the_retried_batch_size(runs: dict[str, Path]) -> None:
     for backend in ("ddp", "fsdp"):
         run = runs[f"gradsync-{backend}"]
-        assert json.loads((run / "fb" / "final.json").read_text())["tried"] == [32, 28, 25, 22, 19, 17, 15, 13, 11, 9, 8]
+        assert json.loads((run / "fb" / "final.json").read_text())["tried"] == [
+            32,
+            28,
+            25,
+            22,
+            19,
+            17,
+            15,
+            13,
+            11,
+            9,
+            8,
+        ]
         assert list((run / "clm-tb").glob("**/events.out.tfevents.*"))
         assert_close(params(run / "clm"), params(run / "clm-tb"), tol=0.0)
 
 
 def test_gradsyncs_own_accelerator_says_when_a_schedule_was_sized_for_accelerates_rule(
-        runs: dict[str, Path]) -> None:
+    runs: dict[str, Path],
+) -> None:
     log = (runs["gradsync-ddp"] / "log.txt").read_text()
     said = [line for line in log.splitlines() if "sized for Accelerate's rule" in line]
     assert len(said) == 1, said  # once, on the main process, when the run ended
@@ -239,8 +346,15 @@ PAIRS = [("accelerate", "ddp"), ("ddp", "fsdp"), ("ddp_merged", "zero2_merged")]
 
 def test_each_run_is_two_processes_with_its_backend(parity):
     wrapped = {name: set(r["wrapped"].values()) for name, r in parity.items()}
-    assert wrapped["accelerate"] == wrapped["ddp"] == wrapped["ddp_merged"] == {"DistributedDataParallel"}
-    assert all(w.startswith("FSDP") for w in wrapped["fsdp"]), wrapped["fsdp"]  # fully_shard's classes
+    assert (
+        wrapped["accelerate"]
+        == wrapped["ddp"]
+        == wrapped["ddp_merged"]
+        == {"DistributedDataParallel"}
+    )
+    assert all(w.startswith("FSDP") for w in wrapped["fsdp"]), wrapped[
+        "fsdp"
+    ]  # fully_shard's classes
     assert wrapped["zero2_merged"] == {"DeepSpeedEngine"}
     for r in parity.values():
         assert r["num_processes"] == 2
@@ -280,7 +394,9 @@ def test_reduce_and_the_logged_losses_are_the_same(parity, first, second):
 def test_the_gradsync_backends_agree_on_the_evaluation_sums(parity):
     # each rank's (summed loss, samples), averaged by reduce(reduction="mean")
     for first, second in PAIRS[1:]:
-        assert parity[first]["reduced"].tolist() == pytest.approx(parity[second]["reduced"].tolist(), abs=TOL)
+        assert parity[first]["reduced"].tolist() == pytest.approx(
+            parity[second]["reduced"].tolist(), abs=TOL
+        )
 
 
 def test_what_differs_from_accelerate(parity):

@@ -25,15 +25,32 @@ BF16_TOLERANCE = 2e-3
 POISON = 2  # the window (0-based) that overflows on rank 1 only
 SCENARIOS = {
     **{f"{b}_fp16": Scenario(amp.train_amp, backend=b, steps=4, loop=RUN) for b in BACKENDS},
-    **{f"{b}_fp16_adam_clip": Scenario(amp.train_amp, backend=b, steps=4,
-                                       loop=replace(RUN, optimizer="adam", lr=0.01, clip=0.5, clip_value=0.02))
-       for b in BACKENDS},
-    "fsdp_fp16_every_step": Scenario(amp.train_amp, backend="fsdp", steps=4, policy="every_step", loop=RUN),
-    **{f"{b}_fp16_{how}": Scenario(amp.train_amp, backend=b, steps=4, loop=RUN, **{f"{how}_window": POISON})
-       for b, how in (("ddp", "spike"), ("fsdp", "spike"), ("fsdp", "poison"))},
+    **{
+        f"{b}_fp16_adam_clip": Scenario(
+            amp.train_amp,
+            backend=b,
+            steps=4,
+            loop=replace(RUN, optimizer="adam", lr=0.01, clip=0.5, clip_value=0.02),
+        )
+        for b in BACKENDS
+    },
+    "fsdp_fp16_every_step": Scenario(
+        amp.train_amp, backend="fsdp", steps=4, policy="every_step", loop=RUN
+    ),
+    **{
+        f"{b}_fp16_{how}": Scenario(
+            amp.train_amp, backend=b, steps=4, loop=RUN, **{f"{how}_window": POISON}
+        )
+        for b, how in (("ddp", "spike"), ("fsdp", "spike"), ("fsdp", "poison"))
+    },
     "ddp_bf16": Scenario(amp.train_amp, backend="ddp", steps=4, mixed_precision="bf16", loop=RUN),
-    **{f"{b}_ac_{name}": Scenario(amp.train_checkpointed, backend=b, steps=4, checkpointing=ac, loop=RUN)
-       for b in BACKENDS for name, ac in (("none", None), ("block", ["Block"]))},
+    **{
+        f"{b}_ac_{name}": Scenario(
+            amp.train_checkpointed, backend=b, steps=4, checkpointing=ac, loop=RUN
+        )
+        for b in BACKENDS
+        for name, ac in (("none", None), ("block", ["Block"]))
+    },
     **{f"{b}_errors": Scenario(amp.errors, backend=b) for b in BACKENDS},
 }
 
@@ -79,7 +96,9 @@ def test_fp16_keeps_deferral(results, name):
         assert all(rec["reductions"] >= 1 for rec in r["audit"] if rec["boundary"])
 
 
-@pytest.mark.parametrize(("backend", "how"), [("ddp", "spike"), ("fsdp", "spike"), ("fsdp", "poison")])
+@pytest.mark.parametrize(
+    ("backend", "how"), [("ddp", "spike"), ("fsdp", "spike"), ("fsdp", "poison")]
+)
 def test_an_overflow_on_one_rank_skips_one_step_on_both(results, backend, how):
     """spike: rank 1's loss spikes in a deferred micro-step (its backward overflows fp16);
     poison: an inf lands in rank 1's shard of the reduced gradient, which only rank 1 holds."""
@@ -120,7 +139,9 @@ def test_activation_checkpointing_changes_no_result_and_saves_memory(results, ba
     plain, checkpointed = results[f"{backend}_ac_none"], results[f"{backend}_ac_block"]
     for a, b in zip(plain, checkpointed):
         assert max_diff(a["state"], b["state"]) < 1e-6
-        print(f"{backend}: saved for backward {a['saved_bytes']} B plain, {b['saved_bytes']} B checkpointed")
+        print(
+            f"{backend}: saved for backward {a['saved_bytes']} B plain, {b['saved_bytes']} B checkpointed"
+        )
         assert b["saved_bytes"] < a["saved_bytes"]
         assert not _off_boundary_reductions(b["audit"][4:])
     assert_matches_one_process(checkpointed, samples=SAMPLES)
@@ -129,9 +150,13 @@ def test_activation_checkpointing_changes_no_result_and_saves_memory(results, ba
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_inputs(results, backend):
     for m in results[f"{backend}_errors"]:
-        assert m["unknown_class"].startswith("ConfigError: activation_checkpointing=['Transformer']")
+        assert m["unknown_class"].startswith(
+            "ConfigError: activation_checkpointing=['Transformer']"
+        )
         assert "Block, Linear, ModuleList, Net" in m["unknown_class"]
         assert m["user_scaler"].startswith("ConfigError: prepare() got a GradScaler")
         assert "one loss scaler per run" in m["user_scaler"]
-        assert m["wrapped"].startswith("ConfigError: activation_checkpointing and compile with a model "
-                                       f"already wrapped in {'DistributedDataParallel' if backend == 'ddp' else 'FSDPNet'}")
+        assert m["wrapped"].startswith(
+            "ConfigError: activation_checkpointing and compile with a model "
+            f"already wrapped in {'DistributedDataParallel' if backend == 'ddp' else 'FSDPNet'}"
+        )

@@ -25,7 +25,10 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, json.loads((out / "sync_overhead.json").read_text()), proc.stdout
@@ -47,13 +50,26 @@ def test_json_keys(quick: tuple[Path, dict[str, Any], str]) -> None:
     assert result["meta"]["quick"] is True and result["meta"]["ks"] == [1, 4]
     cell = next(c for c in result["cells"] if c["backend"] == "ddp" and c["mode"] == "gradsync")
     assert set(cell) >= {
-        "step_ms", "reductions_per_step", "reduction_bytes_per_step", "allgathers_per_step",
-        "peak_mib_per_rank", "predicted_extra_mib", "policy_reason", "policy", "param_diff_vs_gradsync",
+        "step_ms",
+        "reductions_per_step",
+        "reduction_bytes_per_step",
+        "allgathers_per_step",
+        "peak_mib_per_rank",
+        "predicted_extra_mib",
+        "policy_reason",
+        "policy",
+        "param_diff_vs_gradsync",
     }
     assert set(cell["step_ms"]) >= {"median", "q1", "q3", "min", "max", "n"}
     assert len(cell["peak_mib_per_rank"]) == 2
     row = next(r for r in result["ratios"] if r["backend"] == "ddp" and r["k"] == 4)
-    assert set(row) >= {"allreduce_ms", "compute_ms", "speedup", "speedup_expected", "gradsync_over_manual"}
+    assert set(row) >= {
+        "allreduce_ms",
+        "compute_ms",
+        "speedup",
+        "speedup_expected",
+        "gradsync_over_manual",
+    }
     assert set(result["micro"]) >= {"bare_us", "gradsync_us", "overhead_us"}
 
 
@@ -72,12 +88,15 @@ def test_deferral_shows_in_the_audit(quick: tuple[Path, dict[str, Any], str]) ->
         if (label, 4, "gradsync") not in cells:
             continue
         naive, gs = cells[(label, 4, "naive")], cells[(label, 4, "gradsync")]
-        assert gs["reduction_bytes_per_step"] * 4 == pytest.approx(naive["reduction_bytes_per_step"], rel=0.05)
+        assert gs["reduction_bytes_per_step"] * 4 == pytest.approx(
+            naive["reduction_bytes_per_step"], rel=0.05
+        )
         assert gs["reductions_per_micro_step"][:-1] == [0, 0, 0], gs["reductions_per_micro_step"]
 
 
 def test_the_memory_column_has_a_peak_per_rank_and_the_adapters_prediction(
-        quick: tuple[Path, dict[str, Any], str]) -> None:
+    quick: tuple[Path, dict[str, Any], str],
+) -> None:
     """Every measured cell of ddp and fsdp has each rank's peak above the window start (the
     step's activations at least: above zero); fsdp's gradsync modes carry what the adapter
     predicted for the policy they ran, which for the kept parameters is the unsharded
@@ -86,7 +105,9 @@ def test_the_memory_column_has_a_peak_per_rank_and_the_adapters_prediction(
     cells = {(c["backend"], c["k"], c["mode"]): c for c in result["cells"]}
     for (label, _, _), cell in cells.items():
         if label in ("ddp", "fsdp"):
-            assert cell["peak_mib_per_rank"] is not None and len(cell["peak_mib_per_rank"]) == 2, cell
+            assert cell["peak_mib_per_rank"] is not None and len(cell["peak_mib_per_rank"]) == 2, (
+                cell
+            )
             assert min(cell["peak_mib_per_rank"]) > 0, cell
     if ("fsdp", 4, "gradsync") in cells:
         numel = next(r["grad_bytes"] for r in result["ratios"] if r["backend"] == "fsdp") // 4

@@ -25,9 +25,18 @@ from scenarios import faults
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (needs root)")
 
-BACKENDS = {"ddp": ("ddp", None), "fsdp": ("fsdp", None), "zero2": ("deepspeed", 2),
-            "zero3": ("deepspeed", 3), "fairscale": ("fairscale", None)}
-FAULTS = {"full": ("enospc", False), "full_background": ("enospc", True), "efbig_rank1": ("efbig:1", False)}
+BACKENDS = {
+    "ddp": ("ddp", None),
+    "fsdp": ("fsdp", None),
+    "zero2": ("deepspeed", 2),
+    "zero3": ("deepspeed", 3),
+    "fairscale": ("fairscale", None),
+}
+FAULTS = {
+    "full": ("enospc", False),
+    "full_background": ("enospc", True),
+    "efbig_rank1": ("efbig:1", False),
+}
 WORDS = {"enospc": "No space left on device (ENOSPC)", "efbig:1": "File too large (EFBIG)"}
 CASES = [f"{b}_{f}" for b in BACKENDS for f in FAULTS]
 MESH_CASES = ["hsdp_full", "hsdp_efbig_rank3"]
@@ -42,14 +51,20 @@ def disks():
     ro.mkdir()
     mounted = []
     try:
-        for args in (["-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], ["--bind", str(disk), str(ro)],
-                     ["-o", "remount,ro,bind", str(ro)]):
+        for args in (
+            ["-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)],
+            ["--bind", str(disk), str(ro)],
+            ["-o", "remount,ro,bind", str(ro)],
+        ):
             subprocess.run(["mount", *args], check=True)
             mounted.append(Path(args[-1]))
         yield disk, ro
     finally:
         for path in (ro, disk):  # the bind mount first
-            if path in mounted and subprocess.run(["umount", str(path)], check=False).returncode != 0:
+            if (
+                path in mounted
+                and subprocess.run(["umount", str(path)], check=False).returncode != 0
+            ):
                 subprocess.run(["umount", "-l", str(path)], check=False)  # never left mounted
         disk.rmdir()
         ro.rmdir()
@@ -60,10 +75,17 @@ def disks():
 def results(disks):
     disk, ro = disks
     scenarios = {
-        f"{name}_{fault}": Scenario(faults.failed_save, backend=backend, stage=stage, fault=kind,
-                                    background=background, folder=str(disk / f"{name}_{fault}"),
-                                    read_only=str(ro / f"{name}_{fault}"))
-        for name, (backend, stage) in BACKENDS.items() for fault, (kind, background) in FAULTS.items()
+        f"{name}_{fault}": Scenario(
+            faults.failed_save,
+            backend=backend,
+            stage=stage,
+            fault=kind,
+            background=background,
+            folder=str(disk / f"{name}_{fault}"),
+            read_only=str(ro / f"{name}_{fault}"),
+        )
+        for name, (backend, stage) in BACKENDS.items()
+        for fault, (kind, background) in FAULTS.items()
     }
     return run_scenarios(scenarios, timeout=900)
 
@@ -72,8 +94,14 @@ def results(disks):
 def mesh_results(disks):
     disk, ro = disks
     scenarios = {
-        name: Scenario(faults.failed_save, backend="fsdp", mesh=[2, 2], fault=fault,
-                       folder=str(disk / name), read_only=str(ro / name))
+        name: Scenario(
+            faults.failed_save,
+            backend="fsdp",
+            mesh=[2, 2],
+            fault=fault,
+            folder=str(disk / name),
+            read_only=str(ro / name),
+        )
         for name, fault in (("hsdp_full", "enospc"), ("hsdp_efbig_rank3", "efbig:3"))
     }
     return run_scenarios(scenarios, nproc=4, timeout=900)
@@ -85,16 +113,26 @@ def _check(ranks: list[dict], words: str, victim: int | None, background: bool =
     first = ranks[0]
     folder = str(Path(first["good"]).parent)
     for rank, r in enumerate(ranks):
-        assert r["kind"] == "CheckpointError", (rank, r["kind"], r["error"])  # not a CollectiveError
+        assert r["kind"] == "CheckpointError", (
+            rank,
+            r["kind"],
+            r["error"],
+        )  # not a CollectiveError
         assert r["error"] == first["error"], "every rank raises the same line"
         error = r["error"]
         assert "\n" not in error
-        what = f"the background save of '{folder}/bad'" if background else f"save_state('{folder}/bad')"
+        what = (
+            f"the background save of '{folder}/bad'"
+            if background
+            else f"save_state('{folder}/bad')"
+        )
         assert error.startswith(f"{what} failed: rank "), error
         assert words in error, error
         assert f"the checkpoint kept is '{first['good']}'" in error, error
         assert "could not write " in error, error
-        assert r["listing_after_failure"] == ["good"], r  # no temporary folder; keep_last deleted nothing
+        assert r["listing_after_failure"] == ["good"], (
+            r
+        )  # no temporary folder; keep_last deleted nothing
         assert r["latest"] == first["good"]
         assert r["bitwise"], f"rank {rank}: the previous checkpoint does not load bitwise"
         assert r["listing_after_save"] == ["after"], r  # committed, then keep_last deleted good
@@ -147,12 +185,31 @@ def test_save_on_signal_onto_a_full_disk_exits_non_zero_and_is_not_requeued(tmp_
     try:
         faults.fill(ckpt)
         env = clean_env()
-        job = subprocess.Popen([str(Path(env["PATH"].split(os.pathsep)[0]) / "gradsync"), "launch",
-                                "--nproc-per-node", "2", str(PREEMPT), str(out), "--requeue", "--slow", "0.3"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+        job = subprocess.Popen(
+            [
+                str(Path(env["PATH"].split(os.pathsep)[0]) / "gradsync"),
+                "launch",
+                "--nproc-per-node",
+                "2",
+                str(PREEMPT),
+                str(out),
+                "--requeue",
+                "--slow",
+                "0.3",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
         try:
             deadline = time.monotonic() + 180
-            while not (out / "started-0").exists() and job.poll() is None and time.monotonic() < deadline:
+            while (
+                not (out / "started-0").exists()
+                and job.poll() is None
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.2)
             job.send_signal(signal.SIGUSR1)
             output = job.communicate(timeout=180)[0]
@@ -164,9 +221,12 @@ def test_save_on_signal_onto_a_full_disk_exits_non_zero_and_is_not_requeued(tmp_
         if subprocess.run(["umount", str(ckpt)], check=False).returncode != 0:
             subprocess.run(["umount", "-l", str(ckpt)], check=False)
     assert job.returncode != 0, output
-    line = re.search(r"gradsync: SIGUSR1 received; save_state\('([^']*)'\) failed: rank \d could not write \S+: "
-                     r"No space left on device \(ENOSPC\); nothing was saved there, the checkpoint kept is none; "
-                     r"free space there \(or save elsewhere\), then save again; not requeued, exiting with "
-                     r"status 1\n", output)
+    line = re.search(
+        r"gradsync: SIGUSR1 received; save_state\('([^']*)'\) failed: rank \d could not write \S+: "
+        r"No space left on device \(ENOSPC\); nothing was saved there, the checkpoint kept is none; "
+        r"free space there \(or save elsewhere\), then save again; not requeued, exiting with "
+        r"status 1\n",
+        output,
+    )
     assert line is not None and line.group(1).startswith(f"{ckpt}/step-"), output
     assert "(no SLURM_JOB_ID): not requeued" not in output  # requeue() was never called

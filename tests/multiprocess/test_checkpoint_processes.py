@@ -29,11 +29,19 @@ SCRIPT = TESTS / "scripts" / "resume_train.py"
 
 
 def run_script(out: Path, *args: str) -> None:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("GRADSYNC_", "TORCHELASTIC_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("GRADSYNC_", "TORCHELASTIC_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    }
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), "--backend", "single", *args],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), "--backend", "single", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
 
 
@@ -42,7 +50,8 @@ def bitwise_equal(out: Path) -> None:
     final = torch.load(out / "final.pt", weights_only=True)
     assert ref.keys() == final.keys()
     assert all(torch.equal(ref[k], final[k]) for k in ref), {
-        k: float((ref[k] - final[k]).abs().max()) for k in ref}
+        k: float((ref[k] - final[k]).abs().max()) for k in ref
+    }
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -58,7 +67,9 @@ def test_a_mid_window_checkpoint_resumes_bitwise_in_a_fresh_process(tmp_path, wo
     assert manifest["window"]["index"] == 1  # mid-window
     assert manifest["loaders"] == [{"epoch": 0, "consumed": 5, "read": 6}]  # one read ahead
     run_script(tmp_path, *w)
-    assert json.loads((tmp_path / "final_rank0.json").read_text())["resumed_from"].endswith("micro-0005")
+    assert json.loads((tmp_path / "final_rank0.json").read_text())["resumed_from"].endswith(
+        "micro-0005"
+    )
     bitwise_equal(tmp_path)
 
 
@@ -81,7 +92,7 @@ sys.path.insert(0, {str(TESTS)!r})
 import gradsync.checkpoint.state as ck
 from scenarios.checkpoints import trained
 accel, *_ = trained(micro=4)
-accel.save_state({str(tmp_path / 'good')!r})
+accel.save_state({str(tmp_path / "good")!r})
 accel, *_ = trained(micro=8)
 real, calls = ck.save_file, []
 def dying(obj, path):
@@ -92,10 +103,12 @@ def dying(obj, path):
 ck.save_file = dying
 import gradsync.backends._plain_state as plain
 plain.save_file = dying
-accel.save_state({str(tmp_path / 'broken')!r})
+accel.save_state({str(tmp_path / "broken")!r})
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == -9, proc.stderr
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [".broken.gradsync-tmp", "good"], names
@@ -120,23 +133,27 @@ def slow(*args):
     real(*args)
 ck.mark_and_rename = slow
 accel, *_ = trained(micro=6)
-accel.save_state({str(tmp_path / 'last')!r}, background=True)
+accel.save_state({str(tmp_path / "last")!r}, background=True)
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0 and "failed" not in proc.stderr, proc.stderr
     assert gradsync.latest_checkpoint(tmp_path) == str(tmp_path / "last")
     fresh()[0].load_state(tmp_path / "last")
 
 
-def test_a_kill_during_a_background_commit_leaves_the_previous_checkpoint_usable(tmp_path, clean_env):
+def test_a_kill_during_a_background_commit_leaves_the_previous_checkpoint_usable(
+    tmp_path, clean_env
+):
     code = f"""
 import os, signal, sys, threading, time
 sys.path.insert(0, {str(TESTS)!r})
 import gradsync.storage.commit as ck
 from scenarios.checkpoints import trained
 accel, *_ = trained(micro=4)
-accel.save_state({str(tmp_path / 'good')!r})
+accel.save_state({str(tmp_path / "good")!r})
 real, committing = ck.mark_and_rename, threading.Event()
 def slow(*args):
     committing.set()
@@ -144,12 +161,14 @@ def slow(*args):
     real(*args)
 ck.mark_and_rename = slow
 accel, *_ = trained(micro=8)
-accel.save_state({str(tmp_path / 'pending')!r}, background=True)
+accel.save_state({str(tmp_path / "pending")!r}, background=True)
 assert committing.wait(300), "the background commit never started"
 os.kill(os.getpid(), signal.SIGKILL)
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == -9, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [".pending.gradsync-tmp", "good"]
     assert gradsync.latest_checkpoint(tmp_path) == str(tmp_path / "good")

@@ -13,20 +13,41 @@ from scenarios import safety
 TARGETS = {
     "ddp": (["model_0.pt", "optimizer_0.pt", "rng_rank1.pt"], None),
     "fsdp": (["pickle:dcp_0/.metadata", "dcp-item:dcp_optimizer_0", "schedulers.pt"], None),
-    "zero2": (["deepspeed/state/mp_rank_00_model_states.pt",
-               "deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt"], 2),
-    "zero3": (["deepspeed/state/zero_pp_rank_0_mp_rank_00_model_states.pt",
-               "deepspeed/state/zero_pp_rank_1_mp_rank_00_optim_states.pt"], 3),
+    "zero2": (
+        [
+            "deepspeed/state/mp_rank_00_model_states.pt",
+            "deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        ],
+        2,
+    ),
+    "zero3": (
+        [
+            "deepspeed/state/zero_pp_rank_0_mp_rank_00_model_states.pt",
+            "deepspeed/state/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        ],
+        3,
+    ),
     "fairscale": (["model_0.pt", "optimizer_0.pt"], None),
 }
-BACKEND = {"ddp": "ddp", "fsdp": "fsdp", "zero2": "deepspeed", "zero3": "deepspeed", "fairscale": "fairscale"}
+BACKEND = {
+    "ddp": "ddp",
+    "fsdp": "fsdp",
+    "zero2": "deepspeed",
+    "zero3": "deepspeed",
+    "fairscale": "fairscale",
+}
 CASES = [(name, target) for name, (targets, _) in TARGETS.items() for target in targets]
 
 
 def scenarios(root):
     return {
-        name: Scenario(safety.tampered_loads, backend=BACKEND[name], folder=str(root / name),
-                       targets=targets, stage=stage)
+        name: Scenario(
+            safety.tampered_loads,
+            backend=BACKEND[name],
+            folder=str(root / name),
+            targets=targets,
+            stage=stage,
+        )
         for name, (targets, stage) in TARGETS.items()
     }
 
@@ -39,7 +60,9 @@ def results(shared):
     return shared(SHARED)
 
 
-@pytest.mark.parametrize("name, target", CASES, ids=[f"{n}-{t.rpartition('/')[2]}" for n, t in CASES])
+@pytest.mark.parametrize(
+    "name, target", CASES, ids=[f"{n}-{t.rpartition('/')[2]}" for n, t in CASES]
+)
 def test_a_payload_never_runs_and_the_load_names_the_file(results, name, target):
     for rank, out in enumerate(results[name]):
         file = target.partition(":")[2] if ":" in target else target

@@ -15,8 +15,11 @@ from scenarios.common import Loop
 SAMPLES = 44
 RUN = Loop(samples=SAMPLES, micro_batch=2, epochs=1)
 WHERE = ("before", "after", "option")
-SCENARIOS = {f"{b}_{w}": Scenario(compiled.train_compiled, backend=b, where=w, steps=4, loop=RUN)
-             for b in ("ddp", "fsdp") for w in WHERE}
+SCENARIOS = {
+    f"{b}_{w}": Scenario(compiled.train_compiled, backend=b, where=w, steps=4, loop=RUN)
+    for b in ("ddp", "fsdp")
+    for w in WHERE
+}
 
 
 SHARED = Shared("gloo2", SCENARIOS, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
@@ -40,5 +43,3 @@ def test_compiled_equals_one_process_and_defers(results, backend, where):
         assert len(records) == 11
         assert not [rec for rec in records if not rec["boundary"] and rec["reductions"]]
         assert all(rec["reductions"] >= 1 for rec in records if rec["boundary"])
-
-

@@ -34,8 +34,11 @@ SCENARIOS = {
     "k4_to_3": _train(4, replace(RUN, change_steps_at=(2, 3))),
     "k4_every_step": _train(4, policy="every_step"),
     "k4_after_block": _train(4, replace(RUN, calls="after_block")),
-    **{f"drop_{how}_{p}": _train(4, replace(RUN, **kw), policy=p)
-       for how, kw in DROPS.items() for p in ("defer", "every_step")},
+    **{
+        f"drop_{how}_{p}": _train(4, replace(RUN, **kw), policy=p)
+        for how, kw in DROPS.items()
+        for p in ("defer", "every_step")
+    },
     "schedule": _train("0:2 2:4"),
     "misuse": Scenario(ddp.misuse),
     "sharding": Scenario(ddp.sharding, samples=45, micro_batch=2),
@@ -96,8 +99,15 @@ def test_clipping_returns_the_global_norm(results):
 def test_scheduler_steps_once_per_optimizer_step(results, name):
     for r in results[name]:
         assert r["scheduler_last_epoch"] == r["optimizer_steps"] == len(r["windows"])
-        assert r["scheduler_calls"] == sum(r["sizes"])  # called every micro-step, stepped per window
-        assert r["lrs"] == pytest.approx([SCENARIOS[name].params["loop"].lr / (1 + s) for s in range(1, r["optimizer_steps"] + 1)])
+        assert r["scheduler_calls"] == sum(
+            r["sizes"]
+        )  # called every micro-step, stepped per window
+        assert r["lrs"] == pytest.approx(
+            [
+                SCENARIOS[name].params["loop"].lr / (1 + s)
+                for s in range(1, r["optimizer_steps"] + 1)
+            ]
+        )
 
 
 def _after(records, windows):

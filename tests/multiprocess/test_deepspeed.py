@@ -41,7 +41,11 @@ def _after(stage: int, policy: str, loop: Loop = RUN):
 FITS = 10**9  # a memory budget any of these tiny models fits
 SCENARIOS = {
     # ZeRO 0/1 under the default policy; ZeRO 2/3 under "native" (auto may coalesce there)
-    **{f"s{s}_k{k}": _run(s, k, **({"policy": "native"} if s >= 2 else {})) for s in STAGES for k in (1, 4)},
+    **{
+        f"s{s}_k{k}": _run(s, k, **({"policy": "native"} if s >= 2 else {}))
+        for s in STAGES
+        for k in (1, 4)
+    },
     **{f"s{s}_k4_to_3": _run(s, 4, replace(RUN, change_steps_at=(2, 3))) for s in STAGES},
     **{f"s{s}_defer": _run(s, 4, policy="defer") for s in STAGES},
     **{f"s{s}_bf16": _run(s, 4, mixed_precision="bf16") for s in STAGES},
@@ -49,16 +53,31 @@ SCENARIOS = {
     "s2_every_step": _run(2, 4, policy="every_step"),
     **{f"s{s}_k4_checkpointed": _run(s, 4, checkpointing=["Block"]) for s in (0, 3)},
     "s0_k4_compiled": _run(0, 4, compile=True),
-    **{f"s{s}_{p}_after": _after(s, p) for s, p in ((0, "auto"), (2, "defer"), (3, "native"), (3, "defer"))},
+    **{
+        f"s{s}_{p}_after": _after(s, p)
+        for s, p in ((0, "auto"), (2, "defer"), (3, "native"), (3, "defer"))
+    },
     **{f"s{s}_auto": _run(s, 4, budget=FITS) for s in (2, 3)},
     **{f"s{s}_auto_1_byte": _run(s, 4, budget=1) for s in (2, 3)},
     "s2_auto_default_budget": _run(2, 4),
     "s2_clip_after": _after(2, "native", ADAM_CLIP),
     "s3_zero_grad_first": _run(3, 4, replace(RUN, calls="zero_grad_first")),
-    **{f"s{s}_{p}_drop_{how}": _run(s, 4, replace(RUN, **kw), policy=p, **({"budget": FITS} if p == "auto" else {}))
-       for how, kw in DROPS.items()
-       for s, p in ((0, "native"), (1, "defer"), (2, "native"), (2, "defer"), (3, "native"), (3, "defer"),
-                    (2, "auto"), (3, "auto"))},
+    **{
+        f"s{s}_{p}_drop_{how}": _run(
+            s, 4, replace(RUN, **kw), policy=p, **({"budget": FITS} if p == "auto" else {})
+        )
+        for how, kw in DROPS.items()
+        for s, p in (
+            (0, "native"),
+            (1, "defer"),
+            (2, "native"),
+            (2, "defer"),
+            (3, "native"),
+            (3, "defer"),
+            (2, "auto"),
+            (3, "auto"),
+        )
+    },
     "s2_schedule": _run(2, "0:2 2:4"),
     "s2_schedule_defer": _run(2, "0:2 2:4", policy="defer"),
     "config_errors": Scenario(ds.config_errors),
@@ -69,8 +88,16 @@ SCENARIOS = {
     "s0_config_optimizer": Scenario(ds.config_optimizer, stage=0),
     "s3_config_optimizer": Scenario(ds.config_optimizer, stage=3),
 }
-EQUIV = [n for n in SCENARIOS if n.startswith("s") and SCENARIOS[n].fn is ds.train_ds
-         and "bf16" not in n and "clip" not in n and "drop" not in n and "schedule" not in n]
+EQUIV = [
+    n
+    for n in SCENARIOS
+    if n.startswith("s")
+    and SCENARIOS[n].fn is ds.train_ds
+    and "bf16" not in n
+    and "clip" not in n
+    and "drop" not in n
+    and "schedule" not in n
+]
 DROPPED = [n for n in SCENARIOS if "_drop_" in n]
 
 
@@ -129,6 +156,7 @@ def _flatten(v):
 def _grad_bytes(state):
     def count(v):
         return sum(count(x) for x in v) if isinstance(v, list) else 1
+
     return 4 * sum(count(v) for v in state.values())
 
 
@@ -141,7 +169,9 @@ def test_no_gradient_reduction_off_the_boundary(results, name):
         assert any(not rec["boundary"] for rec in records)
         for rec, ops in zip(records, r["audit_ops"]):
             if rec["boundary"]:
-                print(name, "boundary reductions (bytes):", reductions(ops), "gradients:", grad_bytes)
+                print(
+                    name, "boundary reductions (bytes):", reductions(ops), "gradients:", grad_bytes
+                )
                 assert_one_gradient_reduction(ops, grad_bytes)
                 assert rec["reduction_bytes"] == sum(reductions(ops))
             else:
@@ -159,10 +189,16 @@ def test_step_after_the_block_applies_at_boundaries_only(results, name):
     ranks, loop = results[name], SCENARIOS[name].params["loop"]
     ref = reference(ranks, samples=SAMPLES, optimizer=loop.optimizer, lr=loop.lr, clip=loop.clip)
     for r in ranks:
-        assert r["sync_kept_after_block"], "accel.sync_gradients after the block must be the last micro-step's"
-        assert r["flag_set_inside"], "the engine's boundary flag must be gradsync's decision inside the block"
+        assert r["sync_kept_after_block"], (
+            "accel.sync_gradients after the block must be the last micro-step's"
+        )
+        assert r["flag_set_inside"], (
+            "the engine's boundary flag must be gradsync's decision inside the block"
+        )
         assert r["flag_restored"], "accumulate() must put the engine's boundary flag back on exit"
-        assert r["sizes"] == r["window_sizes"] == [4, 4, 3] * 2  # counted, and as the block saw them
+        assert (
+            r["sizes"] == r["window_sizes"] == [4, 4, 3] * 2
+        )  # counted, and as the block saw them
         assert r["optimizer_steps"] == r["scheduler_last_epoch"] == len(r["windows"]) == 6
         assert max_diff(r["state"], ref["state"]) < 1e-5
         if loop.clip is not None:
@@ -180,7 +216,9 @@ def test_zero_2_3_native_reduce_every_micro_step(results, name):
         assert any(not rec["boundary"] for rec in records)
         for rec in records:
             assert rec["reductions"] >= 1, rec
-            assert rec["reduction_bytes"] >= _grad_bytes(r["state"]) // 2  # at least this rank's shard
+            assert (
+                rec["reduction_bytes"] >= _grad_bytes(r["state"]) // 2
+            )  # at least this rank's shard
     assert results[name][0]["policy"] == ("every_step" if "every" in name else "native")
 
 
@@ -254,8 +292,13 @@ def test_bf16_within_tolerance(results, stage):
 def test_contradicting_config_fails_before_training(results):
     for m in results["config_errors"]:
         assert m["gas"].startswith("ConfigError")
-        assert "gradient_accumulation_steps=8" in m["gas"] and "gradient_accumulation_steps=4" in m["gas"]
-        assert "train_batch_size=32" in m["train_batch"] and "train_batch_size=16" in m["train_batch"]
+        assert (
+            "gradient_accumulation_steps=8" in m["gas"]
+            and "gradient_accumulation_steps=4" in m["gas"]
+        )
+        assert (
+            "train_batch_size=32" in m["train_batch"] and "train_batch_size=16" in m["train_batch"]
+        )
         assert "train_micro_batch_size_per_gpu=4" in m["micro"] and "=2" in m["micro"]
         assert "micro batch size" in m["no_micro"] and "DataLoader" in m["no_micro"]
         assert "every_step" in m["every_step_stage1"] and "stage 1" in m["every_step_stage1"]
@@ -269,7 +312,9 @@ def test_contradicting_config_fails_before_training(results):
 def test_clip_value_is_set_once(results):
     for m in results["clip_twice"]:
         assert float(m["first"]) > 0
-        assert m["second"].startswith("ConfigError") and "0.5" in m["second"] and "2.0" in m["second"]
+        assert (
+            m["second"].startswith("ConfigError") and "0.5" in m["second"] and "2.0" in m["second"]
+        )
 
 
 @pytest.mark.parametrize("stage", [0, 3])

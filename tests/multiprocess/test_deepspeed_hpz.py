@@ -34,14 +34,20 @@ SCENARIOS = {
     **{f"{p}_k{k}": _run(p, k) for p in ("native", "defer") for k in (1, 4)},
     "auto_k4": _run("auto", budget=FITS),
     "defer_schedule": _run("defer", "0:2 2:4"),
-    **{f"{p}_drop_{how}": _run(p, loop=replace(RUN, **kw)) for how, kw in DROPS.items() for p in ("native", "defer")},
+    **{
+        f"{p}_drop_{how}": _run(p, loop=replace(RUN, **kw))
+        for how, kw in DROPS.items()
+        for p in ("native", "defer")
+    },
     "hpz_3_of_4": Scenario(hpz.refused, hpz=3),
 }
 TRAINED = [n for n in SCENARIOS if SCENARIOS[n].fn is hpz.train_hpz]
 DEFERRED = ["defer_k1", "defer_k4", "auto_k4", "defer_schedule"]
 
 
-SHARED = Shared("gloo4", SCENARIOS, nproc=NPROC, env={"DS_ACCELERATOR": "cpu"}, requires=("deepspeed",))
+SHARED = Shared(
+    "gloo4", SCENARIOS, nproc=NPROC, env={"DS_ACCELERATOR": "cpu"}, requires=("deepspeed",)
+)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +81,9 @@ def test_hpz_is_really_on(results, name):
     for rank, r in enumerate(results[name]):
         assert r["secondary_group"] == ([0, 1] if rank < 2 else [2, 3])
         assert r["persistent"] == 0 and r["n_params"] == 8
-        assert r["secondary_held"] and all(n == r["n_params"] for n in r["secondary_held"]), r["secondary_held"]
+        assert r["secondary_held"] and all(n == r["n_params"] for n in r["secondary_held"]), r[
+            "secondary_held"
+        ]
 
 
 def test_windows_partial_last_and_schedule(results):
@@ -97,7 +105,9 @@ def test_defer_reduces_nothing_off_the_boundary_and_once_at_it(results, name):
                 assert_one_gradient_reduction(ops, GRAD_BYTES)
             else:
                 assert rec["reductions"] == 0, (rec, ops)
-    bytes_per_step = sum(rec["reduction_bytes"] for rec in results[name][0]["audit"]) / len(results[name][0]["sizes"])
+    bytes_per_step = sum(rec["reduction_bytes"] for rec in results[name][0]["audit"]) / len(
+        results[name][0]["sizes"]
+    )
     print(f"{name}: reduction bytes per optimizer step per rank {bytes_per_step:.0f}")
 
 
@@ -108,13 +118,17 @@ def test_native_reduces_on_every_micro_step(results, name):
         for rec, ops in zip(r["audit"], r["audit_ops"]):
             assert rec["reductions"] >= 1 and max(reductions(ops)) >= GRAD_BYTES, (rec, ops)
     r = results[name][0]
-    print(f"{name}: reduction bytes per optimizer step per rank "
-          f"{sum(rec['reduction_bytes'] for rec in r['audit']) / len(r['sizes']):.0f}")
+    print(
+        f"{name}: reduction bytes per optimizer step per rank "
+        f"{sum(rec['reduction_bytes'] for rec in r['audit']) / len(r['sizes']):.0f}"
+    )
 
 
 def test_auto_says_it_defers_and_why(results):
     for r in results["auto_k4"]:
-        assert r["reason"].startswith("auto -> defer (one coalesced reduction per window)"), r["reason"]
+        assert r["reason"].startswith("auto -> defer (one coalesced reduction per window)"), r[
+            "reason"
+        ]
         assert "full size minus this rank's 1/4 shard" in r["reason"]
 
 
@@ -127,8 +141,10 @@ def test_a_dropped_window_leaks_nothing(results, name):
 
 def test_an_hpz_size_that_does_not_divide_the_world_is_refused_on_every_rank(results):
     for message in results["hpz_3_of_4"]:
-        assert message.startswith("ConfigError: deepspeed_config zero_optimization.zero_hpz_partition_size=3 "
-                                  "does not divide world_size=4"), message
+        assert message.startswith(
+            "ConfigError: deepspeed_config zero_optimization.zero_hpz_partition_size=3 "
+            "does not divide world_size=4"
+        ), message
         assert "\n" not in message
 
 

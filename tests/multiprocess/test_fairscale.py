@@ -52,22 +52,46 @@ SCENARIOS = {
     "k4_adam_clip": _run(4, loop=ADAM_CLIP),
     "k4_every_step_adam_clip": _run(4, "every_step", ADAM_CLIP),
     "k4_bf16": _run(4, mixed_precision="bf16"),
-    **{f"drop_{how}_{policy}{'_no_buckets' if not buckets else ''}": _run(4, policy, replace(RUN, **kw), buckets=buckets)
-       for how, kw in DROPS.items() for policy in ("defer", "every_step") for buckets in (True, False)},
+    **{
+        f"drop_{how}_{policy}{'_no_buckets' if not buckets else ''}": _run(
+            4, policy, replace(RUN, **kw), buckets=buckets
+        )
+        for how, kw in DROPS.items()
+        for policy in ("defer", "every_step")
+        for buckets in (True, False)
+    },
     # the boundary micro-step of the 2nd window (the 8th) fails inside its backward
-    **{f"drop_in_backward_{policy}{'_no_buckets' if not buckets else ''}":
-       Scenario(fs.drop_in_backward, steps=4, policy=policy, buckets=buckets, loop=RUN, fail_at=8)
-       for policy in ("defer", "every_step") for buckets in (True, False)},
-    **{f"abort{'_no_buckets' if not buckets else ''}": Scenario(fs.abort_clears_the_window, buckets=buckets)
-       for buckets in (True, False)},
-    "optimizer_state": Scenario(fs.optimizer_state, steps=4, loop=replace(RUN, optimizer="adam", lr=0.01)),
+    **{
+        f"drop_in_backward_{policy}{'_no_buckets' if not buckets else ''}": Scenario(
+            fs.drop_in_backward, steps=4, policy=policy, buckets=buckets, loop=RUN, fail_at=8
+        )
+        for policy in ("defer", "every_step")
+        for buckets in (True, False)
+    },
+    **{
+        f"abort{'_no_buckets' if not buckets else ''}": Scenario(
+            fs.abort_clears_the_window, buckets=buckets
+        )
+        for buckets in (True, False)
+    },
+    "optimizer_state": Scenario(
+        fs.optimizer_state, steps=4, loop=replace(RUN, optimizer="adam", lr=0.01)
+    ),
     "buckets": Scenario(fs.grads_stay_in_buckets, steps=4),
     "misuse": Scenario(fs.misuse),
     "export": Scenario(fs.export_model),
     "mid_window_save": Scenario(fs.mid_window_save),
 }
-EQUIV = ["k1", "k4", "k4_every_step", "k4_no_buckets", "k4_no_buckets_every_step",
-         "k4_zero_grad_first", "k4_after_block", "k4_to_3"]
+EQUIV = [
+    "k1",
+    "k4",
+    "k4_every_step",
+    "k4_no_buckets",
+    "k4_no_buckets_every_step",
+    "k4_zero_grad_first",
+    "k4_after_block",
+    "k4_to_3",
+]
 
 
 SHARED = Shared("gloo2", SCENARIOS, requires=("fairscale",))
@@ -133,7 +157,9 @@ def test_defer_issues_nothing_off_the_boundary_and_one_reduction_at_it(results, 
         assert len(records) == sum(r["sizes"]), "audit must record every micro-step"
         for rec in records:
             if rec["boundary"]:
-                assert rec["reductions"] == rec["ops"]["reduce"] == _reductions_at_the_boundary(name), rec
+                assert (
+                    rec["reductions"] == rec["ops"]["reduce"] == _reductions_at_the_boundary(name)
+                ), rec
                 assert rec["reduction_bytes"] == GRAD_BYTES, rec
             else:  # no gradient reduction, and no collective of any kind
                 assert rec["reductions"] == 0 and rec["bytes"] == 0, rec
@@ -190,11 +216,23 @@ def test_window_clears_keep_gradients_inside_the_reduce_buckets(results):
 
 def test_misuse_gives_clear_errors(results):
     for m in results["misuse"]:
-        assert m["unprepared"].startswith("UsageError") and "not the ShardedDataParallel model" in m["unprepared"]
-        assert m["clip_subset"].startswith("ConfigError") and "pass model.parameters()" in m["clip_subset"]
-        assert m["no_optimizer"].startswith("ConfigError") and "needs the optimizer" in m["no_optimizer"]
+        assert (
+            m["unprepared"].startswith("UsageError")
+            and "not the ShardedDataParallel model" in m["unprepared"]
+        )
+        assert (
+            m["clip_subset"].startswith("ConfigError")
+            and "pass model.parameters()" in m["clip_subset"]
+        )
+        assert (
+            m["no_optimizer"].startswith("ConfigError")
+            and "needs the optimizer" in m["no_optimizer"]
+        )
         for key in ("oss", "sdp"):
-            assert m[key].startswith("ConfigError") and "pass the plain model and the plain torch optimizer" in m[key]
+            assert (
+                m[key].startswith("ConfigError")
+                and "pass the plain model and the plain torch optimizer" in m[key]
+            )
         assert m["optimizer_with_state"].startswith("ConfigError")
         assert "prepare before the first optimizer step" in m["optimizer_with_state"]
         fsdp = m["fairscale_fsdp"]
@@ -205,7 +243,9 @@ def test_misuse_gives_clear_errors(results):
 
 
 def test_gradsync_env_lists_the_backend():
-    proc = subprocess.run([sys.executable, "-m", "gradsync", "env"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsync", "env"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("backend fairscale:"))
     if importlib.util.find_spec("fairscale") is None:  # what `gradsync env` looks at

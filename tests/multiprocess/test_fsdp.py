@@ -25,7 +25,9 @@ GRAD_BYTES = 705 * 4  # the model's fp32 gradients
 # FSDP2's own flags per group (root, block 0, block 1) once it ran: [gradient sync, reshard
 # after backward, reshard after forward]; the root never reshards after forward.
 FSDP_DEFAULT_FLAGS = [[True, True, False], [True, True, True], [True, True, True]]
-BF16_TOLERANCE = 2e-3  # max abs parameter diff, bf16 vs fp32, 6 steps; measured 2.0e-4 (docs/fsdp.md)
+BF16_TOLERANCE = (
+    2e-3  # max abs parameter diff, bf16 vs fp32, 6 steps; measured 2.0e-4 (docs/fsdp.md)
+)
 RUN = Loop(samples=SAMPLES, micro_batch=MICRO)
 ADAM_CLIP = replace(RUN, optimizer="adam", lr=0.01, clip=0.5)
 
@@ -59,19 +61,40 @@ SCENARIOS = {
     "memory_auto_large": Scenario(fsdp.memory, policy="auto", budget=10**9),
     "restores_state": Scenario(fsdp.restores_state),
     "fsdp1_k4": Scenario(fsdp.train_fsdp1, steps=4, loop=RUN),
-    **{f"drop_{how}_{p}": _train(4, replace(RUN, **kw), policy=p)
-       for how, kw in DROPS.items() for p in ("defer", "every_step")},
-    **{f"drop_{how}_keep_params": _train(4, replace(RUN, **kw), policy="defer", reshard=False)
-       for how, kw in DROPS.items()},
-    **{f"drop_{how}_fsdp1": Scenario(fsdp.train_fsdp1, steps=4, loop=replace(RUN, **kw))
-       for how, kw in DROPS.items()},
-    **{f"drop_{how}_keep_window": _train(4, replace(RUN, **kw), sync_budget=FITS) for how, kw in DROPS.items()},
+    **{
+        f"drop_{how}_{p}": _train(4, replace(RUN, **kw), policy=p)
+        for how, kw in DROPS.items()
+        for p in ("defer", "every_step")
+    },
+    **{
+        f"drop_{how}_keep_params": _train(4, replace(RUN, **kw), policy="defer", reshard=False)
+        for how, kw in DROPS.items()
+    },
+    **{
+        f"drop_{how}_fsdp1": Scenario(fsdp.train_fsdp1, steps=4, loop=replace(RUN, **kw))
+        for how, kw in DROPS.items()
+    },
+    **{
+        f"drop_{how}_keep_window": _train(4, replace(RUN, **kw), sync_budget=FITS)
+        for how, kw in DROPS.items()
+    },
     "schedule": _train("0:2 2:4", policy="defer"),
     "misuse": Scenario(fsdp.misuse),
 }
-EQUIVALENT = ["k1_defer", "k4_defer", "k1_every_step", "k4_every_step", "k4_auto",
-              "k4_keep_params", "wrap_linear", "wrap_callable", "fsdp1_k4",
-              "k4_auto_fits_all", "k4_auto_fits_grads", "k4_keep_explicit"]
+EQUIVALENT = [
+    "k1_defer",
+    "k4_defer",
+    "k1_every_step",
+    "k4_every_step",
+    "k4_auto",
+    "k4_keep_params",
+    "wrap_linear",
+    "wrap_callable",
+    "fsdp1_k4",
+    "k4_auto_fits_all",
+    "k4_auto_fits_grads",
+    "k4_keep_explicit",
+]
 
 
 SHARED = Shared("gloo2", SCENARIOS)
@@ -107,8 +130,11 @@ def test_dropping_a_kept_window_frees_its_parameters_and_gradients(results):
     for seen in results["drop_kept_window"]:
         assert "parameters kept gathered in the window" in seen["reason"]
         assert seen["open"]["gathered"] == 3 and seen["open"]["grads"]["unsharded"] == GRAD_BYTES
-        assert seen["dropped"] == {"gathered": 0, "grads": {"unsharded": 0, "sharded": 0},
-                                   "flags": FSDP_DEFAULT_FLAGS}
+        assert seen["dropped"] == {
+            "gathered": 0,
+            "grads": {"unsharded": 0, "sharded": 0},
+            "flags": FSDP_DEFAULT_FLAGS,
+        }
 
 
 def _median_off_boundary_bytes(rec_list):
@@ -128,8 +154,10 @@ def test_auto_keeps_parameters_and_gradients_when_both_fit(results):
         assert _median_off_boundary_bytes(r["audit"]) < 0.05 * GRAD_BYTES
         index = 0
         for size in r["sizes"]:
-            window, index = r["audit"][index:index + size], index + size
-            assert window[0]["ops"].get("allgather", 0) == r["units"], window[0]  # the first gathers
+            window, index = r["audit"][index : index + size], index + size
+            assert window[0]["ops"].get("allgather", 0) == r["units"], window[
+                0
+            ]  # the first gathers
             for rec in window[1:]:
                 assert rec["ops"].get("allgather", 0) == 0, rec
             for rec in window[1:-1]:
@@ -151,7 +179,10 @@ def test_auto_defers_gradients_only_when_the_parameters_do_not_fit_too(results):
         assert r["policy"] == "defer"
         assert r["reason"].startswith("auto -> defer (gradients only): ")
         assert "(1410 bytes) of extra unsharded gradients per rank" in r["reason"]
-        assert "keeping the parameters gathered too would hold 4.1 KiB (4230 bytes), which exceeds it" in r["reason"]
+        assert (
+            "keeping the parameters gathered too would hold 4.1 KiB (4230 bytes), which exceeds it"
+            in r["reason"]
+        )
         off = [rec for rec in r["audit"] if not rec["boundary"]]
         assert all(rec["reductions"] == 0 and rec["ops"].get("allgather", 0) > 0 for rec in off)
 
@@ -180,7 +211,11 @@ def test_keeping_the_window_restores_fsdp_flags(results):
         assert seen["before"] == FSDP_DEFAULT_FLAGS
         assert seen["user"] == [[True, True, False], [True, True, True], [True, False, True]]
         assert seen["inside_defer"] == [[False, False, False]] * 3
-        assert seen["inside_sync"] == [[True, True, False], [True, True, False], [True, False, False]]
+        assert seen["inside_sync"] == [
+            [True, True, False],
+            [True, True, False],
+            [True, False, False],
+        ]
         assert seen["after_defer"] == seen["after_sync"] == seen["user"]
 
 
@@ -292,7 +327,9 @@ def test_accumulate_restores_the_previous_fsdp_state(results):
 def test_fsdp1_defers_through_no_sync(results):
     for r in results["fsdp1_k4"]:
         assert r["policy"] == "defer"
-        assert "(1410 bytes) of extra unsharded gradients" in r["reason"]  # the full size, not the shard
+        assert (
+            "(1410 bytes) of extra unsharded gradients" in r["reason"]
+        )  # the full size, not the shard
         for rec in r["audit"]:
             if rec["boundary"]:  # FSDP1 without an auto-wrap policy: one flat parameter, one unit
                 assert rec["reductions"] == rec["ops"]["reduce_scatter"] == 1, rec
@@ -302,7 +339,9 @@ def test_fsdp1_defers_through_no_sync(results):
 
 def test_misuse_gives_clear_errors(results):
     for m in results["misuse"]:
-        assert m["no_parameters"].startswith("ConfigError") and "no parameters" in m["no_parameters"]
+        assert (
+            m["no_parameters"].startswith("ConfigError") and "no parameters" in m["no_parameters"]
+        )
         assert m["foreign_optimizer"].startswith("ConfigError")
         assert "belong to no model prepared" in m["foreign_optimizer"]
         assert "already has state" in m["optimizer_with_state"]

@@ -26,9 +26,12 @@ def test_single_backend_on_cuda_matches_the_cpu_reference(clean_env):
 
 def test_ddp_over_nccl_defers_and_matches():
     nproc = min(2, torch.cuda.device_count())
-    results = run_scenarios({
-        "k4": Scenario(gpu.train_ddp_cuda, steps=4, loop=Loop(samples=44, micro_batch=2)),
-    }, nproc=nproc)
+    results = run_scenarios(
+        {
+            "k4": Scenario(gpu.train_ddp_cuda, steps=4, loop=Loop(samples=44, micro_batch=2)),
+        },
+        nproc=nproc,
+    )
     ranks = results["k4"]
     ref = reference(ranks, samples=44)
     for r in ranks:
@@ -47,7 +50,7 @@ def test_fp16_on_cuda_matches_the_hand_written_loop_and_skips_an_overflow(clean_
     data, dev = Indexed(32), torch.device("cuda")
 
     def batch(i):
-        return data.x[2 * i:2 * i + 2].to(dev), data.y[2 * i:2 * i + 2].to(dev)
+        return data.x[2 * i : 2 * i + 2].to(dev), data.y[2 * i : 2 * i + 2].to(dev)
 
     def spike(i):
         return 1e9 if i == 6 else 1.0  # window 1 overflows in its third micro-step

@@ -37,24 +37,38 @@ def _train(mesh, steps, policy, loop=RUN, **options) -> Scenario:
 
 POLICIES = {"every_step": {}, "defer_replicate": {}, "defer": {}, "keep": {"keep": True}}
 SCENARIOS = {
-    **{f"{m[0]}x{m[1]}_k{k}_{p}": _train(m, k, "defer" if p == "keep" else p, **kw)
-       for m in (M22, M41) for k in (1, 4) for p, kw in POLICIES.items()},
+    **{
+        f"{m[0]}x{m[1]}_k{k}_{p}": _train(m, k, "defer" if p == "keep" else p, **kw)
+        for m in (M22, M41)
+        for k in (1, 4)
+        for p, kw in POLICIES.items()
+    },
     **{f"1x4_k4_{p}": _train(M14, 4, p) for p in ("every_step", "defer")},
     "2x2_schedule": _train(M22, "0:2 2:4", "defer_replicate"),
-    **{f"2x2_drop_{how}_{p}": _train(M22, 4, p, replace(RUN, **kw))
-       for how, kw in DROPS.items() for p in ("defer_replicate", "defer")},
+    **{
+        f"2x2_drop_{how}_{p}": _train(M22, 4, p, replace(RUN, **kw))
+        for how, kw in DROPS.items()
+        for p in ("defer_replicate", "defer")
+    },
     "2x2_clip": _train(M22, 4, "defer_replicate", ADAM_CLIP),
     "2x2_bf16": _train(M22, 4, "defer_replicate", mixed_precision="bf16"),
     "2x2_auto_all": Scenario(hsdp.auto_choice, mesh=M22, budget=10**9),
     "2x2_auto_grads": Scenario(hsdp.auto_choice, mesh=M22, budget=2000),
     "2x2_auto_small": Scenario(hsdp.auto_choice, mesh=M22, budget=1000),
     "2x2_flags": Scenario(hsdp.restores_flags, mesh=M22),
-    **{f"2x2_resume_{p}": Scenario(hsdp.resume_mid_window, mesh=M22, policy=p, folder=str(FOLDER / f"mid-{p}"))
-       for p in ("defer_replicate", "defer", "every_step")},
+    **{
+        f"2x2_resume_{p}": Scenario(
+            hsdp.resume_mid_window, mesh=M22, policy=p, folder=str(FOLDER / f"mid-{p}")
+        )
+        for p in ("defer_replicate", "defer", "every_step")
+    },
     "2x2_save": Scenario(hsdp.save_at_boundary, mesh=M22, folder=str(FOLDER / "boundary")),
 }
-TRAINED = [n for n, s in SCENARIOS.items() if s.fn is hsdp.train_hsdp and "drop" not in n
-           and n not in ("2x2_clip", "2x2_bf16")]
+TRAINED = [
+    n
+    for n, s in SCENARIOS.items()
+    if s.fn is hsdp.train_hsdp and "drop" not in n and n not in ("2x2_clip", "2x2_bf16")
+]
 
 
 SHARED = Shared("gloo4", SCENARIOS, nproc=4)
@@ -88,16 +102,29 @@ def test_equivalence_with_one_process(results, name):
 
 
 def test_the_mesh_is_what_was_asked(results):
-    assert [r["coords"] for r in results["2x2_k4_defer_replicate"]] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert [r["coords"] for r in results["2x2_k4_defer_replicate"]] == [
+        [0, 0],
+        [0, 1],
+        [1, 0],
+        [1, 1],
+    ]
     assert results["2x2_k4_defer_replicate"][0]["mesh_shape"] == [2, 2]
     assert results["4x1_k4_defer_replicate"][0]["mesh_shape"] == [4, 1]
     assert results["1x4_k4_defer"][0]["mesh_shape"] == [4]  # R = 1 is 1-D
     for r in results["2x2_k4_defer_replicate"]:
-        assert r["policy"] == "defer_replicate" and r["memory"]["replicas"] == r["memory"]["shards"] == 2
-        assert r["reason"].startswith("defer_replicate (requested): ") and "1/2 of the gradients" in r["reason"]
+        assert (
+            r["policy"] == "defer_replicate"
+            and r["memory"]["replicas"] == r["memory"]["shards"] == 2
+        )
+        assert (
+            r["reason"].startswith("defer_replicate (requested): ")
+            and "1/2 of the gradients" in r["reason"]
+        )
 
 
-@pytest.mark.parametrize("name", ["2x2_k4_defer_replicate", "2x2_k4_defer", "4x1_k4_defer_replicate"])
+@pytest.mark.parametrize(
+    "name", ["2x2_k4_defer_replicate", "2x2_k4_defer", "4x1_k4_defer_replicate"]
+)
 def test_windows_include_the_partial_last_one(results, name):
     assert results[name][0]["sizes"] == [4, 3] * 2
 
@@ -118,14 +145,16 @@ def test_replicas_hold_bit_identical_shards_after_every_step(results, name):
     for peers in by_shard.values():
         assert len(peers[0]["shards"]) == peers[0]["optimizer_steps"]
         for other in peers[1:]:
-            assert other["shards"] == peers[0]["shards"], f"replicas {peers[0]['coords']} and {other['coords']} differ"
+            assert other["shards"] == peers[0]["shards"], (
+                f"replicas {peers[0]['coords']} and {other['coords']} differ"
+            )
 
 
 def _windows(r):
     """The audit records split into windows."""
     out, at = [], 0
     for size in r["sizes"]:
-        out.append(r["audit"][at:at + size])
+        out.append(r["audit"][at : at + size])
         at += size
     assert at == len(r["audit"])
     return out
@@ -140,7 +169,9 @@ def test_defer_replicate_all_reduces_across_replicas_once_per_window(results):
     for r in results["2x2_k4_defer_replicate"]:
         for window in _windows(r):
             for rec in window:
-                assert rec["ops"].get("reduce_scatter", 0) == UNITS, rec  # inside the shard group, always
+                assert rec["ops"].get("reduce_scatter", 0) == UNITS, (
+                    rec
+                )  # inside the shard group, always
                 if rec["boundary"]:
                     assert rec["ops"].get("allreduce", 0) >= UNITS, rec
                 else:
@@ -151,7 +182,10 @@ def test_defer_replicate_all_reduces_across_replicas_once_per_window(results):
 def test_every_step_all_reduces_every_micro_step(results):
     for r in results["2x2_k4_every_step"]:
         for rec in r["audit"]:
-            assert rec["ops"].get("reduce_scatter", 0) == UNITS and rec["ops"].get("allreduce", 0) >= UNITS, rec
+            assert (
+                rec["ops"].get("reduce_scatter", 0) == UNITS
+                and rec["ops"].get("allreduce", 0) >= UNITS
+            ), rec
 
 
 def test_defer_sends_nothing_off_the_boundary(results):
@@ -197,16 +231,24 @@ def test_bf16_stays_within_the_documented_tolerance(results):
 
 def test_auto_chooses_by_the_budget_with_s_aware_numbers(results):
     everything, grads, small = (results[f"2x2_auto_{n}"][0] for n in ("all", "grads", "small"))
-    assert everything["policy"] == "defer" and "parameters kept gathered in the window" in everything["reason"]
+    assert (
+        everything["policy"] == "defer"
+        and "parameters kept gathered in the window" in everything["reason"]
+    )
     assert grads["policy"] == "defer" and "(gradients only)" in grads["reason"]
     assert "1/2 shard" in grads["reason"]  # S = 2, not the world of 4
     assert small["policy"] == "every_step", small["reason"]
-    assert "defer_replicate holds a partial buffer of" in small["reason"] and "both exceed the budget" in small["reason"]
+    assert (
+        "defer_replicate holds a partial buffer of" in small["reason"]
+        and "both exceed the budget" in small["reason"]
+    )
 
 
 def test_defer_replicate_sets_and_restores_fsdp_flags(results):
     for seen in results["2x2_flags"]:
-        assert seen["before"] == seen["after_off"] == seen["after_boundary"] == [[True, True]] * UNITS
+        assert (
+            seen["before"] == seen["after_off"] == seen["after_boundary"] == [[True, True]] * UNITS
+        )
         assert seen["inside_off"] == [[True, False]] * UNITS
         assert seen["inside_boundary"] == [[True, True]] * UNITS
 

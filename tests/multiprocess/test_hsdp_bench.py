@@ -23,8 +23,12 @@ pytestmark = pytest.mark.multiprocess
 def quick_run(tmp_path_factory) -> Path:
     """One `--quick` run of the three meshes (its folder), shared by the tests below."""
     out = tmp_path_factory.mktemp("hsdp_bench")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hsdp_bytes.py"), "--quick",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "hsdp_bytes.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
 
@@ -42,10 +46,13 @@ def test_hsdp_bytes_quick(quick_run):
     for policy, cell in hybrid.items():
         (window,) = cell["windows"]
         replicate = window["groups"]["replicate"]
-        per_step = 4 if policy == "every_step" else 1  # k = 4: every micro-step, or the boundary only
+        per_step = (
+            4 if policy == "every_step" else 1
+        )  # k = 4: every micro-step, or the boundary only
         assert replicate["reduction_bytes"] == pytest.approx(per_step * shard), policy
-        assert window["replicate_allreduces_off_boundary"] == (0 if policy != "every_step" else
-                                                               3 * replicate["ops"]["allreduce"] // 4)
+        assert window["replicate_allreduces_off_boundary"] == (
+            0 if policy != "every_step" else 3 * replicate["ops"]["allreduce"] // 4
+        )
         assert "by group: shard [" in cell["summary"] and ", replicate [" in cell["summary"]
     for cell in cells:
         memory = cell["memory"]
@@ -55,11 +62,23 @@ def test_hsdp_bytes_quick(quick_run):
         # The adapter's prediction for the policy it ran, as the estimate computes it: 0, the
         # partial buffer G/S, G - G/S, or (G + P) - (G + P)/S with the parameters kept; on the
         # TP mesh G and P are what a rank of a TP group holds (the plan's tp_share split by T).
-        est = {row.policy: row for row in estimate_mesh(MeshCluster(
-            cell["grad_bytes"], cell["grad_bytes"], dp_replicate=r, dp_shard=s, tp=t, k=cell["k"],
-            tp_share=cell["tp_share"] if t > 1 else 1.0))}
-        assert memory["predicted_extra_bytes"] == pytest.approx(est[cell["policy"]].deferral_bytes, abs=4), \
-            (cell["mesh"], cell["asked"])
+        est = {
+            row.policy: row
+            for row in estimate_mesh(
+                MeshCluster(
+                    cell["grad_bytes"],
+                    cell["grad_bytes"],
+                    dp_replicate=r,
+                    dp_shard=s,
+                    tp=t,
+                    k=cell["k"],
+                    tp_share=cell["tp_share"] if t > 1 else 1.0,
+                )
+            )
+        }
+        assert memory["predicted_extra_bytes"] == pytest.approx(
+            est[cell["policy"]].deferral_bytes, abs=4
+        ), (cell["mesh"], cell["asked"])
     assert hybrid["every_step"]["memory"]["predicted_extra_bytes"] == 0
     assert hybrid["defer"]["memory"]["predicted_extra_bytes"] > 0
     assert hybrid["auto"]["policy"] == "defer + params"  # the quick model fits any budget
@@ -83,9 +102,12 @@ def test_hsdp_bytes_quick_tensor_parallel(quick_run):
         shard = window["groups"]["shard"]
         # k = 4: the unsharded G_T reduce-scattered on every micro-step, or at the boundary only
         assert shard["reduction_bytes"] == (4 if policy == "every_step" else 1) * g_t, policy
-        assert window["shard_reduce_scatters_off_boundary"] == (0 if policy != "every_step" else
-                                                                3 * shard["ops"]["reduce_scatter"] // 4)
-        assert window["groups"]["tp"]["ops"]["allreduce"] % 4 == 0, policy  # the same count per micro-step
+        assert window["shard_reduce_scatters_off_boundary"] == (
+            0 if policy != "every_step" else 3 * shard["ops"]["reduce_scatter"] // 4
+        )
+        assert window["groups"]["tp"]["ops"]["allreduce"] % 4 == 0, (
+            policy
+        )  # the same count per micro-step
         assert 4 * cell["micro_tp"]["allreduce"] == window["groups"]["tp"]["bytes"], policy
         assert ", tp [" in cell["summary"], cell["summary"]
     assert tp["every_step"]["memory"]["predicted_extra_bytes"] == 0

@@ -20,11 +20,18 @@ INDEPENDENT_TESTS = True
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "report_rank.py"
 
 
-def gradsync(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def gradsync(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
     full.update({"OMP_NUM_THREADS": "1", **(env or {})})
-    return subprocess.run([sys.executable, "-m", "gradsync", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full)
+    return subprocess.run(
+        [sys.executable, "-m", "gradsync", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full,
+    )
 
 
 def reports(folder: Path) -> list[dict]:
@@ -37,9 +44,20 @@ def test_two_workers_report_the_config_files_backend_the_flags_and_their_exit_st
     not a variable of its own), a flag wins over the file, the script's arguments arrive, and
     rank 1's exit status is the launch's."""
     cfg = write(tmp_path / "cfg.yaml", "backend: fsdp\ngradient_accumulation_steps: 2\n")
-    proc = gradsync("launch", "--nproc-per-node", "2", "--config", str(cfg),
-                    "--gradient-accumulation-steps", "3", str(SCRIPT), str(tmp_path), "--flag", "value",
-                    env={"REPORT_EXIT_CODE": "3"})
+    proc = gradsync(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--config",
+        str(cfg),
+        "--gradient-accumulation-steps",
+        "3",
+        str(SCRIPT),
+        str(tmp_path),
+        "--flag",
+        "value",
+        env={"REPORT_EXIT_CODE": "3"},
+    )
     assert proc.returncode == 3, proc.stdout + proc.stderr
     got = reports(tmp_path)
     assert [r["rank"] for r in got] == [0, 1]
@@ -59,11 +77,28 @@ def test_two_nodes_on_one_machine_form_one_job(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     full = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
     full["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "gradsync", "launch", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-endpoint", endpoint, "--global-batch-size", "8", "--micro-batch-size", "2",
-           str(SCRIPT), str(tmp_path)]
-    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full)
-             for _ in range(2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gradsync",
+        "launch",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-endpoint",
+        endpoint,
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "2",
+        str(SCRIPT),
+        str(tmp_path),
+    ]
+    nodes = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full)
+        for _ in range(2)
+    ]
     outs = [n.communicate(timeout=180)[0] for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outs
     got = reports(tmp_path)
@@ -75,8 +110,18 @@ def test_two_nodes_on_one_machine_form_one_job(tmp_path):
 
 
 def test_dry_run_prints_the_command_and_settings(tmp_path):
-    proc = gradsync("launch", "--nproc-per-node", "2", "--gradient-accumulation-steps", "4",
-                    "--backend", "ddp", "--dry-run", str(SCRIPT), "x")
+    proc = gradsync(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--gradient-accumulation-steps",
+        "4",
+        "--backend",
+        "ddp",
+        "--dry-run",
+        str(SCRIPT),
+        "x",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "torch.distributed.run --nproc-per-node=2 --nnodes=1 --standalone" in proc.stdout
     assert "GRADSYNC_GRADIENT_ACCUMULATION_STEPS=4" in proc.stdout
@@ -85,7 +130,9 @@ def test_dry_run_prints_the_command_and_settings(tmp_path):
 
 
 def test_plan_prints_the_sizes():
-    proc = gradsync("plan", "--global-batch-size", "64", "--micro-batch-size", "4", "--nproc-per-node", "2")
+    proc = gradsync(
+        "plan", "--global-batch-size", "64", "--micro-batch-size", "4", "--nproc-per-node", "2"
+    )
     assert proc.returncode == 0, proc.stderr
     assert "accumulation steps:      8" in proc.stdout
     assert "global batch size:       64" in proc.stdout
@@ -94,15 +141,51 @@ def test_plan_prints_the_sizes():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["plan", "--global-batch-size", "60", "--micro-batch-size", "4", "--nproc-per-node", "2"],
-         "global_batch_size=60 is not divisible by micro_batch_size x world size = 4 x 2 = 8"),
-        (["launch", "--nproc-per-node", "2", "--global-batch-size", "60", "--micro-batch-size", "4", str(SCRIPT)],
-         "global_batch_size=60 is not divisible"),
-        (["launch", "--nproc-per-node", "2", "no_such_script.py"], "script 'no_such_script.py' does not exist"),
-        (["launch", "--backend", "horovod", str(SCRIPT)], "backend='horovod' is unknown; available: auto, "),
-        (["launch", "--gradient-accumulation-steps", "0", str(SCRIPT)], "gradient_accumulation_steps=0 must be >= 1"),
-        (["launch", "--gradient-accumulation-steps", "-2", str(SCRIPT)], "gradient_accumulation_steps=-2 must be >= 1"),
-        (["launch", "--sync-policy", "sometimes", str(SCRIPT)], "--sync-policy='sometimes' is unknown"),
+        (
+            [
+                "plan",
+                "--global-batch-size",
+                "60",
+                "--micro-batch-size",
+                "4",
+                "--nproc-per-node",
+                "2",
+            ],
+            "global_batch_size=60 is not divisible by micro_batch_size x world size = 4 x 2 = 8",
+        ),
+        (
+            [
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--global-batch-size",
+                "60",
+                "--micro-batch-size",
+                "4",
+                str(SCRIPT),
+            ],
+            "global_batch_size=60 is not divisible",
+        ),
+        (
+            ["launch", "--nproc-per-node", "2", "no_such_script.py"],
+            "script 'no_such_script.py' does not exist",
+        ),
+        (
+            ["launch", "--backend", "horovod", str(SCRIPT)],
+            "backend='horovod' is unknown; available: auto, ",
+        ),
+        (
+            ["launch", "--gradient-accumulation-steps", "0", str(SCRIPT)],
+            "gradient_accumulation_steps=0 must be >= 1",
+        ),
+        (
+            ["launch", "--gradient-accumulation-steps", "-2", str(SCRIPT)],
+            "gradient_accumulation_steps=-2 must be >= 1",
+        ),
+        (
+            ["launch", "--sync-policy", "sometimes", str(SCRIPT)],
+            "--sync-policy='sometimes' is unknown",
+        ),
         (["launch", "--nnodes", "2", str(SCRIPT)], "--nnodes=2 needs --rdzv-endpoint"),
     ],
 )
@@ -122,7 +205,9 @@ def test_non_integer_accumulation_is_rejected_by_the_parser():
 
 
 def test_launcher_is_usable_from_python(tmp_path):
-    launcher = Launcher(LaunchConfig(script=str(SCRIPT), nproc_per_node=2, gradient_accumulation_steps=4))
+    launcher = Launcher(
+        LaunchConfig(script=str(SCRIPT), nproc_per_node=2, gradient_accumulation_steps=4)
+    )
     assert launcher.plan.gradient_accumulation_steps == 4
     assert launcher.worker_env()["GRADSYNC_GRADIENT_ACCUMULATION_STEPS"] == "4"
     assert "--standalone" in launcher.torchrun_argv()
@@ -134,17 +219,25 @@ def write(path: Path, text: str) -> Path:
 
 
 def test_dry_run_with_a_config_file_exports_only_what_was_given(tmp_path):
-    cfg = write(tmp_path / "cfg.yaml", "backend: fsdp\nsync_policy: defer\ngradient_accumulation_steps: 4\n")
-    proc = gradsync("launch", "--nproc-per-node", "2", "--config", str(cfg), "--dry-run", str(SCRIPT))
+    cfg = write(
+        tmp_path / "cfg.yaml", "backend: fsdp\nsync_policy: defer\ngradient_accumulation_steps: 4\n"
+    )
+    proc = gradsync(
+        "launch", "--nproc-per-node", "2", "--config", str(cfg), "--dry-run", str(SCRIPT)
+    )
     assert proc.returncode == 0, proc.stderr
     env = [line.strip() for line in proc.stdout.splitlines() if line.startswith("  GRADSYNC_")]
     assert f"GRADSYNC_CONFIG={cfg.resolve()}" in env
     assert "GRADSYNC_GRADIENT_ACCUMULATION_STEPS=4" in env
     # The file's backend and sync policy reach the workers through GRADSYNC_CONFIG, not beaten
     # by launcher defaults in the environment.
-    assert not [line for line in env if line.startswith(("GRADSYNC_BACKEND=", "GRADSYNC_SYNC_POLICY="))], env
+    assert not [
+        line for line in env if line.startswith(("GRADSYNC_BACKEND=", "GRADSYNC_SYNC_POLICY="))
+    ], env
     assert sorted(line.split("=")[0] for line in env) == [
-        "GRADSYNC_CONFIG", "GRADSYNC_GRADIENT_ACCUMULATION_STEPS"]
+        "GRADSYNC_CONFIG",
+        "GRADSYNC_GRADIENT_ACCUMULATION_STEPS",
+    ]
 
 
 def test_workers_see_the_config_files_backend_and_flags_still_win(tmp_path, clean_env):
@@ -157,8 +250,16 @@ def test_workers_see_the_config_files_backend_and_flags_still_win(tmp_path, clea
     assert (worker.backend, worker.sync_policy, worker.mixed_precision) == ("fsdp", "defer", "bf16")
 
     # An explicit flag wins over the file, even when it names the default.
-    launcher = Launcher(LaunchConfig(script=str(SCRIPT), nproc_per_node=2, config_file=str(cfg),
-                                     backend="auto", sync_policy="auto", mixed_precision="no"))
+    launcher = Launcher(
+        LaunchConfig(
+            script=str(SCRIPT),
+            nproc_per_node=2,
+            config_file=str(cfg),
+            backend="auto",
+            sync_policy="auto",
+            mixed_precision="no",
+        )
+    )
     worker = load_config(environ=launcher.worker_env())
     assert (worker.backend, worker.sync_policy, worker.mixed_precision) == ("auto", "auto", "no")
 
@@ -166,26 +267,57 @@ def test_workers_see_the_config_files_backend_and_flags_still_win(tmp_path, clea
 def test_no_batch_size_given_exports_no_accumulation_steps():
     launcher = Launcher(LaunchConfig(script=str(SCRIPT), nproc_per_node=2))
     assert launcher.worker_env() == {}
-    launcher = Launcher(LaunchConfig(script=str(SCRIPT), nproc_per_node=2, global_batch_size=16,
-                                     micro_batch_size=2, seed=7, audit=True))
+    launcher = Launcher(
+        LaunchConfig(
+            script=str(SCRIPT),
+            nproc_per_node=2,
+            global_batch_size=16,
+            micro_batch_size=2,
+            seed=7,
+            audit=True,
+        )
+    )
     assert launcher.worker_env() == {
-        "GRADSYNC_GRADIENT_ACCUMULATION_STEPS": "4", "GRADSYNC_MICRO_BATCH_SIZE": "2",
-        "GRADSYNC_SEED": "7", "GRADSYNC_AUDIT": "1"}
+        "GRADSYNC_GRADIENT_ACCUMULATION_STEPS": "4",
+        "GRADSYNC_MICRO_BATCH_SIZE": "2",
+        "GRADSYNC_SEED": "7",
+        "GRADSYNC_AUDIT": "1",
+    }
 
 
 @pytest.mark.parametrize(
     "yaml_text, flags, message",
     [
-        ("backend: horovod\n", [], "config file '{cfg}': backend='horovod' is unknown; available: auto, "),
-        ("sync_policy: sometimes\n", [], "config file '{cfg}': sync_policy='sometimes' is unknown; use one of"),
+        (
+            "backend: horovod\n",
+            [],
+            "config file '{cfg}': backend='horovod' is unknown; available: auto, ",
+        ),
+        (
+            "sync_policy: sometimes\n",
+            [],
+            "config file '{cfg}': sync_policy='sometimes' is unknown; use one of",
+        ),
         ("mixed_precision: fp8\n", [], "config file '{cfg}': mixed_precision='fp8' is unknown"),
         ("micro_batch_size: 0\n", [], "config file '{cfg}': micro_batch_size=0 must be >= 1"),
         ("seed: abc\n", [], "config file '{cfg}': seed='abc' must be an integer"),
         ("a: [1, 2\n", [], "config file '{cfg}' is not valid YAML: "),
-        ("backend: ddp\n", ["--mixed-precision", "fp8"], "--mixed-precision='fp8' is unknown; use one of no, bf16"),
+        (
+            "backend: ddp\n",
+            ["--mixed-precision", "fp8"],
+            "--mixed-precision='fp8' is unknown; use one of no, bf16",
+        ),
         ("backend: ddp\n", ["--micro-batch-size", "0"], "micro_batch_size=0 must be >= 1"),
-        ("", ["--rdzv-endpoint", "127.0.0.1:abc"], "--rdzv-endpoint='127.0.0.1:abc' has port 'abc'"),
-        ("", ["--rdzv-endpoint", "127.0.0.1:70000"], "--rdzv-endpoint='127.0.0.1:70000' has port '70000'"),
+        (
+            "",
+            ["--rdzv-endpoint", "127.0.0.1:abc"],
+            "--rdzv-endpoint='127.0.0.1:abc' has port 'abc'",
+        ),
+        (
+            "",
+            ["--rdzv-endpoint", "127.0.0.1:70000"],
+            "--rdzv-endpoint='127.0.0.1:70000' has port '70000'",
+        ),
         ("", ["--rdzv-endpoint", "127.0.0.1"], "--rdzv-endpoint='127.0.0.1' must be HOST:PORT"),
     ],
 )
@@ -193,7 +325,9 @@ def test_bad_settings_stop_before_any_process_starts(tmp_path, yaml_text, flags,
     cfg = write(tmp_path / "cfg.yaml", yaml_text)
     out = tmp_path / "out"
     out.mkdir()
-    proc = gradsync("launch", "--nproc-per-node", "2", "--config", str(cfg), *flags, str(SCRIPT), str(out))
+    proc = gradsync(
+        "launch", "--nproc-per-node", "2", "--config", str(cfg), *flags, str(SCRIPT), str(out)
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -207,7 +341,8 @@ def test_a_directory_as_the_script_is_named_as_such(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         f"gradsync: error: script {str(tmp_path)!r} is a directory; give the path of your training "
-        "script inside it (or -m module.name to run a module)")
+        "script inside it (or -m module.name to run a module)"
+    )
 
 
 @pytest.mark.parametrize("flag", ["--nproc-per-node", "--nnodes"])
@@ -242,10 +377,28 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 @pytest.mark.multiprocess
 def test_the_readme_example_prints_no_warning_and_shows_learning():
     """The README's first command (its launch part), with nothing set in the environment."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_") and k != "OMP_NUM_THREADS"}
-    proc = subprocess.run([sys.executable, "-m", "gradsync", "launch", "--nproc-per-node", "2",
-                           "--gradient-accumulation-steps", "4", str(EXAMPLE)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("GRADSYNC_") and k != "OMP_NUM_THREADS"
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradsync",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--gradient-accumulation-steps",
+            "4",
+            str(EXAMPLE),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout + proc.stderr
     assert "warning" not in out.lower(), out
@@ -260,8 +413,19 @@ def test_the_example_checkpoints_in_the_background_and_resumes(tmp_path):
     """examples/train.py --checkpoints: the first run saves every 5 steps in the background
     (keep_last=2); a second run resumes from the newest and finishes the same 24 steps."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
-    cmd = [sys.executable, "-m", "gradsync", "launch", "--nproc-per-node", "2",
-           "--gradient-accumulation-steps", "4", str(EXAMPLE), "--checkpoints", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gradsync",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--gradient-accumulation-steps",
+        "4",
+        str(EXAMPLE),
+        "--checkpoints",
+        str(tmp_path),
+    ]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert first.returncode == 0, first.stdout + first.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-15", "step-20"]
@@ -275,7 +439,10 @@ def test_numpy_is_a_base_dependency():
     """torch warns at import ("Failed to initialize NumPy") where numpy is missing."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
-    names = [d.split(">")[0].split("=")[0].split("<")[0].strip() for d in pyproject["project"]["dependencies"]]
+    names = [
+        d.split(">")[0].split("=")[0].split("<")[0].strip()
+        for d in pyproject["project"]["dependencies"]
+    ]
     assert "numpy" in names
 
 
@@ -305,14 +472,34 @@ def test_a_forked_worker_starts_and_ends_as_a_fresh_interpreter_would(tmp_path):
     handlers run after the threads, and rank 1's exception reported the same way. Then a
     forked launch whose workers all end by ``sys.exit()`` succeeds."""
     script = SCRIPT.with_name("start_state.py")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_") and k != "OMP_NUM_THREADS"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("GRADSYNC_") and k != "OMP_NUM_THREADS"
+    }
 
     def launch(method: str, mode: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
         out = tmp_path / f"{method}-{mode}"
         out.mkdir()
-        return out, subprocess.run([sys.executable, "-m", "gradsync", "launch", "--nproc-per-node", "2",
-                                    "--start-method", method, str(script), str(out), mode],
-                                   capture_output=True, text=True, timeout=180, env=env)
+        return out, subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gradsync",
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--start-method",
+                method,
+                str(script),
+                str(out),
+                mode,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+        )
 
     states = {}
     for method in ("exec", "fork"):
@@ -321,18 +508,25 @@ def test_a_forked_worker_starts_and_ends_as_a_fresh_interpreter_would(tmp_path):
         assert "gradsync: rank 1 (local rank 1) failed (exit code 1)" in proc.stderr, proc.stderr
         assert "ValueError: rank 1 raises after its step, on purpose" in proc.stderr
         assert "Traceback" in proc.stderr and "Terminating process" not in proc.stderr
-        assert [p.read_text() for p in sorted(out.glob("exit*"))] == ["after the thread"] * 2, proc.stderr
+        assert [p.read_text() for p in sorted(out.glob("exit*"))] == ["after the thread"] * 2, (
+            proc.stderr
+        )
         draws = [p.read_text() for p in sorted(out.glob("draw*"))]
         assert len(draws) == 2 and draws[0] != draws[1]
         states[method] = reports(out)
     for method, ranks in states.items():
-        assert [state.pop("argv") for state in ranks] == [[str(tmp_path / f"{method}-raise"), "raise"]] * 2
+        assert [state.pop("argv") for state in ranks] == [
+            [str(tmp_path / f"{method}-raise"), "raise"]
+        ] * 2
     exec_, fork = states["exec"], states["fork"]
     assert fork == exec_
     for state in fork:
         assert state["name"] == "__main__" and state["own_session"] and state["written_through"]
         assert state["path0"] == str(script.parent) and state["blocked"] == []
-        assert state["handlers"]["SIGTERM"] == "0" and state["handlers"]["SIGINT"] == "default_int_handler"
+        assert (
+            state["handlers"]["SIGTERM"] == "0"
+            and state["handlers"]["SIGINT"] == "default_int_handler"
+        )
         assert state["omp"] is not None and state["threads"] == int(state["omp"])
     out, proc = launch("fork", "exit")  # torchrun's agent alone would wait for these forever
     assert proc.returncode == 0, proc.stdout + proc.stderr

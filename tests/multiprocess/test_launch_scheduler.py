@@ -17,7 +17,7 @@ import pytest
 
 from gradsync.launch.cluster import usable_cpus
 
-RECORD = '''
+RECORD = """
 import json, os, signal, sys, time
 from pathlib import Path
 
@@ -43,11 +43,18 @@ if os.environ.get("WAIT_FOR_SIGNAL"):
     report["signals"] = got
 (out / f"rank{accel.rank}.json").write_text(json.dumps(report))
 accel.end()
-'''
+"""
 
 _OUTSIDE = ("GRADSYNC_", "PET_", "SLURM_", "PMI_", "OMPI_", "MV2_")
-_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "OMP_NUM_THREADS")
+_TORCHRUN = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -72,9 +79,25 @@ def script(tmp_path: Path) -> Path:
 def test_script_flags_reach_every_rank_and_sigusr1_reaches_every_worker(script, tmp_path):
     out = tmp_path / "out"
     env = clean_env(RECORD_DIR=str(out), WAIT_FOR_SIGNAL="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "gradsync", "launch", "--nproc-per-node", "2",
-                             str(script), "--micro", "3", "--max", "5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gradsync",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            "--micro",
+            "3",
+            "--max",
+            "5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 150
         while not all((out / f"ready{r}").exists() for r in (0, 1)):
@@ -96,17 +119,27 @@ def test_script_flags_reach_every_rank_and_sigusr1_reaches_every_worker(script, 
         assert r["signals"] == ["SIGUSR1"]
     pids = sorted(int((out / f"ready{r}").read_text()) for r in (0, 1))
     line = next(x for x in stderr.splitlines() if "SIGUSR1 received" in x)
-    assert f"sent it to the 2 worker process(es) of this node (pids {pids[0]}, {pids[1]})" in line, stderr
+    assert (
+        f"sent it to the 2 worker process(es) of this node (pids {pids[0]}, {pids[1]})" in line
+    ), stderr
 
 
 def test_kubeflow_pet_variables_alone_form_the_group(script, tmp_path):
     out = tmp_path / "out"
     env = clean_env(RECORD_DIR=str(out), PET_NPROC_PER_NODE="2", PET_NNODES="1")
-    proc = subprocess.run([sys.executable, "-m", "gradsync", "launch", str(script)],
-                          capture_output=True, text=True, timeout=180, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsync", "launch", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = reports(out)
-    assert [(r["rank"], r["local_rank"], r["local_main"]) for r in got] == [(0, 0, True), (1, 1, False)]
+    assert [(r["rank"], r["local_rank"], r["local_main"]) for r in got] == [
+        (0, 0, True),
+        (1, 1, False),
+    ]
     cpus = usable_cpus(env)  # affinity, cgroup quota
     for r in got:
         assert r["world_size"] == 2 and r["rank_sum"] == 1.0 and r["args"] == []

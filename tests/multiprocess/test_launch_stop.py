@@ -39,9 +39,14 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _start(folder: Path, *args: str, **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "gradsync", "launch", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(**env), cwd=folder)
+    return subprocess.Popen(
+        [sys.executable, "-m", "gradsync", "launch", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(**env),
+        cwd=folder,
+    )
 
 
 def _wait_for(proc: subprocess.Popen[str], paths: list[Path]) -> None:
@@ -89,8 +94,15 @@ def test_a_stopped_launch_stops_its_workers_and_says_so_in_one_line(tmp_path, si
 
 
 def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
-    proc = _start(tmp_path, "--nproc-per-node", "2", str(STOP), str(tmp_path), "stubborn",
-                  TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3")
+    proc = _start(
+        tmp_path,
+        "--nproc-per-node",
+        "2",
+        str(STOP),
+        str(tmp_path),
+        "stubborn",
+        TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3",
+    )
     _wait_for(proc, [tmp_path / f"started-{r}" for r in (0, 1)])
     pids = [int((tmp_path / f"started-{r}").read_text()) for r in (0, 1)]
     code, _, err, took = _stop(proc, signal.SIGTERM)
@@ -104,9 +116,22 @@ def test_a_launch_stopped_before_its_workers_start_says_so(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = _start(tmp_path, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "stop-test",
-                  str(STOP), str(tmp_path), "plain")
+    proc = _start(
+        tmp_path,
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "stop-test",
+        str(STOP),
+        str(tmp_path),
+        "plain",
+    )
     deadline = time.monotonic() + START
     while not _listening(port):  # the launcher hosts the rendezvous store: it is waiting there
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -123,14 +148,20 @@ def _listening(port: int) -> bool:
 
 
 def _launch(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gradsync", "launch", "--nproc-per-node", "2", *args],
-                          capture_output=True, text=True, timeout=300, env=_env(), cwd=folder)
+    return subprocess.run(
+        [sys.executable, "-m", "gradsync", "launch", "--nproc-per-node", "2", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=folder,
+    )
 
 
 def _block(stderr: str, rank: int) -> str:
     head = f"gradsync: rank {rank} (local rank {rank}) failed (exit code 1)"
     assert head in stderr, stderr
-    return stderr[stderr.index(head):]
+    return stderr[stderr.index(head) :]
 
 
 def test_a_raising_rank_is_named_while_the_other_is_still_busy(tmp_path):

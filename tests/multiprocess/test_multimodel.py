@@ -19,12 +19,23 @@ KS = (1, 4, 3)  # 3: 8 batches per rank end with a partial window of 2
 
 def scenarios(root):
     return {
-        **{f"{b}_{p}_k{k}": Scenario(mm.train, backend=b, pattern=p, k=k)
-           for b in BACKENDS for p in PATTERNS for k in KS},
-        **{f"{b}_{p}_resume": Scenario(mm.resume, backend=b, pattern=p, k=2, folder=str(root / f"{b}-{p}"))
-           for b in BACKENDS for p in PATTERNS},
-        **{f"{b}_mismatch": Scenario(mm.mismatch, backend=b, folder=str(root / f"{b}-mismatch"))
-           for b in BACKENDS},
+        **{
+            f"{b}_{p}_k{k}": Scenario(mm.train, backend=b, pattern=p, k=k)
+            for b in BACKENDS
+            for p in PATTERNS
+            for k in KS
+        },
+        **{
+            f"{b}_{p}_resume": Scenario(
+                mm.resume, backend=b, pattern=p, k=2, folder=str(root / f"{b}-{p}")
+            )
+            for b in BACKENDS
+            for p in PATTERNS
+        },
+        **{
+            f"{b}_mismatch": Scenario(mm.mismatch, backend=b, folder=str(root / f"{b}-mismatch"))
+            for b in BACKENDS
+        },
         "fsdp_release_fsdp": Scenario(mm.load_release, backend="fsdp", written_by="fsdp"),
     }
 
@@ -84,4 +95,7 @@ def test_an_fsdp_checkpoint_written_by_gradsync_0_1_0_still_loads(results):
         # 2 ranks reduce-scatter the gradients, one process sums them: the float32 additions
         # run in another order (a few ulps apart); 1e-6 bounds what one Adam step makes of that
         assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-6
-        assert max(float((got[k] - stored[k]).abs().max()) for k in stored) <= releases.STORED_TOLERANCE
+        assert (
+            max(float((got[k] - stored[k]).abs().max()) for k in stored)
+            <= releases.STORED_TOLERANCE
+        )

@@ -48,9 +48,13 @@ def test_reduce_gives_every_rank_the_reduction(results):
         assert r["mean_int"] == {"dtype": "float64", "values": [1.5, 9.5]}
         assert r["max_int"] == {"dtype": "int64", "values": [2, 10]}
         assert r["min_int"] == {"dtype": "int64", "values": [1, 9]}
-        assert r["nested"] == {"a": {"dtype": "float32", "values": [2.0, 10.0]},
-                               "b": [{"dtype": "int64", "values": [2, 10]},
-                                     [{"dtype": "float32", "values": [4.0, 20.0]}]]}
+        assert r["nested"] == {
+            "a": {"dtype": "float32", "values": [2.0, 10.0]},
+            "b": [
+                {"dtype": "int64", "values": [2, 10]},
+                [{"dtype": "float32", "values": [4.0, 20.0]}],
+            ],
+        }
 
 
 def test_none_is_no_collective_and_scale_applies_to_every_reduction(results):
@@ -69,8 +73,10 @@ def test_op_is_an_alias_of_reduction(results):
     for r in results["reductions"]:
         for reduction in ("sum", "mean", "max", "min", "none"):
             assert r[f"{reduction}_op"] == r[reduction]
-        assert r["unknown"] == ("ConfigError: reduce(reduction='median') is unknown; use one of "
-                                "'sum', 'mean', 'max', 'min', 'none'")
+        assert r["unknown"] == (
+            "ConfigError: reduce(reduction='median') is unknown; use one of "
+            "'sum', 'mean', 'max', 'min', 'none'"
+        )
         assert r["disagree"].startswith("ConfigError: reduce(reduction='mean', op='sum') disagree")
 
 
@@ -97,7 +103,9 @@ def test_objects_come_back_once_each_in_the_datasets_order(results):
         assert r["texts"] == [f"sample-{i}" for i in expected]
         assert r["texts_forced"] == r["texts"]
         assert r["rows_forced"] == [[i] for i in expected]
-        assert len(r["plain_objects"]) == sc.EVAL_SAMPLES + 1, "plain gather_object keeps the duplicate"
+        assert len(r["plain_objects"]) == sc.EVAL_SAMPLES + 1, (
+            "plain gather_object keeps the duplicate"
+        )
         assert sorted(r["plain_objects"]) != sorted(r["texts"])
 
 
@@ -116,7 +124,11 @@ def test_objects_that_are_not_one_per_sample_are_gathered_as_they_are(results):
         batches = r["per_batch_lists"]
         assert len(batches) == 6 and all(len(b) == 2 and set(b[0]) == {"texts"} for b in batches)
         assert batches[-1][0]["texts"] == ["sample-40", "sample-42", "sample-44"]
-        assert batches[-1][1]["texts"] == ["sample-41", "sample-43", "sample-0"]  # the padding stays
+        assert batches[-1][1]["texts"] == [
+            "sample-41",
+            "sample-43",
+            "sample-0",
+        ]  # the padding stays
         assert r["not_per_sample"] == ["r0"] * 5 + ["r1"] * 5
 
 
@@ -140,7 +152,9 @@ def test_split_gives_contiguous_shares_the_first_rank_the_larger(results, n):
     assert values(r0[f"tensor_{n}_plain"]) == rows[:cut]
     assert values(r1[f"tensor_{n}_plain"]) == rows[cut:]
     assert values(r1[f"tensor_{n}_pad"]) == rows[cut:] + [rows[-1]] * (cut - (n - cut))
-    assert r0["bad"].startswith("ConfigError: split_between_processes cannot split the inputs, a str")
+    assert r0["bad"].startswith(
+        "ConfigError: split_between_processes cannot split the inputs, a str"
+    )
 
 
 def test_split_matches_accelerate(results):
@@ -173,8 +187,10 @@ def test_each_decorator_runs_on_its_rank_only(results):
             assert mine[f"{facts}_returned"][name] == name
             assert other[f"{facts}_returned"][name] is None
     for r in (r0, r1):
-        assert r["out_of_range"] == ("ConfigError: on_process(process_index=2) names no process: "
-                                     "there are 2 (indices 0 to 1)")
+        assert r["out_of_range"] == (
+            "ConfigError: on_process(process_index=2) names no process: "
+            "there are 2 (indices 0 to 1)"
+        )
 
 
 def test_the_local_main_process_goes_first(results):

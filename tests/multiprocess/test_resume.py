@@ -39,10 +39,19 @@ FORK = ("--start-method", "fork")
 
 
 def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRADSYNC_", "TORCH_DISABLE_SHARE"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("GRADSYNC_", "TORCH_DISABLE_SHARE"))
+    }
     env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
-    return subprocess.run([sys.executable, "-m", "gradsync", "launch", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "gradsync", "launch", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def load(path: Path) -> dict[str, torch.Tensor]:
@@ -60,7 +69,8 @@ def assert_bitwise(out: Path) -> None:
     assert not unequal, {k: float((ref[k] - final[k]).abs().max()) for k in unequal}
     # The run really trained as long as the reference, and the last step moved the weights.
     assert [r["optimizer_steps"] for r in results(out, "final")] == [
-        r["optimizer_steps"] for r in results(out, "reference")]
+        r["optimizer_steps"] for r in results(out, "reference")
+    ]
 
 
 # (backend, extra flags, kills per attempt, the checkpoint each restart must resume from).
@@ -73,13 +83,25 @@ RUNS = {
     # committed in the background (the script saves every other checkpoint that way); the
     # save at 25 dies, and the last attempt resumes from micro-step 20 again.
     "ddp": (["--max_restarts", "3", *FORK], ["--kill", "1:6,0:21,save:25"], "micro-0020"),
-    "fsdp": (["--max_restarts", "2", *FORK], ["--kill", "1:7,save:20", "--policy", "defer"], "micro-0015"),
+    "fsdp": (
+        ["--max_restarts", "2", *FORK],
+        ["--kill", "1:7,save:20", "--policy", "defer"],
+        "micro-0015",
+    ),
     # DeepSpeed saves at boundaries only (micro-steps 15, in the background, and 30); the
     # first kill is mid-window, the second in the save at 30.
-    "deepspeed": (["--max_restarts", "2", *FORK], ["--kill", "1:21,save:30", "--boundary-only"], "micro-0015"),
+    "deepspeed": (
+        ["--max_restarts", "2", *FORK],
+        ["--kill", "1:21,save:30", "--boundary-only"],
+        "micro-0015",
+    ),
     # fairscale (legacy): boundary checkpoints too, its OSS optimizer state gathered on save;
     # its workers start as fresh interpreters (the default), restarts included.
-    "fairscale": (["--max_restarts", "2"], ["--kill", "0:17,save:30", "--boundary-only"], "micro-0015"),
+    "fairscale": (
+        ["--max_restarts", "2"],
+        ["--kill", "0:17,save:30", "--boundary-only"],
+        "micro-0015",
+    ),
 }
 
 
@@ -88,8 +110,18 @@ def test_a_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, backend):
     if backend in ("deepspeed", "fairscale"):
         pytest.importorskip(backend)
     flags, script_flags, resumed = RUNS[backend]
-    proc = launch("--nproc_per_node", "2", "--standalone", *flags, str(SCRIPT), str(tmp_path),
-                  "--backend", backend, "--with-reference", *script_flags)
+    proc = launch(
+        "--nproc_per_node",
+        "2",
+        "--standalone",
+        *flags,
+        str(SCRIPT),
+        str(tmp_path),
+        "--backend",
+        backend,
+        "--with-reference",
+        *script_flags,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
     final = results(tmp_path, "final")
     kills = script_flags[1].count(":")
@@ -106,14 +138,39 @@ def test_a_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, backend):
 def test_sigterm_on_one_rank_saves_on_every_rank_and_the_job_resumes(tmp_path):
     """Only rank 1 gets SIGTERM (mid-window 2); both ranks agree, save step-2 when window 3
     starts and exit cleanly; a new launch resumes bitwise."""
-    first = launch("--nproc-per-node", "2", *FORK, str(SCRIPT), str(tmp_path), "--backend", "ddp",
-                   "--with-reference", "--save-every", "1000", "--sigterm-at", "6", "--sigterm-rank", "1")
+    first = launch(
+        "--nproc-per-node",
+        "2",
+        *FORK,
+        str(SCRIPT),
+        str(tmp_path),
+        "--backend",
+        "ddp",
+        "--with-reference",
+        "--save-every",
+        "1000",
+        "--sigterm-at",
+        "6",
+        "--sigterm-rank",
+        "1",
+    )
     assert first.returncode == 0, first.stdout + first.stderr[-6000:]
     assert "gradsync: SIGTERM received; saved" in first.stderr
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-2"]
     assert not (tmp_path / "final.pt").exists()
-    second = launch("--nproc-per-node", "2", *FORK, str(SCRIPT), str(tmp_path), "--backend", "ddp",
-                    "--save-every", "1000", "--sigterm-rank", "1")
+    second = launch(
+        "--nproc-per-node",
+        "2",
+        *FORK,
+        str(SCRIPT),
+        str(tmp_path),
+        "--backend",
+        "ddp",
+        "--save-every",
+        "1000",
+        "--sigterm-rank",
+        "1",
+    )
     assert second.returncode == 0, second.stdout + second.stderr[-6000:]
     assert results(tmp_path, "final")[0]["resumed_from"] == str(tmp_path / "ckpt" / "step-2")
     assert_bitwise(tmp_path)
@@ -138,18 +195,42 @@ def test_fsdp_saved_on_two_ranks_resumes_on_one(tmp_path):
     """FSDP2 shards of 2 ranks resharded by torch.distributed.checkpoint onto 1 rank; the
     epoch resumes after as many samples as were consumed (no dropout: the reference replays
     the windows each run really trained on)."""
-    first = launch("--nproc-per-node", "2", *FORK, str(SCRIPT), str(tmp_path), "--backend", "fsdp",
-                   "--dropout", "0", "--reshard-at", "15")
+    first = launch(
+        "--nproc-per-node",
+        "2",
+        *FORK,
+        str(SCRIPT),
+        str(tmp_path),
+        "--backend",
+        "fsdp",
+        "--dropout",
+        "0",
+        "--reshard-at",
+        "15",
+    )
     assert first.returncode == 0, first.stdout + first.stderr[-6000:]
-    second = launch("--nproc-per-node", "1", *FORK, str(SCRIPT), str(tmp_path), "--backend", "fsdp",
-                    "--dropout", "0", "--resume-from", str(tmp_path / "reshard"))
+    second = launch(
+        "--nproc-per-node",
+        "1",
+        *FORK,
+        str(SCRIPT),
+        str(tmp_path),
+        "--backend",
+        "fsdp",
+        "--dropout",
+        "0",
+        "--resume-from",
+        str(tmp_path / "reshard"),
+    )
     assert second.returncode == 0, second.stdout + second.stderr[-6000:]
     before = [json.loads((tmp_path / f"reshard_rank{r}.json").read_text()) for r in (0, 1)]
     after = json.loads((tmp_path / "final_rank0.json").read_text())
     assert after["world_size"] == 1 and after["resumed_from"] == str(tmp_path / "reshard")
-    windows = [before[0]["windows"][i] + before[1]["windows"][i] for i in range(len(before[0]["windows"]))]
+    windows = [
+        before[0]["windows"][i] + before[1]["windows"][i] for i in range(len(before[0]["windows"]))
+    ]
     # The restored recorder holds rank 0's windows before the save; then one rank's.
-    resumed = after["windows"][len(before[0]["windows"]):]
+    resumed = after["windows"][len(before[0]["windows"]) :]
     # The rest of the epoch: as many samples as were not consumed (16 of 44 were, on 2 ranks).
     assert sum(len(mb) for w in resumed[:4] for mb in w) == 44 - 16
     assert [len(w) for w in resumed[:4]] == [4, 4, 4, 2]
@@ -163,7 +244,7 @@ def test_fsdp_saved_on_two_ranks_resumes_on_one(tmp_path):
 def test_a_raising_worker_fails_the_launch_with_its_error(tmp_path):
     proc = launch("--nproc-per-node", "2", str(FAIL), "raise", timeout=300)
     assert proc.returncode == 1, proc.stderr
-    block = proc.stderr[proc.stderr.index("gradsync: rank 1 (local rank 1) failed (exit code 1)"):]
+    block = proc.stderr[proc.stderr.index("gradsync: rank 1 (local rank 1) failed (exit code 1)") :]
     assert "Traceback (most recent call last)" in block
     assert block.count("Traceback (most recent call last)") == 1  # one block: rank 1's
     assert 'raise ValueError("boom from rank 1: the data file is missing")' in block
@@ -178,7 +259,9 @@ def test_a_hung_collective_times_out_naming_the_operation(tmp_path):
     # loaded machine), then train their few steps together before rank 1 stops answering.
     proc = launch("--nproc-per-node", "2", str(FAIL), "hang", str(tmp_path), timeout=300)
     assert proc.returncode == 1, proc.stderr
-    block = proc.stderr[proc.stderr.index("gradsync: rank 0 (local rank 0) failed (exit code 1)"):]
-    assert ("CollectiveError: wait_for_everyone() (a barrier) failed: timed out waiting for another "
-            "rank (timeout 10 s; set it with Accelerator(timeout=...) or GRADSYNC_TIMEOUT)") in block
+    block = proc.stderr[proc.stderr.index("gradsync: rank 0 (local rank 0) failed (exit code 1)") :]
+    assert (
+        "CollectiveError: wait_for_everyone() (a barrier) failed: timed out waiting for another "
+        "rank (timeout 10 s; set it with Accelerator(timeout=...) or GRADSYNC_TIMEOUT)"
+    ) in block
     assert "gradsync: also stopped: rank 1 (SIGTERM)" in block

@@ -28,7 +28,9 @@ def results(shared):
 
 @pytest.mark.parametrize("spelling", SPELLINGS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_every_spelling_writes_what_from_pretrained_loads_as_the_trained_parameters(results, backend, spelling):
+def test_every_spelling_writes_what_from_pretrained_loads_as_the_trained_parameters(
+    results, backend, spelling
+):
     main, other = results[backend]
     assert main[spelling]["error"] is None and other[spelling]["error"] is None
     saved = main[spelling]

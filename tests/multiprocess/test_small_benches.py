@@ -19,8 +19,12 @@ INDEPENDENT_TESTS = True
 
 
 def quick(name: str, out: Path) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| ddp | 8 |" in (out / f"{name}.md").read_text()
     result: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
@@ -43,15 +47,38 @@ def test_selfcheck_overhead(tmp_path):
 
 def test_checkpoint_io(tmp_path):
     """The checkpoint benchmark runs on 2 ranks and writes its medians, ratios and sizes."""
-    proc = subprocess.run([sys.executable, "-m", "gradsync", "launch", "--nproc-per-node", "2",
-                           "--backend", "ddp", str(ROOT / "benchmarks" / "checkpoint_io.py"),
-                           "--out", str(tmp_path), "--repeats", "2", "--width", "64"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradsync",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--backend",
+            "ddp",
+            str(ROOT / "benchmarks" / "checkpoint_io.py"),
+            "--out",
+            str(tmp_path),
+            "--repeats",
+            "2",
+            "--width",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "checkpoint_io_boundary.json").read_text())
     assert result["world_size"] == 2 and result["repeats"] == 2
-    assert set(result["median_s"]) == {"torch.save", "torch.save+fsync", "save_state",
-                                       "save_state(background)", "background committed"}
+    assert set(result["median_s"]) == {
+        "torch.save",
+        "torch.save+fsync",
+        "save_state",
+        "save_state(background)",
+        "background committed",
+    }
     assert all(len(v) == 2 and min(v) > 0 for v in result["times_s"].values())
     assert result["ratio_background_vs_torch_save"] > 0
     # The same tensors: a checkpoint holds the bare file's bytes plus small state.
@@ -64,5 +91,6 @@ def test_window_loss_overhead(tmp_path):
     assert result["off_step_ms"] > 0 and result["on_step_ms"] > 0 and result["control_step_ms"] > 0
     assert result["add_us"] > 0 and result["allreduce_us"] > 0 and result["read_in_loop_us"] >= 0
     assert 0 < result["estimated_share"] < 1
-    assert result["windows_read"] == 6 and 0 < result["window_loss_last"] < float("inf"), \
+    assert result["windows_read"] == 6 and 0 < result["window_loss_last"] < float("inf"), (
         "the tracked loop reads one finite window loss per timed step"
+    )

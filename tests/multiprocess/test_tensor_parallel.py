@@ -30,44 +30,66 @@ BF16_TOLERANCE = 2e-3  # as on the 1-D mesh (tests/multiprocess/test_fsdp.py)
 SHARD = {"dp_shard": 2, "tp": 2}
 REPLICATE = {"dp_replicate": 2, "tp": 2}
 MESHES = {"s2t2": SHARD, "r2t2": REPLICATE}
-POLICIES = {"s2t2": ("every_step", "defer", "auto"),
-            "r2t2": ("every_step", "defer", "defer_replicate", "auto")}
+POLICIES = {
+    "s2t2": ("every_step", "defer", "auto"),
+    "r2t2": ("every_step", "defer", "defer_replicate", "auto"),
+}
 FOLDER = Path(tempfile.mkdtemp(prefix="gradsync-tp-"))
 LLAMA_SAMPLES = 24
 LLAMA_CLIP = 0.5  # its norms and layer norms are left out of the plan: gradients on two meshes
 
 
 def _train(mesh: str, steps, policy, loop=RUN, **options) -> Scenario:
-    return Scenario(tp.train_tp, dims=MESHES[mesh], steps=steps, loop=loop, policy=policy, **options)
+    return Scenario(
+        tp.train_tp, dims=MESHES[mesh], steps=steps, loop=loop, policy=policy, **options
+    )
 
 
 SCENARIOS = {
     **{f"{m}_k{k}_{p}": _train(m, k, p) for m in MESHES for k in (1, 4) for p in POLICIES[m]},
     **{f"{m}_schedule": _train(m, "0:2 2:4", "defer") for m in MESHES},
-    **{f"{m}_drop_{how}": _train(m, 4, p, replace(RUN, **kw))
-       for m, p in (("s2t2", "defer"), ("r2t2", "defer_replicate")) for how, kw in DROPS.items()},
+    **{
+        f"{m}_drop_{how}": _train(m, 4, p, replace(RUN, **kw))
+        for m, p in (("s2t2", "defer"), ("r2t2", "defer_replicate"))
+        for how, kw in DROPS.items()
+    },
     **{f"{m}_clip": _train(m, 4, "defer", ADAM_CLIP) for m in MESHES},
     "s2t2_partial_clip": _train("s2t2", 4, "defer", ADAM_CLIP, partial=True),
-    "s2t2_partial_clip_value": _train("s2t2", 4, "defer", replace(RUN, clip_value=0.02), partial=True),
+    "s2t2_partial_clip_value": _train(
+        "s2t2", 4, "defer", replace(RUN, clip_value=0.02), partial=True
+    ),
     "s2t2_bf16": _train("s2t2", 4, "defer", mixed_precision="bf16"),
     "s2t2_auto_fits": Scenario(tp.auto_choice, dims=SHARD, budget=10**9),
     "s2t2_auto_small": Scenario(tp.auto_choice, dims=SHARD, budget=100),
     "r2t2_auto": Scenario(tp.auto_choice, dims=REPLICATE, budget=100),
     "s2t2_norm": Scenario(tp.clip_norms_are_global, dims=SHARD),
     "s2t2_metrics": Scenario(tp.metrics_over_data_ranks, dims=SHARD),
-    **{f"{m}_llama": Scenario(tp.train_llama, dims=MESHES[m], steps=2, samples=LLAMA_SAMPLES, clip=LLAMA_CLIP)
-       for m in MESHES},
-    "s2t2_resume": Scenario(tp.resume_mid_window, dims=SHARD, policy="defer", folder=str(FOLDER / "mid-s")),
-    "r2t2_resume": Scenario(tp.resume_mid_window, dims=REPLICATE, policy="defer_replicate",
-                            folder=str(FOLDER / "mid-r")),
+    **{
+        f"{m}_llama": Scenario(
+            tp.train_llama, dims=MESHES[m], steps=2, samples=LLAMA_SAMPLES, clip=LLAMA_CLIP
+        )
+        for m in MESHES
+    },
+    "s2t2_resume": Scenario(
+        tp.resume_mid_window, dims=SHARD, policy="defer", folder=str(FOLDER / "mid-s")
+    ),
+    "r2t2_resume": Scenario(
+        tp.resume_mid_window, dims=REPLICATE, policy="defer_replicate", folder=str(FOLDER / "mid-r")
+    ),
     # (dp_shard 2, tp 2) -> a 1-D mesh of 4 (saved again there) -> back on (dp_shard 2, tp 2)
     "save_s2t2": Scenario(tp.save_at_boundary, dims=SHARD, folder=str(FOLDER / "s2t2")),
-    "load_on_1d": Scenario(tp.load_boundary, dims=None, folder=str(FOLDER / "s2t2"),
-                           then_save=str(FOLDER / "1d")),
+    "load_on_1d": Scenario(
+        tp.load_boundary, dims=None, folder=str(FOLDER / "s2t2"), then_save=str(FOLDER / "1d")
+    ),
     "load_back": Scenario(tp.load_boundary, dims=SHARD, folder=str(FOLDER / "1d")),
 }
-TRAINED = [n for n in SCENARIOS if SCENARIOS[n].fn is tp.train_tp and "drop" not in n
-           and not n.endswith(("_clip", "_clip_value", "_bf16"))]
+TRAINED = [
+    n
+    for n in SCENARIOS
+    if SCENARIOS[n].fn is tp.train_tp
+    and "drop" not in n
+    and not n.endswith(("_clip", "_clip_value", "_bf16"))
+]
 
 
 SHARED = Shared("gloo4", SCENARIOS, nproc=4)
@@ -108,15 +130,24 @@ def test_a_tp_group_reads_the_same_batches_and_data_ranks_distinct_ones(results,
     for r in ranks:
         by_data.setdefault(r["data_rank"], []).append(r["windows"])
     assert all(len(w) == 2 and w[0] == w[1] for w in by_data.values())
-    first_epoch = [[i for w in windows[0][:2] for mb in w for i in mb] for windows in by_data.values()]
+    first_epoch = [
+        [i for w in windows[0][:2] for mb in w for i in mb] for windows in by_data.values()
+    ]
     assert sorted(first_epoch[0] + first_epoch[1]) == list(range(SAMPLES))  # windows of 4 and 3
 
 
 def test_the_mesh_is_named_and_what_was_asked(results):
     ranks = results["s2t2_k4_defer"]
     assert [r["coords"] for r in ranks] == [[0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 1, 1]]
-    assert ranks[0]["mesh_names"] == ["dp_replicate", "dp_shard", "tp"] and ranks[0]["mesh_shape"] == [1, 2, 2]
-    assert [r["coords"] for r in results["r2t2_k4_defer"]] == [[0, 0, 0], [0, 0, 1], [1, 0, 0], [1, 0, 1]]
+    assert ranks[0]["mesh_names"] == ["dp_replicate", "dp_shard", "tp"] and ranks[0][
+        "mesh_shape"
+    ] == [1, 2, 2]
+    assert [r["coords"] for r in results["r2t2_k4_defer"]] == [
+        [0, 0, 0],
+        [0, 0, 1],
+        [1, 0, 0],
+        [1, 0, 1],
+    ]
 
 
 @pytest.mark.parametrize("name", ["s2t2_k4_defer", "s2t2_k4_every_step", "r2t2_k4_defer_replicate"])
@@ -170,7 +201,9 @@ def test_no_gradient_bytes_off_the_boundary_and_tp_on_its_own_line(results, name
         assert records and any(not rec["boundary"] for rec in records)
         for rec in records:
             tp_bytes = rec["groups"]["tp"]["reduction_bytes"]
-            assert tp_bytes > 0, "tensor parallel reduces in every micro-step's forward and backward"
+            assert tp_bytes > 0, (
+                "tensor parallel reduces in every micro-step's forward and backward"
+            )
             if not rec["boundary"]:
                 assert rec["reductions"] == 0 and rec["reduction_bytes"] == 0, rec
             else:
@@ -197,7 +230,9 @@ def test_auto_divides_by_the_shards_and_counts_the_tp_share(results):
     assert HELD == 361 and fits["policy"] == "defer"
     assert fits["memory"]["deferral_extra_bytes"] == HELD * 4 - HELD * 4 // 2 + HELD * 4
     small = results["s2t2_auto_small"][0]
-    assert small["policy"] == "every_step" and f"{HELD * 4 - HELD * 4 // 2} bytes" in small["reason"]
+    assert (
+        small["policy"] == "every_step" and f"{HELD * 4 - HELD * 4 // 2} bytes" in small["reason"]
+    )
     # one shard per replica (S = 1): deferring holds nothing beyond the shard itself
     assert results["r2t2_auto"][0]["policy"] == "defer"
 
@@ -211,7 +246,10 @@ def test_metrics_count_each_sample_once(results):
 @pytest.mark.parametrize("mesh", MESHES)
 def test_a_transformers_llama_through_its_own_plan_is_exact_and_clips_globally(results, mesh):
     ranks = results[f"{mesh}_llama"]
-    windows = [[mb for r in data_ranks(ranks) for mb in r["windows"][w]] for w in range(len(ranks[0]["windows"]))]
+    windows = [
+        [mb for r in data_ranks(ranks) for mb in r["windows"][w]]
+        for w in range(len(ranks[0]["windows"]))
+    ]
     ref = tp.llama_reference(windows, LLAMA_SAMPLES, clip=LLAMA_CLIP)
     assert any(n > LLAMA_CLIP for n in ref["norms"]), "the test must actually clip"
     for r in ranks:
@@ -219,7 +257,9 @@ def test_a_transformers_llama_through_its_own_plan_is_exact_and_clips_globally(r
         assert max_diff(r["state"], ref["state"]) < 1e-5
         assert max(abs(a - b) for a, b in zip(r["norms"], ref["norms"], strict=True)) < 1e-5
         # the token-weighted loss of each window, over the data-parallel ranks' tokens
-        assert max(abs(a - b) for a, b in zip(r["window_losses"], ref["losses"], strict=True)) < 1e-5
+        assert (
+            max(abs(a - b) for a, b in zip(r["window_losses"], ref["losses"], strict=True)) < 1e-5
+        )
 
 
 @pytest.mark.parametrize("name", ["s2t2_resume", "r2t2_resume"])
@@ -232,7 +272,11 @@ def test_a_mid_window_save_resumes_bitwise(results, name):
 def test_a_checkpoint_reshards_to_1d_and_back(results):
     saved = results["save_s2t2"][0]
     for r in results["load_on_1d"]:
-        assert r["mesh"] == [4] and max_diff(r["state"], saved["state"]) == 0.0 and r["steps"] == saved["steps"]
+        assert (
+            r["mesh"] == [4]
+            and max_diff(r["state"], saved["state"]) == 0.0
+            and r["steps"] == saved["steps"]
+        )
         assert r["adam_steps"] == [float(saved["steps"])]
     for r in results["load_back"]:
         assert r["mesh"] == [1, 2, 2] and max_diff(r["state"], saved["state"]) == 0.0

@@ -14,7 +14,10 @@ from scenarios.common import Loop
 SAMPLES = 28
 RUN = Loop(samples=SAMPLES, micro_batch=2)
 CUBE = {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
-SCENARIOS = {p: Scenario(tp.train_tp, dims=CUBE, steps=4, loop=RUN, policy=p) for p in ("every_step", "defer", "defer_replicate", "auto")}
+SCENARIOS = {
+    p: Scenario(tp.train_tp, dims=CUBE, steps=4, loop=RUN, policy=p)
+    for p in ("every_step", "defer", "defer_replicate", "auto")
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,4 +37,6 @@ def test_only_the_shard_group_reduces_off_the_boundary_under_defer_replicate(res
         for rec in r["audit"]:
             groups = rec["groups"]
             assert groups["tp"]["reduction_bytes"] > 0 and groups["shard"]["reduction_bytes"] > 0
-            assert ("replicate" in groups and groups["replicate"]["reduction_bytes"] > 0) == rec["boundary"]
+            assert ("replicate" in groups and groups["replicate"]["reduction_bytes"] > 0) == rec[
+                "boundary"
+            ]

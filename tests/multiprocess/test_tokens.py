@@ -24,14 +24,23 @@ from scenarios import tokens  # noqa: E402  (it imports the examples above)
 
 SAMPLES, LR = 44, 0.05
 LM = {
-    **{f"{b}_{r}": Scenario(tokens.lm, backend=b, reduction=r)
-       for b in ("ddp", "fsdp", "deepspeed") for r in ("sum", "normalized")},
+    **{
+        f"{b}_{r}": Scenario(tokens.lm, backend=b, reduction=r)
+        for b in ("ddp", "fsdp", "deepspeed")
+        for r in ("sum", "normalized")
+    },
     "ddp_mean": Scenario(tokens.lm, backend="ddp", reduction="mean"),
     "ddp_sum_k4_to_3": Scenario(tokens.lm, backend="ddp", reduction="sum", change_steps_at=(2, 3)),
-    "fsdp_sum_every_step": Scenario(tokens.lm, backend="fsdp", reduction="sum", sync_policy="every_step"),
-    "deepspeed_sum_defer": Scenario(tokens.lm, backend="deepspeed", reduction="sum", sync_policy="defer"),
-    **{f"deepspeed{s}_sum": Scenario(tokens.lm, backend="deepspeed", reduction="sum", stage=s)
-       for s in (0, 1, 3)},
+    "fsdp_sum_every_step": Scenario(
+        tokens.lm, backend="fsdp", reduction="sum", sync_policy="every_step"
+    ),
+    "deepspeed_sum_defer": Scenario(
+        tokens.lm, backend="deepspeed", reduction="sum", sync_policy="defer"
+    ),
+    **{
+        f"deepspeed{s}_sum": Scenario(tokens.lm, backend="deepspeed", reduction="sum", stage=s)
+        for s in (0, 1, 3)
+    },
 }
 SCENARIOS = {
     **LM,
@@ -84,7 +93,9 @@ def test_update_is_the_global_token_mean(results, name):
         common = {k: r["state"][k] for k in ref["state"]}
         assert max_diff(common, ref["state"]) < 1e-5
         assert r["items"] == ref["items"], "window_items must equal the window's token count"
-        assert r["logged"] == pytest.approx(ref["means"], rel=1e-5), "the logged loss is the global token mean"
+        assert r["logged"] == pytest.approx(ref["means"], rel=1e-5), (
+            "the logged loss is the global token mean"
+        )
 
 
 def test_windows_include_the_partial_last_one_and_a_change_of_k(results):
@@ -162,10 +173,16 @@ def dpo_reference(ranks):
     reference = copy.deepcopy(policy).requires_grad_(False)
     opt = torch.optim.SGD(policy.parameters(), lr=0.05)
     for w in range(len(ranks[0]["windows"])):
-        micro = [sorted({p for p, _ in mb}, key=[p for p, _ in mb].index) for r in ranks for mb in r["windows"][w]]
+        micro = [
+            sorted({p for p, _ in mb}, key=[p for p, _ in mb].index)
+            for r in ranks
+            for mb in r["windows"][w]
+        ]
         opt.zero_grad()
-        loss = sum(preference.dpo_loss(policy, reference, preference.collate_pairs([data[i] for i in mb]))
-                   for mb in micro) / len(micro)
+        loss = sum(
+            preference.dpo_loss(policy, reference, preference.collate_pairs([data[i] for i in mb]))
+            for mb in micro
+        ) / len(micro)
         loss.backward()
         opt.step()
     return to_lists(policy.state_dict())

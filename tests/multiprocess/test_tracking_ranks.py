@@ -38,9 +38,12 @@ def test_each_file_is_written_once_with_rank_0s_values(run):
     with open(project / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(r["step"], r["loss"], r["rank"]) for r in rows] == [
-        (str(i), str(float(i)), "0") for i in range(logs)]
+        (str(i), str(float(i)), "0") for i in range(logs)
+    ]
     lines = [json.loads(line) for line in (project / "metrics.jsonl").read_text().splitlines()]
-    assert [(x["step"], x["loss"], x["rank"]) for x in lines] == [(i, float(i), 0) for i in range(logs)]
+    assert [(x["step"], x["loss"], x["rank"]) for x in lines] == [
+        (i, float(i), 0) for i in range(logs)
+    ]
     assert len(list(project.glob("events.out.tfevents.*"))) == 1  # one writer: rank 0
     acc = EventAccumulator(str(project))
     acc.Reload()

@@ -31,14 +31,26 @@ def rel_diffs(out: str) -> list[float]:
     return [float(row[4]) for row in table(out)]
 
 
-@pytest.mark.parametrize("launch", [
-    ("--backend", "ddp"),  # as the README runs it: fresh interpreters
-    ("--backend", "fsdp", *FORK),
-    ("--use-deepspeed", "--zero-stage", "2", *FORK),
-], ids=["ddp", "fsdp2", "zero2"])
+@pytest.mark.parametrize(
+    "launch",
+    [
+        ("--backend", "ddp"),  # as the README runs it: fresh interpreters
+        ("--backend", "fsdp", *FORK),
+        ("--use-deepspeed", "--zero-stage", "2", *FORK),
+    ],
+    ids=["ddp", "fsdp2", "zero2"],
+)
 def test_the_example_is_exact_on_every_backend(run_verify, launch):
-    code, out = run_verify("--nproc-per-node", "2", *launch, "--gradient-accumulation-steps", "4",
-                           TRAIN, "--epochs", "1")
+    code, out = run_verify(
+        "--nproc-per-node",
+        "2",
+        *launch,
+        "--gradient-accumulation-steps",
+        "4",
+        TRAIN,
+        "--epochs",
+        "1",
+    )
     assert code == 0, out
     rows = table(out)
     assert [r[0] for r in rows] == ["1", "2", "3"], out
@@ -50,9 +62,22 @@ def test_the_example_is_exact_on_every_backend(run_verify, launch):
 
 
 def test_the_example_is_exact_on_a_2x2_mesh_deferring_the_replica_all_reduce(run_verify):
-    code, out = run_verify("--nproc-per-node", "4", *FORK, "--backend", "fsdp", "--fsdp-mesh", "2,2",
-                           "--sync-policy", "defer_replicate", "--gradient-accumulation-steps", "4",
-                           TRAIN, "--epochs", "1")
+    code, out = run_verify(
+        "--nproc-per-node",
+        "4",
+        *FORK,
+        "--backend",
+        "fsdp",
+        "--fsdp-mesh",
+        "2,2",
+        "--sync-policy",
+        "defer_replicate",
+        "--gradient-accumulation-steps",
+        "4",
+        TRAIN,
+        "--epochs",
+        "1",
+    )
     assert code == 0, out
     assert "16 micro-batches per window" in out and "with 4 process(es)" in out
     assert max(rel_diffs(out)) <= 1e-5, out
@@ -60,8 +85,18 @@ def test_the_example_is_exact_on_a_2x2_mesh_deferring_the_replica_all_reduce(run
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 def test_the_token_weighted_example_is_exact(run_verify, backend):
-    code, out = run_verify("--nproc-per-node", "2", *FORK, "--backend", backend,
-                           "--gradient-accumulation-steps", "4", "--steps", "2", CAUSAL)
+    code, out = run_verify(
+        "--nproc-per-node",
+        "2",
+        *FORK,
+        "--backend",
+        backend,
+        "--gradient-accumulation-steps",
+        "4",
+        "--steps",
+        "2",
+        CAUSAL,
+    )
     assert code == 0, out
     assert len(table(out)) == 2 and max(rel_diffs(out)) <= 1e-5, out
 
@@ -72,7 +107,9 @@ def test_a_loss_scaled_by_the_rank_differs_from_the_first_step(run_verify, tmp_p
     assert line in text
     buggy = tmp_path / "train_rank_bug.py"
     buggy.write_text(text.replace(line, line + " * (1 + accel.rank)"))
-    code, out = run_verify("--nproc-per-node", "2", *FORK, "--gradient-accumulation-steps", "4", buggy)
+    code, out = run_verify(
+        "--nproc-per-node", "2", *FORK, "--gradient-accumulation-steps", "4", buggy
+    )
     assert code == 1, out
     rows = table(out)
     assert rows and all(r[-1] == "DIFFERS" for r in rows), out
@@ -89,12 +126,15 @@ def test_noise_in_the_step_is_reported_as_non_determinism_and_dataset_noise_is_r
     assert "dropout set to p=0 in both runs: 2 (p=0.2)" in out
 
 
-@pytest.mark.parametrize("case, words", [
-    ("fail", ["the script failed under gradsync launch", "fails on purpose"]),
-    ("no-loader", ["prepared no dataloader"]),
-    ("no-accumulate", ["completed no optimizer step"]),
-    ("shards-itself", ["dataset_shards_itself=True"]),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("fail", ["the script failed under gradsync launch", "fails on purpose"]),
+        ("no-loader", ["prepared no dataloader"]),
+        ("no-accumulate", ["completed no optimizer step"]),
+        ("shards-itself", ["dataset_shards_itself=True"]),
+    ],
+)
 def test_what_cannot_be_verified_exits_2_with_one_line(run_verify, case, words):
     # No --max-seconds: these runs end by themselves, however long a loaded machine takes.
     code, out = run_verify("--nproc-per-node", "1", *FORK, CASES, "--case", case)
@@ -108,7 +148,9 @@ def test_what_cannot_be_verified_exits_2_with_one_line(run_verify, case, words):
 def test_a_script_that_hangs_is_stopped_at_max_seconds_with_one_line(run_verify):
     # The script sleeps 10 minutes before it trains: it runs past the limit however fast or
     # loaded the machine is, so a short limit keeps the test short without making it flaky.
-    code, out = run_verify("--nproc-per-node", "1", *FORK, "--max-seconds", "5", CASES, "--case", "hang")
+    code, out = run_verify(
+        "--nproc-per-node", "1", *FORK, "--max-seconds", "5", CASES, "--case", "hang"
+    )
     assert code == 2, out
     verdict = [line for line in out.splitlines() if line.startswith("verdict: cannot verify")]
     assert len(verdict) == 1, out
@@ -116,8 +158,24 @@ def test_a_script_that_hangs_is_stopped_at_max_seconds_with_one_line(run_verify)
 
 
 def test_a_multi_node_launch_is_refused_before_anything_starts():
-    proc = subprocess.run([sys.executable, "-m", "gradsync", "verify", "--nnodes", "2", "--master-addr",
-                           "127.0.0.1", "--master-port", "29999", str(TRAIN)],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradsync",
+            "verify",
+            "--nnodes",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            "29999",
+            str(TRAIN),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
     assert proc.returncode == 2 and "one node" in proc.stderr, proc.stdout + proc.stderr

@@ -12,12 +12,27 @@ import re
 from harness.verify import ROOT, table
 
 SCRIPT = ROOT / "tests" / "scripts" / "verify_tp.py"
-LAUNCH = ("--parallelism", "dp_shard=2,tp=2", "--nproc-per-node", "4", "--backend", "fsdp",
-          "--sync-policy", "defer", "--gradient-accumulation-steps", "2", "--steps", "3",
-          "--start-method", "fork")
+LAUNCH = (
+    "--parallelism",
+    "dp_shard=2,tp=2",
+    "--nproc-per-node",
+    "4",
+    "--backend",
+    "fsdp",
+    "--sync-policy",
+    "defer",
+    "--gradient-accumulation-steps",
+    "2",
+    "--steps",
+    "3",
+    "--start-method",
+    "fork",
+)
 
 
-def test_tp_on_dp_shard_equals_one_process_and_a_dp_rank_dependent_loss_differs(run_verify, tmp_path):
+def test_tp_on_dp_shard_equals_one_process_and_a_dp_rank_dependent_loss_differs(
+    run_verify, tmp_path
+):
     code, out = run_verify(*LAUNCH, "--verify-dir", tmp_path / "exact", SCRIPT)
     assert code == 0, out
     assert "with 4 process(es) (2 data-parallel)" in out, out

@@ -21,13 +21,19 @@ def _gathered(obj: Any) -> list[Any]:
     return out
 
 
-def window_loss(*, backend: str, k: int, samples: int, read_on: str,
-                project_dir: str | None = None) -> dict[str, Any]:
+def window_loss(
+    *, backend: str, k: int, samples: int, read_on: str, project_dir: str | None = None
+) -> dict[str, Any]:
     """Train; at every boundary compare ``window_loss`` with the mean over every rank's
     micro-batch losses of that window. ``read_on="main"``: only rank 0 ever reads it (the
     others must not hang), and logs it to TensorBoard under ``project_dir``."""
-    accel = Accelerator(backend=backend, gradient_accumulation_steps=k, seed=0,
-                        log_with="tensorboard" if project_dir else None, project_dir=project_dir)
+    accel = Accelerator(
+        backend=backend,
+        gradient_accumulation_steps=k,
+        seed=0,
+        log_with="tensorboard" if project_dir else None,
+        project_dir=project_dir,
+    )
     accel.init_trackers("run")
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -48,8 +54,10 @@ def window_loss(*, backend: str, k: int, samples: int, read_on: str,
                     accel.log({"loss": accel.window_loss})
                 mine.append([])
     everyone = _gathered(mine[:-1])
-    expected = [sum(sum(r[w]) for r in everyone) / sum(len(r[w]) for r in everyone)
-                for w in range(len(mine) - 1)]
+    expected = [
+        sum(sum(r[w]) for r in everyone) / sum(len(r[w]) for r in everyone)
+        for w in range(len(mine) - 1)
+    ]
     accel.end_training()
     return {"read": read, "expected": expected}
 
@@ -57,8 +65,12 @@ def window_loss(*, backend: str, k: int, samples: int, read_on: str,
 def token_window_loss(*, backend: str) -> dict[str, Any]:
     """reduction="sum" with items: window_loss is the sum of every rank's summed losses over
     the global window's items."""
-    accel = Accelerator(backend=backend, gradient_accumulation_steps=2, seed=0,
-                        count_items=lambda batch: int(batch[2].sum()))
+    accel = Accelerator(
+        backend=backend,
+        gradient_accumulation_steps=2,
+        seed=0,
+        count_items=lambda batch: int(batch[2].sum()),
+    )
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     data = Indexed(16)
@@ -82,8 +94,10 @@ def token_window_loss(*, backend: str) -> dict[str, Any]:
                 sums.append([])
                 items.append([])
     all_sums, all_items = _gathered(sums[:-1]), _gathered(items[:-1])
-    expected = [sum(sum(r[w]) for r in all_sums) / sum(sum(r[w]) for r in all_items)
-                for w in range(len(sums) - 1)]
+    expected = [
+        sum(sum(r[w]) for r in all_sums) / sum(sum(r[w]) for r in all_items)
+        for w in range(len(sums) - 1)
+    ]
     accel.end()
     return {"read": read, "expected": expected}
 
@@ -156,13 +170,20 @@ def gpt2_tokens(*, project_dir: str) -> dict[str, Any]:
         sys.path.insert(0, str(examples))
     import causal_lm
 
-    accel = Accelerator(backend="ddp", gradient_accumulation_steps=3, seed=0,
-                        count_items=gradsync.count_label_tokens, log_with="tensorboard",
-                        project_dir=project_dir)
+    accel = Accelerator(
+        backend="ddp",
+        gradient_accumulation_steps=3,
+        seed=0,
+        count_items=gradsync.count_label_tokens,
+        log_with="tensorboard",
+        project_dir=project_dir,
+    )
     accel.init_trackers("gpt2")
     model = causal_lm.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    loader = DataLoader(causal_lm.Sequences(24), batch_size=2, shuffle=False, collate_fn=causal_lm.collate)
+    loader = DataLoader(
+        causal_lm.Sequences(24), batch_size=2, shuffle=False, collate_fn=causal_lm.collate
+    )
     model, opt, loader = accel.prepare(model, opt, loader)
     sums: list[list[float]] = [[]]
     tokens: list[list[int]] = [[]]
@@ -179,7 +200,9 @@ def gpt2_tokens(*, project_dir: str) -> dict[str, Any]:
             sums.append([])
             tokens.append([])
     all_sums, all_tokens = _gathered(sums[:-1]), _gathered(tokens[:-1])
-    expected = [sum(sum(r[w]) for r in all_sums) / sum(sum(r[w]) for r in all_tokens)
-                for w in range(len(sums) - 1)]
+    expected = [
+        sum(sum(r[w]) for r in all_sums) / sum(sum(r[w]) for r in all_tokens)
+        for w in range(len(sums) - 1)
+    ]
     accel.end_training()
     return {"expected": expected}

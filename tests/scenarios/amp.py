@@ -47,8 +47,14 @@ class Overflows(Probe):
     ``spike_window`` (a loss spike, its backward overflows fp16, off the boundary); records
     the forward's dtypes and, per window, whether the step was skipped and the scale."""
 
-    def __init__(self, poison_window: int | None, spike_window: int | None, poison_rank: int) -> None:
-        self.poison_window, self.spike_window, self.poison_rank = poison_window, spike_window, poison_rank
+    def __init__(
+        self, poison_window: int | None, spike_window: int | None, poison_rank: int
+    ) -> None:
+        self.poison_window, self.spike_window, self.poison_rank = (
+            poison_window,
+            spike_window,
+            poison_rank,
+        )
         self.dtypes: set[str] = set()
         self.skipped: list[bool] = []
         self.scales: list[float] = []
@@ -61,7 +67,11 @@ class Overflows(Probe):
         return loss * (1e9 if spike else 1.0)
 
     def after_backward(self, accel: Any, model: nn.Module, window: int) -> None:
-        if accel.sync_gradients and window == self.poison_window and dist.get_rank() == self.poison_rank:
+        if (
+            accel.sync_gradients
+            and window == self.poison_window
+            and dist.get_rank() == self.poison_rank
+        ):
             poison(model)
 
     def window_end(self, accel: Any) -> None:
@@ -71,27 +81,54 @@ class Overflows(Probe):
     def finish(self, accel: Any, model: nn.Module, scheduler: Any) -> dict[str, Any]:
         with accel.autocast():
             eval_dtype = str(model(torch.randn(2, 8)).dtype)
-        return {"skipped": self.skipped, "scales": self.scales, "dtypes": sorted(self.dtypes),
-                "eval_dtype": eval_dtype, "last_lrs": [float(v) for v in scheduler.get_last_lr()],
-                "scaler_state": accel.scaler.state_dict() if accel.scaler is not None else None}
+        return {
+            "skipped": self.skipped,
+            "scales": self.scales,
+            "dtypes": sorted(self.dtypes),
+            "eval_dtype": eval_dtype,
+            "last_lrs": [float(v) for v in scheduler.get_last_lr()],
+            "scaler_state": accel.scaler.state_dict() if accel.scaler is not None else None,
+        }
 
 
-def train_amp(*, backend: str, steps: int, loop: Loop, mixed_precision: str = "fp16",
-              policy: str = "auto", poison_window: int | None = None,
-              spike_window: int | None = None, poison_rank: int = 1,
-              grad_scaler: dict[str, Any] | None = None) -> dict[str, Any]:
+def train_amp(
+    *,
+    backend: str,
+    steps: int,
+    loop: Loop,
+    mixed_precision: str = "fp16",
+    policy: str = "auto",
+    poison_window: int | None = None,
+    spike_window: int | None = None,
+    poison_rank: int = 1,
+    grad_scaler: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The user's fp16 (or bf16) loop: ``train`` with the ``Overflows`` probe."""
-    accel = Accelerator(backend=backend, gradient_accumulation_steps=steps, sync_policy=policy,
-                        seed=0, audit=True, mixed_precision=mixed_precision, grad_scaler=grad_scaler)
+    accel = Accelerator(
+        backend=backend,
+        gradient_accumulation_steps=steps,
+        sync_policy=policy,
+        seed=0,
+        audit=True,
+        mixed_precision=mixed_precision,
+        grad_scaler=grad_scaler,
+    )
     return train(accel, loop, probe=Overflows(poison_window, spike_window, poison_rank))
 
 
-def train_checkpointed(*, backend: str, steps: int, checkpointing: list[str] | None, loop: Loop,
-                       policy: str = "auto") -> dict[str, Any]:
+def train_checkpointed(
+    *, backend: str, steps: int, checkpointing: list[str] | None, loop: Loop, policy: str = "auto"
+) -> dict[str, Any]:
     """fp32 training with activation checkpointing (or None), and the bytes one micro-step
     keeps for backward."""
-    accel = Accelerator(backend=backend, gradient_accumulation_steps=steps, sync_policy=policy,
-                        seed=0, audit=True, activation_checkpointing=checkpointing)
+    accel = Accelerator(
+        backend=backend,
+        gradient_accumulation_steps=steps,
+        sync_policy=policy,
+        seed=0,
+        audit=True,
+        activation_checkpointing=checkpointing,
+    )
     out = train(accel, loop)
     probe = Accelerator(backend=backend, seed=0, activation_checkpointing=checkpointing)
     model = probe.prepare(make_model())
@@ -112,11 +149,19 @@ def errors(*, backend: str) -> dict[str, str]:
         except (ValueError, RuntimeError) as err:
             messages[key] = f"{type(err).__name__}: {err}"
 
-    catch("unknown_class", lambda: Accelerator(backend=backend, activation_checkpointing=["Transformer"])
-          .prepare(make_model()))
+    catch(
+        "unknown_class",
+        lambda: Accelerator(backend=backend, activation_checkpointing=["Transformer"]).prepare(
+            make_model()
+        ),
+    )
     wrapped = Accelerator(backend=backend).prepare(make_model())
-    catch("wrapped", lambda: Accelerator(backend=backend, activation_checkpointing=["Block"],
-                                         compile=True).prepare(wrapped))
+    catch(
+        "wrapped",
+        lambda: Accelerator(
+            backend=backend, activation_checkpointing=["Block"], compile=True
+        ).prepare(wrapped),
+    )
     fp16 = Accelerator(backend=backend, mixed_precision="fp16")
     catch("user_scaler", lambda: fp16.prepare(make_model(), torch.amp.GradScaler("cpu")))
     dist.barrier()

@@ -12,7 +12,9 @@ from gradsync import Accelerator
 from scenarios.common import Indexed, make_model, make_optimizer, make_scheduler
 
 
-def trained(steps: int = 4, micro: int = 6, seed: int = 0) -> tuple[Accelerator, torch.nn.Module, object, object, object]:
+def trained(
+    steps: int = 4, micro: int = 6, seed: int = 0
+) -> tuple[Accelerator, torch.nn.Module, object, object, object]:
     accel = Accelerator(backend="single", gradient_accumulation_steps=steps, seed=seed)
     model = make_model()
     opt = make_optimizer(model.parameters(), "sgd", 0.05)

@@ -101,8 +101,9 @@ def to_lists(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {k: v.detach().cpu().float().tolist() for k, v in state.items()}
 
 
-def micro_step(accel: Any, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-               y: torch.Tensor) -> None:
+def micro_step(
+    accel: Any, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> None:
     """One micro-step of the plain loop: forward, backward, step and zero_grad in the block."""
     with accel.accumulate(model):
         accel.backward(F.mse_loss(model(x), y))
@@ -324,8 +325,10 @@ def mid_window_save_refused(accel: Any) -> dict[str, Any]:
     dist.barrier()
     out["left_after_refusal"] = sorted(p.name for p in root.iterdir())
     micro(), micro()  # the window closes: a boundary
-    out["boundary_saves"] = [accel.save_state(root / "b-default"),
-                             accel.save_state(root / "b-background", background=True)]
+    out["boundary_saves"] = [
+        accel.save_state(root / "b-default"),
+        accel.save_state(root / "b-background", background=True),
+    ]
     out["committed"] = accel.wait_for_checkpoint()
     out["after"] = sorted(p.name for p in root.iterdir())
     before = {k: v.clone() for k, v in accel.get_state_dict(model).items()}

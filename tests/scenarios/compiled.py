@@ -14,8 +14,14 @@ from scenarios.common import Loop, Net, make_model, train
 
 def train_compiled(*, backend: str, where: str, steps: int, loop: Loop) -> dict[str, Any]:
     """``where``: "before" prepare, "after" it, or "option" (``Accelerator(compile=True)``)."""
-    accel = Accelerator(backend=backend, gradient_accumulation_steps=steps, sync_policy="defer",
-                        seed=0, audit=True, compile=where == "option")
+    accel = Accelerator(
+        backend=backend,
+        gradient_accumulation_steps=steps,
+        sync_policy="defer",
+        seed=0,
+        audit=True,
+        compile=where == "option",
+    )
     model: Any = make_model()
     if where == "before":
         model = torch.compile(model)

@@ -13,8 +13,9 @@ from scenarios.common import Loop, make_model, train
 
 
 def train_ddp(*, steps: int | str, loop: Loop, policy: str = "auto") -> dict[str, Any]:
-    accel = Accelerator(backend="ddp", gradient_accumulation_steps=steps, sync_policy=policy,
-                        seed=0, audit=True)
+    accel = Accelerator(
+        backend="ddp", gradient_accumulation_steps=steps, sync_policy=policy, seed=0, audit=True
+    )
     return train(accel, loop)
 
 

@@ -36,19 +36,38 @@ class CastIO(nn.Module):
 
 
 def ds_config(stage: int, **extra: Any) -> dict[str, Any]:
-    return {"zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
-            **extra}
+    return {
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        **extra,
+    }
 
 
-def train_ds(*, stage: int, steps: int | str, loop: Loop, policy: str = "auto",
-             mixed_precision: str = "no", ds_extra: dict[str, Any] | None = None,
-             budget: int | None = None, checkpointing: list[str] | None = None,
-             compile: bool | None = None) -> dict[str, Any]:
-    accel = Accelerator(backend="deepspeed", gradient_accumulation_steps=steps, sync_policy=policy,
-                        seed=0, audit=True, mixed_precision=mixed_precision,
-                        deepspeed_config=ds_config(stage, **(ds_extra or {})),
-                        sync_memory_budget=budget, activation_checkpointing=checkpointing,
-                        compile=compile)
+def train_ds(
+    *,
+    stage: int,
+    steps: int | str,
+    loop: Loop,
+    policy: str = "auto",
+    mixed_precision: str = "no",
+    ds_extra: dict[str, Any] | None = None,
+    budget: int | None = None,
+    checkpointing: list[str] | None = None,
+    compile: bool | None = None,
+) -> dict[str, Any]:
+    accel = Accelerator(
+        backend="deepspeed",
+        gradient_accumulation_steps=steps,
+        sync_policy=policy,
+        seed=0,
+        audit=True,
+        mixed_precision=mixed_precision,
+        deepspeed_config=ds_config(stage, **(ds_extra or {})),
+        sync_memory_budget=budget,
+        activation_checkpointing=checkpointing,
+        compile=compile,
+    )
     model = CastIO(make_model()) if mixed_precision == "bf16" else make_model()
     assert accel.audit is not None
     start = len(accel.audit.records)
@@ -58,8 +77,9 @@ def train_ds(*, stage: int, steps: int | str, loop: Loop, policy: str = "auto",
     out["reason"] = accel.sync_policy_reason
     out["logged"] = [m for m in logged if "sync_policy" in m]
     # modules whose forward gradsync made recompute in backward (activation_checkpointing)
-    out["checkpointed"] = sorted(type(m).__name__ for m in model.modules()
-                                 if getattr(m, "_gradsync_checkpointed", False))
+    out["checkpointed"] = sorted(
+        type(m).__name__ for m in model.modules() if getattr(m, "_gradsync_checkpointed", False)
+    )
     # each collective with its payload, per micro-step (the audit dicts keep only totals)
     out["audit_ops"] = [[list(op) for op in rec.ops] for rec in accel.audit.records[start:]]
     return out
@@ -94,17 +114,25 @@ class BoundaryFlag(Probe):
             self.window_sizes.append(size)
 
     def finish(self, accel: Any, model: nn.Module, scheduler: Any) -> dict[str, Any]:
-        return {"sync_kept_after_block": all(self.after_block_sync),
-                "flag_set_inside": all(self.set_inside), "flag_restored": all(self.restored),
-                "window_sizes": self.window_sizes}
+        return {
+            "sync_kept_after_block": all(self.after_block_sync),
+            "flag_set_inside": all(self.set_inside),
+            "flag_restored": all(self.restored),
+            "window_sizes": self.window_sizes,
+        }
 
 
 def step_after_block(*, stage: int, steps: int, loop: Loop, policy: str = "auto") -> dict[str, Any]:
     """The loop with clip / optimizer.step() / scheduler.step() / zero_grad() AFTER the
     accumulate block (``Loop(calls="after_block")``): ``accel.sync_gradients`` keeps the
     last micro-step's decision there."""
-    accel = Accelerator(backend="deepspeed", gradient_accumulation_steps=steps, sync_policy=policy,
-                        seed=0, deepspeed_config=ds_config(stage))
+    accel = Accelerator(
+        backend="deepspeed",
+        gradient_accumulation_steps=steps,
+        sync_policy=policy,
+        seed=0,
+        deepspeed_config=ds_config(stage),
+    )
     return train(accel, replace(loop, calls="after_block"), probe=BoundaryFlag())
 
 
@@ -118,9 +146,11 @@ def _expect_error(fn: Any) -> str:
 
 def config_errors() -> dict[str, str]:
     """Contradicting or incomplete configs fail in prepare(), before deepspeed.initialize."""
+
     def prepare(steps: int, ds: dict[str, Any], with_loader: bool = True, **kw: Any) -> None:
-        accel = Accelerator(backend="deepspeed", gradient_accumulation_steps=steps,
-                            deepspeed_config=ds, **kw)
+        accel = Accelerator(
+            backend="deepspeed", gradient_accumulation_steps=steps, deepspeed_config=ds, **kw
+        )
         model = make_model()
         opt = make_optimizer(model.parameters(), "sgd", 0.1)
         loader = DataLoader(Indexed(8), batch_size=2)
@@ -135,17 +165,23 @@ def config_errors() -> dict[str, str]:
         "micro": _expect_error(lambda: prepare(4, ds_config(0, train_micro_batch_size_per_gpu=4))),
         "no_micro": _expect_error(lambda: prepare(4, ds_config(0), with_loader=False)),
         "every_step_stage1": _expect_error(
-            lambda: Accelerator(backend="deepspeed", sync_policy="every_step",
-                                deepspeed_config=ds_config(1))),
+            lambda: Accelerator(
+                backend="deepspeed", sync_policy="every_step", deepspeed_config=ds_config(1)
+            )
+        ),
     }
+
     def two_models(shared: bool) -> None:
         accel = Accelerator(backend="deepspeed", deepspeed_config=ds_config(0), micro_batch_size=2)
         a, b = make_model(), make_model(1)
         if shared:  # one optimizer over two engines
             accel.prepare(a, b, make_optimizer([*a.parameters(), *b.parameters()], "sgd", 0.1))
         else:  # two optimizers for one engine
-            accel.prepare(a, make_optimizer(a.blocks.parameters(), "sgd", 0.1),
-                          make_optimizer(a.head.parameters(), "sgd", 0.1))
+            accel.prepare(
+                a,
+                make_optimizer(a.blocks.parameters(), "sgd", 0.1),
+                make_optimizer(a.head.parameters(), "sgd", 0.1),
+            )
 
     out["one_optimizer_two_models"] = _expect_error(lambda: two_models(True))
     out["two_optimizers_one_model"] = _expect_error(lambda: two_models(False))
@@ -172,8 +208,12 @@ def clip_twice() -> dict[str, str]:
 
 def config_optimizer(*, stage: int) -> dict[str, Any]:
     """No torch optimizer: the config's optimizer section (torch Adam on the CPU) is used."""
-    accel = Accelerator(backend="deepspeed", gradient_accumulation_steps=2, seed=0,
-                        deepspeed_config=ds_config(stage, optimizer={"type": "Adam", "params": {"lr": 0.01}}))
+    accel = Accelerator(
+        backend="deepspeed",
+        gradient_accumulation_steps=2,
+        seed=0,
+        deepspeed_config=ds_config(stage, optimizer={"type": "Adam", "params": {"lr": 0.01}}),
+    )
     model = make_model()
     loader = DataLoader(Indexed(16), batch_size=2)
     model, loader = accel.prepare(model, loader)
@@ -185,20 +225,28 @@ def config_optimizer(*, stage: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
     after = accel.get_state_dict(model)
-    return {"changed": max(float((after[k] - before[k]).abs().max()) for k in after),
-            "optimizer_steps": accel.optimizer_steps,
-            "basic": type(model.basic_optimizer).__name__}
+    return {
+        "changed": max(float((after[k] - before[k]).abs().max()) for k in after),
+        "optimizer_steps": accel.optimizer_steps,
+        "basic": type(model.basic_optimizer).__name__,
+    }
 
 
 def mid_window_save() -> dict[str, Any]:
     from scenarios.common import mid_window_save_refused
 
-    return mid_window_save_refused(Accelerator(backend="deepspeed", gradient_accumulation_steps=4,
-                                               deepspeed_config=ds_config(2)))
+    return mid_window_save_refused(
+        Accelerator(
+            backend="deepspeed", gradient_accumulation_steps=4, deepspeed_config=ds_config(2)
+        )
+    )
 
 
 def export_model(*, stage: int) -> dict[str, Any]:
     from scenarios.common import export_model as export
 
-    return export(Accelerator(backend="deepspeed", gradient_accumulation_steps=4,
-                              deepspeed_config=ds_config(stage)))
+    return export(
+        Accelerator(
+            backend="deepspeed", gradient_accumulation_steps=4, deepspeed_config=ds_config(stage)
+        )
+    )

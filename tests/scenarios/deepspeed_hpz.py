@@ -21,8 +21,12 @@ def hpz_config(hpz: int) -> dict[str, Any]:
     """ZeRO 3 with a secondary partition of ``hpz`` ranks. The persistence thresholds are 0
     so that every parameter of the tiny model is partitioned (by default DeepSpeed keeps
     small parameters whole on every rank, and hpZ would have nothing to do)."""
-    return {"stage": 3, "zero_hpz_partition_size": hpz, "stage3_param_persistence_threshold": 0,
-            "stage3_model_persistence_threshold": 0}
+    return {
+        "stage": 3,
+        "zero_hpz_partition_size": hpz,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_model_persistence_threshold": 0,
+    }
 
 
 def secondary_group_ranks() -> list[int]:
@@ -47,17 +51,27 @@ class SecondaryTensors(Probe):
         self.persistent = sum(bool(getattr(p, "ds_persist", False)) for p in params)
 
     def finish(self, accel: Any, model: nn.Module, scheduler: Any) -> dict[str, Any]:
-        return {"secondary_held": self.held, "persistent": self.persistent,
-                "n_params": len(list(model.module.parameters()))}
+        return {
+            "secondary_held": self.held,
+            "persistent": self.persistent,
+            "n_params": len(list(model.module.parameters())),
+        }
 
 
-def train_hpz(*, hpz: int, steps: int | str, loop: Loop, policy: str,
-              budget: int | None = None) -> dict[str, Any]:
+def train_hpz(
+    *, hpz: int, steps: int | str, loop: Loop, policy: str, budget: int | None = None
+) -> dict[str, Any]:
     """The shared loop on ZeRO 3 with ``zero_hpz_partition_size=hpz``: what it recorded,
     every collective per micro-step, the secondary group and the secondary tensors held."""
-    accel = Accelerator(backend="deepspeed", gradient_accumulation_steps=steps, sync_policy=policy,
-                        seed=0, audit=True, sync_memory_budget=budget,
-                        deepspeed_config=ds_config(3, zero_optimization=hpz_config(hpz)))
+    accel = Accelerator(
+        backend="deepspeed",
+        gradient_accumulation_steps=steps,
+        sync_policy=policy,
+        seed=0,
+        audit=True,
+        sync_memory_budget=budget,
+        deepspeed_config=ds_config(3, zero_optimization=hpz_config(hpz)),
+    )
     assert accel.audit is not None
     start = len(accel.audit.records)
     out = train(accel, loop, model=make_model(), probe=SecondaryTensors())
@@ -70,8 +84,12 @@ def train_hpz(*, hpz: int, steps: int | str, loop: Loop, policy: str,
 def refused(*, hpz: int) -> str:
     """Building the Accelerator with ``zero_hpz_partition_size=hpz`` on this group: the error."""
     try:
-        Accelerator(backend="deepspeed", gradient_accumulation_steps=4, micro_batch_size=2,
-                    deepspeed_config=ds_config(3, zero_optimization=hpz_config(hpz)))
+        Accelerator(
+            backend="deepspeed",
+            gradient_accumulation_steps=4,
+            micro_batch_size=2,
+            deepspeed_config=ds_config(3, zero_optimization=hpz_config(hpz)),
+        )
     except Exception as err:
         return f"{type(err).__name__}: {err}"
     return "no error"

@@ -21,12 +21,24 @@ NO_BUCKETS = {"reduce_buffer_size": 0}
 def _accel(steps: int, policy: str = "auto", buckets: bool = True, **options: Any) -> Accelerator:
     if not buckets:
         options["fairscale_kwargs"] = NO_BUCKETS
-    return Accelerator(backend="fairscale", gradient_accumulation_steps=steps, sync_policy=policy,
-                       seed=0, audit=True, **options)
+    return Accelerator(
+        backend="fairscale",
+        gradient_accumulation_steps=steps,
+        sync_policy=policy,
+        seed=0,
+        audit=True,
+        **options,
+    )
 
 
-def train_fs(*, steps: int, loop: Loop, policy: str = "auto", buckets: bool = True,
-             mixed_precision: str = "no") -> dict[str, Any]:
+def train_fs(
+    *,
+    steps: int,
+    loop: Loop,
+    policy: str = "auto",
+    buckets: bool = True,
+    mixed_precision: str = "no",
+) -> dict[str, Any]:
     accel = _accel(steps, policy, buckets, mixed_precision=mixed_precision)
     out = train(accel, loop)
     out["reason"] = accel.sync_policy_reason
@@ -58,7 +70,9 @@ def optimizer_state(*, steps: int, loop: Loop) -> dict[str, Any]:
     model = make_model(1)
     _, opt2 = fresh.prepare(model, make_optimizer(model.parameters(), loop.optimizer, 0.5))
     opt2.load_state_dict(full)
-    out["intact_after_load"] = len(full["state"]) == len(out["consolidated"]) and all(full["state"].values())
+    out["intact_after_load"] = len(full["state"]) == len(out["consolidated"]) and all(
+        full["state"].values()
+    )
     out["reloaded"] = _lists(opt2.state_dict()["state"])
     out["reloaded_lr"] = opt2.param_groups[0]["lr"]
     return out
@@ -103,8 +117,13 @@ def misuse() -> dict[str, str]:
     plain = make_model()
     catch("oss", lambda: given(plain, OSS(plain.parameters(), optim=torch.optim.SGD, lr=0.1)))
     inner = make_model()
-    catch("sdp", lambda: given(ShardedDataParallel(inner, OSS(inner.parameters(), lr=0.1)),
-                               make_optimizer(inner.parameters(), "sgd", 0.1)))
+    catch(
+        "sdp",
+        lambda: given(
+            ShardedDataParallel(inner, OSS(inner.parameters(), lr=0.1)),
+            make_optimizer(inner.parameters(), "sgd", 0.1),
+        ),
+    )
     used = make_model()
     used_opt = make_optimizer(used.parameters(), "adam", 0.1)
     F.mse_loss(used(torch.randn(2, 8)), torch.randn(2, 1)).backward()
@@ -126,7 +145,8 @@ def grads_stay_in_buckets(*, steps: int) -> dict[str, Any]:
     bucket_storages = {b.buffer.untyped_storage().data_ptr() for b in model._bucket_list}
     out["bucketed"] = sum(model._should_bucket_grad)
     out["in_bucket"] = sum(
-        1 for p in model.module.parameters()
+        1
+        for p in model.module.parameters()
         if p.grad is not None and p.grad.untyped_storage().data_ptr() in bucket_storages
     )
     out["params"] = len(list(model.module.parameters()))
@@ -151,8 +171,9 @@ class _FailingBackward(torch.autograd.Function):
         return grad
 
 
-def drop_in_backward(*, steps: int, fail_at: int, loop: Loop, policy: str = "auto",
-                     buckets: bool = True) -> dict[str, Any]:
+def drop_in_backward(
+    *, steps: int, fail_at: int, loop: Loop, policy: str = "auto", buckets: bool = True
+) -> dict[str, Any]:
     """The backward of the ``fail_at``-th micro-step raises half-way (after the head's and the
     blocks' gradients, before the input layer's), on every rank: a window whose reduction
     was only partly issued is dropped."""

@@ -37,14 +37,20 @@ def setup_process_group() -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
-def _prepared(backend: str, stage: int | None, mesh: list[int] | None, seed: int) -> tuple[Accelerator, Any, Any, Any]:
+def _prepared(
+    backend: str, stage: int | None, mesh: list[int] | None, seed: int
+) -> tuple[Accelerator, Any, Any, Any]:
     options: dict[str, Any] = {"timeout": 300}
     if backend == "deepspeed":
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        options["deepspeed_config"] = {"zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
-                                       "wall_clock_breakdown": False, "gradient_clipping": 0.0}
+        options["deepspeed_config"] = {
+            "zero_optimization": {"stage": stage},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+            "gradient_clipping": 0.0,
+        }
     if mesh is not None:
         options["fsdp_mesh"] = tuple(mesh)
     accel = Accelerator(backend=backend, gradient_accumulation_steps=2, seed=0, **options)
@@ -53,7 +59,10 @@ def _prepared(backend: str, stage: int | None, mesh: list[int] | None, seed: int
     model, opt, loader = accel.prepare(model, opt, DataLoader(Indexed(64), batch_size=2))
     # A hook that gathers the full weights (a collective on sharded backends) and adds a file.
     accel.register_save_state_pre_hook(
-        lambda models, weights, folder: torch.save(len(weights), Path(folder) / f"hook_rank{dist.get_rank()}.pt"))
+        lambda models, weights, folder: torch.save(
+            len(weights), Path(folder) / f"hook_rank{dist.get_rank()}.pt"
+        )
+    )
     return accel, model, opt, loader
 
 
@@ -108,8 +117,16 @@ def _listing(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name != "filler")
 
 
-def failed_save(*, backend: str, folder: str, read_only: str, fault: str, background: bool = False,
-                stage: int | None = None, mesh: list[int] | None = None) -> dict[str, Any]:
+def failed_save(
+    *,
+    backend: str,
+    folder: str,
+    read_only: str,
+    fault: str,
+    background: bool = False,
+    stage: int | None = None,
+    mesh: list[int] | None = None,
+) -> dict[str, Any]:
     """Save ``good`` (with a save-state hook that gathers the weights); train a window; the
     save of ``bad`` (keep_last=1) fails under ``fault``; then ``good`` loads into a fresh
     Accelerator from ``read_only`` (the same folder seen through a read-only mount), where a
@@ -148,8 +165,16 @@ def failed_save(*, backend: str, folder: str, read_only: str, fault: str, backgr
     accel.wait_for_checkpoint()
     dist.barrier()
     return {
-        "error": error, "kind": kind, "started": started, "failed_at": failed_at,
-        "listing_after_failure": listing, "latest": latest, "good": good,
-        "bitwise": sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved),
-        "after": after, "listing_after_save": _listing(root), "read_only_error": read_only_error,
+        "error": error,
+        "kind": kind,
+        "started": started,
+        "failed_at": failed_at,
+        "listing_after_failure": listing,
+        "latest": latest,
+        "good": good,
+        "bitwise": sorted(saved) == sorted(loaded)
+        and all(torch.equal(saved[k], loaded[k]) for k in saved),
+        "after": after,
+        "listing_after_save": _listing(root),
+        "read_only_error": read_only_error,
     }

@@ -18,14 +18,23 @@ from scenarios.common import Block, Loop, captured_log, make_model, make_optimiz
 
 def _accel(steps: int, policy: str = "auto", **options: Any) -> Accelerator:
     options = {k: v for k, v in options.items() if v is not None}
-    return Accelerator(backend="fsdp", gradient_accumulation_steps=steps, sync_policy=policy,
-                       seed=0, audit=True, **options)
+    return Accelerator(
+        backend="fsdp",
+        gradient_accumulation_steps=steps,
+        sync_policy=policy,
+        seed=0,
+        audit=True,
+        **options,
+    )
 
 
 def _units(model: nn.Module) -> int:
     """Sharded units that hold parameters (each reduce-scatters once per reduction)."""
-    return sum(len(m._get_fsdp_state()._fsdp_param_groups) for m in model.modules()
-               if isinstance(m, FSDPModule))
+    return sum(
+        len(m._get_fsdp_state()._fsdp_param_groups)
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+    )
 
 
 def grad_bytes(model: nn.Module) -> dict[str, int]:
@@ -49,12 +58,28 @@ def grad_bytes(model: nn.Module) -> dict[str, int]:
     return {"unsharded": unsharded, "sharded": sharded}
 
 
-def train_fsdp(*, steps: int | str, loop: Loop, policy: str = "auto", mixed_precision: str | None = None,
-               budget: int | None = None, reshard: bool | None = None, wrap: list[str] | None = None,
-               keep: bool | None = None, sync_budget: int | None = None) -> dict[str, Any]:
-    accel = _accel(steps, policy, mixed_precision=mixed_precision, fsdp_memory_budget=budget,
-                   fsdp_reshard_after_backward=reshard, fsdp_wrap=wrap,
-                   fsdp_keep_params_in_window=keep, sync_memory_budget=sync_budget)
+def train_fsdp(
+    *,
+    steps: int | str,
+    loop: Loop,
+    policy: str = "auto",
+    mixed_precision: str | None = None,
+    budget: int | None = None,
+    reshard: bool | None = None,
+    wrap: list[str] | None = None,
+    keep: bool | None = None,
+    sync_budget: int | None = None,
+) -> dict[str, Any]:
+    accel = _accel(
+        steps,
+        policy,
+        mixed_precision=mixed_precision,
+        fsdp_memory_budget=budget,
+        fsdp_reshard_after_backward=reshard,
+        fsdp_wrap=wrap,
+        fsdp_keep_params_in_window=keep,
+        sync_memory_budget=sync_budget,
+    )
     model = make_model()
     out = train(accel, loop, model=model)
     out["units"] = _units(model)
@@ -66,15 +91,23 @@ def train_fsdp(*, steps: int | str, loop: Loop, policy: str = "auto", mixed_prec
 
 def flags(model: nn.Module) -> list[list[Any]]:
     """Per group: gradient sync, reshard after backward, reshard after forward."""
-    return [[g.reduce_grads, g.reshard_after_backward, g.post_forward_mesh_info is not None]
-            for m in model.modules() if isinstance(m, FSDPModule)
-            for g in m._get_fsdp_state()._fsdp_param_groups]
+    return [
+        [g.reduce_grads, g.reshard_after_backward, g.post_forward_mesh_info is not None]
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+        for g in m._get_fsdp_state()._fsdp_param_groups
+    ]
 
 
 def _unsharded_groups(model: nn.Module) -> int:
     """Groups whose parameters are gathered right now (none once a window has ended)."""
-    return sum(1 for m in model.modules() if isinstance(m, FSDPModule)
-               for g in m._get_fsdp_state()._fsdp_param_groups if g.is_unsharded)
+    return sum(
+        1
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+        for g in m._get_fsdp_state()._fsdp_param_groups
+        if g.is_unsharded
+    )
 
 
 def train_wrap_callable(*, steps: int, loop: Loop) -> dict[str, Any]:
@@ -99,9 +132,16 @@ def memory(*, policy: str, budget: int | None = None) -> dict[str, Any]:
         with accel.accumulate(model):
             accel.backward(F.mse_loss(model(torch.randn(2, 8)), torch.randn(2, 1)))
             held.append(grad_bytes(model))
-    return {"policy": accel.sync_policy, "reason": accel.sync_policy_reason,
-            "memory": accel._backend.memory,  # type: ignore[attr-defined]
-            "logged": logged, "off_boundary": held[0], "boundary": held[1], "param_numel": params, "shard_numel": shard}
+    return {
+        "policy": accel.sync_policy,
+        "reason": accel.sync_policy_reason,
+        "memory": accel._backend.memory,  # type: ignore[attr-defined]
+        "logged": logged,
+        "off_boundary": held[0],
+        "boundary": held[1],
+        "param_numel": params,
+        "shard_numel": shard,
+    }
 
 
 def drop_kept_window() -> dict[str, Any]:
@@ -122,8 +162,11 @@ def drop_kept_window() -> dict[str, Any]:
             pass
         if i == 1:
             seen["open"] = {"gathered": _unsharded_groups(model), "grads": grad_bytes(model)}
-    seen["dropped"] = {"gathered": _unsharded_groups(model), "grads": grad_bytes(model),
-                       "flags": flags(model)}
+    seen["dropped"] = {
+        "gathered": _unsharded_groups(model),
+        "grads": grad_bytes(model),
+        "flags": flags(model),
+    }
     return seen
 
 
@@ -152,8 +195,12 @@ def restores_state() -> dict[str, Any]:
     backend = accel._backend
 
     def flags() -> list[list[bool]]:
-        return [[g.reduce_grads, g.reshard_after_backward] for m in model.modules()
-                if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
+        return [
+            [g.reduce_grads, g.reshard_after_backward]
+            for m in model.modules()
+            if isinstance(m, FSDPModule)
+            for g in m._get_fsdp_state()._fsdp_param_groups
+        ]
 
     seen: dict[str, Any] = {"before": flags()}
     model.blocks[0].set_requires_gradient_sync(False, recurse=False)  # the user's own setting
@@ -188,14 +235,18 @@ def misuse() -> dict[str, str]:
 
     accel = _accel(4, "defer")
     catch("no_parameters", lambda: accel.prepare(nn.Sequential(nn.ReLU())))
-    catch("foreign_optimizer",
-          lambda: accel.prepare(make_model(), torch.optim.SGD(make_model(1).parameters(), lr=0.1)))
+    catch(
+        "foreign_optimizer",
+        lambda: accel.prepare(make_model(), torch.optim.SGD(make_model(1).parameters(), lr=0.1)),
+    )
     raw = make_model()
     stateful = make_optimizer(raw.parameters(), "adam", 0.1)
     F.mse_loss(raw(torch.randn(2, 8)), torch.randn(2, 1)).backward()
     stateful.step()
     catch("optimizer_with_state", lambda: accel.prepare(raw, stateful))
-    catch("unknown_wrap", lambda: _accel(4, "defer", fsdp_wrap=["Transformer"]).prepare(make_model()))
+    catch(
+        "unknown_wrap", lambda: _accel(4, "defer", fsdp_wrap=["Transformer"]).prepare(make_model())
+    )
     plain = make_model()
 
     def unprepared() -> None:

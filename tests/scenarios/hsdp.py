@@ -20,8 +20,14 @@ def _accel(mesh: Any, steps: int | str, policy: str, **options: Any) -> Accelera
     options = {k: v for k, v in options.items() if v is not None}
     if mesh is not None:
         options["fsdp_mesh"] = tuple(mesh)
-    return Accelerator(backend="fsdp", gradient_accumulation_steps=steps, sync_policy=policy,
-                       seed=0, audit=True, **options)
+    return Accelerator(
+        backend="fsdp",
+        gradient_accumulation_steps=steps,
+        sync_policy=policy,
+        seed=0,
+        audit=True,
+        **options,
+    )
 
 
 def _coords(accel: Accelerator) -> list[int]:
@@ -58,15 +64,33 @@ class Shards(Probe):
 
 def partial_groups(model: nn.Module) -> int:
     """Groups holding a partial buffer (a window's shards not yet all-reduced across replicas)."""
-    return sum(1 for m in model.modules() if isinstance(m, FSDPModule)
-               for g in m._get_fsdp_state()._fsdp_param_groups if g._partial_reduce_output is not None)
+    return sum(
+        1
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+        for g in m._get_fsdp_state()._fsdp_param_groups
+        if g._partial_reduce_output is not None
+    )
 
 
-def train_hsdp(*, mesh: list[int] | None, steps: int | str, loop: Loop, policy: str = "auto",
-               keep: bool | None = None, sync_budget: int | None = None,
-               mixed_precision: str | None = None) -> dict[str, Any]:
-    accel = _accel(mesh, steps, policy, fsdp_keep_params_in_window=keep, sync_memory_budget=sync_budget,
-                   mixed_precision=mixed_precision)
+def train_hsdp(
+    *,
+    mesh: list[int] | None,
+    steps: int | str,
+    loop: Loop,
+    policy: str = "auto",
+    keep: bool | None = None,
+    sync_budget: int | None = None,
+    mixed_precision: str | None = None,
+) -> dict[str, Any]:
+    accel = _accel(
+        mesh,
+        steps,
+        policy,
+        fsdp_keep_params_in_window=keep,
+        sync_memory_budget=sync_budget,
+        mixed_precision=mixed_precision,
+    )
     model = make_model()
     probe = Shards()
     out = train(accel, loop, model=model, probe=probe)
@@ -98,8 +122,10 @@ def resume_mid_window(*, mesh: list[int], policy: str, folder: str) -> dict[str,
     accel, model, opt = _prepared(mesh, policy)
     for x, y in data[:6]:  # one full window, then half of the next
         micro_step(accel, model, opt, x, y)
-    seen = {"partial_at_save": partial_groups(model),
-            "sharded_grads_at_save": sum(1 for p in model.parameters() if p.grad is not None)}
+    seen = {
+        "partial_at_save": partial_groups(model),
+        "sharded_grads_at_save": sum(1 for p in model.parameters() if p.grad is not None),
+    }
     accel.save_state(folder)
     for x, y in data[6:]:
         micro_step(accel, model, opt, x, y)
@@ -130,17 +156,24 @@ def load_boundary(*, folder: str) -> dict[str, Any]:
     accel.load_state(folder)
     adam = opt.state_dict()["state"]
     steps = sorted({float(s["step"]) for s in adam.values()})
-    return {"state": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps,
-            "adam_steps": steps, "world": accel.world_size,
-            "mesh_ndim": accel.mesh.ndim if accel.mesh is not None else None}
+    return {
+        "state": to_lists(accel.get_state_dict(model)),
+        "steps": accel.optimizer_steps,
+        "adam_steps": steps,
+        "world": accel.world_size,
+        "mesh_ndim": accel.mesh.ndim if accel.mesh is not None else None,
+    }
 
 
 def auto_choice(*, mesh: list[int], budget: int) -> dict[str, Any]:
     """What auto picks on the mesh for a budget (the model holds 705 fp32 parameters)."""
     accel = _accel(mesh, 2, "auto", sync_memory_budget=budget)
     accel.prepare(make_model())
-    return {"policy": accel.sync_policy, "reason": accel.sync_policy_reason,
-            "memory": accel._backend.memory}  # type: ignore[attr-defined]
+    return {
+        "policy": accel.sync_policy,
+        "reason": accel.sync_policy_reason,
+        "memory": accel._backend.memory,
+    }  # type: ignore[attr-defined]
 
 
 def restores_flags(*, mesh: list[int]) -> dict[str, Any]:
@@ -150,8 +183,12 @@ def restores_flags(*, mesh: list[int]) -> dict[str, Any]:
     backend = accel._backend
 
     def flags() -> list[list[bool]]:
-        return [[g.reduce_grads, g.all_reduce_grads] for m in model.modules()
-                if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
+        return [
+            [g.reduce_grads, g.all_reduce_grads]
+            for m in model.modules()
+            if isinstance(m, FSDPModule)
+            for g in m._get_fsdp_state()._fsdp_param_groups
+        ]
 
     seen: dict[str, Any] = {"before": flags()}
     with backend.micro_step(model, boundary=False):

@@ -24,7 +24,9 @@ def _head(seed: int = 1) -> nn.Module:
     return nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
-def _losses(pattern: str, g: nn.Module, d: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+def _losses(
+    pattern: str, g: nn.Module, d: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> list[torch.Tensor]:
     if pattern == "shared":  # one objective through both models
         return [F.mse_loss(d(g(x)), y)]
     # "gan": each model its own objective; the second model reads the first's output detached
@@ -35,10 +37,15 @@ def _losses(pattern: str, g: nn.Module, d: nn.Module, x: torch.Tensor, y: torch.
 def _optimizers(pattern: str, g: nn.Module, d: nn.Module) -> list[torch.optim.Optimizer]:
     if pattern == "shared":
         return [torch.optim.Adam([*g.parameters(), *d.parameters()], lr=0.01)]
-    return [torch.optim.Adam(d.parameters(), lr=0.01), torch.optim.SGD(g.parameters(), lr=0.05, momentum=0.9)]
+    return [
+        torch.optim.Adam(d.parameters(), lr=0.01),
+        torch.optim.SGD(g.parameters(), lr=0.05, momentum=0.9),
+    ]
 
 
-def _reference(pattern: str, k: int, world: int, windows: list[list[int]]) -> dict[str, list[float]]:
+def _reference(
+    pattern: str, k: int, world: int, windows: list[list[int]]
+) -> dict[str, list[float]]:
     """The same training in one process, no gradsync: each window's samples as one batch."""
     g, d = make_model(), _head()
     opts = _optimizers(pattern, g, d)
@@ -54,8 +61,10 @@ def _reference(pattern: str, k: int, world: int, windows: list[list[int]]) -> di
 
 
 def _flat(g: nn.Module, d: nn.Module) -> dict[str, list[float]]:
-    return {"g": torch.cat([p.detach().reshape(-1) for p in g.parameters()]).tolist(),
-            "d": torch.cat([p.detach().reshape(-1) for p in d.parameters()]).tolist()}
+    return {
+        "g": torch.cat([p.detach().reshape(-1) for p in g.parameters()]).tolist(),
+        "d": torch.cat([p.detach().reshape(-1) for p in d.parameters()]).tolist(),
+    }
 
 
 def _full(accel: Accelerator, model: nn.Module) -> list[float]:
@@ -63,8 +72,9 @@ def _full(accel: Accelerator, model: nn.Module) -> list[float]:
     return torch.cat([v.reshape(-1).float() for v in state.values()]).tolist()
 
 
-def train(*, backend: str, pattern: str, k: int, save_at: int | None = None,
-          folder: str | None = None) -> dict[str, Any]:
+def train(
+    *, backend: str, pattern: str, k: int, save_at: int | None = None, folder: str | None = None
+) -> dict[str, Any]:
     """Train G and D together (prepare in one call, one accumulate(G, D) block per batch);
     return their parameters, one process's, and the sample ids of every window."""
     accel = Accelerator(backend=backend, gradient_accumulation_steps=k, sync_policy="defer", seed=0)
@@ -91,9 +101,14 @@ def train(*, backend: str, pattern: str, k: int, save_at: int | None = None,
                 accel.save_state(folder)
     gathered = _all_gather(windows)
     global_windows = [[s for r in gathered for s in r[i]] for i in range(len(windows))]
-    out = {"g": _full(accel, g), "d": _full(accel, d), "blocks": blocks,
-           "steps": [o.steps_applied for o in opts], "optimizer_steps": accel.optimizer_steps,
-           "reference": _reference(pattern, k, accel.world_size, global_windows)}
+    out = {
+        "g": _full(accel, g),
+        "d": _full(accel, d),
+        "blocks": blocks,
+        "steps": [o.steps_applied for o in opts],
+        "optimizer_steps": accel.optimizer_steps,
+        "reference": _reference(pattern, k, accel.world_size, global_windows),
+    }
     accel.end()
     return out
 
@@ -123,8 +138,14 @@ def resume(*, backend: str, pattern: str, k: int, folder: str) -> dict[str, Any]
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
-    out = {"whole_g": whole["g"], "whole_d": whole["d"], "g": _full(accel, g), "d": _full(accel, d),
-           "steps": [o.steps_applied for o in opts], "whole_steps": whole["steps"]}
+    out = {
+        "whole_g": whole["g"],
+        "whole_d": whole["d"],
+        "g": _full(accel, g),
+        "d": _full(accel, d),
+        "steps": [o.steps_applied for o in opts],
+        "whole_steps": whole["steps"],
+    }
     accel.end()
     return out
 
@@ -140,8 +161,6 @@ def mismatch(*, backend: str, folder: str) -> dict[str, str]:
     except Exception as err:
         return {"error": f"{type(err).__name__}: {err}"}
     return {"error": "no error"}
-
-
 
 
 def load_release(*, backend: str, written_by: str) -> dict[str, Any]:
@@ -160,4 +179,7 @@ def load_release(*, backend: str, written_by: str) -> dict[str, Any]:
     make.train_step(accel, teacher, student, opt, 3)
     got = accel.get_state_dict(student)
     accel.end()
-    return {"loaded_steps": loaded_steps, "student": {k: v.float().tolist() for k, v in got.items()}}
+    return {
+        "loaded_steps": loaded_steps,
+        "student": {k: v.float().tolist() for k, v in got.items()},
+    }

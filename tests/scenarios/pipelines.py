@@ -34,12 +34,16 @@ def _recorder_state() -> dict[str, Any]:
 
 
 # -- the self-check -----------------------------------------------------------------------
-def self_check(*, loop: str, backend: str = "ddp", steps: int = 4, windows: int = 5) -> dict[str, Any]:
+def self_check(
+    *, loop: str, backend: str = "ddp", steps: int = 4, windows: int = 5
+) -> dict[str, Any]:
     """``loop``: "correct" (forward and backward in the block), "forward_outside" (the forward
     before the block), or "own_no_sync" (the micro-step wrapped in a no_sync() of the user's
     own, so the boundary reduces nothing)."""
     torch.manual_seed(0)
-    accel = Accelerator(backend=backend, gradient_accumulation_steps=steps, seed=0, sync_policy="defer")
+    accel = Accelerator(
+        backend=backend, gradient_accumulation_steps=steps, seed=0, sync_policy="defer"
+    )
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     model, opt = accel.prepare(model, opt)
@@ -59,9 +63,13 @@ def self_check(*, loop: str, backend: str = "ddp", steps: int = 4, windows: int 
                     accel.backward(F.mse_loss(model(x), y))
             opt.step()
             opt.zero_grad()
-    return {"warnings": [m for m in messages if "self-check" in m], "audit_is_none": accel.audit is None,
-            "policy": accel.sync_policy,
-            "after": _recorder_state(), "checking": accel._self_check is not None}
+    return {
+        "warnings": [m for m in messages if "self-check" in m],
+        "audit_is_none": accel.audit is None,
+        "policy": accel.sync_policy,
+        "after": _recorder_state(),
+        "checking": accel._self_check is not None,
+    }
 
 
 # -- unused parameters --------------------------------------------------------------------
@@ -84,10 +92,17 @@ def make_branchy() -> Branchy:
     return Branchy()
 
 
-def unused(*, find_unused: bool, steps: int = 4, samples: int = 40, micro_batch: int = 2) -> dict[str, Any]:
+def unused(
+    *, find_unused: bool, steps: int = 4, samples: int = 40, micro_batch: int = 2
+) -> dict[str, Any]:
     """The side head runs only in each window's first micro-step (off the boundary)."""
-    accel = Accelerator(backend="ddp", gradient_accumulation_steps=steps, seed=0, sync_policy="defer",
-                        find_unused_parameters=find_unused)
+    accel = Accelerator(
+        backend="ddp",
+        gradient_accumulation_steps=steps,
+        seed=0,
+        sync_policy="defer",
+        find_unused_parameters=find_unused,
+    )
     model = make_branchy()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     loader = DataLoader(Indexed(samples), batch_size=micro_batch, shuffle=True)
@@ -108,8 +123,12 @@ def unused(*, find_unused: bool, steps: int = 4, samples: int = 40, micro_batch:
                     current = []
     except RuntimeError as err:
         return {"error": str(err), "windows": windows}
-    return {"error": None, "windows": windows, "state": to_lists(accel.get_state_dict(model)),
-            "find_unused": bool(getattr(model, "find_unused_parameters", False))}
+    return {
+        "error": None,
+        "windows": windows,
+        "state": to_lists(accel.get_state_dict(model)),
+        "find_unused": bool(getattr(model, "find_unused_parameters", False)),
+    }
 
 
 # -- data pipelines -----------------------------------------------------------------------
@@ -151,7 +170,9 @@ class Bucketing(Sampler[list[int]]):
         return len(self._batches())
 
 
-def loader_run(*, kind: str, samples: int, micro_batch: int, steps: int = 2, epochs: int = 2) -> dict[str, Any]:
+def loader_run(
+    *, kind: str, samples: int, micro_batch: int, steps: int = 2, epochs: int = 2
+) -> dict[str, Any]:
     """Train over a loader gradsync shards; return the ids this rank saw per epoch and the
     windows (for the one-process reference). Each rank's global RNG differs on purpose: the
     batch sequence must not depend on it."""
@@ -190,5 +211,9 @@ def loader_run(*, kind: str, samples: int, micro_batch: int, steps: int = 2, epo
                 windows.append(current)
                 current = []
         epochs_seen.append(batches)
-    return {"len": len(loader), "epochs": epochs_seen, "windows": windows,
-            "state": to_lists(accel.get_state_dict(model))}
+    return {
+        "len": len(loader),
+        "epochs": epochs_seen,
+        "windows": windows,
+        "state": to_lists(accel.get_state_dict(model)),
+    }

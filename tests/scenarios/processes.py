@@ -91,8 +91,18 @@ def evaluation(shuffle: bool) -> dict[str, Any]:
     tensor per sample forced through gather_object, and plain gather_object for contrast."""
     accel = Accelerator(backend="ddp", seed=0)
     loader = accel.prepare(DataLoader(Samples(), batch_size=BATCH, shuffle=shuffle))
-    out: dict[str, list[Any]] = {k: [] for k in ("ids", "ids_through_accel", "texts", "texts_forced",
-                                                   "rows_forced", "plain_objects", "per_batch_lists")}
+    out: dict[str, list[Any]] = {
+        k: []
+        for k in (
+            "ids",
+            "ids_through_accel",
+            "texts",
+            "texts_forced",
+            "rows_forced",
+            "plain_objects",
+            "per_batch_lists",
+        )
+    }
     for batch in loader:
         out["ids"] += _for_metrics(accel, batch["id"]).tolist()
         out["ids_through_accel"] += accel.gather_for_metrics(batch["id"]).tolist()
@@ -121,7 +131,9 @@ def splits() -> dict[str, Any]:
             data = {"text": [f"p{k}" for k in range(n)], "id": torch.arange(n) * 10}
             with split_between_processes(data, apply_padding=pad) as part:
                 out[f"dict_{key}"] = _plain(part)
-            with split_between_processes(torch.arange(2 * n).reshape(n, 2).float(), apply_padding=pad) as part:
+            with split_between_processes(
+                torch.arange(2 * n).reshape(n, 2).float(), apply_padding=pad
+            ) as part:
                 out[f"tensor_{key}"] = _plain(part)
     out["bad"] = _error(_split_a_string)
     return out
@@ -147,12 +159,19 @@ def decorators() -> dict[str, Any]:
 
         results = {
             "main": processes.on_main_process(lambda: record("main"), ranks=ranks)(),
-            "local_main": processes.on_local_main_process(lambda: record("local_main"), ranks=ranks)(),
+            "local_main": processes.on_local_main_process(
+                lambda: record("local_main"), ranks=ranks
+            )(),
             "last": processes.on_last_process(lambda: record("last"), ranks=ranks)(),
-            "process_0": processes.on_process(process_index=0, ranks=ranks)(lambda: record("process_0"))(),
-            "process_1": processes.on_process(process_index=1, ranks=ranks)(lambda: record("process_1"))(),
+            "process_0": processes.on_process(process_index=0, ranks=ranks)(
+                lambda: record("process_0")
+            )(),
+            "process_1": processes.on_process(process_index=1, ranks=ranks)(
+                lambda: record("process_1")
+            )(),
             "local_1": processes.on_local_process(local_process_index=1, ranks=ranks)(
-                lambda: record("local_1"))(),
+                lambda: record("local_1")
+            )(),
         }
         ran[f"{facts}_returned"] = results
     out_of_range = processes.on_process(process_index=2, ranks=accel)(lambda: record("never"))
@@ -190,7 +209,10 @@ def accelerate_reference() -> dict[str, Any]:
         for pad in (False, True):
             inputs = {
                 "list": lambda n=n: [f"p{k}" for k in range(n)],
-                "dict": lambda n=n: {"text": [f"p{k}" for k in range(n)], "id": torch.arange(n) * 10},
+                "dict": lambda n=n: {
+                    "text": [f"p{k}" for k in range(n)],
+                    "id": torch.arange(n) * 10,
+                },
                 "tensor": lambda n=n: torch.arange(2 * n).reshape(n, 2).float(),
             }
             for kind, make in inputs.items():
@@ -207,4 +229,8 @@ def shared_folder() -> str:
     """A folder on rank 0's disk, its name sent to every rank (one machine here)."""
     import tempfile
 
-    return str(dist.broadcast_object(tempfile.mkdtemp(prefix="gradsync-first-") if dist.rank() == 0 else None))
+    return str(
+        dist.broadcast_object(
+            tempfile.mkdtemp(prefix="gradsync-first-") if dist.rank() == 0 else None
+        )
+    )

@@ -45,7 +45,9 @@ def _from_dcp(folder: Path) -> dict[str, object]:
     return state
 
 
-def _saved(backend: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, object]]:
+def _saved(
+    backend: str,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, object]]:
     """The teacher's and the student's parameters and the student's Adam state, read from the
     checkpoint's files as 0.1.0 laid them out: plain files (model_<i>.pt, optimizer_<i>.pt) or
     one DCP folder per model holding its optimizer keyed by parameter name."""
@@ -83,5 +85,7 @@ def continuation(backend: str, world: int) -> dict[str, torch.Tensor]:
 
 def stored(backend: str) -> dict[str, torch.Tensor]:
     """What make.py stored for that 4th step on the machine that wrote the checkpoints."""
-    expected: dict[str, torch.Tensor] = torch.load(RELEASES / f"{backend}-expected.pt", weights_only=True)
+    expected: dict[str, torch.Tensor] = torch.load(
+        RELEASES / f"{backend}-expected.pt", weights_only=True
+    )
     return expected

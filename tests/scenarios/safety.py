@@ -25,10 +25,15 @@ def _accelerator(backend: str, stage: int | None) -> Accelerator:
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        config = {"zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
-                  "wall_clock_breakdown": False, "gradient_clipping": 0.0}
-        return Accelerator(backend="deepspeed", gradient_accumulation_steps=2, seed=0,
-                           deepspeed_config=config)
+        config = {
+            "zero_optimization": {"stage": stage},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+            "gradient_clipping": 0.0,
+        }
+        return Accelerator(
+            backend="deepspeed", gradient_accumulation_steps=2, seed=0, deepspeed_config=config
+        )
     return Accelerator(backend=backend, gradient_accumulation_steps=2, seed=0)
 
 
@@ -45,7 +50,9 @@ def _weights(accel: Accelerator, model: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in accel.get_state_dict(model).items()}
 
 
-def tampered_loads(backend: str, folder: str, targets: list[str], stage: int | None = None) -> dict[str, Any]:
+def tampered_loads(
+    backend: str, folder: str, targets: list[str], stage: int | None = None
+) -> dict[str, Any]:
     """Train 4 micro-steps (k=2) and save; then for each target (a file of the checkpoint,
     ``dcp-item:<dcp folder>`` for a non-tensor item of a DCP folder, ``pickle:<file>`` for a
     plain pickle) a copy is rewritten with a payload on rank 0, and a fresh Accelerator loads
@@ -61,13 +68,17 @@ def tampered_loads(backend: str, folder: str, targets: list[str], stage: int | N
             break
     saved = Path(accel.save_state(root / "saved"))
     trained = _weights(accel, model)
-    out: dict[str, Any] = {"files": sorted(str(p.relative_to(saved)) for p in saved.rglob("*") if p.is_file())}
+    out: dict[str, Any] = {
+        "files": sorted(str(p.relative_to(saved)) for p in saved.rglob("*") if p.is_file())
+    }
     for n, target in enumerate(targets):
         copy, marker = root / f"tampered-{n}", root / f"ran-{n}"  # any rank that runs it writes it
         if dist.get_rank() == 0:
             shutil.copytree(saved, copy)
             kind, _, name = target.rpartition(":")
-            tamper = {"dcp-item": tamper_dcp_item, "pickle": tamper_pickle_file}.get(kind, tamper_torch_file)
+            tamper = {"dcp-item": tamper_dcp_item, "pickle": tamper_pickle_file}.get(
+                kind, tamper_torch_file
+            )
             tamper(copy, name, marker)
         dist.barrier()
         fresh, fresh_model, _opt, _loader = _prepared(backend, stage, seed=n + 1)

@@ -29,7 +29,9 @@ def _tiny_gpt2() -> Any:
     return GPT2LMHeadModel(config)
 
 
-def _compare(folder: Path, full: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _compare(
+    folder: Path, full: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]
+) -> dict[str, Any]:
     from transformers import GPT2LMHeadModel
 
     loaded = GPT2LMHeadModel.from_pretrained(str(folder)).state_dict()
@@ -37,8 +39,9 @@ def _compare(folder: Path, full: dict[str, torch.Tensor], initial: dict[str, tor
         "files": sorted(p.name for p in folder.iterdir()),
         "missing": sorted(set(full) - set(loaded)),
         "differ": sorted(k for k in full if k in loaded and not torch.equal(loaded[k], full[k])),
-        "trained": not torch.equal(loaded["transformer.h.0.mlp.c_fc.weight"],
-                                   initial["transformer.h.0.mlp.c_fc.weight"]),
+        "trained": not torch.equal(
+            loaded["transformer.h.0.mlp.c_fc.weight"], initial["transformer.h.0.mlp.c_fc.weight"]
+        ),
     }
 
 
@@ -63,13 +66,15 @@ def pretrained_saves(*, backend: str) -> dict[str, Any]:
 
     def pretrained(**kwargs: Any) -> Callable[[Path], Any]:
         return lambda folder: accel.unwrap_model(model).save_pretrained(
-            folder, is_main_process=accel.is_main_process, save_function=accel.save, **kwargs)
+            folder, is_main_process=accel.is_main_process, save_function=accel.save, **kwargs
+        )
 
     spellings: dict[str, Callable[[Path], Any]] = {
         "plain": pretrained(),
         "get_state_dict": lambda folder: pretrained(state_dict=accel.get_state_dict(model))(folder),
         "own_state_dict": lambda folder: pretrained(
-            state_dict=accel.unwrap_model(model).state_dict())(folder),
+            state_dict=accel.unwrap_model(model).state_dict()
+        )(folder),
         "save_model": lambda folder: accel.save_model(model, folder),
     }
     out: dict[str, Any] = {}

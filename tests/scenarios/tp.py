@@ -22,7 +22,12 @@ PRELOAD = ("transformers.models.llama.modeling_llama",)
 
 #: The test network (scenarios.common.Net) split over tp: inp colwise, block 0 rowwise,
 #: block 1 colwise, head rowwise (every Linear is split; the tanh between runs on shards).
-NET_PLAN = {"inp": "colwise", "blocks.0.lin": "rowwise", "blocks.1.lin": "colwise", "head": "rowwise"}
+NET_PLAN = {
+    "inp": "colwise",
+    "blocks.0.lin": "rowwise",
+    "blocks.1.lin": "colwise",
+    "head": "rowwise",
+}
 #: Only the first pair split: block 1 and the head stay whole (FSDP2 shards them on dp_shard
 #: alone), so the gradients live on two meshes.
 PARTIAL_PLAN = {"inp": "colwise", "blocks.0.lin": "rowwise"}
@@ -33,18 +38,30 @@ def _accel(dims: dict[str, int], steps: int | str, policy: str, **options: Any) 
     options.setdefault("tp_plan", NET_PLAN if dims.get("tp", 1) != 1 else None)
     if options["tp_plan"] is None:
         del options["tp_plan"]
-    return Accelerator(backend="fsdp", parallelism=dims, gradient_accumulation_steps=steps,
-                       sync_policy=policy, seed=0, audit=True, **options)
+    return Accelerator(
+        backend="fsdp",
+        parallelism=dims,
+        gradient_accumulation_steps=steps,
+        sync_policy=policy,
+        seed=0,
+        audit=True,
+        **options,
+    )
 
 
 def _where(accel: Accelerator) -> dict[str, Any]:
     mesh = accel.mesh
     backend = accel._backend  # type: ignore[attr-defined]
     data = backend.data_parallel
-    return {"coords": [mesh.get_local_rank(d) for d in ("dp_replicate", "dp_shard", "tp")],
-            "mesh_shape": list(mesh.shape), "mesh_names": list(mesh.mesh_dim_names),
-            "data_rank": data.rank, "data_size": data.size, "memory": backend.memory,
-            "reason": accel.sync_policy_reason}
+    return {
+        "coords": [mesh.get_local_rank(d) for d in ("dp_replicate", "dp_shard", "tp")],
+        "mesh_shape": list(mesh.shape),
+        "mesh_names": list(mesh.mesh_dim_names),
+        "data_rank": data.rank,
+        "data_size": data.size,
+        "memory": backend.memory,
+        "reason": accel.sync_policy_reason,
+    }
 
 
 class Warnings(logging.Handler):
@@ -58,11 +75,24 @@ class Warnings(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def train_tp(*, dims: dict[str, int], steps: int | str, loop: Loop, policy: str = "auto",
-             mixed_precision: str | None = None, sync_budget: int | None = None,
-             partial: bool = False) -> dict[str, Any]:
-    accel = _accel(dims, steps, policy, mixed_precision=mixed_precision, sync_memory_budget=sync_budget,
-                   tp_plan=PARTIAL_PLAN if partial else None)
+def train_tp(
+    *,
+    dims: dict[str, int],
+    steps: int | str,
+    loop: Loop,
+    policy: str = "auto",
+    mixed_precision: str | None = None,
+    sync_budget: int | None = None,
+    partial: bool = False,
+) -> dict[str, Any]:
+    accel = _accel(
+        dims,
+        steps,
+        policy,
+        mixed_precision=mixed_precision,
+        sync_memory_budget=sync_budget,
+        tp_plan=PARTIAL_PLAN if partial else None,
+    )
     warnings = Warnings()
     logging.getLogger("gradsync").addHandler(warnings)
     try:
@@ -71,7 +101,9 @@ def train_tp(*, dims: dict[str, int], steps: int | str, loop: Loop, policy: str 
         logging.getLogger("gradsync").removeHandler(warnings)
     out["warnings"] = warnings.lines
     out.update(_where(accel))
-    out["summaries"] = [accel.audit.summary(w) for w in accel.audit.windows()] if accel.audit else []
+    out["summaries"] = (
+        [accel.audit.summary(w) for w in accel.audit.windows()] if accel.audit else []
+    )
     return out
 
 
@@ -95,8 +127,12 @@ def metrics_over_data_ranks(*, dims: dict[str, int]) -> dict[str, Any]:
     for _, _, idx in loader:
         seen += accel.gather_for_metrics(idx).tolist()
     one = torch.ones(1)
-    return {"seen": seen, "sum": float(accel.reduce(one, "sum")), "mean": float(accel.reduce(one, "mean")),
-            "trained": sum(p.numel() for p in model.parameters()) > 0}
+    return {
+        "seen": seen,
+        "sum": float(accel.reduce(one, "sum")),
+        "mean": float(accel.reduce(one, "mean")),
+        "trained": sum(p.numel() for p in model.parameters()) > 0,
+    }
 
 
 # -- a Transformers model through its own plan --------------------------------------------
@@ -124,9 +160,16 @@ def tiny_llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "eager"
     return LlamaForCausalLM(config)
 
@@ -134,18 +177,34 @@ def tiny_llama() -> nn.Module:
 def token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The summed next-token loss over the batch's counted tokens."""
     logits = model(input_ids=batch["input_ids"]).logits
-    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), batch["labels"][:, 1:].reshape(-1),
-                           ignore_index=-100, reduction="sum")
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, VOCAB).float(),
+        batch["labels"][:, 1:].reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
 
 
-def train_llama(*, dims: dict[str, int], steps: int, samples: int, clip: float | None = None) -> dict[str, Any]:
+def train_llama(
+    *, dims: dict[str, int], steps: int, samples: int, clip: float | None = None
+) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
-    accel = Accelerator(backend="fsdp", parallelism=dims, tp_plan="auto", gradient_accumulation_steps=steps,
-                        sync_policy="defer", seed=0, audit=True, count_items="gradsync:count_label_tokens")
+    accel = Accelerator(
+        backend="fsdp",
+        parallelism=dims,
+        tp_plan="auto",
+        gradient_accumulation_steps=steps,
+        sync_policy="defer",
+        seed=0,
+        audit=True,
+        count_items="gradsync:count_label_tokens",
+    )
     raw = tiny_llama()
     opt = make_optimizer(raw.parameters(), "adam", 0.01)
-    model, opt, loader = accel.prepare(raw, opt, DataLoader(Tokens(samples), batch_size=2, shuffle=True))
+    model, opt, loader = accel.prepare(
+        raw, opt, DataLoader(Tokens(samples), batch_size=2, shuffle=True)
+    )
     windows: list[list[list[int]]] = []
     current: list[list[int]] = []
     norms: list[float] = []
@@ -162,12 +221,19 @@ def train_llama(*, dims: dict[str, int], steps: int, samples: int, clip: float |
             windows.append(current)
             current = []
             losses.append(accel.window_loss)
-    return {"state": to_lists(accel.get_state_dict(model)), "windows": windows,
-            "optimizer_steps": accel.optimizer_steps, "window_losses": losses, "norms": norms,
-            **_where(accel)}
+    return {
+        "state": to_lists(accel.get_state_dict(model)),
+        "windows": windows,
+        "optimizer_steps": accel.optimizer_steps,
+        "window_losses": losses,
+        "norms": norms,
+        **_where(accel),
+    }
 
 
-def llama_reference(windows: list[list[list[int]]], samples: int, clip: float | None = None) -> dict[str, Any]:
+def llama_reference(
+    windows: list[list[list[int]]], samples: int, clip: float | None = None
+) -> dict[str, Any]:
     """One process on the same global windows: each window's summed token loss over its
     counted tokens (parent side)."""
     data = Tokens(samples)
@@ -190,16 +256,22 @@ def llama_reference(windows: list[list[list[int]]], samples: int, clip: float | 
 
 
 # -- checkpoints ---------------------------------------------------------------------------
-def _batches(n: int, seed: int, dims: dict[str, int] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(
+    n: int, seed: int, dims: dict[str, int] | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This data-parallel rank's own micro-batches (the same on the ranks of a tp group)."""
     tp = dims.get("tp", 1) if dims else 1
     g = torch.Generator().manual_seed(1000 * seed + dist.get_rank() // tp)
     return [(torch.randn(2, 8, generator=g), torch.randn(2, 1, generator=g)) for _ in range(n)]
 
 
-def _prepared(dims: dict[str, int] | None, policy: str) -> tuple[Accelerator, nn.Module, torch.optim.Optimizer]:
+def _prepared(
+    dims: dict[str, int] | None, policy: str
+) -> tuple[Accelerator, nn.Module, torch.optim.Optimizer]:
     if dims is None:
-        accel = Accelerator(backend="fsdp", gradient_accumulation_steps=4, sync_policy=policy, seed=0)
+        accel = Accelerator(
+            backend="fsdp", gradient_accumulation_steps=4, sync_policy=policy, seed=0
+        )
     else:
         accel = _accel(dims, 4, policy)
     raw = make_model()
@@ -217,7 +289,10 @@ def resume_mid_window(*, dims: dict[str, int], policy: str, folder: str) -> dict
     accel.save_state(folder)
     for x, y in data[6:]:
         micro_step(accel, model, opt, x, y)
-    seen: dict[str, Any] = {"went_on": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps}
+    seen: dict[str, Any] = {
+        "went_on": to_lists(accel.get_state_dict(model)),
+        "steps": accel.optimizer_steps,
+    }
     accel2, model2, opt2 = _prepared(dims, policy)
     accel2.load_state(folder)
     for x, y in data[6:]:
@@ -233,20 +308,29 @@ def save_at_boundary(*, dims: dict[str, int] | None, folder: str) -> dict[str, A
     for x, y in _batches(8, 3, dims):
         micro_step(accel, model, opt, x, y)
     accel.save_state(folder)
-    return {"state": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps,
-            "mesh": list(accel.mesh.shape) if accel.mesh is not None else None}
+    return {
+        "state": to_lists(accel.get_state_dict(model)),
+        "steps": accel.optimizer_steps,
+        "mesh": list(accel.mesh.shape) if accel.mesh is not None else None,
+    }
 
 
-def load_boundary(*, dims: dict[str, int] | None, folder: str, then_save: str | None = None) -> dict[str, Any]:
+def load_boundary(
+    *, dims: dict[str, int] | None, folder: str, then_save: str | None = None
+) -> dict[str, Any]:
     """That checkpoint loaded on this group's mesh (``dims``; None: the default 1-D mesh, or
     one process); with ``then_save``, saved again there (for the way back)."""
     accel, model, opt = _prepared(dims, "defer")
     accel.load_state(folder)
     adam = opt.state_dict()["state"]
     steps = sorted({float(s["step"]) for s in adam.values()})
-    out = {"state": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps,
-           "adam_steps": steps, "world": accel.world_size,
-           "mesh": list(accel.mesh.shape) if accel.mesh is not None else None}
+    out = {
+        "state": to_lists(accel.get_state_dict(model)),
+        "steps": accel.optimizer_steps,
+        "adam_steps": steps,
+        "world": accel.world_size,
+        "mesh": list(accel.mesh.shape) if accel.mesh is not None else None,
+    }
     if then_save is not None:
         accel.save_state(then_save)
     return out

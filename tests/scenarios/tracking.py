@@ -31,5 +31,8 @@ def ranks(*, folder: str) -> dict[str, Any]:
     writer.add_scalar("extra", 1.5, 7)  # on every rank: does nothing off rank 0
     started = [t.name for t in trackers.started]
     trackers.finish()
-    return {"started": started, "writer": type(writer).__name__,
-            "collectives": [op for op, _ in recorder.outside]}
+    return {
+        "started": started,
+        "writer": type(writer).__name__,
+        "collectives": [op for op, _ in recorder.outside],
+    }

@@ -53,11 +53,18 @@ class Points(Dataset):
 def main() -> None:
     out = Path(sys.argv[1])
     merged = "--merged" in sys.argv[2:]
-    eval_batch = int(sys.argv[sys.argv.index("--eval-batch-size") + 1]) if "--eval-batch-size" in sys.argv else 2
+    eval_batch = (
+        int(sys.argv[sys.argv.index("--eval-batch-size") + 1])
+        if "--eval-batch-size" in sys.argv
+        else 2
+    )
 
     set_seed(0)
-    accelerator = Accelerator(gradient_accumulation_steps=ACCUMULATION, log_with="tensorboard",
-                              project_dir=str(out / "logs"))
+    accelerator = Accelerator(
+        gradient_accumulation_steps=ACCUMULATION,
+        log_with="tensorboard",
+        project_dir=str(out / "logs"),
+    )
     accelerator.init_trackers("parity")
 
     encoder = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
@@ -71,11 +78,13 @@ def main() -> None:
     if merged:
         model = nn.Sequential(encoder, head)
         model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-            model, optimizer, train_loader, eval_loader, scheduler)
+            model, optimizer, train_loader, eval_loader, scheduler
+        )
         models = {"model": model}
     else:
         encoder, head, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-            encoder, head, optimizer, train_loader, eval_loader, scheduler)
+            encoder, head, optimizer, train_loader, eval_loader, scheduler
+        )
         models = {"encoder": encoder, "head": head}
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -108,33 +117,45 @@ def main() -> None:
         with torch.no_grad():
             out_logits = forward(batch["x"])
         batch_preds = out_logits.argmax(-1)
-        sums += torch.stack([F.cross_entropy(out_logits, batch["y"], reduction="sum"),
-                             torch.tensor(float(len(batch["y"])))])
+        sums += torch.stack(
+            [
+                F.cross_entropy(out_logits, batch["y"], reduction="sum"),
+                torch.tensor(float(len(batch["y"]))),
+            ]
+        )
         logits.append(accelerator.gather_for_metrics(out_logits))
         preds.append(accelerator.gather_for_metrics(batch_preds))
         labels = [f"sample{int(i)}:class{int(p)}" for i, p in zip(batch["idx"], batch_preds)]
         names.extend(accelerator.gather_for_metrics(labels, use_gather_object=True))
     reduced = accelerator.reduce(sums, reduction="mean")
-    rank_mean = accelerator.reduce(torch.tensor([float(accelerator.process_index)]), reduction="mean")
+    rank_mean = accelerator.reduce(
+        torch.tensor([float(accelerator.process_index)]), reduction="mean"
+    )
 
     state = {name: accelerator.get_state_dict(m) for name, m in models.items()}
 
     @accelerator.on_main_process
     def write_results() -> None:
-        torch.save({
-            "params": {f"{name}.{key}": value.detach().cpu().clone()
-                       for name, sd in state.items() for key, value in sd.items()},
-            "logits": torch.cat(logits).cpu(),
-            "preds": torch.cat(preds).cpu(),
-            "names": names,
-            "reduced": reduced.cpu(),
-            "rank_mean": rank_mean.cpu(),
-            "logged": logged,
-            "optimizer_steps": step,
-            "scheduler_last_epoch": scheduler.state_dict()["last_epoch"],
-            "num_processes": accelerator.num_processes,
-            "wrapped": {name: type(m).__name__ for name, m in models.items()},
-        }, out / "result.pt")
+        torch.save(
+            {
+                "params": {
+                    f"{name}.{key}": value.detach().cpu().clone()
+                    for name, sd in state.items()
+                    for key, value in sd.items()
+                },
+                "logits": torch.cat(logits).cpu(),
+                "preds": torch.cat(preds).cpu(),
+                "names": names,
+                "reduced": reduced.cpu(),
+                "rank_mean": rank_mean.cpu(),
+                "logged": logged,
+                "optimizer_steps": step,
+                "scheduler_last_epoch": scheduler.state_dict()["last_epoch"],
+                "num_processes": accelerator.num_processes,
+                "wrapped": {name: type(m).__name__ for name, m in models.items()},
+            },
+            out / "result.pt",
+        )
 
     write_results()
     accelerator.wait_for_everyone()

@@ -31,7 +31,9 @@ def main() -> None:
     mode = sys.argv[1]
     if mode == "hang":
         all_started(Path(sys.argv[2]))
-    accel = Accelerator(backend="ddp", gradient_accumulation_steps=2, timeout=10 if mode == "hang" else None)
+    accel = Accelerator(
+        backend="ddp", gradient_accumulation_steps=2, timeout=10 if mode == "hang" else None
+    )
     model = accel.prepare(torch.nn.Linear(4, 1))
     for _ in range(2):
         with accel.accumulate(model):

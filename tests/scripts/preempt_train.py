@@ -35,7 +35,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / "ckpt"
-    accel = Accelerator(gradient_accumulation_steps=2, seed=0, save_on_signal=ckpt, requeue=args.requeue)
+    accel = Accelerator(
+        gradient_accumulation_steps=2, seed=0, save_on_signal=ckpt, requeue=args.requeue
+    )
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
     torch.manual_seed(0)

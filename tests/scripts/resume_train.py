@@ -103,8 +103,11 @@ def main() -> None:
     ap.add_argument("--resume-from", default=None)
     ap.add_argument("--stop", type=int, default=None)
     ap.add_argument("--reshard-at", type=int, default=None)
-    ap.add_argument("--with-reference", action="store_true",
-                    help="first train the reference in the same processes (first attempt only)")
+    ap.add_argument(
+        "--with-reference",
+        action="store_true",
+        help="first train the reference in the same processes (first attempt only)",
+    )
     args = ap.parse_args()
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if args.with_reference and first_attempt:
@@ -120,8 +123,13 @@ def train(args: argparse.Namespace, mode: str) -> None:
         options["deepspeed_config"] = {"zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
     if (args.sigterm_at is not None or args.sigterm_rank is not None) and mode == "run":
         options["save_on_sigterm"] = str(out / "ckpt")
-    accel = Accelerator(backend=args.backend, gradient_accumulation_steps=4, seed=0,
-                        sync_policy=args.policy, **options)
+    accel = Accelerator(
+        backend=args.backend,
+        gradient_accumulation_steps=4,
+        seed=0,
+        sync_policy=args.policy,
+        **options,
+    )
     model = DropNet(args.dropout)
     opt = make_optimizer(model.parameters(), "sgd", 0.05)
     sched = make_scheduler(opt)
@@ -171,13 +179,19 @@ def train(args: argparse.Namespace, mode: str) -> None:
             at_boundary = accel.sync_gradients
             if rec.micro % args.save_every == 0 and (at_boundary or not args.boundary_only):
                 background = (rec.micro // args.save_every) % 2 == 1
-                accel.save_state(root / f"micro-{rec.micro:04d}", keep_last=2, background=background)
+                accel.save_state(
+                    root / f"micro-{rec.micro:04d}", keep_last=2, background=background
+                )
             if rec.micro == kill_at:
                 accel.wait_for_checkpoint()  # on every rank (collective)
                 if accel.rank == kill_rank:
                     os.kill(os.getpid(), signal.SIGKILL)
-            if (first_attempt and args.sigterm_at is not None and rec.micro == args.sigterm_at
-                    and args.sigterm_rank in (None, accel.rank)):
+            if (
+                first_attempt
+                and args.sigterm_at is not None
+                and rec.micro == args.sigterm_at
+                and args.sigterm_rank in (None, accel.rank)
+            ):
                 os.kill(os.getpid(), signal.SIGTERM)  # saved and stopped at the next window
             if first_attempt and args.stop is not None and rec.micro == args.stop:
                 accel.end()
@@ -186,11 +200,17 @@ def train(args: argparse.Namespace, mode: str) -> None:
     name = "reference" if mode == "reference" else "final"
     if accel.rank == 0:
         torch.save(state, out / f"{name}.pt")
-    result = {"windows": rec.windows, "optimizer_steps": accel.optimizer_steps,
-              "lr": float(sched.get_last_lr()[0]), "micro": rec.micro,
-              "restarts": attempt, "resumed_from": ckpt, "policy": accel.sync_policy,
-              "world_size": accel.world_size,
-              "share_store": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
+    result = {
+        "windows": rec.windows,
+        "optimizer_steps": accel.optimizer_steps,
+        "lr": float(sched.get_last_lr()[0]),
+        "micro": rec.micro,
+        "restarts": attempt,
+        "resumed_from": ckpt,
+        "policy": accel.sync_policy,
+        "world_size": accel.world_size,
+        "share_store": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"),
+    }
     (out / f"{name}_rank{accel.rank}.json").write_text(json.dumps(result))
     if mode == args.mode:
         accel.end()

@@ -37,8 +37,10 @@ state = {
     "argv": sys.argv[1:],
     "name": __name__,
     "path0": sys.path[0],
-    "handlers": {s.name: handler(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
-                                              signal.SIGQUIT, signal.SIGUSR1)},
+    "handlers": {
+        s.name: handler(s)
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+    },
     "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     "threads": torch.get_num_threads(),
     "omp": os.environ.get("OMP_NUM_THREADS"),
@@ -50,7 +52,9 @@ finished = []
 # Python waits for the threads before it runs the exit handlers.
 worker = threading.Thread(target=lambda: (time.sleep(1), finished.append(True)))
 worker.start()
-atexit.register(lambda: (out / f"exit{rank}").write_text("after the thread" if finished else "before"))
+atexit.register(
+    lambda: (out / f"exit{rank}").write_text("after the thread" if finished else "before")
+)
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)

@@ -27,7 +27,9 @@ def main() -> None:
     accel, model, *_ = fresh()
     accel.load_state(f"{folder}/good")
     want = torch.load(expected)
-    out: dict[str, object] = {"bitwise": all(torch.equal(v, want[k]) for k, v in model.state_dict().items())}
+    out: dict[str, object] = {
+        "bitwise": all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    }
     out["eacces"] = _error(lambda: accel.save_state(f"{folder}/bad"))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
     resource.setrlimit(resource.RLIMIT_FSIZE, (64, resource.RLIM_INFINITY))

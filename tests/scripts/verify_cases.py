@@ -55,17 +55,21 @@ def main() -> None:
         raise RuntimeError("this script fails on purpose")
     if case == "hang":
         time.sleep(600)
-    accel = Accelerator(seed=0, gradient_accumulation_steps=2,
-                        dataset_shards_itself=True if case == "shards-itself" else None)
+    accel = Accelerator(
+        seed=0,
+        gradient_accumulation_steps=2,
+        dataset_shards_itself=True if case == "shards-itself" else None,
+    )
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     dataset: Dataset[tuple[torch.Tensor, torch.Tensor]] = (
-        Stream() if case == "shards-itself" else Noisy(noise=case == "dataset-noise"))
+        Stream() if case == "shards-itself" else Noisy(noise=case == "dataset-noise")
+    )
     loader = DataLoader(dataset, batch_size=4, shuffle=case != "shards-itself")
     if case == "no-loader":
         model, optimizer = accel.prepare(model, optimizer)
         data = Noisy()
-        batches = [(data.x[i:i + 4], data.y[i:i + 4]) for i in range(0, 64, 4)]
+        batches = [(data.x[i : i + 4], data.y[i : i + 4]) for i in range(0, 64, 4)]
     else:
         model, optimizer, loader = accel.prepare(model, optimizer, loader)
         batches = loader  # type: ignore[assignment]

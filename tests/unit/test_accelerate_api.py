@@ -50,7 +50,9 @@ def test_window_loss_is_the_mean_of_the_windows_micro_batch_losses(clean_env):
 
 
 def test_window_loss_weights_items_like_the_update(clean_env):
-    accel = Accelerator(backend="single", gradient_accumulation_steps=2, count_items=lambda b: int(b[1].sum()))
+    accel = Accelerator(
+        backend="single", gradient_accumulation_steps=2, count_items=lambda b: int(b[1].sum())
+    )
     model = nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     # (x, mask): 3 items then 1 item: a token-weighted window
@@ -145,7 +147,9 @@ def test_checkpoint_hooks_run_with_the_folder(tmp_path: Path, clean_env):
         (Path(output_dir) / "extra.json").write_text("{}")
 
     handle = accel.register_save_state_pre_hook(on_save)
-    accel.register_load_state_pre_hook(lambda models, input_dir: calls.append(("load", len(models), input_dir)))
+    accel.register_load_state_pre_hook(
+        lambda models, input_dir: calls.append(("load", len(models), input_dir))
+    )
     path = accel.save_state(tmp_path / "ckpt")
     assert (Path(path) / "extra.json").is_file()  # committed with the checkpoint
     accel.load_state(path)
@@ -158,11 +162,15 @@ def test_checkpoint_hooks_run_with_the_folder(tmp_path: Path, clean_env):
 def test_two_blocks_per_batch_advance_the_window_twice(clean_env):
     """The GAN pattern is one accumulate(G, D) block per batch; a block per model is two
     micro-steps, so with k=2 each batch is a whole window."""
+
     def run(blocks_per_batch: int) -> tuple[int, int]:
         accel = Accelerator(backend="single", gradient_accumulation_steps=2)
         torch.manual_seed(0)
         g, d = nn.Linear(2, 2), nn.Linear(2, 1)
-        opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+        opt_g, opt_d = (
+            torch.optim.SGD(g.parameters(), lr=0.1),
+            torch.optim.SGD(d.parameters(), lr=0.1),
+        )
         loader = DataLoader(torch.randn(8, 2), batch_size=2)
         g, d, opt_g, opt_d, loader = accel.prepare(g, d, opt_g, opt_d, loader)
         for x in loader:
@@ -198,8 +206,9 @@ def test_logged_window_losses_one_record_per_optimizer_step(tmp_path: Path, clea
 
     from harness.trackers import wandb_records
 
-    accel, model, opt, loader = _setup(k=2, samples=12, log_with=["wandb", "mlflow", "csv"],
-                                       project_dir=str(tmp_path))
+    accel, model, opt, loader = _setup(
+        k=2, samples=12, log_with=["wandb", "mlflow", "csv"], project_dir=str(tmp_path)
+    )
     accel.init_trackers("run")
     losses = []
     for x, y in loader:
@@ -221,19 +230,24 @@ def test_logged_window_losses_one_record_per_optimizer_step(tmp_path: Path, clea
     with open(tmp_path / "run" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(int(r["step"]), float(r["loss"])) for r in rows] == [
-        (s + 1, pytest.approx(v)) for s, v in enumerate(losses)]
+        (s + 1, pytest.approx(v)) for s, v in enumerate(losses)
+    ]
 
     (log_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     deadline = time.monotonic() + 60
     while True:  # W&B's service may end the file a moment after finish() returns
         records = wandb_records(log_file)
-        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+        if (
+            any(r.WhichOneof("record_type") == "exit" for r in records)
+            or time.monotonic() > deadline
+        ):
             break
         time.sleep(0.1)
     history = [r.history for r in records if r.WhichOneof("record_type") == "history"]
     assert [h.step.num for h in history] == [1, 2, 3]
-    assert [json.loads(next(i.value_json for i in h.item if i.nested_key[0] == "loss")) for h in history] == [
-        pytest.approx(v) for v in losses]
+    assert [
+        json.loads(next(i.value_json for i in h.item if i.nested_key[0] == "loss")) for h in history
+    ] == [pytest.approx(v) for v in losses]
 
 
 def test_the_scaling_seed_is_never_shared_between_backward_passes(clean_env):

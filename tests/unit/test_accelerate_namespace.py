@@ -17,58 +17,93 @@ from gradsync.rules import GRADSYNC, Rules
 accelerate_data = pytest.importorskip("accelerate.data_loader")
 
 
-@pytest.mark.parametrize(("n", "batch", "world", "drop_last", "even"), [
-    c for c in itertools.product([1, 5, 7, 8, 16, 17, 23], [1, 3, 4], [2, 3], [False, True], [True, False])
-])
-def test_batches_are_dealt_as_accelerate_deals_them(n: int, batch: int, world: int, drop_last: bool,
-                                                    even: bool) -> None:
+@pytest.mark.parametrize(
+    ("n", "batch", "world", "drop_last", "even"),
+    [
+        c
+        for c in itertools.product(
+            [1, 5, 7, 8, 16, 17, 23], [1, 3, 4], [2, 3], [False, True], [True, False]
+        )
+    ],
+)
+def test_batches_are_dealt_as_accelerate_deals_them(
+    n: int, batch: int, world: int, drop_last: bool, even: bool
+) -> None:
     sampler = BatchSampler(SequentialSampler(range(n)), batch, drop_last)
     for rank in range(world):
-        theirs = accelerate_data.BatchSamplerShard(sampler, world, rank, split_batches=False, even_batches=even)
+        theirs = accelerate_data.BatchSamplerShard(
+            sampler, world, rank, split_batches=False, even_batches=even
+        )
         ours = BatchDeal(sampler, rank=rank, world_size=world, split=False, even=even)
         assert list(ours) == list(theirs)
         assert len(ours) == len(theirs)
 
 
-@pytest.mark.parametrize(("n", "batch", "world", "drop_last", "even"), [
-    c for c in itertools.product([1, 5, 8, 13, 16], [2, 4, 6], [2], [False, True], [True, False])
-])
-def test_split_batches_are_sliced_as_accelerate_slices_them(n: int, batch: int, world: int,
-                                                            drop_last: bool, even: bool) -> None:
+@pytest.mark.parametrize(
+    ("n", "batch", "world", "drop_last", "even"),
+    [c for c in itertools.product([1, 5, 8, 13, 16], [2, 4, 6], [2], [False, True], [True, False])],
+)
+def test_split_batches_are_sliced_as_accelerate_slices_them(
+    n: int, batch: int, world: int, drop_last: bool, even: bool
+) -> None:
     sampler = BatchSampler(SequentialSampler(range(n)), batch, drop_last)
     for rank in range(world):
-        theirs = accelerate_data.BatchSamplerShard(sampler, world, rank, split_batches=True, even_batches=even)
+        theirs = accelerate_data.BatchSamplerShard(
+            sampler, world, rank, split_batches=True, even_batches=even
+        )
         ours = BatchDeal(sampler, rank=rank, world_size=world, split=True, even=even)
         assert list(ours) == list(theirs)
         assert len(ours) == len(theirs)
 
 
-@pytest.mark.parametrize(("n", "batch", "world", "split", "drop_last"), [
-    c for c in itertools.product([3, 10, 16, 17], [2, 4], [2, 3], [False, True], [False, True])
-    if not (c[3] and c[1] % c[2])
-])
-def test_an_iterable_dataset_is_dealt_as_accelerate_deals_it(n: int, batch: int, world: int, split: bool,
-                                                             drop_last: bool) -> None:
+@pytest.mark.parametrize(
+    ("n", "batch", "world", "split", "drop_last"),
+    [
+        c
+        for c in itertools.product([3, 10, 16, 17], [2, 4], [2, 3], [False, True], [False, True])
+        if not (c[3] and c[1] % c[2])
+    ],
+)
+def test_an_iterable_dataset_is_dealt_as_accelerate_deals_it(
+    n: int, batch: int, world: int, split: bool, drop_last: bool
+) -> None:
     data = list(range(n))
     per_rank = split_size(batch, world) if split else batch
     for rank in range(world):
-        theirs = accelerate_data.IterableDatasetShard(data, batch_size=batch, drop_last=drop_last,
-                                                      num_processes=world, process_index=rank,
-                                                      split_batches=split)
-        ours = IterableDeal(data, rank=rank, per_rank=per_rank,  # type: ignore[arg-type]
-                            per_round=batch if split else batch * world, drop_last=drop_last)
+        theirs = accelerate_data.IterableDatasetShard(
+            data,
+            batch_size=batch,
+            drop_last=drop_last,
+            num_processes=world,
+            process_index=rank,
+            split_batches=split,
+        )
+        ours = IterableDeal(
+            data,
+            rank=rank,
+            per_rank=per_rank,  # type: ignore[arg-type]
+            per_round=batch if split else batch * world,
+            drop_last=drop_last,
+        )
         assert list(ours) == list(theirs)
 
 
 def test_a_batch_size_the_processes_do_not_divide_is_accelerates_error() -> None:
-    with pytest.raises(ConfigError, match=r"batch size \(5\) needs to be a round multiple of the number of processes \(2\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"batch size \(5\) needs to be a round multiple of the number of processes \(2\)",
+    ):
         split_size(5, 2)
 
 
 def test_the_rule_books() -> None:
     assert GRADSYNC.scheduler_steps(4) == 1 and GRADSYNC.loss_divisor == "window"
     rules = Rules.accelerate()
-    assert rules.scheduler_steps(4) == 4 and rules.loss_divisor == "steps" and rules.dealing == "batches"
+    assert (
+        rules.scheduler_steps(4) == 4
+        and rules.loss_divisor == "steps"
+        and rules.dealing == "batches"
+    )
     assert Rules.accelerate(split_batches=True).scheduler_steps(4) == 1
 
 
@@ -120,15 +155,21 @@ def test_accelerates_names_import_from_gradsync(clean_env: pytest.MonkeyPatch) -
 
 
 def test_an_accelerate_name_gradsync_lacks_is_one_line_saying_what_to_use() -> None:
-    with pytest.raises(ImportError, match=r"gradsync.accelerate has no notebook_launcher .*gradsync launch"):
+    with pytest.raises(
+        ImportError, match=r"gradsync.accelerate has no notebook_launcher .*gradsync launch"
+    ):
         from gradsync.accelerate import notebook_launcher  # noqa: F401
-    with pytest.raises(ImportError, match=r"gradsync.accelerate.utils has no DummyOptim .*deepspeed_config"):
+    with pytest.raises(
+        ImportError, match=r"gradsync.accelerate.utils has no DummyOptim .*deepspeed_config"
+    ):
         from gradsync.accelerate.utils import DummyOptim  # noqa: F401
     with pytest.raises(ImportError, match="cannot import name"):
         from gradsync.accelerate import NoSuchThing  # noqa: F401
 
 
-def test_accelerator_keywords_gradsync_does_not_take_are_one_line(clean_env: pytest.MonkeyPatch) -> None:
+def test_accelerator_keywords_gradsync_does_not_take_are_one_line(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
     from gradsync.accelerate import Accelerator
 
     with pytest.raises(ConfigError, match=r"fsdp_plugin=.*backend='fsdp'"):
@@ -162,7 +203,8 @@ def test_the_accelerators_state_and_kind(clean_env: pytest.MonkeyPatch) -> None:
 
 
 def test_reset_state_is_a_no_op_the_next_accelerator_takes_its_own_settings(
-        clean_env: pytest.MonkeyPatch) -> None:
+    clean_env: pytest.MonkeyPatch,
+) -> None:
     from gradsync.accelerate import Accelerator
     from gradsync.accelerate.state import AcceleratorState, GradientState, PartialState
 
@@ -211,15 +253,24 @@ def test_a_loader_is_dealt_one_generator_for_every_rank(clean_env: pytest.Monkey
 
     loader = DataLoader(list(range(10)), batch_size=2, shuffle=True)
     torch.manual_seed(0)
-    dealt = [deal_batches(DataLoader(list(range(10)), batch_size=2, shuffle=True), rank=r, world_size=2,
-                          split=False, even=True) for r in range(2)]
+    dealt = [
+        deal_batches(
+            DataLoader(list(range(10)), batch_size=2, shuffle=True),
+            rank=r,
+            world_size=2,
+            split=False,
+            even=True,
+        )
+        for r in range(2)
+    ]
     assert isinstance(loader.sampler, RandomSampler)
     seen = sorted(x for d in dealt for b in d for x in b.tolist())
     assert len(seen) == 12  # 10 samples, the last round padded by 2 from the pass's start
 
 
 def test_every_name_in_the_migration_table_is_accelerates_and_imports_from_gradsync(
-        clean_env: pytest.MonkeyPatch) -> None:
+    clean_env: pytest.MonkeyPatch,
+) -> None:
     import importlib
 
     from gradsync.accelerate import _names
@@ -241,7 +292,11 @@ def test_every_name_in_the_migration_table_is_accelerates_and_imports_from_grads
     member_names = {n.strip() for key in _names.MEMBERS for n in key.split("/")}
     from gradsync.accelerate import Accelerator
 
-    set_in_init = {"state", "gradient_state", "deepspeed_engine_wrapped"}  # Accelerate's instance attributes
+    set_in_init = {
+        "state",
+        "gradient_state",
+        "deepspeed_engine_wrapped",
+    }  # Accelerate's instance attributes
     for name in (member_names | set(_names.REFUSED_MEMBERS)) - set_in_init:
         assert hasattr(importlib.import_module("accelerate").Accelerator, name), name
     ours = Accelerator()
@@ -257,7 +312,11 @@ def test_a_schedule_sized_for_accelerates_rule_is_said_when_the_run_ends() -> No
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sized = get_scheduler("linear", optimizer, num_warmup_steps=2, num_training_steps=10)
     message = sized_per_process(sized, 6, 2)
-    assert message is not None and "ended after 6 optimizer steps" in message and "built for 10 steps" in message
+    assert (
+        message is not None
+        and "ended after 6 optimizer steps" in message
+        and "built for 10 steps" in message
+    )
     assert "gradsync.accelerate" in message
     assert sized_per_process(sized, 10, 2) is None  # the schedule ran to its end
     assert sized_per_process(sized, 9, 2) is None  # nearly so: not Accelerate's sizing
@@ -278,7 +337,10 @@ def test_the_logger_prefixes_the_rank_and_logs_in_order(caplog: pytest.LogCaptur
         logger.info("every rank", main_process_only=False)
         logger.info("in order", in_order=True)
     assert [r.getMessage() for r in caplog.records] == [
-        "[RANK 0] main only", "[RANK 0] every rank", "[RANK 0] in order"]
+        "[RANK 0] main only",
+        "[RANK 0] every rank",
+        "[RANK 0] in order",
+    ]
 
 
 def test_all_means_the_installed_tracker_libraries_as_in_accelerate() -> None:

@@ -46,7 +46,8 @@ def test_counting_without_a_dataloader():
 
 def test_step_change_applies_at_the_next_window():
     w = Window(4)
-    w.begin(); w.end()
+    w.begin()
+    w.end()
     w.steps = 2
     assert w.steps == 2
     sizes = []

@@ -21,7 +21,7 @@ K = 4
 
 
 def batch(i):
-    return DATA.x[2 * i:2 * i + 2], DATA.y[2 * i:2 * i + 2]
+    return DATA.x[2 * i : 2 * i + 2], DATA.y[2 * i : 2 * i + 2]
 
 
 def by_hand(*, spike_at=None, clip=None, clip_value=None, grad_scaler=None):
@@ -50,13 +50,21 @@ def by_hand(*, spike_at=None, clip=None, clip_value=None, grad_scaler=None):
         if not skipped[-1]:
             sched.step()
         scales.append(scaler.get_scale())
-    return {"state": to_lists(model.state_dict()), "skipped": skipped, "scales": scales,
-            "last_epoch": sched.last_epoch}
+    return {
+        "state": to_lists(model.state_dict()),
+        "skipped": skipped,
+        "scales": scales,
+        "last_epoch": sched.last_epoch,
+    }
 
 
 def with_gradsync(*, spike_at=None, clip=None, clip_value=None, grad_scaler=None, clip_twice=False):
-    accel = Accelerator(backend="single", gradient_accumulation_steps=K, mixed_precision="fp16",
-                        grad_scaler=grad_scaler)
+    accel = Accelerator(
+        backend="single",
+        gradient_accumulation_steps=K,
+        mixed_precision="fp16",
+        grad_scaler=grad_scaler,
+    )
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -78,14 +86,25 @@ def with_gradsync(*, spike_at=None, clip=None, clip_value=None, grad_scaler=None
         if accel.sync_gradients:
             skipped.append(accel.optimizer_step_was_skipped)
             scales.append(accel.scaler.get_scale())
-    return {"state": to_lists(accel.get_state_dict(model)), "skipped": skipped, "scales": scales,
-            "last_epoch": sched.last_epoch, "accel": accel}
+    return {
+        "state": to_lists(accel.get_state_dict(model)),
+        "skipped": skipped,
+        "scales": scales,
+        "last_epoch": sched.last_epoch,
+        "accel": accel,
+    }
 
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"clip": 0.5}, {"clip_value": 0.01}, {"clip": 0.5, "clip_value": 0.01},
-     {"clip": 0.5, "clip_twice": True}, {"grad_scaler": {"init_scale": 2.0**10, "growth_interval": 2}}],
+    [
+        {},
+        {"clip": 0.5},
+        {"clip_value": 0.01},
+        {"clip": 0.5, "clip_value": 0.01},
+        {"clip": 0.5, "clip_twice": True},
+        {"grad_scaler": {"init_scale": 2.0**10, "growth_interval": 2}},
+    ],
     ids=["plain", "clip", "clip_value", "clip_both", "clip_twice", "scaler_settings"],
 )
 def test_fp16_equals_the_hand_written_loop(clean_env, kwargs):
@@ -128,12 +147,15 @@ def test_step_twice_in_one_fp16_window_is_an_error(clean_env):
     with accel.accumulate(model):
         accel.backward(F.mse_loss(model(DATA.x[:2]), DATA.y[:2]))
         opt.step()
-        with pytest.raises(RuntimeError, match="step\\(\\) was called twice in one accumulation window"):
+        with pytest.raises(
+            RuntimeError, match="step\\(\\) was called twice in one accumulation window"
+        ):
             opt.step()
 
 
-@pytest.mark.parametrize(("setting", "dtype"), [("fp16", torch.float16), ("bf16", torch.bfloat16),
-                                                 ("no", torch.float32)])
+@pytest.mark.parametrize(
+    ("setting", "dtype"), [("fp16", torch.float16), ("bf16", torch.bfloat16), ("no", torch.float32)]
+)
 def test_accel_autocast_is_the_one_accumulate_uses(clean_env, setting, dtype):
     accel = Accelerator(backend="single", mixed_precision=setting)
     model = accel.prepare(make_model())
@@ -177,21 +199,33 @@ def test_clip_grad_norm_takes_the_norm_type(clean_env):
 def test_activation_checkpointing_changes_nothing_and_keeps_less(clean_env, kind):
     from scenarios.common import Block
 
-    spec = {"names": ["Block"], "name": "Block", "classes": [Block],
-            "callable": lambda m: isinstance(m, Block)}[kind]
+    spec = {
+        "names": ["Block"],
+        "name": "Block",
+        "classes": [Block],
+        "callable": lambda m: isinstance(m, Block),
+    }[kind]
     runs = {}
     for name, ac in (("plain", None), ("checkpointed", spec)):
-        accel = Accelerator(backend="single", gradient_accumulation_steps=4, seed=0,
-                            activation_checkpointing=ac)
+        accel = Accelerator(
+            backend="single", gradient_accumulation_steps=4, seed=0, activation_checkpointing=ac
+        )
         runs[name] = train(accel, Loop(samples=22, micro_batch=2))
         model = accel.prepare(make_model())
         with accel.accumulate(model):
-            runs[name]["saved"], loss = saved_bytes(lambda m=model: F.mse_loss(m(DATA.x[:2]), DATA.y[:2]))
+            runs[name]["saved"], loss = saved_bytes(
+                lambda m=model: F.mse_loss(m(DATA.x[:2]), DATA.y[:2])
+            )
             accel.backward(loss)
         with torch.no_grad():  # evaluation runs the forward once, without checkpointing
             model(DATA.x[:2])
     assert max_diff(runs["plain"]["state"], runs["checkpointed"]["state"]) < 1e-6
-    assert max_diff(runs["checkpointed"]["state"], reference([runs["checkpointed"]], samples=22)["state"]) < 1e-6
+    assert (
+        max_diff(
+            runs["checkpointed"]["state"], reference([runs["checkpointed"]], samples=22)["state"]
+        )
+        < 1e-6
+    )
     assert runs["checkpointed"]["saved"] < runs["plain"]["saved"]
 
 
@@ -204,19 +238,31 @@ def _one_line(err):
 def test_fp16_on_a_device_without_autocast_is_one_line():
     with pytest.raises(ConfigError) as err:
         _amp.check_autocast(torch.device("meta"), "fp16")
-    assert _one_line(err).startswith("mixed_precision='fp16' needs autocast, which the 'meta' device")
+    assert _one_line(err).startswith(
+        "mixed_precision='fp16' needs autocast, which the 'meta' device"
+    )
     assert _amp.check_autocast(torch.device("cpu"), "fp16") == torch.float16
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"mixed_precision": "fp8"}, "mixed_precision='fp8' is unknown; use one of no, bf16, fp16"),
-     ({"mixed_precision": "fp16", "grad_scaler": torch.amp.GradScaler("cpu")},
-      "grad_scaler=GradScaler(...): gradsync runs one scaler per run"),
-     ({"grad_scaler": {"init_scale": 8.0}}, "grad_scaler={'init_scale': 8.0} with mixed_precision='no'"),
-     ({"mixed_precision": "fp16", "grad_scaler": {"scale": 8.0}}, "grad_scaler={'scale': 8.0} must be a dict with keys"),
-     ({"activation_checkpointing": 3}, "activation_checkpointing=3 must be a module class name"),
-     ({"compile": "yes"}, "compile='yes' must be True, False or a dict")],
+    [
+        ({"mixed_precision": "fp8"}, "mixed_precision='fp8' is unknown; use one of no, bf16, fp16"),
+        (
+            {"mixed_precision": "fp16", "grad_scaler": torch.amp.GradScaler("cpu")},
+            "grad_scaler=GradScaler(...): gradsync runs one scaler per run",
+        ),
+        (
+            {"grad_scaler": {"init_scale": 8.0}},
+            "grad_scaler={'init_scale': 8.0} with mixed_precision='no'",
+        ),
+        (
+            {"mixed_precision": "fp16", "grad_scaler": {"scale": 8.0}},
+            "grad_scaler={'scale': 8.0} must be a dict with keys",
+        ),
+        ({"activation_checkpointing": 3}, "activation_checkpointing=3 must be a module class name"),
+        ({"compile": "yes"}, "compile='yes' must be True, False or a dict"),
+    ],
 )
 def test_bad_settings_name_key_and_value(clean_env, kwargs, message):
     with pytest.raises(ConfigError) as err:
@@ -226,7 +272,9 @@ def test_bad_settings_name_key_and_value(clean_env, kwargs, message):
 
 def test_a_user_scaler_in_prepare_is_refused(clean_env):
     accel = Accelerator(backend="single", mixed_precision="fp16")
-    with pytest.raises(ConfigError, match=r"prepare\(\) got a GradScaler: gradsync runs one loss scaler per run"):
+    with pytest.raises(
+        ConfigError, match=r"prepare\(\) got a GradScaler: gradsync runs one loss scaler per run"
+    ):
         accel.prepare(make_model(), torch.amp.GradScaler("cpu"))
 
 
@@ -251,14 +299,24 @@ def test_settings_from_env_and_yaml(clean_env, tmp_path):
     assert cfg.grad_scaler == {"init_scale": 1024}
     clean_env.setenv("GRADSYNC_COMPILE", "1")
     assert load_config().compile is True
-    for key in ("GRADSYNC_ACTIVATION_CHECKPOINTING", "GRADSYNC_COMPILE", "GRADSYNC_MIXED_PRECISION",
-                "GRADSYNC_GRAD_SCALER"):
+    for key in (
+        "GRADSYNC_ACTIVATION_CHECKPOINTING",
+        "GRADSYNC_COMPILE",
+        "GRADSYNC_MIXED_PRECISION",
+        "GRADSYNC_GRAD_SCALER",
+    ):
         clean_env.delenv(key)
     path = tmp_path / "c.yaml"
-    path.write_text("mixed_precision: fp16\nactivation_checkpointing: [Block]\ncompile: true\n"
-                    "grad_scaler: {growth_interval: 10}\n")
+    path.write_text(
+        "mixed_precision: fp16\nactivation_checkpointing: [Block]\ncompile: true\n"
+        "grad_scaler: {growth_interval: 10}\n"
+    )
     cfg = load_config(config_file=path)
-    assert (cfg.activation_checkpointing, cfg.compile, cfg.grad_scaler) == (["Block"], True, {"growth_interval": 10})
+    assert (cfg.activation_checkpointing, cfg.compile, cfg.grad_scaler) == (
+        ["Block"],
+        True,
+        {"growth_interval": 10},
+    )
     clean_env.setenv("GRADSYNC_GRAD_SCALER", "{bad")
     with pytest.raises(ConfigError, match="GRADSYNC_GRAD_SCALER='{bad' is not JSON"):
         load_config()
@@ -268,12 +326,19 @@ def test_settings_from_env_and_yaml(clean_env, tmp_path):
 def test_deepspeed_precision_sections():
     assert fill_precision({}, "fp16") == {"fp16": {"enabled": True}}
     assert fill_precision({"bf16": {"enabled": False}}, "fp16")["fp16"] == {"enabled": True}
-    assert fill_precision({"fp16": {"loss_scale": 0}}, "fp16")["fp16"] == {"loss_scale": 0, "enabled": True}
+    assert fill_precision({"fp16": {"loss_scale": 0}}, "fp16")["fp16"] == {
+        "loss_scale": 0,
+        "enabled": True,
+    }
     assert fill_precision({"fp16": {"enabled": True}}, "no") == {"fp16": {"enabled": True}}
     with pytest.raises(ConfigError) as err:
         fill_precision({"bf16": {"enabled": True}}, "fp16")
-    assert _one_line(err).startswith("mixed_precision='fp16' contradicts deepspeed_config bf16.enabled=true")
-    with pytest.raises(ConfigError, match="mixed_precision='bf16' contradicts deepspeed_config fp16.enabled=true"):
+    assert _one_line(err).startswith(
+        "mixed_precision='fp16' contradicts deepspeed_config bf16.enabled=true"
+    )
+    with pytest.raises(
+        ConfigError, match="mixed_precision='bf16' contradicts deepspeed_config fp16.enabled=true"
+    ):
         fill_precision({"fp16": {"enabled": "true"}}, "bf16")
     with pytest.raises(ConfigError, match="contradicts deepspeed_config fp16.enabled=false"):
         fill_precision({"fp16": {"enabled": False}}, "fp16")
@@ -288,4 +353,7 @@ def test_deepspeed_fp16_where_the_accelerator_cannot_is_one_line(clean_env):
         pytest.skip("this machine's DeepSpeed accelerator runs fp16")
     with pytest.raises(ConfigError) as err:
         Accelerator(backend="deepspeed", mixed_precision="fp16")
-    assert "accelerator does not support fp16 on this machine; use mixed_precision='bf16'" in _one_line(err)
+    assert (
+        "accelerator does not support fp16 on this machine; use mixed_precision='bf16'"
+        in _one_line(err)
+    )

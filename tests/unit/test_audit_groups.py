@@ -67,14 +67,17 @@ def _window(*micro_steps: list[tuple[str, int, str]]) -> list[MicroStepRecord]:
 def test_the_one_group_summary_is_unchanged_and_a_mesh_adds_bytes_per_group():
     one = _window([], [], [], [("allreduce", 2355, "world")])
     assert Recorder().summary(one) == (
-        "micro-steps 4: reductions per micro-step [0,0,0,1] (2.3 KiB), all-gathers 0")
+        "micro-steps 4: reductions per micro-step [0,0,0,1] (2.3 KiB), all-gathers 0"
+    )
     assert one[-1].to_dict()["groups"] == {
-        "world": {"ops": {"allreduce": 1}, "bytes": 2355, "reduction_bytes": 2355}}
+        "world": {"ops": {"allreduce": 1}, "bytes": 2355, "reduction_bytes": 2355}
+    }
     rs, ag = ("reduce_scatter", 4096, "shard"), ("allgather", 512, "shard")
     mesh = _window([ag, rs], [ag, rs], [ag, rs, ("allreduce", 1024, "replicate")])
     assert Recorder().summary(mesh) == (
         "micro-steps 3: reductions per micro-step [1,1,2] (13.0 KiB), all-gathers 3; "
-        "by group: shard [1,1,1] (12.0 KiB), replicate [0,0,1] (1.0 KiB)")
+        "by group: shard [1,1,1] (12.0 KiB), replicate [0,0,1] (1.0 KiB)"
+    )
 
 
 def test_records_made_without_groups_read_as_world():
@@ -97,7 +100,11 @@ def _run(policy: str, *micro_steps: list[tuple[str, str]], backward: bool = True
     return check
 
 
-RS, AR_REP, AR_WORLD = ("reduce_scatter", "shard"), ("allreduce", "replicate"), ("allreduce", "world")
+RS, AR_REP, AR_WORLD = (
+    ("reduce_scatter", "shard"),
+    ("allreduce", "replicate"),
+    ("allreduce", "world"),
+)
 
 
 def test_defer_replicate_is_silent_for_shard_reduce_scatters_off_the_boundary(caplog):
@@ -143,6 +150,12 @@ def test_defer_on_a_mesh_still_wants_nothing_off_the_boundary(caplog):
 
 
 def test_the_check_starts_for_defer_replicate_and_names_it():
-    check = start(enabled=True, audit=Recorder(), policy=lambda: "defer_replicate", rank=1,
-                  world_size=4, backend="fsdp")
+    check = start(
+        enabled=True,
+        audit=Recorder(),
+        policy=lambda: "defer_replicate",
+        rank=1,
+        world_size=4,
+        backend="fsdp",
+    )
     assert check is not None and check._where == "rank 1, fsdp, defer_replicate"

@@ -23,11 +23,18 @@ def bench():
 def test_report_pairs_repetitions_and_takes_the_slower_rank(bench):
     spec = {**bench.QUICK, "steps_per_rep": 2}
     fast, slow = [0.010, 0.010, 0.020, 0.020], [0.011, 0.011, 0.022, 0.022]
-    rank = {"spec": spec, "device": "cpu", "torch": "x",
-            "fp16": {"gradsync": slow, "by_hand": fast}, "compile": {"gradsync": fast, "by_hand": fast}}
+    rank = {
+        "spec": spec,
+        "device": "cpu",
+        "torch": "x",
+        "fp16": {"gradsync": slow, "by_hand": fast},
+        "compile": {"gradsync": fast, "by_hand": fast},
+    }
     other = {**rank, "fp16": {"gradsync": slow, "by_hand": [0.012, 0.012, 0.020, 0.020]}}
     memory = {"plain": {"saved_bytes": 1000}, "checkpointed": {"saved_bytes": 250}}
-    summary, table = bench.report([{**rank, "memory": memory}, other], "python benchmarks/amp_compile.py")
+    summary, table = bench.report(
+        [{**rank, "memory": memory}, other], "python benchmarks/amp_compile.py"
+    )
     fp16 = summary["rows"]["fp16"]
     # per step, the slower rank: by hand 12, 12, 20, 20 ms; gradsync 11, 11, 22, 22 ms
     assert fp16["ratio_range"] == pytest.approx([11 / 12, 1.1])

@@ -44,8 +44,10 @@ def test_load_restores_the_weights_optimizer_scheduler_and_window(saved, clean_e
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert all(torch.equal(p.grad, grads[n]) for n, p in m2.named_parameters())
     assert l2.epoch == 0 and l2.state_dict()["epoch"] == 0
-    assert torch.equal(o2.state_dict()["state"][0]["momentum_buffer"],
-                       opt.state_dict()["state"][0]["momentum_buffer"])
+    assert torch.equal(
+        o2.state_dict()["state"][0]["momentum_buffer"],
+        opt.state_dict()["state"][0]["momentum_buffer"],
+    )
 
 
 def test_the_scheduler_does_not_step_again_after_a_load(saved, clean_env):
@@ -70,13 +72,26 @@ def corrupt(folder: Path, name: str, how: str) -> Path:
     "damage, message",
     [
         (lambda p: p.parent / "nope", "checkpoint '{p}/../nope' does not exist"),
-        (lambda p: (p / MANIFEST).unlink() or p, "'{p}' is not a gradsync checkpoint (no gradsync_checkpoint.json"),
-        (lambda p: corrupt(p, "model_0.pt", "truncate") and p,
-         "checkpoint '{p}' is corrupted: model_0.pt has"),
-        (lambda p: corrupt(p, "optimizer_0.pt", "flip") and p,
-         "checkpoint '{p}' is corrupted: optimizer_0.pt fails its checksum"),
-        (lambda p: (p / "rng_rank0.pt").unlink() or p, "checkpoint '{p}' is incomplete: rng_rank0.pt is missing"),
-        (lambda p: (p / "x.txt").write_text("x") and p / "x.txt", "checkpoint '{p}/x.txt' is a file"),
+        (
+            lambda p: (p / MANIFEST).unlink() or p,
+            "'{p}' is not a gradsync checkpoint (no gradsync_checkpoint.json",
+        ),
+        (
+            lambda p: corrupt(p, "model_0.pt", "truncate") and p,
+            "checkpoint '{p}' is corrupted: model_0.pt has",
+        ),
+        (
+            lambda p: corrupt(p, "optimizer_0.pt", "flip") and p,
+            "checkpoint '{p}' is corrupted: optimizer_0.pt fails its checksum",
+        ),
+        (
+            lambda p: (p / "rng_rank0.pt").unlink() or p,
+            "checkpoint '{p}' is incomplete: rng_rank0.pt is missing",
+        ),
+        (
+            lambda p: (p / "x.txt").write_text("x") and p / "x.txt",
+            "checkpoint '{p}/x.txt' is a file",
+        ),
     ],
     ids=["missing", "not-a-checkpoint", "truncated", "corrupted", "incomplete", "a-file"],
 )
@@ -106,10 +121,14 @@ def edit_manifest(folder: Path, **changes: object) -> None:
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"backend": "deepspeed", "format": "deepspeed"},
-         "was saved with backend='deepspeed', whose format backend='single' cannot read; load it with backend='deepspeed'"),
-        ({"world_size": 2},
-         "was saved mid-window on 2 rank(s); its per-rank window gradients cannot be resumed on 1"),
+        (
+            {"backend": "deepspeed", "format": "deepspeed"},
+            "was saved with backend='deepspeed', whose format backend='single' cannot read; load it with backend='deepspeed'",
+        ),
+        (
+            {"world_size": 2},
+            "was saved mid-window on 2 rank(s); its per-rank window gradients cannot be resumed on 1",
+        ),
         ({"models": 2}, "does not fit this training: models 2 saved vs 1 here"),
     ],
     ids=["other-backend", "other-world-mid-window", "other-objects"],
@@ -138,7 +157,9 @@ def test_a_checkpoint_of_another_model_is_refused_before_loading(saved, clean_en
 @pytest.mark.parametrize("keep_last", [0, -1, True, 1.5])
 def test_keep_last_below_one_is_a_config_error(tmp_path, clean_env, keep_last):
     accel, *_ = trained(micro=1)
-    with pytest.raises(ConfigError, match=rf"save_state\(keep_last={keep_last!r}\) must be a whole number >= 1"):
+    with pytest.raises(
+        ConfigError, match=rf"save_state\(keep_last={keep_last!r}\) must be a whole number >= 1"
+    ):
         accel.save_state(tmp_path / "c", keep_last=keep_last)
     assert not list(tmp_path.iterdir())
 
@@ -146,7 +167,9 @@ def test_keep_last_below_one_is_a_config_error(tmp_path, clean_env, keep_last):
 def test_a_path_that_is_a_file_or_a_foreign_folder_is_a_config_error(tmp_path, clean_env):
     accel, *_ = trained(micro=1)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ConfigError, match="that path is an existing file; a checkpoint is a folder"):
+    with pytest.raises(
+        ConfigError, match="that path is an existing file; a checkpoint is a folder"
+    ):
         accel.save_state(tmp_path / "file")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("x")
@@ -269,13 +292,17 @@ def disk_full_for_bad(monkeypatch):
     monkeypatch.setattr(ck, "mark_and_rename", full)
 
 
-def test_a_failed_background_commit_is_reported_and_keeps_the_previous(tmp_path, clean_env, disk_full_for_bad,
-                                                                        capsys):
+def test_a_failed_background_commit_is_reported_and_keeps_the_previous(
+    tmp_path, clean_env, disk_full_for_bad, capsys
+):
     accel, *_ = trained(micro=4)
     accel.save_state(tmp_path / "good")
     accel.save_state(tmp_path / "bad", background=True)
-    with pytest.raises(CheckpointError, match=r"^the background save of '.*bad' failed: No space left on device \(ENOSPC\); "
-                       r"nothing was saved there, the checkpoint kept is '.*good'; free space"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^the background save of '.*bad' failed: No space left on device \(ENOSPC\); "
+        r"nothing was saved there, the checkpoint kept is '.*good'; free space",
+    ):
         accel.wait_for_checkpoint()
     assert "background save" in capsys.readouterr().err  # also said when it happened
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]  # its temporary folder removed
@@ -292,9 +319,15 @@ def test_a_failed_background_commit_is_reported_and_keeps_the_previous(tmp_path,
     assert gradsync.latest_checkpoint(tmp_path) == str(tmp_path / "next")
 
 
-def test_sigterm_saves_even_after_a_failed_background_commit(tmp_path, clean_env, disk_full_for_bad):
-    accel = Accelerator(backend="single", gradient_accumulation_steps=2, seed=0,
-                        save_on_sigterm=str(tmp_path / "preempted"))
+def test_sigterm_saves_even_after_a_failed_background_commit(
+    tmp_path, clean_env, disk_full_for_bad
+):
+    accel = Accelerator(
+        backend="single",
+        gradient_accumulation_steps=2,
+        seed=0,
+        save_on_sigterm=str(tmp_path / "preempted"),
+    )
     model = make_model()
     opt = make_optimizer(model.parameters(), "sgd", 0.05)
     loader = DataLoader(Indexed(40), batch_size=2)
@@ -309,7 +342,9 @@ def test_sigterm_saves_even_after_a_failed_background_commit(tmp_path, clean_env
                 accel.save_state(tmp_path / "bad", background=True)
                 os.kill(os.getpid(), signal.SIGTERM)  # saved when the next window starts
     assert stop.value.code == 0
-    assert gradsync.latest_checkpoint(tmp_path / "preempted") == str(tmp_path / "preempted" / "step-1")
+    assert gradsync.latest_checkpoint(tmp_path / "preempted") == str(
+        tmp_path / "preempted" / "step-1"
+    )
 
 
 def test_register_for_checkpointing(tmp_path, clean_env):
@@ -333,7 +368,9 @@ def test_register_for_checkpointing(tmp_path, clean_env):
     a2.register_for_checkpointing(other)
     a2.load_state(tmp_path / "c")
     assert other.n == 7
-    with pytest.raises(ConfigError, match="register_for_checkpointing\\(\\) got a int, which has no state_dict"):
+    with pytest.raises(
+        ConfigError, match="register_for_checkpointing\\(\\) got a int, which has no state_dict"
+    ):
         a2.register_for_checkpointing(3)
 
 
@@ -378,10 +415,13 @@ def test_save_model_writes_tied_weights_once(tmp_path, clean_env):
         accel.save_model(model, tmp_path / "file")
 
 
-@pytest.mark.parametrize("value, message", [
-    ("0", "timeout=0.0 must be a number of seconds > 0"),
-    ("soon", "GRADSYNC_TIMEOUT='soon' is not a number"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("0", "timeout=0.0 must be a number of seconds > 0"),
+        ("soon", "GRADSYNC_TIMEOUT='soon' is not a number"),
+    ],
+)
 def test_timeout_from_the_environment_is_checked(clean_env, value, message):
     clean_env.setenv("GRADSYNC_TIMEOUT", value)
     with pytest.raises(ConfigError, match=message):
@@ -400,7 +440,10 @@ def test_only_a_process_group_error_becomes_a_collective_error():
         with naming_collective("backward()", 5):
             raise RuntimeError(message)
 
-    with pytest.raises(CollectiveError, match=r"^backward\(\) failed: timed out waiting for another rank \(timeout 5 s"):
+    with pytest.raises(
+        CollectiveError,
+        match=r"^backward\(\) failed: timed out waiting for another rank \(timeout 5 s",
+    ):
         fail("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms")
     with pytest.raises(CollectiveError, match="lost its connection to another rank"):
         fail("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer")
@@ -411,8 +454,13 @@ def test_only_a_process_group_error_becomes_a_collective_error():
 
 def test_the_fp16_loss_scaler_is_saved_and_restored(tmp_path, clean_env):
     def fp16(seed: int) -> tuple[Accelerator, torch.nn.Module, object]:
-        accel = Accelerator(backend="single", gradient_accumulation_steps=2, mixed_precision="fp16",
-                            seed=seed, grad_scaler={"init_scale": 2.0**10, "growth_interval": 2})
+        accel = Accelerator(
+            backend="single",
+            gradient_accumulation_steps=2,
+            mixed_precision="fp16",
+            seed=seed,
+            grad_scaler={"init_scale": 2.0**10, "growth_interval": 2},
+        )
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         model, opt = accel.prepare(model, opt)
@@ -422,7 +470,7 @@ def test_the_fp16_loss_scaler_is_saved_and_restored(tmp_path, clean_env):
     data = Indexed(16)
     for i in range(8):  # 4 clean steps: the scale grew twice
         with accel.accumulate(model):
-            accel.backward(F.mse_loss(model(data.x[2 * i: 2 * i + 2]), data.y[2 * i: 2 * i + 2]))
+            accel.backward(F.mse_loss(model(data.x[2 * i : 2 * i + 2]), data.y[2 * i : 2 * i + 2]))
             opt.step()
     assert accel.scaler is not None and accel.scaler.get_scale() == 2.0**12
     accel.save_state(tmp_path / "c")

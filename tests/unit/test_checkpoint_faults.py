@@ -113,8 +113,11 @@ def test_a_full_disk_is_one_line_and_loses_nothing(small_disk, clean_env, backgr
 def test_with_nothing_saved_before_the_checkpoint_kept_is_none(small_disk, clean_env):
     accel, *_ = trained()
     fill(small_disk)
-    with pytest.raises(CheckpointError, match=r"could not write model_0.pt: No space left on device \(ENOSPC\); "
-                                              r"nothing was saved there, the checkpoint kept is none; free space"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"could not write model_0.pt: No space left on device \(ENOSPC\); "
+        r"nothing was saved there, the checkpoint kept is none; free space",
+    ):
         accel.save_state(small_disk / "first")
 
 
@@ -130,7 +133,9 @@ def test_a_read_only_folder_loads_and_refuses_a_save(read_only, clean_env):
         f"system (EROFS); nothing was saved there, the checkpoint kept is '{ro / 'good'}'; the filesystem "
         "is read-only: save into a writable folder"
     )
-    with pytest.raises(CheckpointError, match=r"could not create .*\.good\.gradsync-tmp': Read-only file system"):
+    with pytest.raises(
+        CheckpointError, match=r"could not create .*\.good\.gradsync-tmp': Read-only file system"
+    ):
         accel.save_state(ro / "good")  # replacing it: the one there is kept
     assert _loads_bitwise(ro / "good", _weights(model))
 
@@ -159,9 +164,22 @@ def test_no_permission_and_a_file_size_limit(shared_tmp, clean_env):
     torch.save(_weights(model), tmp_path / "expected.pt")
     env = {**os.environ, "HOME": str(other), "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
     done = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
-         str(TESTS / "scripts" / "unwritable_save.py"), str(folder), str(other), str(tmp_path / "expected.pt")],
-        capture_output=True, text=True, env=env, cwd=other, timeout=300,
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            str(TESTS / "scripts" / "unwritable_save.py"),
+            str(folder),
+            str(other),
+            str(tmp_path / "expected.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=other,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
@@ -189,10 +207,17 @@ def _handlers():
     signal.signal(signal.SIGTERM, saved)
 
 
-def test_save_on_signal_onto_a_full_disk_exits_1_and_is_not_requeued(small_disk, clean_env, capfd, _handlers):
+def test_save_on_signal_onto_a_full_disk_exits_1_and_is_not_requeued(
+    small_disk, clean_env, capfd, _handlers
+):
     clean_env.setenv("SLURM_JOB_ID", "4242")  # a requeue would be attempted (and warn: no scontrol)
-    accel = gradsync.Accelerator(backend="single", gradient_accumulation_steps=2, seed=0,
-                                 save_on_signal=small_disk / "preempted", requeue=True)
+    accel = gradsync.Accelerator(
+        backend="single",
+        gradient_accumulation_steps=2,
+        seed=0,
+        save_on_signal=small_disk / "preempted",
+        requeue=True,
+    )
     fill(small_disk)
     stop = run_until_signal(accel, signal.SIGTERM)
     assert stop.code == 1
@@ -213,8 +238,11 @@ def test_keep_last_warns_about_an_old_checkpoint_it_cannot_delete(tmp_path, clea
     pinned.mkdir()
     _mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(pinned))
     try:
-        with pytest.warns(RuntimeWarning, match=rf"could not remove an old checkpoint \(keep_last\) '{old}' "
-                                                r"\(.*Device or resource busy.*\); delete it by hand"):
+        with pytest.warns(
+            RuntimeWarning,
+            match=rf"could not remove an old checkpoint \(keep_last\) '{old}' "
+            r"\(.*Device or resource busy.*\); delete it by hand",
+        ):
             accel.save_state(tmp_path / "b", keep_last=1)
         assert gradsync.latest_checkpoint(tmp_path) == str(tmp_path / "b")
     finally:
@@ -230,10 +258,18 @@ def test_a_temporary_folder_that_cannot_be_removed_is_one_warning(tmp_path, clea
     pinned.mkdir(parents=True)
     _mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(pinned))
     try:
-        with pytest.warns(RuntimeWarning, match=rf"could not remove the unfinished checkpoint folder '{tmp}' "
-                                                r"\(.*Device or resource busy.*\); delete it by hand"), \
-                pytest.raises(CheckpointError, match=r"could not write 'pinned': Device or resource busy \(EBUSY\); "
-                                                     "nothing was saved there, the checkpoint kept is none$"):
+        with (
+            pytest.warns(
+                RuntimeWarning,
+                match=rf"could not remove the unfinished checkpoint folder '{tmp}' "
+                r"\(.*Device or resource busy.*\); delete it by hand",
+            ),
+            pytest.raises(
+                CheckpointError,
+                match=r"could not write 'pinned': Device or resource busy \(EBUSY\); "
+                "nothing was saved there, the checkpoint kept is none$",
+            ),
+        ):
             accel.save_state(tmp_path / "next")
     finally:
         _umount(pinned)
@@ -296,8 +332,11 @@ def test_what_torch_says_over_a_full_disk(small_disk):
 def test_a_failure_that_is_not_the_disks_names_its_exception(tmp_path, clean_env):
     accel, *_ = trained()
     accel.register_for_checkpointing(Unpicklable())
-    with pytest.raises(CheckpointError, match=r"^save_state\('.*/x'\) failed: raised .*Error: .*lock.*; nothing was "
-                                              r"saved there, the checkpoint kept is none$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^save_state\('.*/x'\) failed: raised .*Error: .*lock.*; nothing was "
+        r"saved there, the checkpoint kept is none$",
+    ):
         accel.save_state(tmp_path / "x")
     assert list(tmp_path.iterdir()) == []
 

@@ -64,7 +64,9 @@ def test_a_checkpoint_of_a_newer_layout_names_the_release_that_wrote_it(tmp_path
     teacher, student, opt = release.models()
     accel.prepare(teacher)
     accel.prepare(student, opt)
-    with pytest.raises(CheckpointError, match=r"layout 9, written by gradsync 7\.0; .*reads layouts 1, 2"):
+    with pytest.raises(
+        CheckpointError, match=r"layout 9, written by gradsync 7\.0; .*reads layouts 1, 2"
+    ):
         accel.load_state(folder)
 
 
@@ -76,10 +78,15 @@ def test_the_manifest_says_which_models_each_optimizer_holds(tmp_path, clean_env
     accel.prepare(a, b, c, both, head1, head2)
     path = accel.save_state(tmp_path / "ckpt")
     manifest = json.loads((Path(path) / "gradsync_checkpoint.json").read_text())
-    assert manifest["gradsync_checkpoint"] == 2 and manifest["gradsync_version"].startswith("gradsync 0.2")
+    assert manifest["gradsync_checkpoint"] == 2 and manifest["gradsync_version"].startswith(
+        "gradsync 0.2"
+    )
     assert manifest["optimizer_models"] == [[0, 1], [2], [2]]
     assert sorted(p.name for p in Path(path).glob("optimizer_*.pt")) == [
-        "optimizer_0.pt", "optimizer_1.pt", "optimizer_2.pt"]
+        "optimizer_0.pt",
+        "optimizer_1.pt",
+        "optimizer_2.pt",
+    ]
 
 
 def _models() -> tuple[nn.Module, nn.Module]:

@@ -70,7 +70,14 @@ def unchanged(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
-FILES = ["model_0.pt", "optimizer_0.pt", "schedulers.pt", "objects.pt", "rng_rank0.pt", "window_rank0.pt"]
+FILES = [
+    "model_0.pt",
+    "optimizer_0.pt",
+    "schedulers.pt",
+    "objects.pt",
+    "rng_rank0.pt",
+    "window_rank0.pt",
+]
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -104,14 +111,17 @@ def test_a_file_outside_the_manifest_is_checked_too(saved, tmp_path, clean_env):
     marker = tmp_path / "ran"
     torch.save(Payload(marker, {}), saved / "extra.pt")
     accel, *_ = build(seed=1)
-    with pytest.raises(CheckpointError, match=r"extra\.pt holds a pickle that names payload\.plant"):
+    with pytest.raises(
+        CheckpointError, match=r"extra\.pt holds a pickle that names payload\.plant"
+    ):
         accel.load_state(saved)
     assert not marker.exists()
 
 
 @pytest.mark.parametrize("name", ["../outside.pt", "/ABS/outside.pt"])
-def test_a_manifest_naming_a_path_outside_the_folder_is_refused_unread(saved, tmp_path, clean_env,
-                                                                      monkeypatch, name):
+def test_a_manifest_naming_a_path_outside_the_folder_is_refused_unread(
+    saved, tmp_path, clean_env, monkeypatch, name
+):
     outside = tmp_path / "ckpts" / "outside.pt"
     torch.save({"x": torch.ones(1)}, outside)
     name = name.replace("/ABS", str(tmp_path / "ckpts"))
@@ -142,7 +152,9 @@ def test_a_link_out_of_the_folder_is_refused(saved, tmp_path, clean_env):
     (saved / "model_0.pt").rename(outside)
     (saved / "model_0.pt").symlink_to(outside)  # same bytes: the checksum alone would pass
     accel, *_ = build(seed=1)
-    with pytest.raises(CheckpointError, match=r"model_0\.pt is a link to .*outside the checkpoint folder"):
+    with pytest.raises(
+        CheckpointError, match=r"model_0\.pt is a link to .*outside the checkpoint folder"
+    ):
         accel.load_state(saved)
 
 
@@ -180,14 +192,18 @@ def test_a_headerless_protocol_0_pickle_in_a_loaded_file_is_checked(saved, tmp_p
     (saved / "objects.pt").write_bytes(pickle.dumps(Payload(marker, []), protocol=0))
     refresh_manifest(saved, "objects.pt")
     accel, *_ = build(seed=1)
-    with pytest.raises(CheckpointError, match=r"objects\.pt holds a pickle that names payload\.plant"):
+    with pytest.raises(
+        CheckpointError, match=r"objects\.pt holds a pickle that names payload\.plant"
+    ):
         accel.load_state(saved)
     assert not marker.exists()
 
 
 def test_the_scan_reads_every_pickle_of_a_file(tmp_path):
     """torch's legacy format holds several pickles in a row: a payload in a later one counts."""
-    data = pickle.dumps({"magic": 1}, protocol=2) + pickle.dumps(Payload(tmp_path / "m", 1), protocol=2)
+    data = pickle.dumps({"magic": 1}, protocol=2) + pickle.dumps(
+        Payload(tmp_path / "m", 1), protocol=2
+    )
     assert safety.refused_in_blob(data, safety.allow_list().__contains__) == "payload.plant"
     assert not (tmp_path / "m").exists()
 

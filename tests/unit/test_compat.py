@@ -42,7 +42,9 @@ def test_missing_torch_attribute_names_the_supported_versions():
 def test_missing_fsdp_attribute_names_the_supported_versions():
     from gradsync.backends import _fsdp_compat
 
-    with pytest.raises(RuntimeError, match=r"FSDP2 .*Bare\.fsdp_params.*supports torch 2\.6 to 2\.13"):
+    with pytest.raises(
+        RuntimeError, match=r"FSDP2 .*Bare\.fsdp_params.*supports torch 2\.6 to 2\.13"
+    ):
         _fsdp_compat._require(Bare(), "fsdp_params", "parameters of a group")
 
 
@@ -50,7 +52,10 @@ def test_missing_deepspeed_attribute_names_the_supported_versions():
     class Engine:
         optimizer = Bare()
 
-    with pytest.raises(RuntimeError, match=r"deepspeed's engine config \(Engine\._config\).*supports deepspeed 0\.19"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"deepspeed's engine config \(Engine\._config\).*supports deepspeed 0\.19",
+    ):
         _deepspeed_compat.set_clipping(Engine(), 1.0)
     assert not _deepspeed_compat.can_coalesce(Engine())
 
@@ -77,7 +82,9 @@ def test_single_tensor_collectives_of_the_wrapped_group():
 
 def test_nccl_options_timeout():
     if not hasattr(dist, "ProcessGroupNCCL"):
-        pytest.skip("this torch has no NCCL (CPU build); tests/multiprocess/test_gpu.py covers it on GPUs")
+        pytest.skip(
+            "this torch has no NCCL (CPU build); tests/multiprocess/test_gpu.py covers it on GPUs"
+        )
     opts = dist.ProcessGroupNCCL.Options()
     _torch_compat.set_nccl_timeout(opts, timedelta(seconds=7))
     assert opts._timeout == timedelta(seconds=7)
@@ -107,12 +114,19 @@ def test_fsdp2_flags_unsharded_grads_and_sizes(tmp_path):
     model.set_requires_gradient_sync(False)
     assert all(not g.reduce_grads for g in groups)
     model(torch.randn(2, 8)).sum().backward()
-    held = [fp for g in groups for fp in g.fsdp_params
-            if fp.unsharded_accumulated_grad is not None or fp._unsharded_param.grad is not None]
+    held = [
+        fp
+        for g in groups
+        for fp in g.fsdp_params
+        if fp.unsharded_accumulated_grad is not None or fp._unsharded_param.grad is not None
+    ]
     assert held, "a deferred backward leaves unsharded gradients inside FSDP2"
     _fsdp_compat.clear_unsharded_grads(model)
-    assert all(fp.unsharded_accumulated_grad is None and fp._unsharded_param.grad is None
-               for g in groups for fp in g.fsdp_params)
+    assert all(
+        fp.unsharded_accumulated_grad is None and fp._unsharded_param.grad is None
+        for g in groups
+        for fp in g.fsdp_params
+    )
     _fsdp_compat.restore_flags(before)
     assert [flags[1:3] for flags in _fsdp_compat.save_flags(model)] == [(True, True)] * 3
 
@@ -168,12 +182,16 @@ def test_ddp_unfinished_reduction_message_names_the_parameters(tmp_path):
     with pytest.raises(RuntimeError) as err:
         model(torch.randn(2, 4))
     assert _ddp_compat.is_unfinished_reduction(err.value)
-    assert _ddp_compat.unused_parameters(str(err.value), model.module) == (0, ["side.weight", "side.bias"])
+    assert _ddp_compat.unused_parameters(str(err.value), model.module) == (
+        0,
+        ["side.weight", "side.bias"],
+    )
     # the names torch gives under TORCH_DISTRIBUTED_DEBUG=INFO, and a format it no longer has
     named = "... Parameters which did not receive grad for rank 1: side.weight, side.bias\n..."
     assert _ddp_compat.unused_parameters(named, model.module) == (1, ["side.weight", "side.bias"])
-    assert _ddp_compat.unused_parameters("Expected to have finished reduction in the prior iteration",
-                                         model.module) == (None, None)
+    assert _ddp_compat.unused_parameters(
+        "Expected to have finished reduction in the prior iteration", model.module
+    ) == (None, None)
     assert not _ddp_compat.is_unfinished_reduction(RuntimeError("something else"))
 
 
@@ -205,5 +223,7 @@ def test_compat_scaler_found_inf_and_uncompiled():
 
 
 def test_compat_scaler_names_what_is_missing():
-    with pytest.raises(RuntimeError, match=r"GradScaler's per-optimizer inf check \(Bare\._found_inf_per_device\)"):
+    with pytest.raises(
+        RuntimeError, match=r"GradScaler's per-optimizer inf check \(Bare\._found_inf_per_device\)"
+    ):
         _torch_compat.scaler_found_inf(Bare(), torch.optim.SGD(make_model().parameters(), lr=0.1))  # type: ignore[arg-type]

@@ -17,8 +17,9 @@ WHERE = ("before", "after", "option")
 
 @pytest.mark.parametrize("where", WHERE)
 def test_compiled_on_one_process(clean_env, where):
-    accel = Accelerator(backend="single", gradient_accumulation_steps=2, seed=0,
-                        compile=where == "option")
+    accel = Accelerator(
+        backend="single", gradient_accumulation_steps=2, seed=0, compile=where == "option"
+    )
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = accel.prepare(torch.compile(model) if where == "before" else model, opt)
@@ -29,7 +30,7 @@ def test_compiled_on_one_process(clean_env, where):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for w in range(2):
         ref_opt.zero_grad()
-        (sum(F.mse_loss(ref(x), y) for x, y in batches[2 * w:2 * w + 2]) / 2).backward()
+        (sum(F.mse_loss(ref(x), y) for x, y in batches[2 * w : 2 * w + 2]) / 2).backward()
         ref_opt.step()
     for x, y in batches:
         with accel.accumulate(model):

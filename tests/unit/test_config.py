@@ -65,14 +65,20 @@ def test_unknown_policy_and_keyword(clean_env):
 
 def test_env_round_trip(clean_env):
     cfg = load_config(backend="ddp", gradient_accumulation_steps=4, audit=True, seed=1)
-    assert from_env(to_env(cfg)) == {"backend": "ddp", "gradient_accumulation_steps": 4,
-                                     "audit": True, "seed": 1}
+    assert from_env(to_env(cfg)) == {
+        "backend": "ddp",
+        "gradient_accumulation_steps": 4,
+        "audit": True,
+        "seed": 1,
+    }
 
 
 def test_unknown_backend_lists_the_available_ones():
     with pytest.raises(ConfigError) as err:
         check_name("horovod")
-    assert "backend='horovod' is unknown; available: auto, " + ", ".join(available()) in str(err.value)
+    assert "backend='horovod' is unknown; available: auto, " + ", ".join(available()) in str(
+        err.value
+    )
 
 
 def test_auto_backend():
@@ -82,8 +88,18 @@ def test_auto_backend():
 
 
 def test_batch_plan_derives_the_third_size():
-    assert BatchPlan.solve(data_parallel_size=2, global_batch_size=64, micro_batch_size=4).gradient_accumulation_steps == 8
-    assert BatchPlan.solve(data_parallel_size=2, global_batch_size=64, gradient_accumulation_steps=8).micro_batch_size == 4
+    assert (
+        BatchPlan.solve(
+            data_parallel_size=2, global_batch_size=64, micro_batch_size=4
+        ).gradient_accumulation_steps
+        == 8
+    )
+    assert (
+        BatchPlan.solve(
+            data_parallel_size=2, global_batch_size=64, gradient_accumulation_steps=8
+        ).micro_batch_size
+        == 4
+    )
     plan = BatchPlan.solve(data_parallel_size=4, micro_batch_size=2, gradient_accumulation_steps=3)
     assert plan.global_batch_size == 24
 
@@ -91,9 +107,18 @@ def test_batch_plan_derives_the_third_size():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"global_batch_size": 60, "micro_batch_size": 4}, "global_batch_size=60 is not divisible by micro_batch_size x world size = 4 x 2 = 8"),
-        ({"global_batch_size": 30, "gradient_accumulation_steps": 4}, "not divisible by gradient_accumulation_steps x world size = 4 x 2 = 8"),
-        ({"global_batch_size": 64, "micro_batch_size": 4, "gradient_accumulation_steps": 4}, "gradient_accumulation_steps=4 contradicts"),
+        (
+            {"global_batch_size": 60, "micro_batch_size": 4},
+            "global_batch_size=60 is not divisible by micro_batch_size x world size = 4 x 2 = 8",
+        ),
+        (
+            {"global_batch_size": 30, "gradient_accumulation_steps": 4},
+            "not divisible by gradient_accumulation_steps x world size = 4 x 2 = 8",
+        ),
+        (
+            {"global_batch_size": 64, "micro_batch_size": 4, "gradient_accumulation_steps": 4},
+            "gradient_accumulation_steps=4 contradicts",
+        ),
         ({"global_batch_size": 64}, "needs micro_batch_size or gradient_accumulation_steps"),
         ({"micro_batch_size": 0}, "micro_batch_size=0 must be >= 1"),
     ],
@@ -109,7 +134,10 @@ def test_keyword_overriding_the_launcher_is_reported(clean_env, caplog):
     with caplog.at_level("WARNING", logger="gradsync"):
         cfg = load_config(gradient_accumulation_steps=4)
     assert cfg.gradient_accumulation_steps == 4
-    assert "gradient_accumulation_steps=4 given in code overrides GRADSYNC_GRADIENT_ACCUMULATION_STEPS=8" in caplog.text
+    assert (
+        "gradient_accumulation_steps=4 given in code overrides GRADSYNC_GRADIENT_ACCUMULATION_STEPS=8"
+        in caplog.text
+    )
 
 
 @pytest.mark.parametrize(
@@ -119,7 +147,9 @@ def test_keyword_overriding_the_launcher_is_reported(clean_env, caplog):
         ("backend: ddp\n  seed: 3\n", "at line 2, column 7"),
     ],
 )
-def test_malformed_yaml_is_one_line_naming_the_file_and_the_problem(tmp_path, clean_env, text, where):
+def test_malformed_yaml_is_one_line_naming_the_file_and_the_problem(
+    tmp_path, clean_env, text, where
+):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as err:
@@ -130,7 +160,9 @@ def test_malformed_yaml_is_one_line_naming_the_file_and_the_problem(tmp_path, cl
     assert where in message and message.endswith("; fix the syntax there")
 
 
-def test_malformed_json_without_pyyaml_names_the_file_and_the_problem(tmp_path, clean_env, monkeypatch):
+def test_malformed_json_without_pyyaml_names_the_file_and_the_problem(
+    tmp_path, clean_env, monkeypatch
+):
     monkeypatch.setitem(sys.modules, "yaml", None)  # `import yaml` raises ImportError
     path = tmp_path / "bad.json"
     path.write_text('{"backend": "ddp",}')
@@ -153,12 +185,22 @@ def test_sync_memory_budget_and_its_old_name(clean_env):
     assert load_config().memory_budget() == (None, "sync_memory_budget")
     clean_env.setenv("GRADSYNC_SYNC_MEMORY_BUDGET", "1024")
     assert load_config().memory_budget() == (1024, "sync_memory_budget")
-    with pytest.raises(ConfigError, match=r"fsdp_memory_budget=3 contradicts sync_memory_budget=1024.*set only sync_memory_budget"):
+    with pytest.raises(
+        ConfigError,
+        match=r"fsdp_memory_budget=3 contradicts sync_memory_budget=1024.*set only sync_memory_budget",
+    ):
         load_config(fsdp_memory_budget=3)
 
 
-@pytest.mark.parametrize(("key", "value"), [("sync_memory_budget", -1), ("sync_memory_budget", "lots"),
-                                            ("fsdp_memory_budget", True), ("sync_memory_budget", 1.5)])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("sync_memory_budget", -1),
+        ("sync_memory_budget", "lots"),
+        ("fsdp_memory_budget", True),
+        ("sync_memory_budget", 1.5),
+    ],
+)
 def test_a_budget_must_be_bytes(clean_env, key, value):
     with pytest.raises(ConfigError, match=rf"{key}={value!r} must be a number of bytes >= 0"):
         load_config(**{key: value})
@@ -166,22 +208,33 @@ def test_a_budget_must_be_bytes(clean_env, key, value):
 
 def test_keep_params_option_and_its_deprecated_predecessor(clean_env):
     assert load_config(fsdp_keep_params_in_window=True).fsdp_keep_params_in_window is True
-    with pytest.raises(ConfigError, match=r"fsdp_keep_params_in_window='yes' must be True, False or None"):
+    with pytest.raises(
+        ConfigError, match=r"fsdp_keep_params_in_window='yes' must be True, False or None"
+    ):
         load_config(fsdp_keep_params_in_window="yes")
-    with pytest.warns(DeprecationWarning, match="fsdp_reshard_after_backward is deprecated; use fsdp_keep_params_in_window"):
+    with pytest.warns(
+        DeprecationWarning,
+        match="fsdp_reshard_after_backward is deprecated; use fsdp_keep_params_in_window",
+    ):
         load_config(fsdp_reshard_after_backward=False)
-    with pytest.raises(ConfigError, match=r"fsdp_reshard_after_backward=True contradicts fsdp_keep_params_in_window=True"):
+    with pytest.raises(
+        ConfigError,
+        match=r"fsdp_reshard_after_backward=True contradicts fsdp_keep_params_in_window=True",
+    ):
         load_config(fsdp_reshard_after_backward=True, fsdp_keep_params_in_window=True)
     clean_env.setenv("GRADSYNC_FSDP_KEEP_PARAMS_IN_WINDOW", "0")
     assert load_config().fsdp_keep_params_in_window is False
 
 
-@pytest.mark.parametrize("key, suggestion", [
-    ("gradient_accumulation", "gradient_accumulation_steps"),
-    ("gradient_acumulation_steps", "gradient_accumulation_steps"),
-    ("sync_polcy", "sync_policy"),
-    ("find_unused_params", "find_unused_parameters"),
-])
+@pytest.mark.parametrize(
+    "key, suggestion",
+    [
+        ("gradient_accumulation", "gradient_accumulation_steps"),
+        ("gradient_acumulation_steps", "gradient_accumulation_steps"),
+        ("sync_polcy", "sync_policy"),
+        ("find_unused_params", "find_unused_parameters"),
+    ],
+)
 def test_unknown_keyword_suggests_the_closest_setting(clean_env, key, suggestion):
     with pytest.raises(ConfigError) as err:
         load_config(**{key: 4})
@@ -193,7 +246,9 @@ def test_unknown_yaml_key_suggests_the_closest_setting(tmp_path, clean_env):
     path.write_text("gradient_acumulation_steps: 8\nseed: 1\n")
     with pytest.raises(ConfigError) as err:
         load_config(config_file=path)
-    assert "gradient_acumulation_steps=8 (did you mean gradient_accumulation_steps?)" in str(err.value)
+    assert "gradient_acumulation_steps=8 (did you mean gradient_accumulation_steps?)" in str(
+        err.value
+    )
 
 
 def test_nothing_close_gets_no_suggestion(clean_env):
@@ -210,8 +265,10 @@ def test_a_misspelt_variable_draws_a_warning(clean_env, caplog):
     with caplog.at_level("WARNING", logger="gradsync"):
         cfg = load_config()
     assert cfg.gradient_accumulation_steps is None
-    assert ("GRADSYNC_GRADIENT_ACUMULATION_STEPS='4' is not a gradsync setting and is ignored "
-            "(did you mean GRADSYNC_GRADIENT_ACCUMULATION_STEPS?)") in caplog.text
+    assert (
+        "GRADSYNC_GRADIENT_ACUMULATION_STEPS='4' is not a gradsync setting and is ignored "
+        "(did you mean GRADSYNC_GRADIENT_ACCUMULATION_STEPS?)"
+    ) in caplog.text
     assert "(did you mean GRADSYNC_SELF_CHECK?)" in caplog.text
     assert "GRADSYNC_DEVICE" not in caplog.text and "SOMETHING_ELSE" not in caplog.text
 
@@ -221,7 +278,11 @@ def test_new_switches_from_env_and_validation(clean_env):
     clean_env.setenv("GRADSYNC_FIND_UNUSED_PARAMETERS", "1")
     clean_env.setenv("GRADSYNC_DATASET_SHARDS_ITSELF", "yes")
     cfg = load_config()
-    assert (cfg.self_check, cfg.find_unused_parameters, cfg.dataset_shards_itself) == (False, True, True)
+    assert (cfg.self_check, cfg.find_unused_parameters, cfg.dataset_shards_itself) == (
+        False,
+        True,
+        True,
+    )
     with pytest.raises(ConfigError, match="self_check='no' must be True or False"):
         load_config(self_check="no")
 
@@ -240,12 +301,25 @@ def test_deepspeed_batch_contradiction_is_reported_when_the_accelerator_is_built
 
     # no process group and no launcher variables: the check comes before either is needed
     with pytest.raises(ConfigError) as err:
-        Accelerator(backend="deepspeed", gradient_accumulation_steps=4,
-                    deepspeed_config={"gradient_accumulation_steps": 8})
-    assert "deepspeed_config gradient_accumulation_steps=8 contradicts gradsync's gradient_accumulation_steps=4" in str(err.value)
-    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu=4 contradicts gradsync's train_micro_batch_size_per_gpu=2"):
-        Accelerator(backend="deepspeed", micro_batch_size=2, gradient_accumulation_steps=2,
-                    deepspeed_config={"train_micro_batch_size_per_gpu": 4})
+        Accelerator(
+            backend="deepspeed",
+            gradient_accumulation_steps=4,
+            deepspeed_config={"gradient_accumulation_steps": 8},
+        )
+    assert (
+        "deepspeed_config gradient_accumulation_steps=8 contradicts gradsync's gradient_accumulation_steps=4"
+        in str(err.value)
+    )
+    with pytest.raises(
+        ConfigError,
+        match="train_micro_batch_size_per_gpu=4 contradicts gradsync's train_micro_batch_size_per_gpu=2",
+    ):
+        Accelerator(
+            backend="deepspeed",
+            micro_batch_size=2,
+            gradient_accumulation_steps=2,
+            deepspeed_config={"train_micro_batch_size_per_gpu": 4},
+        )
 
 
 @pytest.mark.parametrize(
@@ -262,18 +336,30 @@ def test_deepspeed_batch_contradiction_is_reported_when_the_accelerator_is_built
     ],
 )
 def test_variables_are_read_by_the_settings_type(clean_env, key, text, value):
-    name = key[len("GRADSYNC_"):].lower()
+    name = key[len("GRADSYNC_") :].lower()
     assert from_env({key: text}) == {name: value}
 
 
 @pytest.mark.parametrize(
     "key, text, message",
     [
-        ("GRADSYNC_TIMEOUT", "soon", "GRADSYNC_TIMEOUT='soon' is not a number; set it to the seconds to wait, e.g. 600"),
+        (
+            "GRADSYNC_TIMEOUT",
+            "soon",
+            "GRADSYNC_TIMEOUT='soon' is not a number; set it to the seconds to wait, e.g. 600",
+        ),
         ("GRADSYNC_SEED", "x", "GRADSYNC_SEED='x' is not an integer; set it to a whole number"),
-        ("GRADSYNC_MICRO_BATCH_SIZE", "x", "GRADSYNC_MICRO_BATCH_SIZE='x' is not an integer; set it to a whole number >= 1"),
+        (
+            "GRADSYNC_MICRO_BATCH_SIZE",
+            "x",
+            "GRADSYNC_MICRO_BATCH_SIZE='x' is not an integer; set it to a whole number >= 1",
+        ),
         ("GRADSYNC_AUDIT", "maybe", "GRADSYNC_AUDIT='maybe' is not a boolean; set it to 1 or 0"),
-        ("GRADSYNC_DDP_KWARGS", "{x", "GRADSYNC_DDP_KWARGS='{x' is not JSON; set it to a JSON object"),
+        (
+            "GRADSYNC_DDP_KWARGS",
+            "{x",
+            "GRADSYNC_DDP_KWARGS='{x' is not JSON; set it to a JSON object",
+        ),
     ],
 )
 def test_a_variable_of_the_wrong_type_is_named(clean_env, key, text, message):

@@ -29,11 +29,13 @@ def one_line(call, *args, **kwargs) -> str:
 
 
 BAD_FILES = [
-    ("ds.json", '{"zero_optimization": {"stage": 2},}',
-     "is not valid JSON: Expecting property name enclosed in double quotes at line 1, column 36; "
-     "fix the syntax there"),
-    ("ds.yaml", "zero_optimization:\n  stage: 2\n offload: x\n",
-     "is not valid YAML: "),
+    (
+        "ds.json",
+        '{"zero_optimization": {"stage": 2},}',
+        "is not valid JSON: Expecting property name enclosed in double quotes at line 1, column 36; "
+        "fix the syntax there",
+    ),
+    ("ds.yaml", "zero_optimization:\n  stage: 2\n offload: x\n", "is not valid YAML: "),
     ("ds.json", "[1, 2]", "must hold a mapping of DeepSpeed settings, not list; write it as one"),
     ("ds.yaml", "- stage: 2\n", "must hold a mapping of DeepSpeed settings, not list"),
     ("ds.yaml", "", "must hold a mapping of DeepSpeed settings, not NoneType"),
@@ -51,10 +53,14 @@ def test_a_bad_deepspeed_config_file_is_one_line(tmp_path, name, text, problem):
 
 
 def test_bad_deepspeed_json_text_and_other_values_are_one_line():
-    assert one_line(load_ds_config, '{"zero_optimization": ') .startswith(
-        "deepspeed_config='{\"zero_optimization\": ' is not valid JSON: ")
+    assert one_line(load_ds_config, '{"zero_optimization": ').startswith(
+        "deepspeed_config='{\"zero_optimization\": ' is not valid JSON: "
+    )
     assert "must hold a mapping of DeepSpeed settings, not list" in one_line(load_ds_config, "[1]")
-    assert one_line(load_ds_config, 3) == "deepspeed_config=3 must be a dict, a JSON/YAML path or JSON text"
+    assert (
+        one_line(load_ds_config, 3)
+        == "deepspeed_config=3 must be a dict, a JSON/YAML path or JSON text"
+    )
 
 
 def test_a_directory_is_neither_a_file_nor_json(tmp_path):
@@ -64,29 +70,42 @@ def test_a_directory_is_neither_a_file_nor_json(tmp_path):
 def test_the_loader_copies_and_names_the_value_as_told(tmp_path):
     given = {"zero_optimization": {"stage": 2}}
     loaded = load_deepspeed_config(given)
-    assert loaded == given and loaded is not given and loaded["zero_optimization"] is not given["zero_optimization"]
+    assert (
+        loaded == given
+        and loaded is not given
+        and loaded["zero_optimization"] is not given["zero_optimization"]
+    )
     assert load_deepspeed_config(None) == {}
     (tmp_path / "ds.json").write_text("[]")
-    assert one_line(load_deepspeed_config, str(tmp_path / "ds.json"), "--deepspeed_config_file=ds.json").startswith(
-        "--deepspeed_config_file=ds.json must hold a mapping")
+    assert one_line(
+        load_deepspeed_config, str(tmp_path / "ds.json"), "--deepspeed_config_file=ds.json"
+    ).startswith("--deepspeed_config_file=ds.json must hold a mapping")
 
 
 @pytest.mark.parametrize("name, text, problem", BAD_FILES[:3])
-def test_an_accelerate_files_deepspeed_config_file_is_read_by_the_same_loader(tmp_path, monkeypatch, name, text, problem):
+def test_an_accelerate_files_deepspeed_config_file_is_read_by_the_same_loader(
+    tmp_path, monkeypatch, name, text, problem
+):
     monkeypatch.chdir(tmp_path)
     (tmp_path / name).write_text(text)
     (tmp_path / "acc.yaml").write_text(
-        f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {name}\n  zero_stage: 2\n")
+        f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {name}\n  zero_stage: 2\n"
+    )
     message = one_line(load_config, config_file="acc.yaml", environ={})
-    assert message.startswith(f"deepspeed_config.deepspeed_config_file='{name}' in 'acc.yaml' {problem}"), message
+    assert message.startswith(
+        f"deepspeed_config.deepspeed_config_file='{name}' in 'acc.yaml' {problem}"
+    ), message
 
 
 def test_a_config_file_is_read_by_its_suffix(tmp_path):
     (tmp_path / "g.json").write_text('{"seed": 1,}')
     assert one_line(read_yaml, tmp_path / "g.json").startswith(
-        f"config file {str(tmp_path / 'g.json')!r} is not valid JSON: ")
+        f"config file {str(tmp_path / 'g.json')!r} is not valid JSON: "
+    )
     (tmp_path / "g.yaml").write_text("- 1\n")
-    assert one_line(read_yaml, tmp_path / "g.yaml").endswith("must hold a mapping of settings, not list")
+    assert one_line(read_yaml, tmp_path / "g.yaml").endswith(
+        "must hold a mapping of settings, not list"
+    )
     (tmp_path / "g.yaml").write_text("")
     assert read_yaml(tmp_path / "g.yaml") == {}
 
@@ -103,16 +122,23 @@ def test_every_key_accelerate_writes_in_a_section_is_in_its_table():
 
 def test_a_top_level_dynamo_backend_does_not_choose_the_backend():
     """Accelerate's older top-level ``dynamo_backend`` is read as dynamo_config's."""
-    t = accelerate.translate({"distributed_type": "FSDP", "dynamo_backend": "NO",
-                              "fsdp_config": {"fsdp_version": 2, "fsdp_transformer_layer_cls_to_wrap": "Block"}})
+    t = accelerate.translate(
+        {
+            "distributed_type": "FSDP",
+            "dynamo_backend": "NO",
+            "fsdp_config": {"fsdp_version": 2, "fsdp_transformer_layer_cls_to_wrap": "Block"},
+        }
+    )
     assert t.settings == {"backend": "fsdp", "fsdp_wrap": ["Block"]} and t.notes == []
     t = accelerate.translate({"distributed_type": "MULTI_GPU", "dynamo_backend": "inductor"})
     assert t.settings == {"backend": "ddp", "compile": {"backend": "inductor"}}
 
 
 def test_the_translation_imports_without_torch():
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import gradsync.compat.accelerate, gradsync.compat.files, gradsync.config\n"
-            "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import gradsync.compat.accelerate, gradsync.compat.files, gradsync.config\n"
+        "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -27,19 +27,29 @@ class Numbers(IterableDataset):
 
 
 def _ranks(loader, world=2, **kw):
-    return [[b.tolist() for b in shard_dataloader(loader, rank=r, world_size=world, seed=0, **kw)]
-            for r in range(world)]
+    return [
+        [b.tolist() for b in shard_dataloader(loader, rank=r, world_size=world, seed=0, **kw)]
+        for r in range(world)
+    ]
 
 
-@pytest.mark.parametrize("n, world, batch, workers", [(45, 2, 4, 0), (45, 2, 4, 2), (51, 3, 4, 0),
-                                                      (64, 3, 4, 2), (8, 2, 4, 0)])
+@pytest.mark.parametrize(
+    "n, world, batch, workers",
+    [(45, 2, 4, 0), (45, 2, 4, 2), (51, 3, 4, 0), (64, 3, 4, 2), (8, 2, 4, 0)],
+)
 def test_iterable_each_sample_once_and_equal_batch_counts(n, world, batch, workers):
     ranks = _ranks(DataLoader(Numbers(n), batch_size=batch, num_workers=workers), world)
     assert len({len(r) for r in ranks}) == 1, "every rank the same number of batches"
     seen = sorted(i for r in ranks for b in r for i in b)
     assert seen == list(range(n))
-    lens = [len(shard_dataloader(DataLoader(Numbers(n), batch_size=batch), rank=r, world_size=world, seed=0))
-            for r in range(world)]
+    lens = [
+        len(
+            shard_dataloader(
+                DataLoader(Numbers(n), batch_size=batch), rank=r, world_size=world, seed=0
+            )
+        )
+        for r in range(world)
+    ]
     assert lens == [len(r) for r in ranks], "len() says what a pass yields"
 
 
@@ -59,7 +69,9 @@ def test_iterable_drop_last_drops_the_partial_round():
 
 def test_iterable_that_shards_itself_is_left_alone():
     loader = DataLoader(Numbers(10), batch_size=2)
-    assert shard_dataloader(loader, rank=1, world_size=2, seed=0, dataset_shards_itself=True) is loader
+    assert (
+        shard_dataloader(loader, rank=1, world_size=2, seed=0, dataset_shards_itself=True) is loader
+    )
 
 
 def test_batch_shard_takes_every_nth_batch_and_drops_the_last_round(caplog):
@@ -90,6 +102,8 @@ def test_batch_shard_seeds_a_sampler_without_generator_per_epoch():
 def test_batch_size_none_without_a_batch_sampler_is_refused():
     from torch.utils.data import WeightedRandomSampler
 
-    loader = DataLoader(list(range(8)), batch_size=None, sampler=WeightedRandomSampler([1.0] * 8, 8))
+    loader = DataLoader(
+        list(range(8)), batch_size=None, sampler=WeightedRandomSampler([1.0] * 8, 8)
+    )
     with pytest.raises(ConfigError, match="batch_size=None and a WeightedRandomSampler"):
         shard_dataloader(loader, rank=0, world_size=2, seed=0)

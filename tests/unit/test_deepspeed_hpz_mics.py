@@ -20,7 +20,9 @@ def _refusal(ds: dict) -> str:
     return message
 
 
-@pytest.mark.parametrize(("key", "value"), [("mics_shard_size", 8), ("mics_hierarchical_params_gather", True)])
+@pytest.mark.parametrize(
+    ("key", "value"), [("mics_shard_size", 8), ("mics_hierarchical_params_gather", True)]
+)
 def test_a_mics_key_is_deepspeeds_refusal_plus_the_fsdp_mesh_way(clean_env, key, value):
     import torch.distributed as dist
 
@@ -39,7 +41,10 @@ def test_the_mics_keys_are_the_ones_deepspeed_removed():
     for key in MICS_KEYS:
         message = removed_key_message({"zero_optimization": {key: 1}})
         assert message is not None and "MiCS" in message, (key, message)
-    assert removed_key_message({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}) is None
+    assert (
+        removed_key_message({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}})
+        is None
+    )
 
 
 def test_another_removed_key_keeps_deepspeeds_message_without_the_mesh_hint(clean_env):
@@ -53,9 +58,17 @@ def test_a_config_without_removed_keys_passes():
     check_removed_keys({})
 
 
-@pytest.mark.parametrize(("hpz", "stage", "world"), [
-    (2, 3, 4), (4, 3, 4), (8, 3, 4), (1, 3, 3), (0, 3, 3), (3, 2, 4),  # divides, or not ZeRO 3
-])
+@pytest.mark.parametrize(
+    ("hpz", "stage", "world"),
+    [
+        (2, 3, 4),
+        (4, 3, 4),
+        (8, 3, 4),
+        (1, 3, 3),
+        (0, 3, 3),
+        (3, 2, 4),  # divides, or not ZeRO 3
+    ],
+)
 def test_hpz_sizes_deepspeed_accepts(hpz, stage, world):
     check_hpz({"zero_optimization": {"stage": stage, "zero_hpz_partition_size": hpz}}, stage, world)
 

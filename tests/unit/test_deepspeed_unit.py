@@ -16,12 +16,18 @@ from gradsync.backends._deepspeed_config import fill_batch, load_ds_config
 from harness.checks import assert_one_gradient_reduction
 
 
-@pytest.mark.parametrize(("ops", "ok"), [
-    ([("allreduce", 2820), ("allreduce", 4), ("allgather", 2820)], True),
-    ([("allreduce", 2820), ("allreduce", 2820)], False),  # two full reductions
-    ([("reduce_scatter", 1410), ("reduce_scatter", 1410)], False),  # the gradients in two halves
-    ([("allreduce", 4)], False),  # no gradient reduction
-])
+@pytest.mark.parametrize(
+    ("ops", "ok"),
+    [
+        ([("allreduce", 2820), ("allreduce", 4), ("allgather", 2820)], True),
+        ([("allreduce", 2820), ("allreduce", 2820)], False),  # two full reductions
+        (
+            [("reduce_scatter", 1410), ("reduce_scatter", 1410)],
+            False,
+        ),  # the gradients in two halves
+        ([("allreduce", 4)], False),  # no gradient reduction
+    ],
+)
 def test_one_gradient_reduction_check_rejects_two(ops, ok):
     if ok:
         assert_one_gradient_reduction(ops, 2820)
@@ -46,8 +52,9 @@ def test_auto_stays_native_where_deepspeed_cannot_coalesce(stage):
         def coalesce_grad_reduction(self):  # pragma: no cover - never entered
             raise NotImplementedError
 
-    policy, reason, _ = _deepspeed_policy.decide(Engine(), stage, (None, "sync_memory_budget"),
-                                                 torch.device("cpu"), "0.19.8")
+    policy, reason, _ = _deepspeed_policy.decide(
+        Engine(), stage, (None, "sync_memory_budget"), torch.device("cpu"), "0.19.8"
+    )
     assert policy == "native"
     assert reason.startswith(f"auto -> native: ZeRO {stage} reduces on every micro-step")
     assert "deepspeed 0.19.8 cannot coalesce the reduction for its BF16_Optimizer" in reason
@@ -56,12 +63,21 @@ def test_auto_stays_native_where_deepspeed_cannot_coalesce(stage):
 # -- in-process, no group -----------------------------------------------------------------
 def test_fill_batch_fills_absent_and_auto():
     ds = fill_batch({"gradient_accumulation_steps": "auto"}, micro=2, steps=4, world=2)
-    assert ds == {"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 2, "train_batch_size": 16}
+    assert ds == {
+        "gradient_accumulation_steps": 4,
+        "train_micro_batch_size_per_gpu": 2,
+        "train_batch_size": 16,
+    }
 
 
-@pytest.mark.parametrize(("key", "value", "ours"), [
-    ("gradient_accumulation_steps", 8, 4), ("train_batch_size", 32, 16), ("train_micro_batch_size_per_gpu", 4, 2),
-])
+@pytest.mark.parametrize(
+    ("key", "value", "ours"),
+    [
+        ("gradient_accumulation_steps", 8, 4),
+        ("train_batch_size", 32, 16),
+        ("train_micro_batch_size_per_gpu", 4, 2),
+    ],
+)
 def test_fill_batch_names_both_values(key, value, ours):
     with pytest.raises(ConfigError) as err:
         fill_batch({key: value}, micro=2, steps=4, world=2)

@@ -23,12 +23,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MISSING = [m for m in ("mkdocs", "material", "mkdocstrings_handlers.python")
-           if importlib.util.find_spec(m.split(".")[0]) is None
-           or (m == "mkdocstrings_handlers.python" and importlib.util.find_spec(m) is None)]
+MISSING = [
+    m
+    for m in ("mkdocs", "material", "mkdocstrings_handlers.python")
+    if importlib.util.find_spec(m.split(".")[0]) is None
+    or (m == "mkdocstrings_handlers.python" and importlib.util.find_spec(m) is None)
+]
 
 pytestmark = pytest.mark.skipif(
-    bool(MISSING), reason=f"the docs extra is not installed ({', '.join(MISSING)}): pip install -e '.[docs]'"
+    bool(MISSING),
+    reason=f"the docs extra is not installed ({', '.join(MISSING)}): pip install -e '.[docs]'",
 )
 
 #: Attributes Python-Markdown's tables and mkdocstrings give a cell.
@@ -39,11 +43,18 @@ UNRENDERED = ("**", "`", "](")
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        NO_MKDOCS_2_WARNING="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    )
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
     return out
@@ -61,8 +72,12 @@ class Cells(HTMLParser):
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if tag in ("td", "th"):
-            cell: dict[str, object] = {"tag": self.get_starttag_text(), "attrs": [a for a, _ in attrs],
-                                       "text": "", "prose": ""}
+            cell: dict[str, object] = {
+                "tag": self.get_starttag_text(),
+                "attrs": [a for a, _ in attrs],
+                "text": "",
+                "prose": "",
+            }
             self.cells.append(cell)
             self._open.append(cell)
         elif tag in ("code", "pre", "script", "style"):
@@ -98,13 +113,19 @@ def test_every_table_cell_is_whole(site: Path) -> None:
             counted += 1
             odd = [a for a in cell["attrs"] if a not in CELL_ATTRIBUTES]  # type: ignore[attr-defined]
             if odd:
-                problems.append(f"{where}: a cell with attributes {odd} (attr_list?): {cell['tag']}")
+                problems.append(
+                    f"{where}: a cell with attributes {odd} (attr_list?): {cell['tag']}"
+                )
             text, prose = str(cell["text"]), str(cell["prose"])
             if "\\|" in text:
-                problems.append(f"{where}: a backslash before a pipe is shown: {text.strip()[:120]!r}")
+                problems.append(
+                    f"{where}: a backslash before a pipe is shown: {text.strip()[:120]!r}"
+                )
             for mark in UNRENDERED:
                 if mark in prose:
-                    problems.append(f"{where}: unrendered Markdown {mark!r}: {prose.strip()[:120]!r}")
+                    problems.append(
+                        f"{where}: unrendered Markdown {mark!r}: {prose.strip()[:120]!r}"
+                    )
     assert counted > 200, f"only {counted} table cells found: the check looks at the wrong pages"
     assert not problems, "\n".join(problems)
 

@@ -121,7 +121,9 @@ def _check_function(label: str, func: Callable[..., Any], problems: list[str]) -
     for title in ("Returns", "Yields"):
         items = _items(sections.get(title, []))
         if items > 1 and not _returns_tuple(func):
-            problems.append(f"{label}: {title}: reads as {items} values (indent its continuation lines)")
+            problems.append(
+                f"{label}: {title}: reads as {items} values (indent its continuation lines)"
+            )
 
 
 def _own_init(cls: type) -> Callable[..., Any] | None:
@@ -153,14 +155,21 @@ def _check_class(label: str, cls: type, problems: list[str]) -> None:
         documented |= _entries(_sections(init_doc).get("Args", []))
         missing = [p for p in params if p not in documented]
         if missing:
-            problems.append(f"{label}: Args: (class or __init__) does not name {', '.join(missing)}")
+            problems.append(
+                f"{label}: Args: (class or __init__) does not name {', '.join(missing)}"
+            )
     elif dataclasses.is_dataclass(cls):
         documented |= _attribute_docstrings(cls)
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.init and _SETTING_KEY not in f.metadata and f.name not in documented]
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.init and _SETTING_KEY not in f.metadata and f.name not in documented
+        ]
         if missing:
-            problems.append(f"{label}: field(s) {', '.join(missing)} documented neither in "
-                            "Attributes: nor by a docstring below the field")
+            problems.append(
+                f"{label}: field(s) {', '.join(missing)} documented neither in "
+                "Attributes: nor by a docstring below the field"
+            )
 
 
 def _attribute_docstrings(cls: type) -> set[str]:
@@ -173,8 +182,11 @@ def _attribute_docstrings(cls: type) -> set[str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
         body = tree.body[0].body if isinstance(tree.body[0], ast.ClassDef) else []
         for node, following in itertools.pairwise(body):
-            documented = (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                          and isinstance(following.value.value, str))
+            documented = (
+                isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            )
             if documented and isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 names.add(node.target.id)
     return names
@@ -182,8 +194,9 @@ def _attribute_docstrings(cls: type) -> set[str]:
 
 def _overrides_foreign(cls: type, name: str) -> bool:
     """``name`` is a method of a base class outside gradsync (its contract is documented there)."""
-    return any(name in vars(base) for base in cls.__mro__[1:]
-               if not base.__module__.startswith(_OURS))
+    return any(
+        name in vars(base) for base in cls.__mro__[1:] if not base.__module__.startswith(_OURS)
+    )
 
 
 def _public_members(cls: type) -> Iterator[tuple[str, Any]]:
@@ -369,7 +382,8 @@ def test_the_walk_finds_what_is_missing():
     _check_name("Plan", Plan, problems)
     _check_name("Runner", Runner, problems)
     assert problems == [
-        "bare: no docstring", "partial: Args: does not name y",
+        "bare: no docstring",
+        "partial: Args: does not name y",
         "wrapped: Returns: reads as 2 values (indent its continuation lines)",
         "Plan: field(s) steps documented neither in Attributes: nor by a docstring below the field",
         "Runner: Args: (class or __init__) does not name timeout",

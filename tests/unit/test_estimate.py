@@ -18,8 +18,16 @@ G = 1e9
 
 
 def _rows(**kw):
-    base = {"grad_bytes": G, "param_bytes": G / 2, "world": 8, "k": 4, "bandwidth_gbs": 100.0,
-            "latency_us": 0.0, "compute_ms": 10.0, "bucket_bytes": G}
+    base = {
+        "grad_bytes": G,
+        "param_bytes": G / 2,
+        "world": 8,
+        "k": 4,
+        "bandwidth_gbs": 100.0,
+        "latency_us": 0.0,
+        "compute_ms": 10.0,
+        "bucket_bytes": G,
+    }
     base.update(kw)
     return {f"{r.backend}/{r.mode}": r for r in estimate(Cluster(**base))}
 
@@ -61,10 +69,17 @@ def test_the_estimate_matches_the_benchmark_on_this_machine(k):
     the measured one."""
     bench = json.loads(BENCH.read_text())
     row = next(r for r in bench["ratios"] if r["backend"] == "ddp" and r["k"] == k)
-    cluster = Cluster(grad_bytes=row["grad_bytes"], param_bytes=row["grad_bytes"],
-                      world=bench["meta"]["world_size"], k=k, bandwidth_gbs=1.0, latency_us=0.0,
-                      compute_ms=row["compute_ms"], optimizer_ms=row["optimizer_ms"],
-                      sync_ms=row["sync_in_step_ms"])
+    cluster = Cluster(
+        grad_bytes=row["grad_bytes"],
+        param_bytes=row["grad_bytes"],
+        world=bench["meta"]["world_size"],
+        k=k,
+        bandwidth_gbs=1.0,
+        latency_us=0.0,
+        compute_ms=row["compute_ms"],
+        optimizer_ms=row["optimizer_ms"],
+        sync_ms=row["sync_in_step_ms"],
+    )
     predicted = next(r.speedup for r in estimate(cluster, ("ddp",)) if r.mode == "defer")
     measured = row["speedup"]
     print(f"k={k}: estimate {predicted:.3f}, measured {measured:.3f}")
@@ -73,14 +88,33 @@ def test_the_estimate_matches_the_benchmark_on_this_machine(k):
 
 
 def test_plan_estimate_prints_the_table(capsys):
-    code = main(["plan", "--gradient-accumulation-steps", "8", "--nproc-per-node", "8", "--nnodes", "8",
-                 "--estimate", "--params", "7e9", "--dtype-bytes", "2", "--bandwidth", "46",
-                 "--latency-us", "25", "--compute-ms", "400", "--optimizer-ms", "30"])
+    code = main(
+        [
+            "plan",
+            "--gradient-accumulation-steps",
+            "8",
+            "--nproc-per-node",
+            "8",
+            "--nnodes",
+            "8",
+            "--estimate",
+            "--params",
+            "7e9",
+            "--dtype-bytes",
+            "2",
+            "--bandwidth",
+            "46",
+            "--latency-us",
+            "25",
+            "--compute-ms",
+            "400",
+            "--optimizer-ms",
+            "30",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "64 ranks (8 node(s) x 8), k=8" in out
     ddp = [line.split() for line in out.splitlines() if line.startswith("ddp ")]
     assert [line[1] for line in ddp] == ["naive", "defer"]
     assert ddp[0][3] == "220.50" and ddp[1][2] == "27.56"  # 8 x 2(63/64) x 14 GB, and 1 x
-
-

@@ -24,8 +24,16 @@ GB = 1e9
 
 
 def _rows(**kw):
-    base = {"grad_bytes": 8e9 * 4, "param_bytes": 8e9 * 2, "replicas": 16, "shards": 8, "k": 8,
-            "intra_gbs": 476.0, "inter_gbs": 46.0, "per_node": 8}
+    base = {
+        "grad_bytes": 8e9 * 4,
+        "param_bytes": 8e9 * 2,
+        "replicas": 16,
+        "shards": 8,
+        "k": 8,
+        "intra_gbs": 476.0,
+        "inter_gbs": 46.0,
+        "per_node": 8,
+    }
     base.update(kw)
     return {row.policy: row for row in estimate_hybrid(HybridCluster(**base))}
 
@@ -40,10 +48,16 @@ def test_eight_billion_parameters_on_16_by_8_cross_nodes_60_vs_7_5_gb_and_defer_
     assert [rows[p].cross_allreduces for p in HYBRID_POLICIES] == [8, 1, 1, 1]
     # gradient memory: the sharded 4 GB (every_step), the partial buffer in its place
     # (defer_replicate), the unsharded 32 GB (defer): 28 GB more
-    assert rows["every_step"].grad_memory == rows["defer_replicate"].grad_memory == pytest.approx(4 * GB)
+    assert (
+        rows["every_step"].grad_memory
+        == rows["defer_replicate"].grad_memory
+        == pytest.approx(4 * GB)
+    )
     assert rows["defer_replicate"].extra_memory == 0
     assert rows["defer"].extra_memory == pytest.approx(28 * GB)
-    assert rows["defer + params"].extra_memory == pytest.approx(28 * GB + 16 * GB)  # + P: the gathered copy
+    assert rows["defer + params"].extra_memory == pytest.approx(
+        28 * GB + 16 * GB
+    )  # + P: the gathered copy
 
 
 def test_inside_the_node_the_reduce_scatter_and_the_all_gathers_follow_the_ring():
@@ -71,31 +85,65 @@ def test_one_replica_or_one_shard_sends_nothing_there():
     assert all(r.intra_bytes == 0 for r in _rows(shards=1).values())
 
 
-@pytest.mark.parametrize(("text", "mesh"), [("16,8", (16, 8)), ("-1,8", (16, 8)), ("16,-1", (16, 8)),
-                                            ("node", (16, 8))])
+@pytest.mark.parametrize(
+    ("text", "mesh"), [("16,8", (16, 8)), ("-1,8", (16, 8)), ("16,-1", (16, 8)), ("node", (16, 8))]
+)
 def test_the_mesh_reads_like_fsdp_mesh(text, mesh):
     assert hybrid_mesh(text, 128, 8) == mesh
 
 
-@pytest.mark.parametrize(("text", "match"), [("3,8", "does not fit 128 ranks"), ("-1,-1", "two positive"),
-                                             ("0,128", "two positive"), ("2x64", "give R,S"),
-                                             ("-1,3", "does not fit")])
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("3,8", "does not fit 128 ranks"),
+        ("-1,-1", "two positive"),
+        ("0,128", "two positive"),
+        ("2x64", "give R,S"),
+        ("-1,3", "does not fit"),
+    ],
+)
 def test_a_bad_mesh_names_the_value_and_the_fix(text, match):
     with pytest.raises(ConfigError, match=match):
         hybrid_mesh(text, 128, 8)
 
 
 def test_plan_estimate_prints_the_hsdp_rows(capsys):
-    code = main(["plan", "--gradient-accumulation-steps", "8", "--nproc-per-node", "8", "--nnodes", "16",
-                 "--estimate", "--params", "8e9", "--dtype-bytes", "4", "--param-dtype-bytes", "2",
-                 "--latency-us", "25", "--compute-ms", "1000", "--fsdp-mesh", "16,8",
-                 "--estimate-backends", "hsdp"])
+    code = main(
+        [
+            "plan",
+            "--gradient-accumulation-steps",
+            "8",
+            "--nproc-per-node",
+            "8",
+            "--nnodes",
+            "16",
+            "--estimate",
+            "--params",
+            "8e9",
+            "--dtype-bytes",
+            "4",
+            "--param-dtype-bytes",
+            "2",
+            "--latency-us",
+            "25",
+            "--compute-ms",
+            "1000",
+            "--fsdp-mesh",
+            "16,8",
+            "--estimate-backends",
+            "hsdp",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "HSDP on a 16 x 8 mesh" in out and "46 GB/s across nodes" in out  # the defaults
-    lines = {line.split()[0]: line.split() for line in out.splitlines()
-             if line.split() and line.split()[0] in ("every_step", "defer_replicate", "defer")
-             and "+" not in line}
+    lines = {
+        line.split()[0]: line.split()
+        for line in out.splitlines()
+        if line.split()
+        and line.split()[0] in ("every_step", "defer_replicate", "defer")
+        and "+" not in line
+    }
     assert lines["every_step"][3:5] == ["60.00", "GB"]
     assert lines["defer_replicate"][3:5] == ["7.50", "GB"]
     assert lines["defer"][8:10] == ["28.00", "GB"]
@@ -103,14 +151,59 @@ def test_plan_estimate_prints_the_hsdp_rows(capsys):
 
 
 def test_plan_estimate_adds_hsdp_to_the_other_backends_when_given_a_mesh(capsys):
-    code = main(["plan", "--gradient-accumulation-steps", "4", "--nproc-per-node", "8", "--nnodes", "2",
-                 "--estimate", "--params", "1e9", "--bandwidth", "46", "--latency-us", "25",
-                 "--compute-ms", "100", "--fsdp-mesh", "node", "--inter-bandwidth", "1.56"])
+    code = main(
+        [
+            "plan",
+            "--gradient-accumulation-steps",
+            "4",
+            "--nproc-per-node",
+            "8",
+            "--nnodes",
+            "2",
+            "--estimate",
+            "--params",
+            "1e9",
+            "--bandwidth",
+            "46",
+            "--latency-us",
+            "25",
+            "--compute-ms",
+            "100",
+            "--fsdp-mesh",
+            "node",
+            "--inter-bandwidth",
+            "1.56",
+        ]
+    )
     out = capsys.readouterr().out
-    assert code == 0 and "ddp " in out and "HSDP on a 2 x 8 mesh" in out and "1.56 GB/s across nodes" in out
-    code = main(["plan", "--gradient-accumulation-steps", "4", "--nproc-per-node", "8", "--nnodes", "2",
-                 "--estimate", "--params", "1e9", "--latency-us", "25", "--compute-ms", "100",
-                 "--fsdp-mesh", "3,8", "--estimate-backends", "hsdp"])
+    assert (
+        code == 0
+        and "ddp " in out
+        and "HSDP on a 2 x 8 mesh" in out
+        and "1.56 GB/s across nodes" in out
+    )
+    code = main(
+        [
+            "plan",
+            "--gradient-accumulation-steps",
+            "4",
+            "--nproc-per-node",
+            "8",
+            "--nnodes",
+            "2",
+            "--estimate",
+            "--params",
+            "1e9",
+            "--latency-us",
+            "25",
+            "--compute-ms",
+            "100",
+            "--fsdp-mesh",
+            "3,8",
+            "--estimate-backends",
+            "hsdp",
+        ]
+    )
     assert code == 2 and "--fsdp-mesh='3,8' does not fit 16 ranks" in capsys.readouterr().err
 
 
@@ -125,11 +218,18 @@ def test_the_estimate_matches_the_bytes_the_4_rank_benchmark_measured():
     result = json.loads(BENCH.read_text())
     hybrid = [c for c in result["cells"] if c["mesh"] == [2, 2]]
     assert {(c["k"], c["asked"]) for c in hybrid} == {
-        (k, p) for k in (4, 8) for p in ("every_step", "defer_replicate", "defer", "defer + params", "auto")}
+        (k, p)
+        for k in (4, 8)
+        for p in ("every_step", "defer_replicate", "defer", "defer + params", "auto")
+    }
     for cell in hybrid:
         (r, s), k, g = cell["mesh"], cell["k"], cell["grad_bytes"]
-        est = {row.policy: row for row in estimate_hybrid(HybridCluster(
-            grad_bytes=g, param_bytes=g, replicas=r, shards=s, k=k, per_node=s))}[cell["policy"]]
+        est = {
+            row.policy: row
+            for row in estimate_hybrid(
+                HybridCluster(grad_bytes=g, param_bytes=g, replicas=r, shards=s, k=k, per_node=s)
+            )
+        }[cell["policy"]]
         for window in cell["windows"]:
             shard, replicate = window["groups"]["shard"], window["groups"]["replicate"]
             assert 2 * (r - 1) / r * replicate["reduction_bytes"] == pytest.approx(est.cross_bytes)
@@ -156,13 +256,23 @@ def test_the_memory_a_deferred_window_holds_is_the_estimates():
         held, expected = cell["memory"]["held_bytes"], estimated_held(cell)
         assert len(held) == 4, cell["asked"]
         if cell["policy"].startswith("defer") and cell["policy"] != "defer_replicate":
-            assert all(abs(h - expected) < 2**20 for h in held), (cell["mesh"], cell["k"], cell["asked"], held)
+            assert all(abs(h - expected) < 2**20 for h in held), (
+                cell["mesh"],
+                cell["k"],
+                cell["asked"],
+                held,
+            )
         else:
-            assert all(expected - 2**20 < h < expected + unit + 2**20 for h in held), (cell["asked"], held)
+            assert all(expected - 2**20 < h < expected + unit + 2**20 for h in held), (
+                cell["asked"],
+                held,
+            )
     by = {(tuple(c["mesh"]), c["k"], c["asked"]): c for c in cells}
     mib = 2**20
     kept = by[((2, 2), 4, "defer + params")]["memory"]
-    assert kept["predicted_extra_bytes"] == 8429600 + 16859200  # G - G/2 + P: auto weighs the gathered copy whole
+    assert (
+        kept["predicted_extra_bytes"] == 8429600 + 16859200
+    )  # G - G/2 + P: auto weighs the gathered copy whole
     assert min(kept["held_bytes"]) > 32 * mib  # G + P = 32.2 MiB
     # what the window holds beyond every_step's shard (G/2) is what the adapter predicted
     assert all(abs(h - 8429600 - kept["predicted_extra_bytes"]) < mib for h in kept["held_bytes"])
@@ -177,12 +287,15 @@ def test_the_estimate_matches_the_tensor_parallel_mesh_the_benchmark_measured():
     for the boundary where the policy defers."""
     cells = [c for c in json.loads(BENCH.read_text())["cells"] if c["mesh"] == [1, 2, 2]]
     assert {(c["k"], c["asked"]) for c in cells} == {
-        (k, p) for k in (4, 8) for p in ("every_step", "defer", "defer + params", "auto")}
+        (k, p) for k in (4, 8) for p in ("every_step", "defer", "defer + params", "auto")
+    }
     s, t = 2, 2
     for cell in cells:
         k, g = cell["k"], cell["grad_bytes"]
         micro = 2 * (t - 1) / t * cell["micro_tp"]["allreduce"]
-        cluster = MeshCluster(g, g, dp_shard=s, tp=t, k=k, tp_share=cell["tp_share"], tp_bytes=micro)
+        cluster = MeshCluster(
+            g, g, dp_shard=s, tp=t, k=k, tp_share=cell["tp_share"], tp_bytes=micro
+        )
         est = {row.policy: row for row in estimate_mesh(cluster)}[cell["policy"]]
         assert cluster.per_tp_rank(g) == pytest.approx(cell["held_grad_bytes"])
         for window in cell["windows"]:

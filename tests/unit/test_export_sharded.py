@@ -33,8 +33,9 @@ def single(clean_env):
 
 def gpt2(seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8, bos_token_id=0, eos_token_id=0
+    )
     return GPT2LMHeadModel(config).eval()
 
 
@@ -43,8 +44,11 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 def weight_files(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir()
-                  if p.name.startswith(("model", "pytorch_model")) or p.name.startswith("."))
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.name.startswith(("model", "pytorch_model")) or p.name.startswith(".")
+    )
 
 
 def assert_same_model(loaded: torch.nn.Module, model: torch.nn.Module) -> None:
@@ -68,7 +72,9 @@ def test_sharded_safetensors_load_with_from_pretrained(tmp_path, single):
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) >= 3
-    assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    assert shards == [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+    ]
     assert set(index["weight_map"]) == set(unique)  # every key but the tied one, once
     assert index["metadata"] == {"total_size": sum(nbytes(v) for v in unique.values())}
     assert not (folder / "model.safetensors").exists()
@@ -103,8 +109,11 @@ def test_one_file_when_the_weights_fit(tmp_path, single):
 @pytest.mark.parametrize("limit", ["4KB", "10GB"])
 def test_torch_save_layout_loads_with_from_pretrained(tmp_path, single, limit):
     model = gpt2()
-    folder = Path(save_model(single, model, tmp_path / "gpt2", 0, max_shard_size=limit,
-                             safe_serialization=False))
+    folder = Path(
+        save_model(
+            single, model, tmp_path / "gpt2", 0, max_shard_size=limit, safe_serialization=False
+        )
+    )
     files = weight_files(folder)
     if limit == "10GB":
         assert files == ["pytorch_model.bin"]
@@ -154,7 +163,11 @@ def test_a_save_that_dies_midway_leaves_no_index_over_other_shards(tmp_path, sin
     folder = tmp_path / "gpt2"
     first, second = gpt2(0), gpt2(1)
     save_model(single, first, folder, 0, max_shard_size="4KB")
-    before = sorted(set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    before = sorted(
+        set(
+            json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values()
+        )
+    )
     renames = []
     real = os.replace
 
@@ -202,23 +215,28 @@ def test_tensors_fill_shards_in_order_and_a_large_one_stands_alone():
     assert shard_plan({}, 10, "model.safetensors") == {"model.safetensors": []}
 
 
-@pytest.mark.parametrize("value, size", [
-    (123, 123),
-    ("5GB", 5 * 10**9),
-    ("5GiB", 5 * 2**30),
-    ("500MB", 500 * 10**6),
-    ("1.5GB", 1_500_000_000),
-    ("64KiB", 64 * 2**10),
-    ("2MiB", 2 * 2**20),
-    ("1TB", 10**12),
-    (" 10 kb ", 10**4 // 8),  # a lowercase b: bits, as in Accelerate
-    ("8Gb", 10**9),
-])
+@pytest.mark.parametrize(
+    "value, size",
+    [
+        (123, 123),
+        ("5GB", 5 * 10**9),
+        ("5GiB", 5 * 2**30),
+        ("500MB", 500 * 10**6),
+        ("1.5GB", 1_500_000_000),
+        ("64KiB", 64 * 2**10),
+        ("2MiB", 2 * 2**20),
+        ("1TB", 10**12),
+        (" 10 kb ", 10**4 // 8),  # a lowercase b: bits, as in Accelerate
+        ("8Gb", 10**9),
+    ],
+)
 def test_sizes_are_read_like_accelerate(value, size):
     assert parse_size(value) == size
 
 
-@pytest.mark.parametrize("value", ["5", "five GB", "5XB", "GB", "-1MB", 0, -3, 1.5, True, None, "nanGB"])
+@pytest.mark.parametrize(
+    "value", ["5", "five GB", "5XB", "GB", "-1MB", 0, -3, 1.5, True, None, "nanGB"]
+)
 def test_a_bad_size_names_the_value_and_the_fix(value, single, tmp_path):
     with pytest.raises(ConfigError, match=r"max_shard_size=.* e\.g\. '5GB'"):
         parse_size(value)
@@ -256,7 +274,9 @@ def test_save_with_safetensors_keeps_every_key_of_shared_tensors(tmp_path):
 
 def test_save_with_safetensors_refuses_what_is_not_a_dict_of_tensors(tmp_path):
     for obj in ([torch.ones(1)], {"a": torch.ones(1), "step": 3}):
-        with pytest.raises(ConfigError, match="takes a dict of str -> tensor.*safe_serialization=False"):
+        with pytest.raises(
+            ConfigError, match="takes a dict of str -> tensor.*safe_serialization=False"
+        ):
             save(obj, tmp_path / "x.safetensors", main=True, safe_serialization=True)
     assert not (tmp_path / "x.safetensors").exists()
 
@@ -269,8 +289,9 @@ class _OwnSave(torch.nn.Module):
         self.lin = torch.nn.Linear(2, 2)
         self.calls: list[tuple[str, bool, object]] = []
 
-    def save_pretrained(self, save_directory: str, is_main_process: bool = True,
-                        state_dict: dict | None = None) -> str:
+    def save_pretrained(
+        self, save_directory: str, is_main_process: bool = True, state_dict: dict | None = None
+    ) -> str:
         self.calls.append((save_directory, is_main_process, state_dict))
         return "written"
 

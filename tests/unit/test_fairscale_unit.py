@@ -27,9 +27,18 @@ def _one_line(err: BaseException) -> str:
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"sync_policy": "native"}, "sync_policy='native' is DeepSpeed's; with backend='fairscale' use"),
-        ({"mixed_precision": "fp16"}, "mixed_precision='fp16' is not supported with backend='fairscale'"),
-        ({"fairscale_kwargs": [1]}, "fairscale_kwargs=[1] must be a dict of ShardedDataParallel arguments"),
+        (
+            {"sync_policy": "native"},
+            "sync_policy='native' is DeepSpeed's; with backend='fairscale' use",
+        ),
+        (
+            {"mixed_precision": "fp16"},
+            "mixed_precision='fp16' is not supported with backend='fairscale'",
+        ),
+        (
+            {"fairscale_kwargs": [1]},
+            "fairscale_kwargs=[1] must be a dict of ShardedDataParallel arguments",
+        ),
     ],
 )
 def test_bad_settings_are_config_errors(clean_env, options, match):
@@ -72,7 +81,10 @@ def test_an_old_fairscale_is_refused(clean_env, monkeypatch):
     with pytest.raises(ImportError) as err:
         Accelerator(backend="fairscale")
     text = _one_line(err.value)
-    assert "supports fairscale 0.4.13, not 0.4.6" in text and "pip install 'gradsync[fairscale]'" in text
+    assert (
+        "supports fairscale 0.4.13, not 0.4.6" in text
+        and "pip install 'gradsync[fairscale]'" in text
+    )
 
 
 def _free_port() -> int:
@@ -87,12 +99,19 @@ def test_the_group_gradsync_creates_has_the_configured_timeout(clean_env, backen
     once created its group with torch's default and ignored it). One rank, in this process."""
     if backend in ("fairscale", "deepspeed"):
         pytest.importorskip(backend)
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(_free_port())}.items():
+    for key, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }.items():
         clean_env.setenv(key, value)
     Accelerator(backend=backend, timeout=7)
     group = dist.group.WORLD
-    assert isinstance(group, audit.AuditProcessGroup)  # gloo under the self-check's counting wrapper
+    assert isinstance(
+        group, audit.AuditProcessGroup
+    )  # gloo under the self-check's counting wrapper
     assert group.inner.options._timeout == timedelta(seconds=7)
 
 
@@ -103,7 +122,9 @@ def test_a_missing_private_attribute_names_the_supported_version():
     class Bare:
         pass
 
-    with pytest.raises(RuntimeError, match=r"Bare\._should_accumulate_grads.*supports fairscale 0\.4\.13"):
+    with pytest.raises(
+        RuntimeError, match=r"Bare\._should_accumulate_grads.*supports fairscale 0\.4\.13"
+    ):
         with _fairscale_compat.no_sync(Bare()):
             pass
     with pytest.raises(RuntimeError, match=r"Bare\._work_handles.*supports fairscale 0\.4\.13"):

@@ -38,7 +38,12 @@ def test_wrap_by_class_name_class_or_callable():
     picked = fsdp.select_units(model, lambda m: isinstance(m, Block))
     assert _names(model, picked) == ["blocks.0", "blocks.1"]
     # outermost wins: Block is taken whole, its Linear inside is not a second unit
-    assert _names(model, fsdp.select_units(model, ["Block", "Linear"])) == ["inp", "blocks.0", "blocks.1", "head"]
+    assert _names(model, fsdp.select_units(model, ["Block", "Linear"])) == [
+        "inp",
+        "blocks.0",
+        "blocks.1",
+        "head",
+    ]
 
 
 def test_wrap_naming_no_class_of_the_model_is_an_error():
@@ -48,10 +53,14 @@ def test_wrap_naming_no_class_of_the_model_is_an_error():
 
 def test_deferral_cost_is_the_unsharded_gradients_minus_the_shard():
     model = Net()  # 705 parameters
-    assert fsdp.deferral_cost(model, 2, grad_bytes=None, keep_params=False) == 705 * 4 - 705 * 4 // 2
+    assert (
+        fsdp.deferral_cost(model, 2, grad_bytes=None, keep_params=False) == 705 * 4 - 705 * 4 // 2
+    )
     assert fsdp.deferral_cost(model, 4, grad_bytes=None, keep_params=False) == 2820 - 2820 // 4
     # keeping the parameters unsharded adds their bytes too
-    assert fsdp.deferral_cost(model, 2, grad_bytes=None, keep_params=True) == 2820 - 2820 // 2 + 2820  # the whole gathered copy
+    assert (
+        fsdp.deferral_cost(model, 2, grad_bytes=None, keep_params=True) == 2820 - 2820 // 2 + 2820
+    )  # the whole gathered copy
     half = Net().to(torch.bfloat16)
     assert fsdp.deferral_cost(half, 2, grad_bytes=None, keep_params=False) == 705
     assert fsdp.deferral_cost(half, 2, grad_bytes=4, keep_params=False) == 1410  # fp32 reduce dtype
@@ -67,7 +76,9 @@ def test_available_memory_on_cpu_is_split_over_local_ranks(monkeypatch):
 
 
 def test_fsdp_without_a_process_group_is_a_clear_error(clean_env):
-    with pytest.raises(RuntimeError, match=r"backend='fsdp' needs a process group.*gradsync launch"):
+    with pytest.raises(
+        RuntimeError, match=r"backend='fsdp' needs a process group.*gradsync launch"
+    ):
         Accelerator(backend="fsdp")
 
 
@@ -78,8 +89,10 @@ def test_unknown_sync_policy_is_a_config_error(clean_env):
 
 @pytest.mark.parametrize(
     ("setting", "match"),
-    [({"sync_policy": "native"}, "sync_policy='native' is DeepSpeed's; with backend='fsdp'"),
-     ({"activation_checkpointing": 3}, "activation_checkpointing=3 must be a module class name")],
+    [
+        ({"sync_policy": "native"}, "sync_policy='native' is DeepSpeed's; with backend='fsdp'"),
+        ({"activation_checkpointing": 3}, "activation_checkpointing=3 must be a module class name"),
+    ],
 )
 def test_settings_fsdp_cannot_honour_fail_before_any_group(clean_env, setting, match):
     with pytest.raises(ConfigError, match=match):
@@ -87,7 +100,10 @@ def test_settings_fsdp_cannot_honour_fail_before_any_group(clean_env, setting, m
 
 
 def test_keeping_parameters_with_every_step_is_refused_before_any_group(clean_env):
-    with pytest.raises(ConfigError, match=r"fsdp_keep_params_in_window=True .* sync_policy='every_step' defers nothing"):
+    with pytest.raises(
+        ConfigError,
+        match=r"fsdp_keep_params_in_window=True .* sync_policy='every_step' defers nothing",
+    ):
         Accelerator(backend="fsdp", sync_policy="every_step", fsdp_keep_params_in_window=True)
 
 
@@ -99,17 +115,20 @@ def _decide(asked="auto", keep=None, legacy=False, budget=None):
     return decide(asked, keep, legacy, grads=100, full=200, budget=b, world=2)
 
 
-@pytest.mark.parametrize(("kwargs", "policy", "keep", "extra"), [
-    ({"budget": 200}, "defer", "window", 200),
-    ({"budget": 199}, "defer", "no", 100),
-    ({"budget": 99}, "every_step", "no", 0),
-    ({"budget": 10**6, "keep": False}, "defer", "no", 100),
-    ({"budget": 150, "keep": True}, "every_step", "no", 0),  # keeping is asked: it must fit too
-    ({"budget": 10**6, "legacy": True}, "defer", "after_backward", 200),
-    ({"asked": "defer"}, "defer", "no", 100),  # an explicit policy does not consult the budget
-    ({"asked": "defer", "keep": True}, "defer", "window", 200),
-    ({"asked": "every_step"}, "every_step", "no", 0),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "policy", "keep", "extra"),
+    [
+        ({"budget": 200}, "defer", "window", 200),
+        ({"budget": 199}, "defer", "no", 100),
+        ({"budget": 99}, "every_step", "no", 0),
+        ({"budget": 10**6, "keep": False}, "defer", "no", 100),
+        ({"budget": 150, "keep": True}, "every_step", "no", 0),  # keeping is asked: it must fit too
+        ({"budget": 10**6, "legacy": True}, "defer", "after_backward", 200),
+        ({"asked": "defer"}, "defer", "no", 100),  # an explicit policy does not consult the budget
+        ({"asked": "defer", "keep": True}, "defer", "window", 200),
+        ({"asked": "every_step"}, "every_step", "no", 0),
+    ],
+)
 def test_auto_picks_the_deepest_level_that_fits(kwargs, policy, keep, extra):
     got = _decide(**kwargs)
     assert got[:3] == (policy, keep, extra), got[3]

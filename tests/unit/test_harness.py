@@ -49,8 +49,14 @@ def test_parameters_travel_as_given():
 def test_one_process_group_per_run():
     assert group_setup({"a": Scenario(ddp.misuse)}) is common.audited_gloo_group
     # DeepSpeed adopts the audited gloo group: its scenarios share it with DDP's
-    assert group_setup({"a": Scenario(ddp.misuse), "b": Scenario(deepspeed.clip_twice)}) is common.audited_gloo_group
-    assert group_setup({"a": Scenario(pipelines.self_check, loop="plain")}) is pipelines.setup_process_group
+    assert (
+        group_setup({"a": Scenario(ddp.misuse), "b": Scenario(deepspeed.clip_twice)})
+        is common.audited_gloo_group
+    )
+    assert (
+        group_setup({"a": Scenario(pipelines.self_check, loop="plain")})
+        is pipelines.setup_process_group
+    )
     with pytest.raises(ValueError, match="different process groups"):
         group_setup({"a": Scenario(ddp.misuse), "b": Scenario(pipelines.self_check, loop="plain")})
 
@@ -62,7 +68,9 @@ def test_a_pool_refuses_members_that_cannot_share_a_group(tmp_path):
     with pytest.raises(ValueError, match="mixes group sizes"):
         run_shared({"x": two, "y": Shared("p", {"a": Scenario(ddp.misuse)}, nproc=4)}, tmp_path)
     with pytest.raises(ValueError, match="X is both"):
-        run_shared({"x": Shared("p", {}, env={"X": "1"}), "y": Shared("p", {}, env={"X": "2"})}, tmp_path)
+        run_shared(
+            {"x": Shared("p", {}, env={"X": "1"}), "y": Shared("p", {}, env={"X": "2"})}, tmp_path
+        )
     assert not Shared("p", {}, requires=("no_such_module_here",)).available()
 
 

@@ -33,10 +33,17 @@ def _error(**settings) -> str:
 
 
 # -- the forms ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("value, expected", [
-    ((2, 2), (2, 2)), ([4, -1], (4, -1)), ("node", "node"), ("2,8", (2, 8)), ("-1, 4", (-1, 4)),
-    ("NODE", "node"),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ((2, 2), (2, 2)),
+        ([4, -1], (4, -1)),
+        ("node", "node"),
+        ("2,8", (2, 8)),
+        ("-1, 4", (-1, 4)),
+        ("NODE", "node"),
+    ],
+)
 def test_mesh_forms_validate(value, expected):
     assert Config(backend="fsdp", fsdp_mesh=value).validate().fsdp_mesh == expected
 
@@ -60,16 +67,19 @@ def test_a_user_device_mesh_passes_with_names():
 
 
 # -- bad input: each a ConfigError naming the value and the fix --------------------------------
-@pytest.mark.parametrize("value, words", [
-    ((0, 4), ["(0, 4)", "not positive", "R x S = the world size"]),
-    ((-2, 2), ["(-2, 2)", "not positive"]),
-    ((-1, -1), ["(-1, -1)", "two -1", "only one can be inferred"]),
-    ((2, 2, 1), ["(2, 2, 1)", "two whole numbers"]),
-    ((2.0, 2), ["two whole numbers"]),
-    ("rack", ["'rack'", "give 'R,S'"]),
-    (FakeMesh((2, 2), None), ["no dimension names", "mesh_dim_names=('replicate', 'shard')"]),
-    (FakeMesh((2, 2, 2), ("a", "b", "c")), ["3 dimensions", "(replicate, shard)"]),
-])
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ((0, 4), ["(0, 4)", "not positive", "R x S = the world size"]),
+        ((-2, 2), ["(-2, 2)", "not positive"]),
+        ((-1, -1), ["(-1, -1)", "two -1", "only one can be inferred"]),
+        ((2, 2, 1), ["(2, 2, 1)", "two whole numbers"]),
+        ((2.0, 2), ["two whole numbers"]),
+        ("rack", ["'rack'", "give 'R,S'"]),
+        (FakeMesh((2, 2), None), ["no dimension names", "mesh_dim_names=('replicate', 'shard')"]),
+        (FakeMesh((2, 2, 2), ("a", "b", "c")), ["3 dimensions", "(replicate, shard)"]),
+    ],
+)
 def test_bad_mesh_values_are_refused(value, words):
     text = _error(backend="fsdp", fsdp_mesh=value)
     for word in words:
@@ -85,19 +95,24 @@ def test_a_mesh_on_another_backend_is_refused(backend):
 @pytest.mark.parametrize("backend", ["ddp", "single", "deepspeed", "fairscale", "auto"])
 def test_defer_replicate_on_another_backend_is_refused(backend):
     text = _error(backend=backend, sync_policy="defer_replicate")
-    assert "defer_replicate" in text and f"backend={backend!r}" in text and "fsdp_mesh=(R, S)" in text, text
+    assert (
+        "defer_replicate" in text and f"backend={backend!r}" in text and "fsdp_mesh=(R, S)" in text
+    ), text
 
 
 def test_unknown_policy_names_the_choices():
     assert "defer_replicate" in _error(sync_policy="defer_replica")
 
 
-@pytest.mark.parametrize("spec, world, words", [
-    ((2, 2), 8, ["(2, 2)", "2 x 2 = 4", "world has 8", "(-1, 2)"]),
-    ((3, -1), 8, ["3 does not divide the world of 8"]),
-    ((-1, 3), 8, ["3 does not divide"]),
-    ("node", 6, ["'node'", "4 processes of a node", "world of 6"]),
-])
+@pytest.mark.parametrize(
+    "spec, world, words",
+    [
+        ((2, 2), 8, ["(2, 2)", "2 x 2 = 4", "world has 8", "(-1, 2)"]),
+        ((3, -1), 8, ["3 does not divide the world of 8"]),
+        ((-1, 3), 8, ["3 does not divide"]),
+        ("node", 6, ["'node'", "4 processes of a node", "world of 6"]),
+    ],
+)
 def test_mesh_product_against_the_world(spec, world, words):
     with pytest.raises(ConfigError) as info:
         mesh_shape(spec, world, 4)
@@ -118,16 +133,23 @@ def test_mesh_shapes():
 
 def _launched(monkeypatch, world: int, per_node: int) -> None:
     """The launch environment of a rank of ``world`` (no process group is formed)."""
-    for key, value in {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
-                       "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "1"}.items():
+    for key, value in {
+        "RANK": "0",
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": str(per_node),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }.items():
         monkeypatch.setenv(key, value)
 
 
 def test_setup_refuses_a_mesh_that_does_not_fit_before_any_collective(clean_env):
     _launched(clean_env, 8, 4)
     backend = fsdp.FSDPBackend()
-    with pytest.raises(ConfigError, match=r"fsdp_mesh=\(2, 2\) holds 2 x 2 = 4 processes, but the world has 8"):
+    with pytest.raises(
+        ConfigError, match=r"fsdp_mesh=\(2, 2\) holds 2 x 2 = 4 processes, but the world has 8"
+    ):
         backend.setup(Config(backend="fsdp", fsdp_mesh=(2, 2)).validate())
     assert not torch.distributed.is_initialized()  # refused before the group was formed
 
@@ -136,13 +158,17 @@ def test_setup_refuses_a_mesh_that_does_not_fit_before_any_collective(clean_env)
 def test_defer_replicate_on_a_1d_mesh_is_refused_at_setup(clean_env, mesh):
     _launched(clean_env, 4, 4)
     config = Config(backend="fsdp", sync_policy="defer_replicate", fsdp_mesh=mesh).validate()
-    with pytest.raises(ConfigError, match="has one replica .* give fsdp_mesh=\\(R, S\\) with R > 1"):
+    with pytest.raises(
+        ConfigError, match="has one replica .* give fsdp_mesh=\\(R, S\\) with R > 1"
+    ):
         fsdp.FSDPBackend().setup(config)
     assert not torch.distributed.is_initialized()
 
 
 def test_keep_params_with_defer_replicate_is_refused(clean_env):
-    config = Config(backend="fsdp", sync_policy="defer_replicate", fsdp_keep_params_in_window=True).validate()
+    config = Config(
+        backend="fsdp", sync_policy="defer_replicate", fsdp_keep_params_in_window=True
+    ).validate()
     with pytest.raises(ConfigError, match="sync_policy='defer_replicate' reduces every micro-step"):
         fsdp.FSDPBackend().setup(config)
 
@@ -186,8 +212,17 @@ def _decide(asked: str, budget: int, replicas: int = 2, shards: int = 2):
     model = _model()
     grads = fsdp.deferral_cost(model, shards, grad_bytes=None, keep_params=False)
     full = fsdp.deferral_cost(model, shards, grad_bytes=None, keep_params=True)
-    return decide(asked, None, False, grads=grads, full=full, budget=Budget(budget, "test"),
-                  world=shards, replicas=replicas, partial=partial_cost(model, shards, grad_bytes=None))
+    return decide(
+        asked,
+        None,
+        False,
+        grads=grads,
+        full=full,
+        budget=Budget(budget, "test"),
+        world=shards,
+        replicas=replicas,
+        partial=partial_cost(model, shards, grad_bytes=None),
+    )
 
 
 def test_auto_on_a_2d_mesh_picks_by_the_budget():
@@ -195,9 +230,15 @@ def test_auto_on_a_2d_mesh_picks_by_the_budget():
     assert (policy, keep, extra) == ("defer", "window", 1500), reason
     policy, keep, extra, reason = _decide("auto", 600)  # gradients (500) fit, parameters too not
     assert (policy, keep, extra) == ("defer", "no", 500), reason
-    policy, keep, extra, reason = _decide("auto", 499, shards=4, replicas=2)  # grads 750 > 499 >= 250
+    policy, keep, extra, reason = _decide(
+        "auto", 499, shards=4, replicas=2
+    )  # grads 750 > 499 >= 250
     assert (policy, keep, extra) == ("defer_replicate", "no", 250), reason
-    assert reason.startswith("auto -> defer_replicate:") and "250 bytes" in reason and "1/4 of the gradients" in reason
+    assert (
+        reason.startswith("auto -> defer_replicate:")
+        and "250 bytes" in reason
+        and "1/4 of the gradients" in reason
+    )
     assert "exceeds the budget" in reason and "across the 2 replicas" in reason
     policy, _, extra, reason = _decide("auto", 100, shards=4)
     assert (policy, extra) == ("every_step", 0) and "both exceed the budget" in reason, reason
@@ -221,5 +262,19 @@ def test_the_launcher_takes_a_mesh_of_numbers(clean_env):
     from gradsync.cli import main
 
     script = Path(__file__).resolve().parents[2] / "examples" / "train.py"
-    assert main(["launch", "--dry-run", "--nproc-per-node", "4", "--backend", "fsdp",
-                 "--fsdp-mesh", "2,2", str(script)]) == 0
+    assert (
+        main(
+            [
+                "launch",
+                "--dry-run",
+                "--nproc-per-node",
+                "4",
+                "--backend",
+                "fsdp",
+                "--fsdp-mesh",
+                "2,2",
+                str(script),
+            ]
+        )
+        == 0
+    )

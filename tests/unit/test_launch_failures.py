@@ -25,7 +25,9 @@ def _raised(err: Exception) -> Exception:
         return caught
 
 
-def _failure(tmp_path: Path, rank: int, exitcode: int, err: Exception | None = None) -> ProcessFailure:
+def _failure(
+    tmp_path: Path, rank: int, exitcode: int, err: Exception | None = None
+) -> ProcessFailure:
     path = tmp_path / f"error-{rank}.json"
     if err is not None:
         worker.record(_raised(err), str(path))
@@ -39,10 +41,18 @@ def _report(found: dict[int, ProcessFailure]) -> tuple[int, str]:
 
 
 def test_a_rank_stopped_while_exiting_from_its_own_exception_is_named_with_it(tmp_path):
-    own = _failure(tmp_path, 1, -signal.SIGTERM, AttributeError("'Model' object has no attribute 'head'"))
+    own = _failure(
+        tmp_path, 1, -signal.SIGTERM, AttributeError("'Model' object has no attribute 'head'")
+    )
     time.sleep(0.01)
-    lost = _failure(tmp_path, 0, 1, CollectiveError("wait_for_everyone() (a barrier) failed: lost "
-                                                    "its connection to another rank"))
+    lost = _failure(
+        tmp_path,
+        0,
+        1,
+        CollectiveError(
+            "wait_for_everyone() (a barrier) failed: lost its connection to another rank"
+        ),
+    )
     code, text = _report({0: lost, 1: own})
     assert code == 1
     assert text.splitlines()[0] == "gradsync: rank 1 (local rank 1) failed (exit code 1)"

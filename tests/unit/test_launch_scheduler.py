@@ -28,11 +28,17 @@ SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "report_rank.py")
 def slurm(nodes: int = 2, node: int = 1, tasks: int | None = None, **extra: str) -> dict[str, str]:
     """What a task of `srun -N NODES --ntasks-per-node=1 gradsync launch ...` sees."""
     tasks = nodes if tasks is None else tasks
-    env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(node),
-           "SLURM_STEP_NUM_TASKS": str(tasks), "SLURM_STEP_NUM_NODES": str(nodes),
-           "SLURM_NODEID": str(node), "SLURM_LOCALID": "0",
-           "SLURM_STEP_TASKS_PER_NODE": f"{tasks // nodes}(x{nodes})",
-           "SLURM_STEP_NODELIST": "gpu[07-08]" if nodes == 2 else "gpu07"}
+    env = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": str(node),
+        "SLURM_STEP_NUM_TASKS": str(tasks),
+        "SLURM_STEP_NUM_NODES": str(nodes),
+        "SLURM_NODEID": str(node),
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_TASKS_PER_NODE": f"{tasks // nodes}(x{nodes})",
+        "SLURM_STEP_NODELIST": "gpu[07-08]" if nodes == 2 else "gpu07",
+    }
     env.update(extra)
     return env
 
@@ -55,11 +61,18 @@ def test_slurm_two_nodes_gives_nodes_rank_gpus_endpoint_and_id():
     port = environment.derived_port("slurm-4242-0")
     assert c.rdzv_endpoint == f"gpu07:{port}" and c.rdzv_id == "4242"
     argv = launcher.torchrun_argv()
-    assert argv[:5] == ["--nproc-per-node=4", "--nnodes=2", "--rdzv-backend=c10d",
-                        f"--rdzv-endpoint=gpu07:{port}", "--rdzv-id=4242"]
+    assert argv[:5] == [
+        "--nproc-per-node=4",
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=gpu07:{port}",
+        "--rdzv-id=4242",
+    ]
     assert "--standalone" not in argv
     assert launcher.sources["nnodes"] == "SLURM_STEP_NUM_NODES=2"
-    assert "from the environment (slurm): --nnodes=2 (SLURM_STEP_NUM_NODES=2)" in launcher.describe()
+    assert (
+        "from the environment (slurm): --nnodes=2 (SLURM_STEP_NUM_NODES=2)" in launcher.describe()
+    )
 
 
 def test_slurm_one_node_runs_standalone_with_the_default_processes():
@@ -69,8 +82,9 @@ def test_slurm_one_node_runs_standalone_with_the_default_processes():
 
 
 def test_slurm_flags_given_win():
-    launcher = launch(slurm(SLURM_GPUS_ON_NODE="4"), nproc_per_node=2, rdzv_endpoint="head:29400",
-                      rdzv_id="mine")
+    launcher = launch(
+        slurm(SLURM_GPUS_ON_NODE="4"), nproc_per_node=2, rdzv_endpoint="head:29400", rdzv_id="mine"
+    )
     c = launcher.config
     assert (c.nproc_per_node, c.rdzv_endpoint, c.rdzv_id, c.nnodes) == (2, "head:29400", "mine", 2)
     # --master-addr given: a static rendezvous, the port derived from the job
@@ -94,9 +108,16 @@ def test_slurm_nnodes_given_in_a_two_node_step_needs_no_master_addr():
         (slurm(), {"nnodes": "3:4"}, ["--nnodes=3:4", "SLURM_STEP_NUM_NODES=2"]),
         (slurm(), {"node_rank": 0}, ["--node-rank=0", "SLURM_NODEID=1"]),
         (slurm(), {"standalone": True}, ["--standalone", "SLURM_STEP_NUM_NODES=2"]),
-        ({"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1"}, {"nnodes": 1}, ["--nnodes=1", "PET_NNODES=2"]),
-        ({"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m"}, {"node_rank": 0},
-         ["--node-rank=0", "PET_NODE_RANK=1"]),
+        (
+            {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1"},
+            {"nnodes": 1},
+            ["--nnodes=1", "PET_NNODES=2"],
+        ),
+        (
+            {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m"},
+            {"node_rank": 0},
+            ["--node-rank=0", "PET_NODE_RANK=1"],
+        ),
     ],
 )
 def test_flags_that_contradict_the_scheduler_are_one_line_naming_both(env, given, words):
@@ -129,44 +150,89 @@ def test_the_cli_refuses_n_squared_launches_in_one_line(monkeypatch, capsys):
 
 
 def test_trainjob_pet_variables_give_a_static_rendezvous():
-    env = {"PET_NPROC_PER_NODE": "2", "PET_NNODES": "2", "PET_NODE_RANK": "1",
-           "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29400"}
+    env = {
+        "PET_NPROC_PER_NODE": "2",
+        "PET_NNODES": "2",
+        "PET_NODE_RANK": "1",
+        "PET_MASTER_ADDR": "job-node-0-0.job",
+        "PET_MASTER_PORT": "29400",
+    }
     launcher = launch(env)  # validate() does not ask for --master-addr
     argv = launcher.torchrun_argv()
-    assert argv[:5] == ["--nproc-per-node=2", "--nnodes=2", "--node-rank=1",
-                        "--master-addr=job-node-0-0.job", "--master-port=29400"]
+    assert argv[:5] == [
+        "--nproc-per-node=2",
+        "--nnodes=2",
+        "--node-rank=1",
+        "--master-addr=job-node-0-0.job",
+        "--master-port=29400",
+    ]
     assert launcher.sources["master_addr"] == "PET_MASTER_ADDR=job-node-0-0.job"
     assert launcher.config.world_size == 4
 
 
 def test_elastic_pytorchjob_pet_variables_give_the_c10d_rendezvous():
-    env = {"PET_NPROC_PER_NODE": "auto", "PET_NNODES": "1:3", "PET_RDZV_BACKEND": "c10d",
-           "PET_RDZV_ENDPOINT": "job-elastic:29400", "PET_RDZV_ID": "job-elastic",
-           "PET_MAX_RESTARTS": "2"}
+    env = {
+        "PET_NPROC_PER_NODE": "auto",
+        "PET_NNODES": "1:3",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": "job-elastic:29400",
+        "PET_RDZV_ID": "job-elastic",
+        "PET_MAX_RESTARTS": "2",
+    }
     c = launch(env).config
     assert (c.nnodes, c.rdzv_endpoint, c.rdzv_backend, c.rdzv_id, c.max_restarts) == (
-        "1:3", "job-elastic:29400", "c10d", "job-elastic", 2)
+        "1:3",
+        "job-elastic:29400",
+        "c10d",
+        "job-elastic",
+        2,
+    )
 
 
 def test_pet_flags_given_win_and_a_rendezvous_given_is_taken_whole():
-    env = {"PET_NPROC_PER_NODE": "2", "PET_NNODES": "1", "PET_RDZV_ENDPOINT": "far:1",
-           "PET_MASTER_PORT": "29411"}
+    env = {
+        "PET_NPROC_PER_NODE": "2",
+        "PET_NNODES": "1",
+        "PET_RDZV_ENDPOINT": "far:1",
+        "PET_MASTER_PORT": "29411",
+    }
     c = launch(env, nproc_per_node=1, master_addr="near").config
-    assert (c.nproc_per_node, c.master_addr, c.rdzv_endpoint, c.master_port) == (1, "near", None, 29411)
+    assert (c.nproc_per_node, c.master_addr, c.rdzv_endpoint, c.master_port) == (
+        1,
+        "near",
+        None,
+        29411,
+    )
     assert launch({"PET_NPROC_PER_NODE": "2", "PET_NNODES": "1"}).torchrun_argv()[:3] == [
-        "--nproc-per-node=2", "--nnodes=1", "--standalone"]
+        "--nproc-per-node=2",
+        "--nnodes=1",
+        "--standalone",
+    ]
 
 
 def test_a_pytorchjob_pod_meets_at_torchs_master_variables():
-    env = {"PET_NPROC_PER_NODE": "2", "PET_NNODES": "2", "PET_NODE_RANK": "1", "RANK": "1",
-           "WORLD_SIZE": "2", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
+    env = {
+        "PET_NPROC_PER_NODE": "2",
+        "PET_NNODES": "2",
+        "PET_NODE_RANK": "1",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "job-master-0",
+        "MASTER_PORT": "23456",
+    }
     argv = launch(env).torchrun_argv()
-    assert argv[:5] == ["--nproc-per-node=2", "--nnodes=2", "--node-rank=1",
-                        "--master-addr=job-master-0", "--master-port=23456"]
+    assert argv[:5] == [
+        "--nproc-per-node=2",
+        "--nnodes=2",
+        "--node-rank=1",
+        "--master-addr=job-master-0",
+        "--master-port=23456",
+    ]
 
 
-@pytest.mark.parametrize("key, value", [("PET_NNODES", "two"), ("PET_NPROC_PER_NODE", "0"),
-                                        ("PET_MASTER_PORT", "70000")])
+@pytest.mark.parametrize(
+    "key, value", [("PET_NNODES", "two"), ("PET_NPROC_PER_NODE", "0"), ("PET_MASTER_PORT", "70000")]
+)
 def test_a_malformed_pet_variable_is_named(key, value):
     with pytest.raises(ConfigError, match=f"{key}='{value}' must be"):
         launch({key: value})
@@ -220,7 +286,10 @@ def test_more_cpu_ranks_than_slurm_cpus_is_one_warning_line(eight_cpus, monkeypa
     env = slurm(nodes=1, node=0, SLURM_CPUS_PER_TASK="2")
     launcher = launch(env, nproc_per_node=4)
     assert len(launcher.warnings) == 1
-    assert "4 CPU processes on this node but SLURM gave this launch 2 CPU(s) (SLURM_CPUS_PER_TASK=2)" in launcher.warnings[0]
+    assert (
+        "4 CPU processes on this node but SLURM gave this launch 2 CPU(s) (SLURM_CPUS_PER_TASK=2)"
+        in launcher.warnings[0]
+    )
     assert launcher.thread_env() == {"OMP_NUM_THREADS": "1"}
     assert launch(env, nproc_per_node=2).warnings == []
     for key, value in env.items():
@@ -253,8 +322,22 @@ def test_a_cgroup_cpu_quota_limits_the_cpus(tmp_path, version):
 
 
 def test_the_scripts_flags_pass_through_gradsyncs_parser():
-    argv = ["launch", "--nproc-per-node", "2", "train.py", "--micro", "3", "--max", "5",
-            "--seed", "1", "--nnodes", "4", "-m", "x"]
+    argv = [
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "train.py",
+        "--micro",
+        "3",
+        "--max",
+        "5",
+        "--seed",
+        "1",
+        "--nnodes",
+        "4",
+        "-m",
+        "x",
+    ]
     args, unknown = cli.build_parser().parse_known_args(argv)
     assert unknown == [] and args.nproc_per_node == 2 and args.seed is None
     assert cli.script_words(argv, args.script, args.script_args) == argv[4:]
@@ -269,15 +352,36 @@ def test_no_gradsync_parser_abbreviates(capsys):
     subs = next(a for a in parser._actions if a.dest == "command").choices  # type: ignore[attr-defined]
     assert all(p.allow_abbrev is False for p in subs.values())
     assert cli.main(["launch", "--dry-run", "--micro", "2", SCRIPT]) == 2
-    assert "unknown flag --micro for gradsync launch (did you mean --micro-batch-size?)" in capsys.readouterr().err
+    assert (
+        "unknown flag --micro for gradsync launch (did you mean --micro-batch-size?)"
+        in capsys.readouterr().err
+    )
     assert cli.main(["plan", "--micro", "2"]) == 2
     assert "unknown flag --micro for gradsync plan" in capsys.readouterr().err
 
 
 def test_the_launch_config_keeps_the_scripts_words(capsys):
-    assert cli.main(["launch", "--dry-run", "--nproc-per-node", "2", SCRIPT, "--micro", "3",
-                     "--max", "5", "--", "--x"]) == 0
-    command = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("command: "))
+    assert (
+        cli.main(
+            [
+                "launch",
+                "--dry-run",
+                "--nproc-per-node",
+                "2",
+                SCRIPT,
+                "--micro",
+                "3",
+                "--max",
+                "5",
+                "--",
+                "--x",
+            ]
+        )
+        == 0
+    )
+    command = next(
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("command: ")
+    )
     assert command.endswith(f"-m gradsync.launch.worker {SCRIPT} --micro 3 --max 5 -- --x")
 
 
@@ -287,16 +391,36 @@ def test_torchruns_arguments_leave_the_scripts_alone(monkeypatch, module):
     monkeypatch.setenv("PET_RDZV_ENDPOINT", "elsewhere:1")
     monkeypatch.setenv("PET_STANDALONE", "0")
     script = "pkg.train" if module else SCRIPT
-    config = LaunchConfig(script=script, module=module, nproc_per_node=2, master_addr="head", master_port=29400,
-                          script_args=["--micro", "3", "--max", "5", "--nnodes", "9", "-m"])
+    config = LaunchConfig(
+        script=script,
+        module=module,
+        nproc_per_node=2,
+        master_addr="head",
+        master_port=29400,
+        script_args=["--micro", "3", "--max", "5", "--nnodes", "9", "-m"],
+    )
     launcher = Launcher(config, environ={}) if not module else None
     own, tail = (launcher or _unvalidated(config))._torchrun_parts()
     args = torchrun_namespace(own, tail)
     assert args.training_script == "gradsync.launch.worker" and args.module
-    assert args.training_script_args == [*(["-m"] if module else []), script, "--micro", "3", "--max", "5",
-                                         "--nnodes", "9", "-m"]
+    assert args.training_script_args == [
+        *(["-m"] if module else []),
+        script,
+        "--micro",
+        "3",
+        "--max",
+        "5",
+        "--nnodes",
+        "9",
+        "-m",
+    ]
     assert (args.max_restarts, args.nnodes, args.nproc_per_node) == (0, "1", "2")
-    assert (args.rdzv_endpoint, args.master_addr, args.master_port, args.standalone) == ("", "head", 29400, False)
+    assert (args.rdzv_endpoint, args.master_addr, args.master_port, args.standalone) == (
+        "",
+        "head",
+        29400,
+        False,
+    )
     assert os.environ["PET_MAX_RESTARTS"] == "7"  # put back
 
 
@@ -308,7 +432,9 @@ def _unvalidated(config: LaunchConfig) -> Launcher:
 
 
 def test_no_python_runs_the_program_with_its_words():
-    launcher = Launcher(LaunchConfig(script="bash", script_args=["-c", "echo --max"], no_python=True), environ={})
+    launcher = Launcher(
+        LaunchConfig(script="bash", script_args=["-c", "echo --max"], no_python=True), environ={}
+    )
     args = torchrun_namespace(*launcher._torchrun_parts())
     assert args.no_python and args.training_script == "bash"
     assert args.training_script_args == ["-c", "echo --max"]
@@ -320,8 +446,13 @@ def test_fork_start_has_torchruns_agent_run_gradsyncs_wrapper_in_each_copy(modul
 
     from gradsync.launch import failures, worker
 
-    config = LaunchConfig(script="pkg.train" if module else SCRIPT, script_args=["--max", "5"],
-                          module=module, nproc_per_node=2, start_method="fork")
+    config = LaunchConfig(
+        script="pkg.train" if module else SCRIPT,
+        script_args=["--max", "5"],
+        module=module,
+        nproc_per_node=2,
+        start_method="fork",
+    )
     launcher = _unvalidated(config) if module else Launcher(config, environ={})
     args = torchrun_namespace(*launcher._torchrun_parts())
     assert args.run_path and args.start_method == "fork" and not args.module
@@ -337,10 +468,13 @@ def test_fork_start_has_torchruns_agent_run_gradsyncs_wrapper_in_each_copy(modul
         assert own[-2:] == ["-m", "gradsync.launch.worker"] and "--run-path" not in own
 
 
-@pytest.mark.parametrize("given, words", [
-    ({"start_method": "spawn"}, "--start-method='spawn' is unknown; use exec"),
-    ({"start_method": "fork", "no_python": True}, "drop one of them"),
-])
+@pytest.mark.parametrize(
+    "given, words",
+    [
+        ({"start_method": "spawn"}, "--start-method='spawn' is unknown; use exec"),
+        ({"start_method": "fork", "no_python": True}, "drop one of them"),
+    ],
+)
 def test_a_start_method_it_cannot_honour_is_refused_before_anything_starts(given, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
         launch({}, **given)
@@ -355,7 +489,9 @@ def test_fork_is_refused_where_torch_sees_a_cuda_device(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     frozen = gc.get_freeze_count()
-    with pytest.raises(ConfigError, match="torch sees a CUDA device here.*drop --start-method fork"):
+    with pytest.raises(
+        ConfigError, match="torch sees a CUDA device here.*drop --start-method fork"
+    ):
         torchrun._prepare_fork()
     assert gc.get_freeze_count() == frozen  # refused before anything is frozen
 

@@ -41,7 +41,9 @@ def test_reduce_walks_nested_structures():
 
 def test_bad_reductions_name_the_value_and_the_choices():
     choices = "'sum', 'mean', 'max', 'min', 'none'"
-    with pytest.raises(ConfigError, match=rf"reduce\(reduction='median'\) is unknown; use one of {choices}"):
+    with pytest.raises(
+        ConfigError, match=rf"reduce\(reduction='median'\) is unknown; use one of {choices}"
+    ):
         metrics.reduce(torch.ones(1), "median")
     with pytest.raises(ConfigError, match=r"reduce\(op='avg'\) is unknown"):
         metrics.reduce(torch.ones(1), op="avg")
@@ -65,7 +67,9 @@ def test_gather_for_metrics_of_objects_in_one_process(clean_env):
         last = accel._loaders.last_pass()
         texts += metrics.gather_for_metrics(batch["text"], last, accel.world_size)
         ids += metrics.gather_for_metrics(batch["id"], last, accel.world_size).tolist()
-        forced = metrics.gather_for_metrics(batch["id"], last, accel.world_size, use_gather_object=True)
+        forced = metrics.gather_for_metrics(
+            batch["id"], last, accel.world_size, use_gather_object=True
+        )
         assert isinstance(forced, list) and torch.equal(forced[0], batch["id"])
     assert texts == [f"s{i}" for i in ids] and ids == list(range(5))
 
@@ -73,16 +77,28 @@ def test_gather_for_metrics_of_objects_in_one_process(clean_env):
 def rank_batches(n, world, batch_size, shuffle):
     """Each rank's batches of sample ids, as a DistributedSampler deals them, and the
     sampler's own order of the n samples."""
-    loaders = [DataLoader(list(range(n)), batch_size=batch_size,
-                          sampler=DistributedSampler(list(range(n)), num_replicas=world, rank=r,
-                                                     shuffle=shuffle, seed=3))
-               for r in range(world)]
+    loaders = [
+        DataLoader(
+            list(range(n)),
+            batch_size=batch_size,
+            sampler=DistributedSampler(
+                list(range(n)), num_replicas=world, rank=r, shuffle=shuffle, seed=3
+            ),
+        )
+        for r in range(world)
+    ]
     batches = [[b.tolist() for b in loader] for loader in loaders]
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(3)).tolist() if shuffle else list(range(n))
+    order = (
+        torch.randperm(n, generator=torch.Generator().manual_seed(3)).tolist()
+        if shuffle
+        else list(range(n))
+    )
     return batches, order
 
 
-@pytest.mark.parametrize(("n", "world", "batch_size"), [(45, 2, 4), (10, 3, 2), (7, 2, 5), (3, 2, 4), (12, 3, 4)])
+@pytest.mark.parametrize(
+    ("n", "world", "batch_size"), [(45, 2, 4), (10, 3, 2), (7, 2, 5), (3, 2, 4), (12, 3, 4)]
+)
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_sample_positions_give_the_sampler_order_without_the_padding(n, world, batch_size, shuffle):
     batches, order = rank_batches(n, world, batch_size, shuffle)
@@ -90,11 +106,13 @@ def test_sample_positions_give_the_sampler_order_without_the_padding(n, world, b
     as_lists, as_rows = [], []
     for j in range(len(batches[0])):
         pieces = [batches[r][j] for r in range(world)]
-        positions = metrics.sample_positions([len(p) for p in pieces], batch_index=j,
-                                             batch_size=batch_size, total=n)
+        positions = metrics.sample_positions(
+            [len(p) for p in pieces], batch_index=j, batch_size=batch_size, total=n
+        )
         as_lists += [pieces[r][t] for r, t in positions]
-        rows = metrics.sampler_order([torch.tensor(p) for p in pieces], batch_index=j,
-                                     batch_size=batch_size, total=n)
+        rows = metrics.sampler_order(
+            [torch.tensor(p) for p in pieces], batch_index=j, batch_size=batch_size, total=n
+        )
         as_rows += rows.tolist()
     assert as_lists == order
     assert as_rows == order

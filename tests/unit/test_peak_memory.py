@@ -25,7 +25,9 @@ def _probe():
 
 
 probe = _probe()
-pytestmark = pytest.mark.skipif(probe.heap_reader() is None, reason="needs glibc >= 2.33 (mallinfo2)")
+pytestmark = pytest.mark.skipif(
+    probe.heap_reader() is None, reason="needs glibc >= 2.33 (mallinfo2)"
+)
 
 
 @pytest.fixture(autouse=True)

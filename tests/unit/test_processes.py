@@ -152,14 +152,17 @@ DECORATORS = {
 }
 
 
-@pytest.mark.parametrize(("where", "expected"), [
-    # 2 machines with 2 processes each: ranks 0..3, local ranks 0, 1, 0, 1
-    (Where(0, 0, 4), {"main", "local_main"}),
-    (Where(1, 1, 4), {"process_1", "local_process_1"}),
-    (Where(2, 0, 4), {"local_main"}),
-    (Where(3, 1, 4), {"last", "local_process_1"}),
-    (Where(0, 0, 1), set(DECORATORS)),  # one process runs everything, as in Accelerate
-])
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        # 2 machines with 2 processes each: ranks 0..3, local ranks 0, 1, 0, 1
+        (Where(0, 0, 4), {"main", "local_main"}),
+        (Where(1, 1, 4), {"process_1", "local_process_1"}),
+        (Where(2, 0, 4), {"local_main"}),
+        (Where(3, 1, 4), {"last", "local_process_1"}),
+        (Where(0, 0, 1), set(DECORATORS)),  # one process runs everything, as in Accelerate
+    ],
+)
 def test_each_decorator_runs_where_it_says(where, expected):
     assert {name for name, d in DECORATORS.items() if runs(d, where)} == expected
 
@@ -199,7 +202,9 @@ def test_by_default_the_ranks_come_from_the_launch_environment(clean_env):
 
 
 def test_bad_process_indices():
-    with pytest.raises(ConfigError, match=r"on_process needs process_index: write @on_process\(process_index=N\)"):
+    with pytest.raises(
+        ConfigError, match=r"on_process needs process_index: write @on_process\(process_index=N\)"
+    ):
         processes.on_process(lambda: None)
     with pytest.raises(ConfigError, match=r"on_process\(process_index=-1\) is not a process index"):
         processes.on_process(process_index=-1)
@@ -208,8 +213,11 @@ def test_bad_process_indices():
     with pytest.raises(ConfigError, match="needs local_process_index"):
         processes.on_local_process(lambda: None)
     wrapped = processes.on_process(process_index=2, ranks=Where(0, 0, 2))(lambda: None)
-    with pytest.raises(ConfigError, match=r"on_process\(process_index=2\) names no process: there are 2 "
-                                          r"\(indices 0 to 1\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"on_process\(process_index=2\) names no process: there are 2 "
+        r"\(indices 0 to 1\)",
+    ):
         wrapped()
     local = processes.on_local_process(local_process_index=5, ranks=Where(0, 0, 4))(lambda: None)
     with pytest.raises(ConfigError, match=r"local_process_index=5\) names no process"):
@@ -226,7 +234,9 @@ def test_goes_first_without_and_with_a_one_rank_group(clean_env, tmp_path):
         pass
     with processes.goes_first(False):
         pass
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     with pytest.raises(KeyError):
         with processes.goes_first(True):  # the barrier runs after the block, also when it raises
             raise KeyError("x")

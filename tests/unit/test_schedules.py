@@ -40,21 +40,31 @@ def test_a_callable_schedule():
 
 def test_ramp_up_of_the_global_batch():
     """Megatron-style: from 16 by 16 over 96 samples up to 64, micro 4 x 2 ranks = 8 per k."""
-    ramp = parse({"start": 16, "increment": 16, "samples": 96}, micro_batch_size=4,
-                 data_parallel_size=2, global_batch_size=64)
+    ramp = parse(
+        {"start": 16, "increment": 16, "samples": 96},
+        micro_batch_size=4,
+        data_parallel_size=2,
+        global_batch_size=64,
+    )
     assert isinstance(ramp, RampUp)
     # 3 increments over 96 samples: one every 32 samples consumed
     ks = [ramp.steps_at(w) for w in range(7)]
     assert ks == [2, 2, 4, 6, 8, 8, 8]  # consumed 0, 16, 32, 64, 112 (past the ramp)
 
 
-@pytest.mark.parametrize("value, message", [
-    ("0:2 x:4", r"'x:4' is not STEP:K"),
-    ("5:2 9:4", "must say k from optimizer step 0"),
-    ("0:2 3:0", r"\(at step 3\)=0 must be >= 1"),
-    ({"start": 10, "increment": 16, "samples": 96}, "ramp-up start=10 is not a multiple of micro_batch_size x world size = 4 x 2 = 8"),
-    ({"start": 16, "increment": 16}, "neither a ramp-up"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("0:2 x:4", r"'x:4' is not STEP:K"),
+        ("5:2 9:4", "must say k from optimizer step 0"),
+        ("0:2 3:0", r"\(at step 3\)=0 must be >= 1"),
+        (
+            {"start": 10, "increment": 16, "samples": 96},
+            "ramp-up start=10 is not a multiple of micro_batch_size x world size = 4 x 2 = 8",
+        ),
+        ({"start": 16, "increment": 16}, "neither a ramp-up"),
+    ],
+)
 def test_bad_schedules_name_the_problem(value, message):
     with pytest.raises(ConfigError, match=message):
         parse(value, micro_batch_size=4, data_parallel_size=2, global_batch_size=64)
@@ -75,8 +85,12 @@ def test_schedule_from_keywords_yaml_and_environment(clean_env, tmp_path):
 
 def test_a_schedule_contradicts_a_fixed_global_batch(clean_env):
     with pytest.raises(ConfigError, match="global_batch_size=64 fixes k"):
-        Accelerator(backend="single", gradient_accumulation_steps="0:2 4:4", global_batch_size=64,
-                    micro_batch_size=4)
+        Accelerator(
+            backend="single",
+            gradient_accumulation_steps="0:2 4:4",
+            global_batch_size=64,
+            micro_batch_size=4,
+        )
 
 
 def test_accelerator_reports_the_current_k_and_trains_like_one_process(clean_env):
@@ -104,8 +118,10 @@ def test_planned_optimizer_steps_match_the_run(clean_env):
     a.prepare(DataLoader(Indexed(22), batch_size=2))
     assert a.planned_optimizer_steps(2) == 7  # 11 batches per epoch: 2, 2, 4, 3 | 4, 4, 3
     assert a.planned_optimizer_steps(3) == 10
-    r = train(Accelerator(backend="single", seed=0, gradient_accumulation_steps="0:2 2:4"),
-              Loop(samples=22, micro_batch=2, epochs=3))
+    r = train(
+        Accelerator(backend="single", seed=0, gradient_accumulation_steps="0:2 2:4"),
+        Loop(samples=22, micro_batch=2, epochs=3),
+    )
     assert r["optimizer_steps"] == len(r["windows"]) == 10
     with pytest.raises(RuntimeError, match="needs a prepared dataloader"):
         Accelerator(backend="single").planned_optimizer_steps(1)
@@ -121,7 +137,10 @@ def test_a_scheduler_built_for_another_length_warns_once_with_both_numbers(clean
     with caplog.at_level(logging.WARNING, logger="gradsync"):
         a.prepare(torch.optim.lr_scheduler.OneCycleLR(opt.optimizer, max_lr=0.1, total_steps=22))
         a.planned_optimizer_steps(2)
-    assert caplog.text.count("built for 22 steps (OneCycleLR total_steps), but the run will take 6") == 1
+    assert (
+        caplog.text.count("built for 22 steps (OneCycleLR total_steps), but the run will take 6")
+        == 1
+    )
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="gradsync"):
         a.prepare(torch.optim.lr_scheduler.OneCycleLR(opt.optimizer, max_lr=0.1, total_steps=6))
@@ -129,7 +148,9 @@ def test_a_scheduler_built_for_another_length_warns_once_with_both_numbers(clean
 
 
 def test_windows_run_across_epochs_without_sync_with_dataloader(clean_env, caplog):
-    a = Accelerator(backend="single", seed=0, gradient_accumulation_steps=4, sync_with_dataloader=False)
+    a = Accelerator(
+        backend="single", seed=0, gradient_accumulation_steps=4, sync_with_dataloader=False
+    )
     with caplog.at_level(logging.WARNING, logger="gradsync"):
         r = train(a, Loop(samples=22, micro_batch=2, epochs=2))
     assert r["sizes"] == [4] * 5  # 22 batches: five full windows, two left in an open window

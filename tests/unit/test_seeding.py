@@ -61,7 +61,9 @@ def test_device_specific_adds_the_rank(clean_env):
     third = draws()
     set_seed(103)
     assert draws() == third != alone
-    with pytest.raises(ConfigError, match=rf"on rank 3 gives {MAX_SEED + 3}.*from 0 to {MAX_SEED - 3}"):
+    with pytest.raises(
+        ConfigError, match=rf"on rank 3 gives {MAX_SEED + 3}.*from 0 to {MAX_SEED - 3}"
+    ):
         set_seed(MAX_SEED, device_specific=True)
 
 

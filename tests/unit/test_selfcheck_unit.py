@@ -19,7 +19,9 @@ def test_it_does_not_start_when_off_alone_or_native():
 
 def test_without_a_counting_group_it_says_so_at_debug_level(caplog):
     with caplog.at_level(logging.DEBUG, logger="gradsync"):
-        check = start(enabled=True, audit=None, policy=lambda: "defer", rank=0, world_size=2, backend="ddp")
+        check = start(
+            enabled=True, audit=None, policy=lambda: "defer", rank=0, world_size=2, backend="ddp"
+        )
     assert check is None
     assert "cannot count collectives" in caplog.text
     assert all(r.levelno == logging.DEBUG for r in caplog.records)
@@ -79,8 +81,10 @@ def test_tensor_parallel_reductions_are_never_gradient_sync(caplog):
     backward: neither defer nor defer_replicate warns about them, and they do not stand in
     for the boundary's gradient reduction."""
     tp_only = [("allreduce", "tp"), ("allreduce", "tp")]
-    for policy, boundary_ops in (("defer", [("reduce_scatter", "shard")]),
-                                 ("defer_replicate", [("reduce_scatter", "shard"), ("allreduce", "replicate")])):
+    for policy, boundary_ops in (
+        ("defer", [("reduce_scatter", "shard")]),
+        ("defer_replicate", [("reduce_scatter", "shard"), ("allreduce", "replicate")]),
+    ):
         recorder = Recorder()
         check = SelfCheck(recorder, audited=False, policy=lambda p=policy: p, where="w")
         off = tp_only + ([("reduce_scatter", "shard")] if policy == "defer_replicate" else [])

@@ -45,7 +45,9 @@ def window_grad(model, batches) -> list[torch.Tensor]:
 
 
 def test_calls_after_the_block_step_only_at_the_boundary(clean_env):
-    r = train(accel(gradient_accumulation_steps=4), Loop(samples=22, micro_batch=2, calls="after_block"))
+    r = train(
+        accel(gradient_accumulation_steps=4), Loop(samples=22, micro_batch=2, calls="after_block")
+    )
     assert r["optimizer_steps"] == len(r["windows"]) == 6  # 11 batches per epoch: 4, 4, 3
     assert max_diff(r["state"], reference([r], samples=22)["state"]) < 1e-6
 
@@ -272,7 +274,11 @@ def test_samplers_are_sharded_or_kept():
 
 def test_user_set_epoch_on_the_sampler_is_respected(clean_env):
     a = accel()
-    loader = DataLoader(Indexed(16), batch_size=4, sampler=DistributedSampler(Indexed(16), num_replicas=1, rank=0, shuffle=True))
+    loader = DataLoader(
+        Indexed(16),
+        batch_size=4,
+        sampler=DistributedSampler(Indexed(16), num_replicas=1, rank=0, shuffle=True),
+    )
     prepared = a.prepare(loader)
     first = [int(i) for _, _, idx in prepared for i in idx]
     loader.sampler.set_epoch(5)
@@ -288,7 +294,9 @@ def test_bf16_and_fp16_autocast_on_single(clean_env):
     with a.accumulate(model):
         assert model(torch.randn(2, 8)).dtype == torch.bfloat16
     assert a.scaler is None
-    a = accel(mixed_precision="fp16")  # fp16 runs with a loss scaler (tests/unit/test_amp_single.py)
+    a = accel(
+        mixed_precision="fp16"
+    )  # fp16 runs with a loss scaler (tests/unit/test_amp_single.py)
     model = a.prepare(make_model())
     with a.accumulate(model):
         assert model(torch.randn(2, 8)).dtype == torch.float16
@@ -441,9 +449,17 @@ def test_random_sampler_with_replacement_is_sharded_by_batch():
     ranks = []
     for rank in range(2):
         torch.manual_seed(100 + rank)  # the ranks' global RNGs differ: the sequence must not
-        loader = DataLoader(data, batch_size=2, sampler=RandomSampler(data, replacement=True, num_samples=40))
-        ranks.append([b[2].tolist() for b in shard_dataloader(loader, rank=rank, world_size=2, seed=0)])
+        loader = DataLoader(
+            data, batch_size=2, sampler=RandomSampler(data, replacement=True, num_samples=40)
+        )
+        ranks.append(
+            [b[2].tolist() for b in shard_dataloader(loader, rank=rank, world_size=2, seed=0)]
+        )
     assert len(ranks[0]) == len(ranks[1]) == 10
     torch.manual_seed(7)
-    again = DataLoader(data, batch_size=2, sampler=RandomSampler(data, replacement=True, num_samples=40))
-    assert [b[2].tolist() for b in shard_dataloader(again, rank=0, world_size=2, seed=0)] == ranks[0]
+    again = DataLoader(
+        data, batch_size=2, sampler=RandomSampler(data, replacement=True, num_samples=40)
+    )
+    assert [b[2].tolist() for b in shard_dataloader(again, rank=0, world_size=2, seed=0)] == ranks[
+        0
+    ]

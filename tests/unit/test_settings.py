@@ -25,8 +25,13 @@ from gradsync.settings import CORE_SETTINGS, LAUNCH_SETTINGS, SETTINGS, referenc
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "report_rank.py")
 NONE = type(None)
 # Values a setting's type allows but its check refuses are replaced here (a backend must exist).
-VALID = {"backend": "ddp", "log_with": ["tensorboard", "csv"], "fsdp_mesh": "node",
-         "parallelism": {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "cp": 1}, "tp_plan": "auto"}
+VALID = {
+    "backend": "ddp",
+    "log_with": ["tensorboard", "csv"],
+    "fsdp_mesh": "node",
+    "parallelism": {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "cp": 1},
+    "tp_plan": "auto",
+}
 
 
 def ids(settings: tuple[Setting, ...]) -> list[str]:
@@ -41,7 +46,9 @@ def norm(tp: Any) -> frozenset[Any]:
     if get_origin(tp) is Literal:
         return frozenset(("Literal", a) for a in get_args(tp))
     if get_origin(tp) is not None:
-        args = tuple(tuple(norm(x) for x in a) if isinstance(a, list) else norm(a) for a in get_args(tp))
+        args = tuple(
+            tuple(norm(x) for x in a) if isinstance(a, list) else norm(a) for a in get_args(tp)
+        )
         return frozenset({(get_origin(tp), args)})
     return frozenset({tp})
 
@@ -79,9 +86,15 @@ def test_every_setting_is_a_config_field_with_its_type_and_default():
     assert [s.name for s in SETTINGS] == list(fields), "Config's fields and the declarations differ"
     defaults = Config()
     for s in SETTINGS:
-        assert norm(hints[s.name]) == norm(s.field_type), f"{s.name}: Config holds {hints[s.name]}, declared {s.field_type}"
-        assert norm(s.field_type) <= norm(s.type), f"{s.name}: Config holds more than the setting takes"
-        assert getattr(defaults, s.name) == s.default, f"{s.name}: Config's default differs from the declaration"
+        assert norm(hints[s.name]) == norm(s.field_type), (
+            f"{s.name}: Config holds {hints[s.name]}, declared {s.field_type}"
+        )
+        assert norm(s.field_type) <= norm(s.type), (
+            f"{s.name}: Config holds more than the setting takes"
+        )
+        assert getattr(defaults, s.name) == s.default, (
+            f"{s.name}: Config's default differs from the declaration"
+        )
         assert s.env == "GRADSYNC_" + s.name.upper() and s.yaml_key == s.name, s.name
         assert s.doc and "\n" not in s.doc, f"{s.name}: the doc must be one line"
     assert Config().validate() == Config(), "a default does not pass its own check"
@@ -95,7 +108,9 @@ def test_every_setting_round_trips_through_its_variable(s, clean_env):
     value = sample(s)
     env = env_vars({s.name: value})
     assert list(env) == [s.env], f"{s.name}: env_vars wrote {list(env)}"
-    assert from_env(env) == {s.name: value}, f"{s.name}: {s.env}={env[s.env]!r} does not read back as {value!r}"
+    assert from_env(env) == {s.name: value}, (
+        f"{s.name}: {s.env}={env[s.env]!r} does not read back as {value!r}"
+    )
 
 
 def test_a_yaml_file_with_every_key_loads(tmp_path, clean_env):
@@ -104,9 +119,13 @@ def test_a_yaml_file_with_every_key_loads(tmp_path, clean_env):
     path.write_text(json.dumps(values))  # JSON is YAML
     loaded = from_yaml(path)
     for s in SETTINGS:
-        assert loaded.get(s.name) == values[s.yaml_key], f"{s.name}: YAML key {s.yaml_key!r} did not load"
+        assert loaded.get(s.name) == values[s.yaml_key], (
+            f"{s.name}: YAML key {s.yaml_key!r} did not load"
+        )
     path.write_text("".join(f"{s.yaml_key}: {json.dumps(s.default)}\n" for s in SETTINGS))
-    assert load_config(config_file=path) == Config(), "a YAML file of every default is not the default Config"
+    assert load_config(config_file=path) == Config(), (
+        "a YAML file of every default is not the default Config"
+    )
 
 
 @pytest.mark.parametrize("s", LAUNCH_SETTINGS, ids=ids(LAUNCH_SETTINGS))
@@ -115,20 +134,26 @@ def test_every_flag_reaches_launch_config_and_the_workers(s, clean_env):
     assert s.flag is not None
     spellings = {s.flag, "--" + s.flag[2:].replace("-", "_")}
     # settings that need another one given with them (a backend option: its backend)
-    companions = {"global_batch_size": ["--micro-batch-size", "1"],
-                  "fsdp_mesh": ["--backend", "fsdp"],
-                  "parallelism": ["--backend", "fsdp", "--nproc-per-node", "4"]}.get(s.name, [])
+    companions = {
+        "global_batch_size": ["--micro-batch-size", "1"],
+        "fsdp_mesh": ["--backend", "fsdp"],
+        "parallelism": ["--backend", "fsdp", "--nproc-per-node", "4"],
+    }.get(s.name, [])
     for spelling in sorted(spellings):
         words = [spelling] if s.switch else [spelling, to_text(value)]
         args = build_parser().parse_args(["launch", *companions, *words, SCRIPT])
         config = launch_config(args)
-        assert getattr(config, s.name) == value, f"{spelling}: LaunchConfig.{s.name} is {getattr(config, s.name)!r}"
+        assert getattr(config, s.name) == value, (
+            f"{spelling}: LaunchConfig.{s.name} is {getattr(config, s.name)!r}"
+        )
         launcher = Launcher(config)
         worker = load_config(environ=launcher.worker_env())
         if s.name == "global_batch_size":  # the workers get it as micro batch x accumulation steps
             assert launcher.plan.global_batch_size == value
         else:
-            assert getattr(worker, s.name) == value, f"{spelling}: the workers see {s.name}={getattr(worker, s.name)!r}"
+            assert getattr(worker, s.name) == value, (
+                f"{spelling}: the workers see {s.name}={getattr(worker, s.name)!r}"
+            )
 
 
 def test_launch_config_lists_every_flagged_setting_with_its_type():
@@ -137,10 +162,16 @@ def test_launch_config_lists_every_flagged_setting_with_its_type():
     for s in LAUNCH_SETTINGS:
         assert s.name in fields, f"LaunchConfig has no field {s.name} for {s.flag}"
         if s.switch:
-            assert hints[s.name] is bool and fields[s.name].default is False, f"LaunchConfig.{s.name}: bool = False"
+            assert hints[s.name] is bool and fields[s.name].default is False, (
+                f"LaunchConfig.{s.name}: bool = False"
+            )
         else:
-            assert norm(hints[s.name]) == norm(s.type) | {NONE}, f"LaunchConfig.{s.name}: {hints[s.name]}, declared {optional(s)}"
-            assert fields[s.name].default is None, f"LaunchConfig.{s.name} must default to None (not given)"
+            assert norm(hints[s.name]) == norm(s.type) | {NONE}, (
+                f"LaunchConfig.{s.name}: {hints[s.name]}, declared {optional(s)}"
+            )
+            assert fields[s.name].default is None, (
+                f"LaunchConfig.{s.name} must default to None (not given)"
+            )
     declared = {s.name for s in SETTINGS}
     extra = sorted(set(fields) & declared - {s.name for s in LAUNCH_SETTINGS})
     assert not extra, f"LaunchConfig has settings without a flag: {extra}"
@@ -152,7 +183,9 @@ def test_every_setting_is_a_row_of_the_reference():
         match = re.match(r"\| `(\w+)` \|", line)
         if match:
             rows[match.group(1)] = line
-    assert list(rows) == [s.name for s in SETTINGS], "the reference's rows differ from the declarations"
+    assert list(rows) == [s.name for s in SETTINGS], (
+        "the reference's rows differ from the declarations"
+    )
     for s in SETTINGS:
         row = rows[s.name]
         for part in (s.type_text, repr(s.default), s.env, s.flag or "—", s.backend or "all"):
@@ -167,13 +200,22 @@ def test_accelerator_signature_and_docstring_list_every_core_setting():
     hints = typing.get_type_hints(Accelerator.__init__, localns=vars(settings))
     keywords = {n for n, p in parameters.items() if p.kind is p.KEYWORD_ONLY}
     core = {s.name for s in CORE_SETTINGS}
-    assert not core - keywords, f"Accelerator.__init__ lacks the core settings {sorted(core - keywords)}"
-    assert keywords - core == {"config_file"}, f"Accelerator.__init__ has keywords that are no core setting: {sorted(keywords - core - {'config_file'})}"
-    assert any(p.kind is p.VAR_KEYWORD for p in parameters.values()), "the backend options need **options"
+    assert not core - keywords, (
+        f"Accelerator.__init__ lacks the core settings {sorted(core - keywords)}"
+    )
+    assert keywords - core == {"config_file"}, (
+        f"Accelerator.__init__ has keywords that are no core setting: {sorted(keywords - core - {'config_file'})}"
+    )
+    assert any(p.kind is p.VAR_KEYWORD for p in parameters.values()), (
+        "the backend options need **options"
+    )
     for s in CORE_SETTINGS:
-        assert parameters[s.name].default is None, f"Accelerator(..., {s.name}=) must default to None (not given)"
+        assert parameters[s.name].default is None, (
+            f"Accelerator(..., {s.name}=) must default to None (not given)"
+        )
         assert norm(hints[s.name]) == norm(s.type) | {NONE}, (
-            f"Accelerator(..., {s.name}: {hints[s.name]}) differs from the declared {optional(s)}")
+            f"Accelerator(..., {s.name}: {hints[s.name]}) differs from the declared {optional(s)}"
+        )
     doc = inspect.getdoc(Accelerator) or ""
     args = doc.split("Args:", 1)[1]
     named = set(re.findall(r"^    (\w+):", args, flags=re.M))
@@ -181,6 +223,6 @@ def test_accelerator_signature_and_docstring_list_every_core_setting():
     options = args.split("**options:", 1)[1]
     for s in SETTINGS:
         if s.backend is not None:
-            assert f"``{s.name}``" in options, f"Accelerator's docstring does not name the {s.backend} option {s.name} under **options"
-
-
+            assert f"``{s.name}``" in options, (
+                f"Accelerator's docstring does not name the {s.backend} option {s.name} under **options"
+            )

@@ -28,12 +28,21 @@ def _handlers():
 
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
 def test_a_stop_signal_saves_at_the_next_window_and_exits_0(tmp_path, clean_env, capfd, signum):
-    accel = Accelerator(backend="single", gradient_accumulation_steps=2, seed=0,
-                        save_on_signal=tmp_path / "preempted")
+    accel = Accelerator(
+        backend="single",
+        gradient_accumulation_steps=2,
+        seed=0,
+        save_on_signal=tmp_path / "preempted",
+    )
     assert run_until_signal(accel, signum).code == 0
-    assert gradsync.latest_checkpoint(tmp_path / "preempted") == str(tmp_path / "preempted" / "step-1")
+    assert gradsync.latest_checkpoint(tmp_path / "preempted") == str(
+        tmp_path / "preempted" / "step-1"
+    )
     err = capfd.readouterr().err
-    assert f"gradsync: {signal.Signals(signum).name} received; saved {tmp_path / 'preempted' / 'step-1'}, exiting" in err
+    assert (
+        f"gradsync: {signal.Signals(signum).name} received; saved {tmp_path / 'preempted' / 'step-1'}, exiting"
+        in err
+    )
 
 
 def test_save_signals_picks_the_signals(tmp_path, clean_env):
@@ -44,12 +53,21 @@ def test_save_signals_picks_the_signals(tmp_path, clean_env):
     assert run_until_signal(accel, signal.SIGUSR2).code == 0
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"save_signals": ["SIGFOO"]}, "save_signals: 'SIGFOO' is not a signal gradsync saves on; use some of SIGTERM, SIGUSR1"),
-    ({"save_signals": []}, "save_signals=[] must be signal names"),
-    ({"save_on_signal": "/a", "save_on_sigterm": "/b"}, "save_on_signal='/a' contradicts save_on_sigterm='/b'"),
-    ({"save_on_signal": 3}, "save_on_signal=3 must be a folder path"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"save_signals": ["SIGFOO"]},
+            "save_signals: 'SIGFOO' is not a signal gradsync saves on; use some of SIGTERM, SIGUSR1",
+        ),
+        ({"save_signals": []}, "save_signals=[] must be signal names"),
+        (
+            {"save_on_signal": "/a", "save_on_sigterm": "/b"},
+            "save_on_signal='/a' contradicts save_on_sigterm='/b'",
+        ),
+        ({"save_on_signal": 3}, "save_on_signal=3 must be a folder path"),
+    ],
+)
 def test_bad_signal_settings_are_one_line(clean_env, kwargs, message):
     with pytest.raises(ConfigError) as err:
         Accelerator(backend="single", **kwargs)
@@ -62,13 +80,17 @@ def test_save_on_sigterm_is_the_old_name(tmp_path, clean_env):
     assert accel.config.save_signals == ("SIGTERM", "SIGUSR1")
 
 
-def test_requeue_outside_slurm_is_one_warning_and_no_requeue(tmp_path, clean_env, caplog, monkeypatch):
+def test_requeue_outside_slurm_is_one_warning_and_no_requeue(
+    tmp_path, clean_env, caplog, monkeypatch
+):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.delenv("SLURM_JOBID", raising=False)
     with caplog.at_level(logging.WARNING, logger="gradsync"):
         Accelerator(backend="single", save_on_signal=tmp_path / "p", requeue=True)
     lines = [r.getMessage() for r in caplog.records if "requeue" in r.getMessage()]
-    assert lines == ["gradsync: requeue=True outside a SLURM job (no SLURM_JOB_ID): the job will not be requeued"]
+    assert lines == [
+        "gradsync: requeue=True outside a SLURM job (no SLURM_JOB_ID): the job will not be requeued"
+    ]
 
 
 def test_the_requeue_command_names_the_job():

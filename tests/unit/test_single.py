@@ -30,7 +30,10 @@ def test_equivalence_with_plain_training(clean_env, k):
 
 def test_partial_window_is_weighted_by_its_own_size(clean_env):
     """Scaling the last 3 micro-batches of a k=4 window by 1/4 would shrink that update."""
-    r = train(accel(clean_env, gradient_accumulation_steps=4), Loop(samples=14, micro_batch=2, epochs=1, shuffle=False))
+    r = train(
+        accel(clean_env, gradient_accumulation_steps=4),
+        Loop(samples=14, micro_batch=2, epochs=1, shuffle=False),
+    )
     assert r["sizes"] == [4, 3]
     ref = reference([r], samples=14)
     assert max_diff(r["state"], ref["state"]) < 1e-6
@@ -90,14 +93,19 @@ def test_backward_outside_accumulate(clean_env):
     a = accel(clean_env, gradient_accumulation_steps=4)
     model = a.prepare(make_model())
     loss = F.mse_loss(model(torch.randn(2, 8)), torch.randn(2, 1))
-    with pytest.raises(RuntimeError, match=r"outside `with accel.accumulate\(model\):` while gradient_accumulation_steps=4"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"outside `with accel.accumulate\(model\):` while gradient_accumulation_steps=4",
+    ):
         a.backward(loss)
     b = accel(clean_env)  # k = 1: plain backward is fine
     b.backward(F.mse_loss(model(torch.randn(2, 8)), torch.randn(2, 1)))
 
 
 def test_ddp_without_a_process_group_names_the_fix(clean_env):
-    with pytest.raises(RuntimeError, match="needs a process group.*gradsync launch --nproc-per-node"):
+    with pytest.raises(
+        RuntimeError, match="needs a process group.*gradsync launch --nproc-per-node"
+    ):
         Accelerator(backend="ddp")
 
 
@@ -137,7 +145,9 @@ def test_scheduler_does_not_step_when_the_optimizer_step_was_skipped():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     applied = [0]
-    sched = PreparedScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), lambda: applied[0])
+    sched = PreparedScheduler(
+        torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), lambda: applied[0]
+    )
     sched.step()  # no optimizer step applied yet (e.g. an fp16 overflow skipped it)
     assert sched.get_last_lr() == [1.0]
     applied[0] += 1

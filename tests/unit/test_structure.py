@@ -65,7 +65,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return [*stack[stack.index(nxt):], nxt]
+                return [*stack[stack.index(nxt) :], nxt]
             if nxt not in state and (found := visit(nxt)) is not None:
                 return found
         stack.pop()
@@ -165,8 +165,13 @@ if __name__ == "__main__":  # pragma: no cover
 
 def _statements(fn: ast.FunctionDef) -> int:
     """Statements in a function, nested ones included, its docstring left out."""
-    body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(
-        getattr(fn.body[0], "value", None), ast.Constant) else fn.body
+    body = (
+        fn.body[1:]
+        if fn.body
+        and isinstance(fn.body[0], ast.Expr)
+        and isinstance(getattr(fn.body[0], "value", None), ast.Constant)
+        else fn.body
+    )
     return sum(1 for node in body for n in ast.walk(node) if isinstance(n, ast.stmt))
 
 
@@ -174,14 +179,26 @@ def test_the_accelerator_only_forwards():
     """Every member of the facade is a few statements that forward to the parts
     ``gradsync._assembly`` wires (its ``__init__``: the settings, the assembly, two hooks)."""
     source = (SRC / "accelerator.py").read_text()
-    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Accelerator")
-    long = {fn.name: _statements(fn) for fn in cls.body if isinstance(fn, ast.FunctionDef)
-            and _statements(fn) > (5 if fn.name == "__init__" else 3)}
+    cls = next(
+        n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Accelerator"
+    )
+    long = {
+        fn.name: _statements(fn)
+        for fn in cls.body
+        if isinstance(fn, ast.FunctionDef) and _statements(fn) > (5 if fn.name == "__init__" else 3)
+    }
     assert long == {}, f"members with logic in the facade (statements): {long}"
 
 
 #: The tools around the core: the core (every other module) never imports them.
-TOOLS = ("gradsync.__main__", "gradsync.cli", "gradsync.launch", "gradsync.verify", "gradsync.verify.recorder", "gradsync.accelerate")
+TOOLS = (
+    "gradsync.__main__",
+    "gradsync.cli",
+    "gradsync.launch",
+    "gradsync.verify",
+    "gradsync.verify.recorder",
+    "gradsync.accelerate",
+)
 
 
 def _package(module: str) -> str:
@@ -193,7 +210,9 @@ def _package(module: str) -> str:
 def package_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = collections.defaultdict(set)
     for module, imported in import_graph().items():
-        graph[_package(module)].update(_package(t) for t in imported if _package(t) != _package(module))
+        graph[_package(module)].update(
+            _package(t) for t in imported if _package(t) != _package(module)
+        )
     return {node: {t for t in targets if t in graph} for node, targets in graph.items()}
 
 
@@ -205,21 +224,32 @@ def test_no_package_level_import_cycle():
 
 def test_the_package_level_check_sees_a_cycle():
     graph = package_graph()
-    graph["gradsync.storage"] = {*graph["gradsync.storage"], "gradsync.checkpoint"}  # storage -> checkpoint
+    graph["gradsync.storage"] = {
+        *graph["gradsync.storage"],
+        "gradsync.checkpoint",
+    }  # storage -> checkpoint
     assert find_cycle(graph) is not None
 
 
 def test_the_core_never_imports_its_tools():
     tools = [t for t in TOOLS]
-    core = {m: imported for m, imported in import_graph().items()
-            if not any(m == t or m.startswith(t + ".") for t in tools)}
-    found = sorted(f"{m} -> {t}" for m, imported in core.items() for t in imported
-                   if any(t == tool or t.startswith(tool + ".") for tool in tools))
+    core = {
+        m: imported
+        for m, imported in import_graph().items()
+        if not any(m == t or m.startswith(t + ".") for t in tools)
+    }
+    found = sorted(
+        f"{m} -> {t}"
+        for m, imported in core.items()
+        for t in imported
+        if any(t == tool or t.startswith(tool + ".") for tool in tools)
+    )
     assert found == []
 
 
-def test_after_import_calls_back_at_once_for_an_imported_module_and_later_for_another(tmp_path,
-                                                                                    monkeypatch):
+def test_after_import_calls_back_at_once_for_an_imported_module_and_later_for_another(
+    tmp_path, monkeypatch
+):
     from gradsync._util import after_import
 
     seen: list[str] = []

@@ -52,7 +52,9 @@ def _run(accel, batches, reduction="sum", loss_of=None):
 
 
 def test_window_items_counts_the_whole_window_from_its_first_micro_step(clean_env):
-    accel = Accelerator(backend="single", gradient_accumulation_steps=2, count_items=gradsync.count_label_tokens)
+    accel = Accelerator(
+        backend="single", gradient_accumulation_steps=2, count_items=gradsync.count_label_tokens
+    )
     batches = [labelled([3]), labelled([5, 2]), labelled([4])]
     _, _, _, seen = _run(accel, batches)
     assert seen == [2 + 5, 2 + 5, 3]  # the partial last window holds one batch
@@ -61,8 +63,9 @@ def test_window_items_counts_the_whole_window_from_its_first_micro_step(clean_en
 def test_sum_reduction_gives_the_item_mean(clean_env):
     """Per-item losses summed, window of 2 micro-batches with 1 and 3 items: the gradient is
     the mean over the 4 items, not the mean of the two micro-batch means."""
-    accel = Accelerator(backend="single", gradient_accumulation_steps=2,
-                        count_items=lambda b: int(b["n"]))
+    accel = Accelerator(
+        backend="single", gradient_accumulation_steps=2, count_items=lambda b: int(b["n"])
+    )
     model = torch.nn.Linear(1, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -78,13 +81,18 @@ def test_sum_reduction_gives_the_item_mean(clean_env):
 
 
 def test_a_window_without_items_skips_the_step_and_the_scheduler(clean_env, caplog):
-    accel = Accelerator(backend="single", gradient_accumulation_steps=2, count_items=gradsync.count_label_tokens)
+    accel = Accelerator(
+        backend="single", gradient_accumulation_steps=2, count_items=gradsync.count_label_tokens
+    )
     empty = labelled([0, 1])  # no label token after the shift
     with caplog.at_level(logging.WARNING, logger="gradsync"):
         model, _opt, sched, seen = _run(
-            accel, [empty, empty, labelled([3]), labelled([2])],
+            accel,
+            [empty, empty, labelled([3]), labelled([2])],
             # a loss over no item gone wrong: NaN
-            loss_of=lambda m, b: m(b["x"]).sum() * (1.0 if gradsync.count_label_tokens(b) else float("nan")),
+            loss_of=lambda m, b: (
+                m(b["x"]).sum() * (1.0 if gradsync.count_label_tokens(b) else float("nan"))
+            ),
         )
     assert seen[:2] == [0, 0]
     assert accel.optimizer_steps == 1 and sched.last_epoch == 1
@@ -92,17 +100,25 @@ def test_a_window_without_items_skips_the_step_and_the_scheduler(clean_env, capl
     assert all(torch.isfinite(p).all() for p in model.parameters()), "no NaN reaches the weights"
 
 
-@pytest.mark.parametrize("value, message", [
-    (-2, "count_items returned -2 for batch 1 of epoch 0; a count must be >= 0"),
-    (2.5, r"count_items returned 2.5 \(float\) for batch 1 of epoch 0"),
-    ("3", r"count_items returned '3' \(str\) for batch 1"),
-    (torch.tensor(1.5), r"count_items returned tensor\(1.5000\) for batch 1"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (-2, "count_items returned -2 for batch 1 of epoch 0; a count must be >= 0"),
+        (2.5, r"count_items returned 2.5 \(float\) for batch 1 of epoch 0"),
+        ("3", r"count_items returned '3' \(str\) for batch 1"),
+        (torch.tensor(1.5), r"count_items returned tensor\(1.5000\) for batch 1"),
+    ],
+)
 def test_bad_counts_name_the_value_and_the_batch(clean_env, value, message):
-    accel = Accelerator(backend="single", gradient_accumulation_steps=2,
-                        count_items=lambda b: value if b["i"] == 1 else 1)
+    accel = Accelerator(
+        backend="single",
+        gradient_accumulation_steps=2,
+        count_items=lambda b: value if b["i"] == 1 else 1,
+    )
     model = accel.prepare(make_model())
-    loader = accel.prepare(DataLoader([{"i": i, "x": torch.randn(1, 8)} for i in range(4)], batch_size=None))
+    loader = accel.prepare(
+        DataLoader([{"i": i, "x": torch.randn(1, 8)} for i in range(4)], batch_size=None)
+    )
     with pytest.raises(ConfigError, match=message):
         for _ in loader:
             with accel.accumulate(model):
@@ -114,7 +130,9 @@ def test_sum_without_count_items_names_the_fix(clean_env):
     accel = Accelerator(backend="single", gradient_accumulation_steps=2)
     model = accel.prepare(make_model())
     with accel.accumulate(model):
-        with pytest.raises(ConfigError, match=r"reduction='sum'\) needs count_items.*count_label_tokens"):
+        with pytest.raises(
+            ConfigError, match=r"reduction='sum'\) needs count_items.*count_label_tokens"
+        ):
             accel.backward(model(torch.randn(2, 8)).sum(), reduction="sum")
         with pytest.raises(ConfigError, match="accel.window_items needs count_items"):
             accel.window_items  # noqa: B018
@@ -123,12 +141,17 @@ def test_sum_without_count_items_names_the_fix(clean_env):
 def test_unknown_reduction_lists_the_known_ones(clean_env):
     accel = Accelerator(backend="single")
     model = accel.prepare(make_model())
-    with accel.accumulate(model), pytest.raises(ConfigError, match="unknown; use one of mean, sum, normalized"):
+    with (
+        accel.accumulate(model),
+        pytest.raises(ConfigError, match="unknown; use one of mean, sum, normalized"),
+    ):
         accel.backward(model(torch.randn(2, 8)).sum(), reduction="avg")
 
 
 def test_window_items_without_a_prepared_loader_or_a_window(clean_env):
-    accel = Accelerator(backend="single", gradient_accumulation_steps=2, count_items=gradsync.count_label_tokens)
+    accel = Accelerator(
+        backend="single", gradient_accumulation_steps=2, count_items=gradsync.count_label_tokens
+    )
     model = accel.prepare(make_model())
     with pytest.raises(RuntimeError, match="known once a window fed by a prepared dataloader"):
         accel.window_items  # noqa: B018

@@ -37,8 +37,14 @@ from harness.trackers import wandb_records
 @pytest.fixture(autouse=True)
 def _one_process(clean_env):
     """Rank 0 of one, with no tracker library told where to go by the environment."""
-    for key in ("WANDB_MODE", "WANDB_DIR", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME",
-                "MLFLOW_RUN_ID", "MLFLOW_TAGS"):
+    for key in (
+        "WANDB_MODE",
+        "WANDB_DIR",
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+        "MLFLOW_RUN_ID",
+        "MLFLOW_TAGS",
+    ):
         clean_env.delenv(key, raising=False)
 
 
@@ -70,8 +76,11 @@ def test_tensorboard_events_read_back_exactly(tmp_path):
     assert (text.step, text.tensor_proto.string_val) == (5, [b"warming up"])
     (hist,) = events.Histograms("weights")
     assert (hist.step, hist.histogram_value.num, hist.histogram_value.sum) == (6, 6.0, 15.0)
-    start = next(plugin_data_pb2.HParamsPluginData.FromString(v).session_start_info
-                 for k, v in events.PluginTagToContent("hparams").items() if "start" in k)
+    start = next(
+        plugin_data_pb2.HParamsPluginData.FromString(v).session_start_info
+        for k, v in events.PluginTagToContent("hparams").items()
+        if "start" in k
+    )
     assert start.hparams["lr"].number_value == 0.5
     assert start.hparams["optimizer"].string_value == "adam"
     assert start.hparams["betas"].string_value == "(0.9, 0.99)"
@@ -84,8 +93,10 @@ def test_wandb_offline_run_has_one_history_record_per_log(tmp_path):
     run = t.get("wandb", unwrap=True)
     assert run.settings.mode == "offline" and run.name == "first"
     for step in range(3):
-        t.log({"loss": torch.tensor(1.0 / (step + 1), dtype=torch.float64), "phase": f"p{step}"},
-              step=step)
+        t.log(
+            {"loss": torch.tensor(1.0 / (step + 1), dtype=torch.float64), "phase": f"p{step}"},
+            step=step,
+        )
     t.finish()
 
     (folder,) = (tmp_path / "wandb").glob("offline-run-*")
@@ -94,7 +105,10 @@ def test_wandb_offline_run_has_one_history_record_per_log(tmp_path):
     deadline = time.monotonic() + 60
     while True:
         records = wandb_records(log_file)
-        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+        if (
+            any(r.WhichOneof("record_type") == "exit" for r in records)
+            or time.monotonic() > deadline
+        ):
             break
         time.sleep(0.1)
     history = [r.history for r in records if r.WhichOneof("record_type") == "history"]
@@ -103,8 +117,9 @@ def test_wandb_offline_run_has_one_history_record_per_log(tmp_path):
     assert [h.step.num for h in history] == [0, 1, 2]
     assert [row["loss"] for row in rows] == [1.0, 0.5, 1 / 3]
     assert [row["phase"] for row in rows] == ["p0", "p1", "p2"]
-    config = [item for r in records if r.WhichOneof("record_type") == "config"
-              for item in r.config.update]
+    config = [
+        item for r in records if r.WhichOneof("record_type") == "config" for item in r.config.update
+    ]
     assert any(item.key == "lr" and json.loads(item.value_json) == 0.5 for item in config)
 
 
@@ -125,12 +140,19 @@ def test_mlflow_local_store_has_one_metric_record_per_step(tmp_path, caplog):
     tracker = t.get("mlflow")
     with caplog.at_level(logging.WARNING, logger="gradsync"):
         for step in range(3):
-            t.log({"loss": torch.tensor(1.0 / (step + 1), dtype=torch.float64), "lr": {"group0": 0.1 * step},
-                   "phase": "train"}, step=step)
+            t.log(
+                {
+                    "loss": torch.tensor(1.0 / (step + 1), dtype=torch.float64),
+                    "lr": {"group0": 0.1 * step},
+                    "phase": "train",
+                },
+                step=step,
+            )
         t.log({"loss": 2.0})  # no step: the step callable's
     assert [r.getMessage() for r in caplog.records if "phase" in r.getMessage()] == [
         "gradsync: the mlflow tracker cannot record values['phase'] (a str): it is left out; "
-        "it records numbers (and dicts of numbers)"]  # once, not per call
+        "it records numbers (and dicts of numbers)"
+    ]  # once, not per call
     assert t.get("mlflow", unwrap=True) is tracker.client
     t.finish()
 
@@ -143,14 +165,18 @@ def test_mlflow_local_store_has_one_metric_record_per_step(tmp_path, caplog):
     assert run.info.artifact_uri.startswith((tmp_path.resolve() / "mlartifacts").as_uri())
     history = sorted((m.step, m.value) for m in client.get_metric_history(tracker.run_id, "loss"))
     assert history == [(0, 1.0), (1, 0.5), (2, 1 / 3), (7, 2.0)]
-    group = sorted((m.step, m.value) for m in client.get_metric_history(tracker.run_id, "lr/group0"))
+    group = sorted(
+        (m.step, m.value) for m in client.get_metric_history(tracker.run_id, "lr/group0")
+    )
     assert group == [(0, 0.0), (1, 0.1), (2, 0.2)]
     assert "phase" not in run.data.metrics
 
 
 def test_mlflow_rejects_an_argument_it_does_not_take(tmp_path):
     t = _trackers(["mlflow"], tmp_path)
-    with pytest.raises(ConfigError, match=r"init_kwargs\['mlflow'\] has 'nested_run'.*use tracking_uri"):
+    with pytest.raises(
+        ConfigError, match=r"init_kwargs\['mlflow'\] has 'nested_run'.*use tracking_uri"
+    ):
         t.init("proj", init_kwargs={"mlflow": {"nested_run": True}})
 
 
@@ -170,9 +196,20 @@ def test_csv_rows_grow_columns_and_survive_a_crash(tmp_path):
     t.log({"grad_norm": None, "weights": torch.ones(3)}, step=4)
     # Not finished: every row is already in the file (a crashed run keeps them).
     rows = _rows(path)
-    assert list(rows[0]) == ["step", "wall_time", "loss", "acc/top1", "acc/top5", "note", "grad_norm"]
+    assert list(rows[0]) == [
+        "step",
+        "wall_time",
+        "loss",
+        "acc/top1",
+        "acc/top5",
+        "note",
+        "grad_norm",
+    ]
     assert [(r["step"], r["loss"], r["acc/top1"], r["acc/top5"], r["note"]) for r in rows] == [
-        ("2", "0.5", "", "", ""), ("3", "0.25", "0.75", "1", "a,b"), ("4", "", "", "", "")]
+        ("2", "0.5", "", "", ""),
+        ("3", "0.25", "0.75", "1", "a,b"),
+        ("4", "", "", "", ""),
+    ]
     assert all(float(r["wall_time"]) > 1e9 for r in rows)
     assert json.loads((path.parent / "config.json").read_text()) == {"lr": 0.5}
     t.finish()
@@ -183,7 +220,12 @@ def test_csv_rows_grow_columns_and_survive_a_crash(tmp_path):
     again.finish()
     rows = _rows(path)
     assert len(rows) == 4 and list(rows[0])[-1] == "lr"
-    assert (rows[3]["step"], rows[3]["loss"], rows[3]["lr"], rows[0]["lr"]) == ("5", "0.125", "0.01", "")
+    assert (rows[3]["step"], rows[3]["loss"], rows[3]["lr"], rows[0]["lr"]) == (
+        "5",
+        "0.125",
+        "0.01",
+        "",
+    )
 
 
 def test_csv_continues_a_file_of_other_columns(tmp_path):
@@ -196,7 +238,9 @@ def test_csv_continues_a_file_of_other_columns(tmp_path):
     t.finish()
     assert [(r["loss"], r["step"]) for r in _rows(path)] == [("0.5", ""), ("0.25", "1")]
     path.write_text("\n\n1,2\n")
-    with pytest.raises(ConfigError, match=r"metrics.csv exists and does not start with a CSV header"):
+    with pytest.raises(
+        ConfigError, match=r"metrics.csv exists and does not start with a CSV header"
+    ):
         _trackers(["csv"], tmp_path).init("proj")
 
 
@@ -208,7 +252,8 @@ def test_jsonl_one_line_per_log(tmp_path):
     path = Path(t.get("jsonl", unwrap=True))
     lines = [json.loads(line) for line in path.read_text().splitlines()]  # before finish
     assert [{k: v for k, v in line.items() if k != "wall_time"} for line in lines[:1]] == [
-        {"step": 9, "loss": 0.5, "acc": {"top1": 0.75}, "tags": ["a", "b"], "x": None}]
+        {"step": 9, "loss": 0.5, "acc": {"top1": 0.75}, "tags": ["a", "b"], "x": None}
+    ]
     assert lines[1]["step"] == 10 and math.isnan(lines[1]["loss"]) and lines[1]["big"] == math.inf
     assert "obj" not in lines[1]
     t.finish()
@@ -217,8 +262,11 @@ def test_jsonl_one_line_per_log(tmp_path):
 def test_a_key_the_file_uses_itself_is_refused_before_anything_is_written(tmp_path):
     t = _trackers(["jsonl", "csv"], tmp_path)
     t.init("proj")
-    with pytest.raises(ConfigError, match=r"values\['step'\]: the jsonl tracker writes 'step' itself; "
-                                          r"rename the value \(for the step: accel.log\(values, step=N\)\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"values\['step'\]: the jsonl tracker writes 'step' itself; "
+        r"rename the value \(for the step: accel.log\(values, step=N\)\)",
+    ):
         t.log({"step": 3, "loss": 1.0})
     t.finish()
     assert (tmp_path / "proj" / "metrics.jsonl").read_text() == ""
@@ -229,10 +277,14 @@ def test_a_step_value_equal_to_the_step_is_written_once(tmp_path):
     t = _trackers(["jsonl", "csv"], tmp_path)
     t.init("proj")
     t.log({"step": 3, "loss": 1.0}, step=3)
-    with pytest.raises(ConfigError, match=r"values\['step'\]: the jsonl tracker writes 'step' itself"):
+    with pytest.raises(
+        ConfigError, match=r"values\['step'\]: the jsonl tracker writes 'step' itself"
+    ):
         t.log({"step": 4, "loss": 1.0}, step=3)  # another number: still refused
     t.finish()
-    lines = [json.loads(line) for line in (tmp_path / "proj" / "metrics.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(line) for line in (tmp_path / "proj" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [(line["step"], line["loss"]) for line in lines] == [(3, 1.0)]
 
 
@@ -289,9 +341,13 @@ def test_tracker_objects_are_used_as_given(tmp_path):
     t.log({"loss": 1.0}, step=5)
     t.finish()
     t.finish()  # once
-    assert rec.calls == [("start",), ("config", {"lr": 0.5}),
-                         ("log", {"loss": 2.0}, 4, {"commit": False}), ("log", {"loss": 1.0}, 5, {}),
-                         ("finish",)]
+    assert rec.calls == [
+        ("start",),
+        ("config", {"lr": 0.5}),
+        ("log", {"loss": 2.0}, 4, {"commit": False}),
+        ("log", {"loss": 1.0}, 5, {}),
+        ("finish",),
+    ]
     assert type(rec.calls[2][1]["loss"]) is float
     assert bare.seen == [({"loss": 2.0}, 4), ({"loss": 1.0}, 5)]
     assert t.started == [rec, bare]
@@ -362,15 +418,23 @@ def test_plain_values():
     assert plain(torch.tensor([[0.5]], dtype=torch.float64, requires_grad=True)) == 0.5
     assert plain(torch.tensor(True)) is True
     assert plain(np.float64(0.25)) == 0.25 and type(plain(np.int64(2))) is int
-    assert plain({"a": torch.tensor(1.5), "b": {"c": np.array([2.0])}}) == {"a": 1.5, "b": {"c": 2.0}}
+    assert plain({"a": torch.tensor(1.5), "b": {"c": np.array([2.0])}}) == {
+        "a": 1.5,
+        "b": {"c": 2.0},
+    }
     many = torch.ones(2)
     assert plain(many) is many and plain("s") == "s"
 
 
 # -- other ranks ---------------------------------------------------------------------------
 def test_another_rank_writes_nothing_and_gets_a_tracker_that_does_nothing(tmp_path, monkeypatch):
-    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+    for key, value in {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }.items():
         monkeypatch.setenv(key, value)
     rec = Recorder()
     t = _trackers(["tensorboard", "csv", rec], tmp_path / "runs")
@@ -389,8 +453,11 @@ def test_another_rank_writes_nothing_and_gets_a_tracker_that_does_nothing(tmp_pa
 # -- mistakes: one line each, naming the value and the fix ----------------------------------
 def test_log_before_init_and_after_finish(tmp_path):
     t = _trackers(["csv"], tmp_path)
-    with pytest.raises(UsageError, match=r"accel.log\(...\) before init_trackers\(\): start the "
-                                         r"trackers first, e.g. accel.init_trackers\('my_project'\)"):
+    with pytest.raises(
+        UsageError,
+        match=r"accel.log\(...\) before init_trackers\(\): start the "
+        r"trackers first, e.g. accel.init_trackers\('my_project'\)",
+    ):
         t.log({"loss": 1.0})
     with pytest.raises(UsageError, match=r"get_tracker\('csv'\) before init_trackers\(\)"):
         t.get("csv")
@@ -403,8 +470,11 @@ def test_log_before_init_and_after_finish(tmp_path):
 def test_init_twice(tmp_path):
     t = _trackers(["jsonl"], tmp_path)
     t.init("proj")
-    with pytest.raises(UsageError, match=r"init_trackers\('again'\): the trackers were already "
-                                         r"started \(project 'proj'\); call init_trackers once"):
+    with pytest.raises(
+        UsageError,
+        match=r"init_trackers\('again'\): the trackers were already "
+        r"started \(project 'proj'\); call init_trackers once",
+    ):
         t.init("again")
     t.finish()
 
@@ -412,19 +482,31 @@ def test_init_twice(tmp_path):
 def test_get_tracker_of_a_name_not_started_lists_the_started(tmp_path):
     t = _trackers(["csv", "jsonl"], tmp_path)
     t.init("proj")
-    with pytest.raises(ConfigError, match=r"get_tracker\('wandb'\): no such tracker; the started "
-                                          r"ones: 'csv', 'jsonl'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"get_tracker\('wandb'\): no such tracker; the started "
+        r"ones: 'csv', 'jsonl'",
+    ):
         t.get("wandb")
     t.finish()
 
 
-@pytest.mark.parametrize(("name", "module", "extra"), [
-    ("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb"),
-    ("mlflow", "mlflow", "mlflow"), ("mlflow", "sqlalchemy", "mlflow")])
+@pytest.mark.parametrize(
+    ("name", "module", "extra"),
+    [
+        ("tensorboard", "tensorboard", "tensorboard"),
+        ("wandb", "wandb", "wandb"),
+        ("mlflow", "mlflow", "mlflow"),
+        ("mlflow", "sqlalchemy", "mlflow"),
+    ],
+)
 def test_a_missing_library_names_the_pip_command(tmp_path, monkeypatch, name, module, extra):
     monkeypatch.setitem(sys.modules, module, None)
-    with pytest.raises(ConfigError, match=rf"log_with='{name}' needs {module}\b.*, which is not "
-                                          rf"installed: pip install 'gradsync\[{extra}\]'$"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"log_with='{name}' needs {module}\b.*, which is not "
+        rf"installed: pip install 'gradsync\[{extra}\]'$",
+    ):
         _trackers([name], tmp_path)
 
 
@@ -435,8 +517,11 @@ def test_a_tracking_server_needs_no_sql_store(tmp_path, monkeypatch):
 
 
 def test_file_trackers_need_a_project_dir():
-    with pytest.raises(ConfigError, match=r"log_with='tensorboard', 'csv' writes files into "
-                                          r"project_dir, which is not set: pass project_dir='runs'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"log_with='tensorboard', 'csv' writes files into "
+        r"project_dir, which is not set: pass project_dir='runs'",
+    ):
         _trackers(["tensorboard", "wandb", "csv"], None)
     with pytest.raises(ConfigError, match=r"log_with='all' writes files into project_dir"):
         _trackers(["all"], None)
@@ -457,15 +542,20 @@ def test_bad_arguments(tmp_path):
     t = _trackers(["csv"], tmp_path)
     with pytest.raises(ConfigError, match=r"init_kwargs\['tensorbaord'\]: no tracker of that name"):
         t.init("proj", init_kwargs={"tensorbaord": {}})
-    with pytest.raises(ConfigError, match=r"init_kwargs\['csv'\]=\{'x': 1\}: the csv tracker takes "
-                                          r"no arguments there"):
+    with pytest.raises(
+        ConfigError,
+        match=r"init_kwargs\['csv'\]=\{'x': 1\}: the csv tracker takes "
+        r"no arguments there",
+    ):
         CSVTracker("proj", str(tmp_path), x=1)
     with pytest.raises(ConfigError, match=r"project_name=''"):
         t.init("")
     t.init("proj", init_kwargs={"wandb": {"tags": ["a"]}})  # a tracker not chosen: ignored
     with pytest.raises(ConfigError, match=r"accel.log\(values=...\) got list"):
         t.log([("loss", 1.0)])  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"log_kwargs\['cvs'\]: no tracker of that name; use one of csv,"):
+    with pytest.raises(
+        ConfigError, match=r"log_kwargs\['cvs'\]: no tracker of that name; use one of csv,"
+    ):
         t.log({"loss": 1.0}, log_kwargs={"cvs": {}})
     t.log({"loss": 1.0}, log_kwargs={"wandb": {"commit": True}})  # not chosen: ignored
     t.finish()
@@ -479,5 +569,6 @@ def test_log_without_trackers_warns_once(caplog):
         t.log({"loss": 1.0})
     assert [r.getMessage() for r in caplog.records] == [
         "gradsync: accel.log(...) records nothing: log_with is not set; pass e.g. "
-        "Accelerator(log_with='tensorboard', project_dir='runs')"]
+        "Accelerator(log_with='tensorboard', project_dir='runs')"
+    ]
     assert t.started == [] and t.names == []

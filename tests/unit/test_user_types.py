@@ -35,11 +35,20 @@ def test_each_form_type_checks_in_a_users_script(tmp_path: Path) -> None:
     if shutil.which("mypy", path=str(Path(sys.executable).parent)) is None:
         pytest.skip("mypy is not installed (pip install -e '.[test]')")
     script = tmp_path / "user.py"
-    script.write_text("from gradsync import Accelerator\n\n" + "".join(
-        f"Accelerator(gradient_accumulation_steps={form}, micro_batch_size=2, global_batch_size=8)\n"
-        for form in FORMS)
-        + "accel = Accelerator()\naccel.gradient_accumulation_steps = 8\n")
+    script.write_text(
+        "from gradsync import Accelerator\n\n"
+        + "".join(
+            f"Accelerator(gradient_accumulation_steps={form}, micro_batch_size=2, global_batch_size=8)\n"
+            for form in FORMS
+        )
+        + "accel = Accelerator()\naccel.gradient_accumulation_steps = 8\n"
+    )
     # From the checkout, with its mypy cache (scripts/test.sh type-checks gradsync first).
-    done = subprocess.run([str(Path(sys.executable).parent / "mypy"), "--strict", str(script)],
-                          capture_output=True, text=True, cwd=REPO, timeout=900)
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "mypy"), "--strict", str(script)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -26,7 +26,9 @@ def test_the_ranks_of_a_data_parallel_position_are_its_tensor_parallel_group():
     assert readers([0, 1], 2) == [[0], [1]]
 
 
-def test_a_tensor_parallel_group_that_read_alike_is_replayed_and_one_that_did_not_is_refused(tmp_path):
+def test_a_tensor_parallel_group_that_read_alike_is_replayed_and_one_that_did_not_is_refused(
+    tmp_path,
+):
     (tmp_path / "meta.json").write_text(json.dumps({"world": 2, "readers": [[0, 1], [2, 3]]}))
     for rank in range(4):
         _record(tmp_path, rank, _batches(seed=rank // 2))  # one data set per data-parallel position

@@ -43,7 +43,9 @@ def test_verification_settings_win_over_keywords(tmp_path):
     assert config.backend == "single" and config.audit is False
     k = config.gradient_accumulation_steps
     assert [k(0), k(1), k(7)] == [8, 12, 12]
-    launched = load_config(environ={"GRADSYNC_VERIFY": str(tmp_path), **ext}, track_window_loss=False)
+    launched = load_config(
+        environ={"GRADSYNC_VERIFY": str(tmp_path), **ext}, track_window_loss=False
+    )
     assert launched.audit is True and launched.track_window_loss is True
 
 

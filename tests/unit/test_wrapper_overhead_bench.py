@@ -15,6 +15,13 @@ def test_the_wrapper_benchmark_reports_every_loop(clean_env):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     result = bench.measure(reps=2, iters=16)
-    for key in ("bare_us", "gradsync_us", "seeded_us", "overhead_us", "over_seeded_us", "accelerate_us"):
+    for key in (
+        "bare_us",
+        "gradsync_us",
+        "seeded_us",
+        "overhead_us",
+        "over_seeded_us",
+        "accelerate_us",
+    ):
         assert math.isfinite(result[key]) and result[key] != 0, key
     assert result["reps"] == 2 and result["micro_steps_per_rep"] == 16

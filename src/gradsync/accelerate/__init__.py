@@ -36,9 +36,16 @@ from gradsync.backends.kinds import DistributedType
 # Accelerate's top-level names (AcceleratorState, GradientState, ProjectConfiguration and
 # GradientAccumulationPlugin also import from here, as from gradsync.accelerate.state / .utils).
 __all__ = [
-    "Accelerator", "AutocastKwargs", "DataLoaderConfiguration", "DistributedDataParallelKwargs",
-    "DistributedType", "GradScalerKwargs", "InitProcessGroupKwargs", "PartialState",
-    "find_executable_batch_size", "skip_first_batches",
+    "Accelerator",
+    "AutocastKwargs",
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "GradScalerKwargs",
+    "InitProcessGroupKwargs",
+    "PartialState",
+    "find_executable_batch_size",
+    "skip_first_batches",
 ]
 
 

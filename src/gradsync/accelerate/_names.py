@@ -8,12 +8,12 @@ from __future__ import annotations
 SUPPORTED: dict[str, dict[str, str]] = {
     "accelerate": {
         "Accelerator": "Accelerate's rule book where gradsync's differs: the loss divided by "
-                       "k in every window, the scheduler stepped once per process, whole batches dealt",
+        "k in every window, the scheduler stepped once per process, whole batches dealt",
         "PartialState": "read when asked (no shared singleton); `wait_for_everyone` and "
-                        "`main_process_first` create the process group an Accelerator then joins",
+        "`main_process_first` create the process group an Accelerator then joins",
         "DistributedType": "the same members, equal to Accelerate's (`TPU` kept as `XLA`'s old name)",
         "DataLoaderConfiguration": "`split_batches`, `even_batches`, `use_seedable_sampler`, "
-                                   "`data_seed`; `dispatch_batches` and `use_stateful_dataloader` refused",
+        "`data_seed`; `dispatch_batches` and `use_stateful_dataloader` refused",
         "DistributedDataParallelKwargs": "becomes `ddp_kwargs`",
         "InitProcessGroupKwargs": "its `timeout` becomes `timeout`",
         "GradScalerKwargs": "becomes `grad_scaler`",
@@ -22,20 +22,36 @@ SUPPORTED: dict[str, dict[str, str]] = {
         "skip_first_batches": "after `load_state` it never skips twice",
     },
     "accelerate.utils": {
-        "set_seed": "", "gather": "", "gather_object": "", "broadcast": "",
-        "broadcast_object_list": "", "reduce": "", "pad_across_processes": "",
-        "send_to_device": "", "tqdm": "on the local main process only (`main_process_only`)",
-        "find_executable_batch_size": "as above", "LoggerType": "", "PrecisionType": "",
+        "set_seed": "",
+        "gather": "",
+        "gather_object": "",
+        "broadcast": "",
+        "broadcast_object_list": "",
+        "reduce": "",
+        "pad_across_processes": "",
+        "send_to_device": "",
+        "tqdm": "on the local main process only (`main_process_only`)",
+        "find_executable_batch_size": "as above",
+        "LoggerType": "",
+        "PrecisionType": "",
         "DistributedType": "as above",
         "ProjectConfiguration": "`project_dir`, `logging_dir`, `automatic_checkpoint_naming`, `total_limit`",
         "DataLoaderConfiguration": "as above",
         "GradientAccumulationPlugin": "`num_steps`, `sync_with_dataloader`; `sync_each_batch` is "
-                                      "`sync_policy='every_step'`",
-        "DistributedDataParallelKwargs": "as above", "InitProcessGroupKwargs": "as above",
-        "GradScalerKwargs": "as above", "AutocastKwargs": "as above", "release_memory": "",
-        "extract_model_from_parallel": "", "wait_for_everyone": "", "patch_environment": "",
-        "check_os_kernel": "does nothing", "is_tensorboard_available": "", "is_wandb_available": "",
-        "is_mlflow_available": "", "is_deepspeed_available": "",
+        "`sync_policy='every_step'`",
+        "DistributedDataParallelKwargs": "as above",
+        "InitProcessGroupKwargs": "as above",
+        "GradScalerKwargs": "as above",
+        "AutocastKwargs": "as above",
+        "release_memory": "",
+        "extract_model_from_parallel": "",
+        "wait_for_everyone": "",
+        "patch_environment": "",
+        "check_os_kernel": "does nothing",
+        "is_tensorboard_available": "",
+        "is_wandb_available": "",
+        "is_mlflow_available": "",
+        "is_deepspeed_available": "",
     },
     "accelerate.logging": {
         "get_logger": "`main_process_only=` (default True) and `in_order=`; needs no state first",
@@ -125,8 +141,10 @@ def refuse_member(name: str) -> None:
     """The one-line AttributeError for an Accelerator member gradsync lacks."""
     fix = REFUSED_MEMBERS.get(name)
     if fix is not None:
-        raise AttributeError(f"gradsync.accelerate.Accelerator has no {name} (Accelerate's "
-                             f"Accelerator.{name}): {fix}")
+        raise AttributeError(
+            f"gradsync.accelerate.Accelerator has no {name} (Accelerate's "
+            f"Accelerator.{name}): {fix}"
+        )
 
 
 def table_markdown() -> str:
@@ -135,7 +153,9 @@ def table_markdown() -> str:
     for module, names in SUPPORTED.items():
         ours = "gradsync." + module
         for name, note in names.items():
-            rows.append(f"| `{module}.{name}` | `{ours}.{name}` | the same{'; ' + note if note else ''} |")
+            rows.append(
+                f"| `{module}.{name}` | `{ours}.{name}` | the same{'; ' + note if note else ''} |"
+            )
     for module, refused in REFUSED.items():
         for name, fix in refused.items():
             rows.append(f"| `{module}.{name}` | refused in one line | use {fix} |")

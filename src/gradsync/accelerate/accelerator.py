@@ -64,7 +64,10 @@ class GradientState:
 
     @property
     def plugin_kwargs(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps, "sync_with_dataloader": self._accel.config.sync_with_dataloader}
+        return {
+            "num_steps": self.num_steps,
+            "sync_with_dataloader": self._accel.config.sync_with_dataloader,
+        }
 
 
 class Accelerator(_Core):
@@ -102,48 +105,80 @@ class Accelerator(_Core):
         **options: Any,
     ) -> None:
         for name, value, fix in (
-            ("deepspeed_plugin", deepspeed_plugin, "backend='deepspeed', deepspeed_config=... "
-             "(or gradsync launch --use_deepspeed)"),
+            (
+                "deepspeed_plugin",
+                deepspeed_plugin,
+                "backend='deepspeed', deepspeed_config=... (or gradsync launch --use_deepspeed)",
+            ),
             ("deepspeed_plugins", deepspeed_plugins, "backend='deepspeed', deepspeed_config=..."),
-            ("fsdp_plugin", fsdp_plugin, "backend='fsdp' with the fsdp_* settings "
-             "(or gradsync launch --use_fsdp)"),
+            (
+                "fsdp_plugin",
+                fsdp_plugin,
+                "backend='fsdp' with the fsdp_* settings (or gradsync launch --use_fsdp)",
+            ),
             ("torch_tp_plugin", torch_tp_plugin, "FSDP2 (backend='fsdp')"),
             ("megatron_lm_plugin", megatron_lm_plugin, "FSDP2 (backend='fsdp') or DeepSpeed"),
-            ("dynamo_plugin", dynamo_plugin, "compile=True or compile={...torch.compile arguments}"),
+            (
+                "dynamo_plugin",
+                dynamo_plugin,
+                "compile=True or compile={...torch.compile arguments}",
+            ),
         ):
             if value is not None:
-                raise ConfigError(f"Accelerator({name}=...) is not taken by gradsync.accelerate; use {fix}")
+                raise ConfigError(
+                    f"Accelerator({name}=...) is not taken by gradsync.accelerate; use {fix}"
+                )
         if parallelism_config is not None:  # read by its sizes (gradsync.mesh)
             options.setdefault("backend", "fsdp")
             if options.setdefault("parallelism", parallelism_config) is not parallelism_config:
-                raise ConfigError("Accelerator got parallelism_config and parallelism; give one of them")
+                raise ConfigError(
+                    "Accelerator got parallelism_config and parallelism; give one of them"
+                )
         if not step_scheduler_with_optimizer:
-            raise ConfigError("Accelerator(step_scheduler_with_optimizer=False): do not prepare the "
-                              "scheduler; step it yourself")
+            raise ConfigError(
+                "Accelerator(step_scheduler_with_optimizer=False): do not prepare the "
+                "scheduler; step it yourself"
+            )
         if not device_placement:
-            raise ConfigError("Accelerator(device_placement=False) is not supported: prepared models "
-                              "and batches are placed on accel.device")
+            raise ConfigError(
+                "Accelerator(device_placement=False) is not supported: prepared models "
+                "and batches are placed on accel.device"
+            )
         if rng_types not in (None, ["generator"]):
-            raise ConfigError(f"Accelerator(rng_types={rng_types!r}): gradsync keeps every rank's "
-                              "loader generator equal itself; leave rng_types unset")
-        found = translate(split_batches=split_batches, cpu=cpu, dataloader_config=dataloader_config,
-                          project_dir=None if project_dir is None else os.fspath(project_dir),
-                          project_config=project_config,
-                          gradient_accumulation_steps=gradient_accumulation_steps,
-                          gradient_accumulation_plugin=gradient_accumulation_plugin,
-                          kwargs_handlers=kwargs_handlers, dynamo_backend=dynamo_backend)
+            raise ConfigError(
+                f"Accelerator(rng_types={rng_types!r}): gradsync keeps every rank's "
+                "loader generator equal itself; leave rng_types unset"
+            )
+        found = translate(
+            split_batches=split_batches,
+            cpu=cpu,
+            dataloader_config=dataloader_config,
+            project_dir=None if project_dir is None else os.fspath(project_dir),
+            project_config=project_config,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            gradient_accumulation_plugin=gradient_accumulation_plugin,
+            kwargs_handlers=kwargs_handlers,
+            dynamo_backend=dynamo_backend,
+        )
         if found.settings.pop("device", None) == "cpu":
             os.environ["GRADSYNC_DEVICE"] = "cpu"
         self._rules = found.rules
         self.project_configuration = found.project
         for key, value in found.settings.items():
             if options.setdefault(key, value) != value:
-                raise ConfigError(f"Accelerator got {key} twice, with different values; give it once")
-        super().__init__(mixed_precision=mixed_precision, log_with=accelerate_trackers(log_with), **options)  # type: ignore[arg-type]
+                raise ConfigError(
+                    f"Accelerator got {key} twice, with different values; give it once"
+                )
+        super().__init__(
+            mixed_precision=mixed_precision,  # type: ignore[arg-type]
+            log_with=accelerate_trackers(log_with),
+            **options,
+        )
         self.gradient_state = GradientState(self)
         self._trigger = False
         self.dataloader_config = dataloader_config or DataLoaderConfiguration(
-            split_batches=bool(split_batches))
+            split_batches=bool(split_batches)
+        )
 
     # -- Accelerate's names for what the core has --------------------------
     @property
@@ -175,18 +210,28 @@ class Accelerator(_Core):
         """Micro-steps of the window in progress (Accelerate's counter)."""
         return self._window.index
 
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
-                      evaluation_mode: bool = False) -> Any:
+    def prepare_model(
+        self,
+        model: torch.nn.Module,
+        device_placement: bool | None = None,
+        evaluation_mode: bool = False,
+    ) -> Any:
         return self.prepare(model)
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+    ) -> Any:
         return self.prepare(optimizer)
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
         return self.prepare(scheduler)
 
-    def prepare_data_loader(self, data_loader: Any, device_placement: bool | None = None,
-                            slice_fn_for_dispatch: Any = None) -> Any:
+    def prepare_data_loader(
+        self,
+        data_loader: Any,
+        device_placement: bool | None = None,
+        slice_fn_for_dispatch: Any = None,
+    ) -> Any:
         return self.prepare(data_loader)
 
     def set_trigger(self) -> None:
@@ -204,13 +249,19 @@ class Accelerator(_Core):
         return self.free_memory(*objects)
 
     @contextlib.contextmanager
-    def join_uneven_inputs(self, joinables: Any, even_batches: bool | None = None) -> Iterator[None]:
+    def join_uneven_inputs(
+        self, joinables: Any, even_batches: bool | None = None
+    ) -> Iterator[None]:
         """Every rank gets the same number of batches already (``even_batches``): nothing to join."""
         yield
 
     # -- automatic checkpoint naming ------------------------------------------
-    def save_state(self, output_dir: str | os.PathLike[str] | None = None,  # type: ignore[override]
-                   safe_serialization: bool = True, **save_model_func_kwargs: Any) -> str:
+    def save_state(  # type: ignore[override]
+        self,
+        output_dir: str | os.PathLike[str] | None = None,
+        safe_serialization: bool = True,
+        **save_model_func_kwargs: Any,
+    ) -> str:
         """Accelerate's ``save_state``: with ``ProjectConfiguration(automatic_checkpoint_naming=
         True)`` and no folder, ``project_dir/checkpoints/checkpoint_{iteration}``, keeping
         ``total_limit`` of them."""
@@ -218,30 +269,42 @@ class Accelerator(_Core):
         keep_last = save_model_func_kwargs.pop("keep_last", None)
         background = bool(save_model_func_kwargs.pop("background", False))
         if save_model_func_kwargs:
-            raise ConfigError(f"save_state() got {', '.join(save_model_func_kwargs)}, which gradsync "
-                              "does not take (models are saved with the checkpoint)")
+            raise ConfigError(
+                f"save_state() got {', '.join(save_model_func_kwargs)}, which gradsync "
+                "does not take (models are saved with the checkpoint)"
+            )
         if project.automatic_checkpoint_naming:
             if output_dir is None:
                 if project.project_dir is None:
-                    raise ConfigError("automatic_checkpoint_naming needs project_dir in the "
-                                      "ProjectConfiguration")
-                output_dir = os.path.join(project.project_dir, "checkpoints",
-                                          f"checkpoint_{project.iteration}")
+                    raise ConfigError(
+                        "automatic_checkpoint_naming needs project_dir in the ProjectConfiguration"
+                    )
+                output_dir = os.path.join(
+                    project.project_dir, "checkpoints", f"checkpoint_{project.iteration}"
+                )
             keep_last = keep_last if keep_last is not None else project.total_limit
         folder = super().save_state(output_dir, keep_last=keep_last, background=background)
         if project.automatic_checkpoint_naming:
             project.iteration += 1
         return folder
 
-    def load_state(self, input_dir: str | os.PathLike[str] | None = None, *,  # type: ignore[override]
-                   trusted: bool = False, **load_model_func_kwargs: Any) -> None:
+    def load_state(  # type: ignore[override]
+        self,
+        input_dir: str | os.PathLike[str] | None = None,
+        *,
+        trusted: bool = False,
+        **load_model_func_kwargs: Any,
+    ) -> None:
         """Accelerate's ``load_state``: with automatic checkpoint naming and no folder, the
         newest ``checkpoint_{i}``; then the next save is ``checkpoint_{i + 1}``."""
         project = self.project_configuration
         if input_dir is None and project.automatic_checkpoint_naming and project.project_dir:
             root = Path(project.project_dir) / "checkpoints"
-            numbered = sorted((int(m.group(1)), p) for p in root.glob("checkpoint_*")
-                              if (m := re.fullmatch(r"checkpoint_(\d+)", p.name)))
+            numbered = sorted(
+                (int(m.group(1)), p)
+                for p in root.glob("checkpoint_*")
+                if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))
+            )
             if not numbered:
                 raise ConfigError(f"load_state(): no checkpoint_N folder under {root}")
             input_dir = numbered[-1][1]

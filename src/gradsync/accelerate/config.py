@@ -65,8 +65,11 @@ class KwargsHandler:
 
     def to_kwargs(self) -> dict[str, Any]:
         default = type(self)()
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore[arg-type]
-                if getattr(self, f.name) != getattr(default, f.name)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if getattr(self, f.name) != getattr(default, f.name)
+        }
 
 
 @dataclass
@@ -129,13 +132,17 @@ def _handlers(handlers: list[Any], out: dict[str, Any]) -> None:
         elif isinstance(handler, GradScalerKwargs):
             kwargs = handler.to_kwargs()
             if not kwargs.pop("enabled", True):
-                raise ConfigError("GradScalerKwargs(enabled=False): use mixed_precision='bf16' or "
-                                  "'no' instead of fp16 without a scaler")
+                raise ConfigError(
+                    "GradScalerKwargs(enabled=False): use mixed_precision='bf16' or "
+                    "'no' instead of fp16 without a scaler"
+                )
             out["grad_scaler"] = kwargs
         elif isinstance(handler, AutocastKwargs):
             if not handler.enabled:
-                raise ConfigError("AutocastKwargs(enabled=False): use mixed_precision='no' for a "
-                                  "run without autocast")
+                raise ConfigError(
+                    "AutocastKwargs(enabled=False): use mixed_precision='no' for a "
+                    "run without autocast"
+                )
         else:
             raise ConfigError(
                 f"kwargs_handlers got a {type(handler).__name__}, which gradsync does not take; "
@@ -144,10 +151,18 @@ def _handlers(handlers: list[Any], out: dict[str, Any]) -> None:
             )
 
 
-def translate(*, split_batches: bool | None, cpu: bool, dataloader_config: DataLoaderConfiguration | None,
-              project_dir: str | None, project_config: ProjectConfiguration | None,
-              gradient_accumulation_steps: int, gradient_accumulation_plugin: GradientAccumulationPlugin | None,
-              kwargs_handlers: list[Any] | None, dynamo_backend: Any) -> Translated:
+def translate(
+    *,
+    split_batches: bool | None,
+    cpu: bool,
+    dataloader_config: DataLoaderConfiguration | None,
+    project_dir: str | None,
+    project_config: ProjectConfiguration | None,
+    gradient_accumulation_steps: int,
+    gradient_accumulation_plugin: GradientAccumulationPlugin | None,
+    kwargs_handlers: list[Any] | None,
+    dynamo_backend: Any,
+) -> Translated:
     """Accelerate's ``Accelerator`` keywords as gradsync settings (one ConfigError line
     for a contradiction or for what gradsync does not take)."""
     out: dict[str, Any] = {}
@@ -155,11 +170,15 @@ def translate(*, split_batches: bool | None, cpu: bool, dataloader_config: DataL
     if split_batches is not None:
         loaders = dataclasses.replace(loaders, split_batches=split_batches)
     if loaders.dispatch_batches:
-        raise ConfigError("DataLoaderConfiguration(dispatch_batches=True) is not supported: every "
-                          "rank reads its own batches; leave dispatch_batches unset")
+        raise ConfigError(
+            "DataLoaderConfiguration(dispatch_batches=True) is not supported: every "
+            "rank reads its own batches; leave dispatch_batches unset"
+        )
     if loaders.use_stateful_dataloader:
-        raise ConfigError("DataLoaderConfiguration(use_stateful_dataloader=True) is not needed: "
-                          "save_state/load_state resume a prepared loader mid-epoch by themselves")
+        raise ConfigError(
+            "DataLoaderConfiguration(use_stateful_dataloader=True) is not needed: "
+            "save_state/load_state resume a prepared loader mid-epoch by themselves"
+        )
     project = project_config or ProjectConfiguration()
     if project_dir is not None:
         project.set_directories(str(project_dir))
@@ -167,8 +186,10 @@ def translate(*, split_batches: bool | None, cpu: bool, dataloader_config: DataL
         out["project_dir"] = project.project_dir
     if gradient_accumulation_plugin is not None:
         if gradient_accumulation_steps != 1:
-            raise ConfigError("Accelerator got gradient_accumulation_steps and a "
-                              "gradient_accumulation_plugin; give the steps in the plugin only")
+            raise ConfigError(
+                "Accelerator got gradient_accumulation_steps and a "
+                "gradient_accumulation_plugin; give the steps in the plugin only"
+            )
         plugin = gradient_accumulation_plugin
         out["gradient_accumulation_steps"] = plugin.num_steps or 1
         out["sync_with_dataloader"] = plugin.sync_with_dataloader
@@ -181,8 +202,12 @@ def translate(*, split_batches: bool | None, cpu: bool, dataloader_config: DataL
         out["compile"] = {"backend": str(getattr(dynamo_backend, "value", dynamo_backend)).lower()}
     if cpu:
         out["device"] = "cpu"
-    rules = Rules.accelerate(split_batches=loaders.split_batches, even_batches=loaders.even_batches,
-                             seedable_sampler=loaders.use_seedable_sampler, data_seed=loaders.data_seed)
+    rules = Rules.accelerate(
+        split_batches=loaders.split_batches,
+        even_batches=loaders.even_batches,
+        seedable_sampler=loaders.use_seedable_sampler,
+        data_seed=loaders.data_seed,
+    )
     return Translated(out, rules, project)
 
 
@@ -195,5 +220,7 @@ def accelerate_trackers(log_with: Any) -> Any:
     from gradsync.tracking import tracker_available
 
     chosen: list[Any] = [t for t in ("tensorboard", "wandb", "mlflow") if tracker_available(t)]
-    chosen += [i for i in items if not (isinstance(i, str) and str(i).lower() == "all") and i not in chosen]
+    chosen += [
+        i for i in items if not (isinstance(i, str) and str(i).lower() == "all") and i not in chosen
+    ]
     return chosen or None

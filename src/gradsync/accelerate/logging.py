@@ -15,7 +15,9 @@ from gradsync import _dist as dist
 class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
     """A logger adapter that knows the process it runs in (read at each call)."""
 
-    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+    def process(
+        self, msg: Any, kwargs: MutableMapping[str, Any]
+    ) -> tuple[Any, MutableMapping[str, Any]]:
         return msg, kwargs
 
     def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:

@@ -139,9 +139,11 @@ class PartialState:
             torch.distributed.destroy_process_group(group)
 
     def __repr__(self) -> str:
-        return (f"Distributed environment: {self.distributed_type.value}\n"
-                f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
-                f"Local process index: {self.local_process_index}\nDevice: {self.device}\n")
+        return (
+            f"Distributed environment: {self.distributed_type.value}\n"
+            f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
+            f"Local process index: {self.local_process_index}\nDevice: {self.device}\n"
+        )
 
 
 class AcceleratorState(PartialState):

@@ -32,14 +32,35 @@ from gradsync.metrics import gather, gather_object, pad_across_processes, reduce
 from gradsync.seeding import set_seed
 
 __all__ = [
-    "AutocastKwargs", "DataLoaderConfiguration", "DistributedDataParallelKwargs",
-    "DistributedType", "GradScalerKwargs", "GradientAccumulationPlugin",
-    "InitProcessGroupKwargs", "LoggerType", "PrecisionType", "ProjectConfiguration",
-    "broadcast", "broadcast_object_list", "check_os_kernel", "extract_model_from_parallel",
-    "find_executable_batch_size", "gather", "gather_object", "is_deepspeed_available",
-    "is_mlflow_available", "is_tensorboard_available", "is_wandb_available",
-    "pad_across_processes", "patch_environment", "reduce", "release_memory", "send_to_device",
-    "set_seed", "tqdm", "wait_for_everyone",
+    "AutocastKwargs",
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "LoggerType",
+    "PrecisionType",
+    "ProjectConfiguration",
+    "broadcast",
+    "broadcast_object_list",
+    "check_os_kernel",
+    "extract_model_from_parallel",
+    "find_executable_batch_size",
+    "gather",
+    "gather_object",
+    "is_deepspeed_available",
+    "is_mlflow_available",
+    "is_tensorboard_available",
+    "is_wandb_available",
+    "pad_across_processes",
+    "patch_environment",
+    "reduce",
+    "release_memory",
+    "send_to_device",
+    "set_seed",
+    "tqdm",
+    "wait_for_everyone",
 ]
 
 
@@ -91,15 +112,25 @@ def wait_for_everyone() -> None:
     dist.barrier()
 
 
-def send_to_device(tensor: Any, device: torch.device | str, non_blocking: bool = False,
-                   skip_keys: list[str] | str | None = None) -> Any:
+def send_to_device(
+    tensor: Any,
+    device: torch.device | str,
+    non_blocking: bool = False,
+    skip_keys: list[str] | str | None = None,
+) -> Any:
     """Every tensor of a nested structure on ``device``."""
     skip = [skip_keys] if isinstance(skip_keys, str) else list(skip_keys or [])
     if isinstance(tensor, dict) and skip:
-        return type(tensor)({k: v if k in skip else send_to_device(v, device, non_blocking)
-                             for k, v in tensor.items()})
-    return tree_map(lambda t: t.to(device, non_blocking=non_blocking)
-                    if isinstance(t, torch.Tensor) else t, tensor)
+        return type(tensor)(
+            {
+                k: v if k in skip else send_to_device(v, device, non_blocking)
+                for k, v in tensor.items()
+            }
+        )
+    return tree_map(
+        lambda t: t.to(device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t,
+        tensor,
+    )
 
 
 def broadcast(tensor: Any, from_process: int = 0) -> Any:
@@ -125,8 +156,9 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
     return object_list
 
 
-def extract_model_from_parallel(model: Any, keep_fp32_wrapper: bool = True,
-                                keep_torch_compile: bool = True) -> Any:
+def extract_model_from_parallel(
+    model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+) -> Any:
     """The model inside DDP, a DeepSpeed engine or ``torch.compile``."""
     while True:
         if not keep_torch_compile and hasattr(model, "_orig_mod"):
@@ -169,24 +201,37 @@ def _out_of_memory(error: BaseException) -> bool:
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and any(
-        s in text for s in ("out of memory", "DefaultCPUAllocator: can't allocate memory",
-                            "CUDNN_STATUS_NOT_SUPPORTED"))
+        s in text
+        for s in (
+            "out of memory",
+            "DefaultCPUAllocator: can't allocate memory",
+            "CUDNN_STATUS_NOT_SUPPORTED",
+        )
+    )
 
 
-def find_executable_batch_size(function: Callable[..., Any] | None = None, starting_batch_size: int = 128,
-                               reduce_batch_size_fn: Callable[[], int] | None = None) -> Any:
+def find_executable_batch_size(
+    function: Callable[..., Any] | None = None,
+    starting_batch_size: int = 128,
+    reduce_batch_size_fn: Callable[[], int] | None = None,
+) -> Any:
     """A decorator: call ``function(batch_size, *args, **kwargs)`` from ``starting_batch_size``
     on, lowering ``batch_size`` after an out-of-memory error (to 90 %, or to what
     ``reduce_batch_size_fn()`` returns) until it runs; a later call starts from the size
     that ran. On several processes the ranks agree on each attempt (a rank out of memory
     makes every rank retry), so no rank trains at a size the others gave up."""
     if function is None:
-        return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
-                                 reduce_batch_size_fn=reduce_batch_size_fn)
+        return functools.partial(
+            find_executable_batch_size,
+            starting_batch_size=starting_batch_size,
+            reduce_batch_size_fn=reduce_batch_size_fn,
+        )
     first = next(iter(inspect.signature(function).parameters), None)
     if first != "batch_size":
-        raise TypeError(f"find_executable_batch_size: {function.__name__}'s first argument must "
-                        f"be batch_size (it is {first!r}); the decorator passes it")
+        raise TypeError(
+            f"find_executable_batch_size: {function.__name__}'s first argument must "
+            f"be batch_size (it is {first!r}); the decorator passes it"
+        )
     size = starting_batch_size
 
     def lower() -> int:

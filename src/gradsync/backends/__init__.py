@@ -18,7 +18,11 @@ if TYPE_CHECKING:
 
     # mypy checks here that every adapter satisfies the Backend protocol.
     _ADAPTERS: tuple[type[Backend], ...] = (
-        SingleBackend, DDPBackend, FSDPBackend, DeepSpeedBackend, FairscaleBackend
+        SingleBackend,
+        DDPBackend,
+        FSDPBackend,
+        DeepSpeedBackend,
+        FairscaleBackend,
     )
 
 # name -> "module:Class"; the module is imported only when the backend is created.
@@ -58,14 +62,12 @@ def check_name(name: str) -> str:
     """Return the normalised name, or raise a ConfigError that lists the known ones."""
     key = name.lower()
     if key != "auto" and key not in _REGISTRY:
-        raise ConfigError(
-            f"backend={name!r} is unknown; available: auto, {', '.join(available())}"
-        )
+        raise ConfigError(f"backend={name!r} is unknown; available: auto, {', '.join(available())}")
     return key
 
 
 def resolve_auto(name: str, world_size: int) -> str:
-    """"auto" is ddp when there is more than one process, else single."""
+    """ "auto" is ddp when there is more than one process, else single."""
     key = check_name(name)
     if key == "auto":
         return "ddp" if world_size > 1 else "single"

@@ -49,7 +49,9 @@ def autocast_dtype(config: Config, device: torch.device) -> torch.dtype | None:
     return check_autocast(device, config.mixed_precision)
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+def autocast(
+    device: torch.device, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager[Any]:
     """The autocast a micro-step runs under (a no-op context when ``dtype`` is None)."""
     if dtype is None:
         return contextlib.nullcontext()

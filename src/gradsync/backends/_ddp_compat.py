@@ -25,7 +25,9 @@ def is_unfinished_reduction(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and _UNFINISHED in str(err)
 
 
-def reducer_parameter_names(module: torch.nn.Module, ignored: frozenset[str] = frozenset()) -> list[str]:
+def reducer_parameter_names(
+    module: torch.nn.Module, ignored: frozenset[str] = frozenset()
+) -> list[str]:
     """The names of the parameters DDP's reducer tracks, in its order (the one its indices
     refer to): each module's own trainable parameters in ``named_modules()`` order, without
     ``ignored`` ones and without repeats (as ``DistributedDataParallel._build_params_for_reducer``)."""
@@ -34,15 +36,20 @@ def reducer_parameter_names(module: torch.nn.Module, ignored: frozenset[str] = f
     for module_name, sub in module.named_modules():
         for param_name, param in sub.named_parameters(recurse=False):
             fqn = f"{module_name}.{param_name}" if module_name else param_name
-            if not param.requires_grad or f"{module_name}.{param_name}" in ignored or id(param) in seen:
+            if (
+                not param.requires_grad
+                or f"{module_name}.{param_name}" in ignored
+                or id(param) in seen
+            ):
                 continue
             seen.add(id(param))
             names.append(fqn)
     return names
 
 
-def unused_parameters(message: str, module: torch.nn.Module,
-                      ignored: frozenset[str] = frozenset()) -> tuple[int | None, list[str] | None]:
+def unused_parameters(
+    message: str, module: torch.nn.Module, ignored: frozenset[str] = frozenset()
+) -> tuple[int | None, list[str] | None]:
     """(rank, names of the parameters that got no gradient) read from DDP's error message;
     (None, None) where the message does not say in a form this version understands."""
     found = _NAMES.search(message)

@@ -40,29 +40,40 @@ def save(path: Path, engine: Any, models: Sequence[torch.nn.Module]) -> None:
                 save_file(model.state_dict(), path / f"model_{i}.pt")
 
 
-def load(path: Path, engine: Any, models: Sequence[torch.nn.Module], *, trusted: bool = False) -> None:
+def load(
+    path: Path, engine: Any, models: Sequence[torch.nn.Module], *, trusted: bool = False
+) -> None:
     folder = path / "deepspeed"
     if not (folder / _TAG).is_dir():
-        raise CheckpointError(f"checkpoint {str(path)!r} has no DeepSpeed engine state ({folder.name}/{_TAG})")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has no DeepSpeed engine state ({folder.name}/{_TAG})"
+        )
     frozen = {}
     for i, model in enumerate(models):
         if model is not engine:
             state = load_file(path / f"model_{i}.pt", trusted=trusted)
             _plain_state.check_model(path / f"model_{i}.pt", model, state)
             frozen[i] = state
-    checked = contextlib.nullcontext() if trusted else _deepspeed_compat.checked_loads(engine, _check)
+    checked = (
+        contextlib.nullcontext() if trusted else _deepspeed_compat.checked_loads(engine, _check)
+    )
     with checked:
-        loaded, _ = engine.load_checkpoint(str(folder), tag=_TAG, load_optimizer_states=True,
-                                           load_lr_scheduler_states=False)
+        loaded, _ = engine.load_checkpoint(
+            str(folder), tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
     if loaded is None:
-        raise CheckpointError(f"checkpoint {str(folder)!r}: DeepSpeed could not load it (see its log)")
+        raise CheckpointError(
+            f"checkpoint {str(folder)!r}: DeepSpeed could not load it (see its log)"
+        )
     for i, state in frozen.items():
         models[i].load_state_dict(state)
 
 
 def _check(file: str) -> None:
     """Refuse a DeepSpeed file naming a global outside its format's allow-list."""
-    refused = safety.refused_in_file(Path(file), allow_list(_deepspeed_compat.CHECKPOINT_GLOBALS).__contains__)
+    refused = safety.refused_in_file(
+        Path(file), allow_list(_deepspeed_compat.CHECKPOINT_GLOBALS).__contains__
+    )
     if refused is not None:
         raise CheckpointError(f"checkpoint file {file!r} names {refused}; refused")
 

@@ -30,7 +30,11 @@ class Clipping:
                 "clips by the 2-norm inside step(); use norm_type=2.0"
             )
         max_norm = float(max_norm)
-        if self.max_norm is not None and self.max_norm > 0 and not math.isclose(self.max_norm, max_norm):
+        if (
+            self.max_norm is not None
+            and self.max_norm > 0
+            and not math.isclose(self.max_norm, max_norm)
+        ):
             raise ConfigError(
                 f"clip_grad_norm_(max_norm={max_norm}) contradicts DeepSpeed gradient_clipping="
                 f"{self.max_norm} set earlier; DeepSpeed clips inside step() with one value, so "

@@ -32,8 +32,9 @@ def _version() -> str:
 
 
 def _require(obj: object, name: str, what: str) -> Any:
-    return require_attr(obj, name, what=what, library="deepspeed", version=_version(),
-                        supported=SUPPORTED_DEEPSPEED)
+    return require_attr(
+        obj, name, what=what, library="deepspeed", version=_version(), supported=SUPPORTED_DEEPSPEED
+    )
 
 
 def set_clipping(engine: Any, max_norm: float) -> None:
@@ -74,8 +75,11 @@ def full_gradient_bytes(engine: Any) -> int:
     them on every rank until its flush (ZeRO 3 partitions a parameter: ``ds_numel`` is its
     full size)."""
     module = _require(engine, "module", "wrapped module")
-    return sum(int(getattr(p, "ds_numel", p.numel())) * p.element_size()
-               for p in module.parameters() if p.requires_grad)
+    return sum(
+        int(getattr(p, "ds_numel", p.numel())) * p.element_size()
+        for p in module.parameters()
+        if p.requires_grad
+    )
 
 
 def flat_fp32_masters(engine: Any) -> dict[int, torch.Tensor]:
@@ -122,11 +126,13 @@ def clear_window_gradients(engine: Any) -> None:
 #: The globals DeepSpeed's own checkpoint files name besides torch's ``weights_only`` set,
 #: read from checkpoints of every ZeRO stage (0-3), fp32 and bf16, with and without an LR
 #: scheduler, saved by DeepSpeed 0.19.8 (the bf16 and ZeRO optimizer states hold them).
-CHECKPOINT_GLOBALS = frozenset({
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-})
+CHECKPOINT_GLOBALS = frozenset(
+    {
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+    }
+)
 
 
 class _CheckedLoads:
@@ -163,8 +169,9 @@ class _DeferredWrites:
     gathers) and no rank waits in one for a rank that left. DeepSpeed's own torch engine
     writes through ``save_file`` (whose error names the file and the OS error)."""
 
-    def __init__(self, inner: Any, failed: list[BaseException],
-                 save_file: Callable[..., None]) -> None:
+    def __init__(
+        self, inner: Any, failed: list[BaseException], save_file: Callable[..., None]
+    ) -> None:
         self._inner = inner
         self._failed = failed
         self._save_file = save_file if type(inner).__name__ == "TorchCheckpointEngine" else None
@@ -192,7 +199,9 @@ class _DeferredWrites:
 
 
 @contextlib.contextmanager
-def deferred_write_errors(engine: Any, save_file: Callable[..., None]) -> Iterator[list[BaseException]]:
+def deferred_write_errors(
+    engine: Any, save_file: Callable[..., None]
+) -> Iterator[list[BaseException]]:
     """Inside: what ``engine.save_checkpoint`` fails to write (its checkpoint engine's files
     and folders, rank 0's recovery scripts) is recorded in the yielded list, not raised;
     the caller raises it after ``save_checkpoint`` returned on every rank."""

@@ -17,8 +17,16 @@ if TYPE_CHECKING:
     from gradsync.config import Config
 
 __all__ = [
-    "MICS_KEYS", "build_config", "check_batch", "check_hpz", "check_precision", "check_removed_keys",
-    "check_setup_batch", "fill_batch", "fill_precision", "load_ds_config",
+    "MICS_KEYS",
+    "build_config",
+    "check_batch",
+    "check_hpz",
+    "check_precision",
+    "check_removed_keys",
+    "check_setup_batch",
+    "fill_batch",
+    "fill_precision",
+    "load_ds_config",
 ]
 
 
@@ -38,7 +46,9 @@ def fill_batch(ds: dict[str, Any], *, micro: int | None, steps: int, world: int)
             "accel.prepare(model, optimizer, loader) call, or set Accelerator(micro_batch_size=...)"
         )
     ds = check_batch(ds, micro=micro, steps=steps, world=world)
-    ds.update({key: value for key, value in _ours(micro, steps, world).items() if _is_auto(ds.get(key))})
+    ds.update(
+        {key: value for key, value in _ours(micro, steps, world).items() if _is_auto(ds.get(key))}
+    )
     return ds
 
 
@@ -54,14 +64,16 @@ def check_batch(ds: dict[str, Any], *, micro: int | None, steps: int, world: int
     """Refuse a batch key of the DeepSpeed config that contradicts gradsync's plan (those the
     plan knows: the accumulation steps always, the batch sizes once the micro batch is known);
     "auto" or absent keys are fine. Returns ``ds`` unchanged."""
-    where = (f"micro_batch_size={'?' if micro is None else micro} x gradient_accumulation_steps="
-             f"{steps} x world_size={world}")
+    where = (
+        f"micro_batch_size={'?' if micro is None else micro} x gradient_accumulation_steps="
+        f"{steps} x world_size={world}"
+    )
     for key, mine in _ours(micro, steps, world).items():
         value = ds.get(key)
         if not _is_auto(value) and value != mine:
             raise ConfigError(
                 f"deepspeed_config {key}={value!r} contradicts gradsync's {key}={mine} "
-                f"({where}); set it to \"auto\" or remove it so gradsync fills it, or change "
+                f'({where}); set it to "auto" or remove it so gradsync fills it, or change '
                 "the Accelerator's batch settings to agree"
             )
     return ds
@@ -112,22 +124,31 @@ def check_setup_batch(ds: dict[str, Any], config: Config, world: int) -> None:
     (under a schedule, against the first window's k: gradsync drives DeepSpeed's boundary
     itself after that)."""
     plan, _ = solve_with_schedule(
-        data_parallel_size=world, global_batch_size=config.global_batch_size,
+        data_parallel_size=world,
+        global_batch_size=config.global_batch_size,
         micro_batch_size=config.micro_batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
     )
-    check_batch(ds, micro=plan.micro_batch_size, steps=plan.gradient_accumulation_steps, world=world)
+    check_batch(
+        ds, micro=plan.micro_batch_size, steps=plan.gradient_accumulation_steps, world=world
+    )
 
 
 def build_config(
-    base: dict[str, Any], *, given_optimizer: bool, plan: BatchPlan, world: int,
-    mixed_precision: str, cpu: bool,
+    base: dict[str, Any],
+    *,
+    given_optimizer: bool,
+    plan: BatchPlan,
+    world: int,
+    mixed_precision: str,
+    cpu: bool,
 ) -> dict[str, Any]:
     """The config ``deepspeed.initialize`` gets: the batch keys from the plan, clipping off
     unless asked, the mixed-precision section, and exactly one optimizer (a torch one given
     to prepare, or the config's section)."""
-    ds = fill_batch(dict(base), micro=plan.micro_batch_size, steps=plan.gradient_accumulation_steps,
-                    world=world)
+    ds = fill_batch(
+        dict(base), micro=plan.micro_batch_size, steps=plan.gradient_accumulation_steps, world=world
+    )
     # DeepSpeed clips at 1.0 by default; gradsync clips only when asked (clip_grad_norm_).
     ds.setdefault("gradient_clipping", 0.0)
     fill_precision(ds, mixed_precision)
@@ -151,7 +172,11 @@ def build_config(
 
 
 def _enabled(section: Any) -> bool:
-    return isinstance(section, dict) and section.get("enabled", False) not in (False, "false", "auto")
+    return isinstance(section, dict) and section.get("enabled", False) not in (
+        False,
+        "false",
+        "auto",
+    )
 
 
 def fill_precision(ds: dict[str, Any], mixed_precision: str) -> dict[str, Any]:

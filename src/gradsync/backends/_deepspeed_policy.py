@@ -32,17 +32,23 @@ def resolve(asked: RequestedPolicy, stage: int) -> tuple[SyncPolicy, str]:
     )
 
 
-def decide(engine: Any, stage: int, budget: tuple[int | None, str], device: torch.device,
-           version: str) -> tuple[SyncPolicy, str, dict[str, int]]:
+def decide(
+    engine: Any, stage: int, budget: tuple[int | None, str], device: torch.device, version: str
+) -> tuple[SyncPolicy, str, dict[str, int]]:
     """``auto`` on ZeRO 2/3: defer (one coalesced reduction per window) when DeepSpeed can
     coalesce and the window's unreduced gradients fit the memory budget, else native.
     Returns the policy, the reason with its numbers, and the numbers."""
     if not _deepspeed_compat.can_coalesce(engine):
-        return "native", (
-            f"auto -> native: ZeRO {stage} reduces on every micro-step, because deepspeed "
-            f"{version} cannot coalesce the reduction for its {type(engine.optimizer).__name__} "
-            "(coalesce_grad_reduction raises NotImplementedError for the BF16/FP16 optimizer "
-            "wrappers)"), {}
+        return (
+            "native",
+            (
+                f"auto -> native: ZeRO {stage} reduces on every micro-step, because deepspeed "
+                f"{version} cannot coalesce the reduction for its {type(engine.optimizer).__name__} "
+                "(coalesce_grad_reduction raises NotImplementedError for the BF16/FP16 optimizer "
+                "wrappers)"
+            ),
+            {},
+        )
     world = dist.world_size()
     full = _deepspeed_compat.full_gradient_bytes(engine)
     extra = full - full // world
@@ -50,7 +56,19 @@ def decide(engine: Any, stage: int, budget: tuple[int | None, str], device: torc
     memory = {"deferral_extra_bytes": extra, "world_size": world, "budget_bytes": b.nbytes}
     text = extra_text(extra, "unreduced gradients", world)
     if extra <= b.nbytes:
-        return "defer", (f"auto -> defer (one coalesced reduction per window): {text}, which "
-                         f"fits the budget {b.describe()}"), memory
-    return "native", (f"auto -> native (ZeRO {stage} reduces on every micro-step): {text}, "
-                      f"which exceeds the budget {b.describe()}"), memory
+        return (
+            "defer",
+            (
+                f"auto -> defer (one coalesced reduction per window): {text}, which "
+                f"fits the budget {b.describe()}"
+            ),
+            memory,
+        )
+    return (
+        "native",
+        (
+            f"auto -> native (ZeRO {stage} reduces on every micro-step): {text}, "
+            f"which exceeds the budget {b.describe()}"
+        ),
+        memory,
+    )

@@ -76,8 +76,14 @@ ShardedDataParallel, OSS, FullyShardedDataParallel, VERSION = _import()
 
 
 def _require(obj: object, name: str, what: str) -> Any:
-    return require_attr(obj, name, what=f"ShardedDataParallel {what}", library="fairscale",
-                        version=VERSION, supported=SUPPORTED_FAIRSCALE)
+    return require_attr(
+        obj,
+        name,
+        what=f"ShardedDataParallel {what}",
+        library="fairscale",
+        version=VERSION,
+        supported=SUPPORTED_FAIRSCALE,
+    )
 
 
 @contextlib.contextmanager

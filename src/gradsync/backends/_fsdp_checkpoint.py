@@ -77,17 +77,27 @@ def _put_sharded_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None
         local.copy_(g)
 
 
-def save(path: Path, models: Sequence[nn.Module], optimizers: Sequence[Held], *,
-         window_open: bool, device: torch.device) -> None:
+def save(
+    path: Path,
+    models: Sequence[nn.Module],
+    optimizers: Sequence[Held],
+    *,
+    window_open: bool,
+    device: torch.device,
+) -> None:
     for i, model in enumerate(models):
         _write(_model_state(model), path / f"dcp_{i}")
     for held in optimizers:
         _write(_optim_state(models, held), _folder(path, held))
     if window_open:
-        window = [{"sharded": _sharded_grads(m),
-                   "unsharded": _fsdp_compat.window_grads(m) if isinstance(m, FSDPModule) else [],
-                   "partial": _fsdp_compat.partial_buffers(m) if isinstance(m, FSDPModule) else []}
-                  for m in models]
+        window = [
+            {
+                "sharded": _sharded_grads(m),
+                "unsharded": _fsdp_compat.window_grads(m) if isinstance(m, FSDPModule) else [],
+                "partial": _fsdp_compat.partial_buffers(m) if isinstance(m, FSDPModule) else [],
+            }
+            for m in models
+        ]
         save_file(window, path / f"window_rank{dist.rank()}.pt")
 
 
@@ -101,10 +111,14 @@ def _write(state: dict[str, Any], folder: Path) -> None:
     except CheckpointException as err:
         own = err.failures.get(dist.rank())
         if own is None:
-            raise PeerFailed(f"rank(s) {sorted(err.failures)} failed writing {folder.name}") from None
+            raise PeerFailed(
+                f"rank(s) {sorted(err.failures)} failed writing {folder.name}"
+            ) from None
         found = os_error(own[0])
         if found is None:
-            raise RuntimeError(f"writing {folder.name}: {type(own[0]).__name__}: {one_line(own[0])}") from None
+            raise RuntimeError(
+                f"writing {folder.name}: {type(own[0]).__name__}: {one_line(own[0])}"
+            ) from None
         raise with_file(found, folder) from None
 
 
@@ -119,7 +133,9 @@ class _CheckedReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         meta = self._folder / ".metadata"
-        refused = safety.refused_in_file(meta, lambda g: g in safety.DCP_METADATA_GLOBALS or self._allowed(g))
+        refused = safety.refused_in_file(
+            meta, lambda g: g in safety.DCP_METADATA_GLOBALS or self._allowed(g)
+        )
         if refused is not None:
             raise CheckpointError(f"checkpoint file {str(meta)!r} names {refused}; refused")
         return super().read_metadata(*args, **kwargs)
@@ -144,27 +160,49 @@ class _CheckedPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
-def _read(folder: Path, state: dict[str, Any], what: str, *, trusted: bool,
-          allowed: Callable[[str], bool] | None) -> None:
+def _read(
+    folder: Path,
+    state: dict[str, Any],
+    what: str,
+    *,
+    trusted: bool,
+    allowed: Callable[[str], bool] | None,
+) -> None:
     if not folder.is_dir():
-        raise CheckpointError(f"checkpoint {str(folder.parent)!r} has no {folder.name} (it holds fewer {what}s)")
+        raise CheckpointError(
+            f"checkpoint {str(folder.parent)!r} has no {folder.name} (it holds fewer {what}s)"
+        )
     try:
         if trusted or allowed is None:
             dcp_load(state, checkpoint_id=str(folder))
         else:
-            dcp_load(state, storage_reader=_CheckedReader(folder, allowed),
-                     planner=_CheckedPlanner(folder, allowed))
+            dcp_load(
+                state,
+                storage_reader=_CheckedReader(folder, allowed),
+                planner=_CheckedPlanner(folder, allowed),
+            )
     except CheckpointError:
         raise
     except Exception as err:
         text = " ".join(str(err).split())[:300]
-        raise CheckpointError(f"checkpoint {str(folder)!r} does not fit the {what}: {text}") from None
+        raise CheckpointError(
+            f"checkpoint {str(folder)!r} does not fit the {what}: {text}"
+        ) from None
 
 
-def load(path: Path, models: Sequence[nn.Module], optimizers: Sequence[Held], *,
-         window_open: bool, device: torch.device, trusted: bool = False,
-         allowed: Callable[[str], bool] | None = None) -> None:
-    window = load_file(path / f"window_rank{dist.rank()}.pt", trusted=trusted) if window_open else None
+def load(
+    path: Path,
+    models: Sequence[nn.Module],
+    optimizers: Sequence[Held],
+    *,
+    window_open: bool,
+    device: torch.device,
+    trusted: bool = False,
+    allowed: Callable[[str], bool] | None = None,
+) -> None:
+    window = (
+        load_file(path / f"window_rank{dist.rank()}.pt", trusted=trusted) if window_open else None
+    )
     # Read everything before anything is set: a file that does not fit changes nothing.
     model_states = []
     for i, model in enumerate(models):
@@ -179,8 +217,12 @@ def load(path: Path, models: Sequence[nn.Module], optimizers: Sequence[Held], *,
     for model, state in zip(models, model_states):
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     for held, state in zip(optimizers, optim_states):
-        set_state_dict(_holder(models, held), [held.optimizer], model_state_dict={},
-                       optim_state_dict=state["optim"])
+        set_state_dict(
+            _holder(models, held),
+            [held.optimizer],
+            model_state_dict={},
+            optim_state_dict=state["optim"],
+        )
     if window is not None:
         for model, saved in zip(models, window):
             _put_sharded_grads(model, saved["sharded"])

@@ -31,8 +31,14 @@ GroupFlags = tuple[Any, bool, bool, Any, Any]
 
 
 def _require(obj: object, name: str, what: str) -> Any:
-    return require_attr(obj, name, what=f"FSDP2 {what}", library="torch",
-                        version=torch.__version__, supported=SUPPORTED_TORCH)
+    return require_attr(
+        obj,
+        name,
+        what=f"FSDP2 {what}",
+        library="torch",
+        version=torch.__version__,
+        supported=SUPPORTED_TORCH,
+    )
 
 
 def param_groups(model: nn.Module) -> Iterator[Any]:
@@ -46,10 +52,13 @@ def param_groups(model: nn.Module) -> Iterator[Any]:
 def save_flags(model: nn.Module) -> list[GroupFlags]:
     """The sync flags every group holds now (to be put back exactly by ``restore_flags``)."""
     return [
-        (g, _require(g, "reduce_grads", "gradient-sync flag"),
-         _require(g, "all_reduce_grads", "all-reduce flag"),
-         _require(g, "reshard_after_backward", "reshard-after-backward flag"),
-         _require(g, "post_forward_mesh_info", "reshard-after-forward mesh"))
+        (
+            g,
+            _require(g, "reduce_grads", "gradient-sync flag"),
+            _require(g, "all_reduce_grads", "all-reduce flag"),
+            _require(g, "reshard_after_backward", "reshard-after-backward flag"),
+            _require(g, "post_forward_mesh_info", "reshard-after-forward mesh"),
+        )
         for g in param_groups(model)
     ]
 
@@ -67,7 +76,9 @@ def lazy_init(model: nn.Module) -> None:
     the root and turns off the root's reshard after forward); running it before flags are
     saved keeps it from changing them behind ``save_flags``."""
     if isinstance(model, FSDPModule):
-        _require(_require(model, "_get_fsdp_state", "per-module state")(), "_lazy_init", "lazy init")()
+        _require(
+            _require(model, "_get_fsdp_state", "per-module state")(), "_lazy_init", "lazy init"
+        )()
 
 
 def keep_gathered(model: nn.Module, *, after_forward: bool, after_backward: bool) -> None:
@@ -111,7 +122,9 @@ def window_grads(model: nn.Module) -> list[torch.Tensor | None]:
     out: list[torch.Tensor | None] = []
     for group in param_groups(model):
         for fsdp_param in _require(group, "fsdp_params", "parameters of a group"):
-            grad = _require(fsdp_param, "unsharded_accumulated_grad", "accumulated unsharded gradient")
+            grad = _require(
+                fsdp_param, "unsharded_accumulated_grad", "accumulated unsharded gradient"
+            )
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if grad is None and unsharded is not None:
                 grad = unsharded.grad
@@ -119,13 +132,20 @@ def window_grads(model: nn.Module) -> list[torch.Tensor | None]:
     return out
 
 
-def put_window_grads(model: nn.Module, grads: list[torch.Tensor | None], device: torch.device) -> None:
+def put_window_grads(
+    model: nn.Module, grads: list[torch.Tensor | None], device: torch.device
+) -> None:
     """Give a deferred window's saved gradients back to FSDP2 as its accumulated unsharded
     gradients: the next backward adds to them, and the boundary reduce-scatters the sum."""
-    fsdp_params = [fp for group in param_groups(model)
-                   for fp in _require(group, "fsdp_params", "parameters of a group")]
+    fsdp_params = [
+        fp
+        for group in param_groups(model)
+        for fp in _require(group, "fsdp_params", "parameters of a group")
+    ]
     if len(fsdp_params) != len(grads):
-        raise ValueError(f"the window holds {len(grads)} gradients, the model has {len(fsdp_params)} parameters")
+        raise ValueError(
+            f"the window holds {len(grads)} gradients, the model has {len(fsdp_params)} parameters"
+        )
     for fsdp_param, grad in zip(fsdp_params, grads):
         _require(fsdp_param, "unsharded_accumulated_grad", "accumulated unsharded gradient")
         fsdp_param.unsharded_accumulated_grad = None if grad is None else grad.to(device)
@@ -157,12 +177,16 @@ def partial_buffers(model: nn.Module) -> list[torch.Tensor | None]:
     return out
 
 
-def put_partial_buffers(model: nn.Module, buffers: list[torch.Tensor | None], device: torch.device) -> None:
+def put_partial_buffers(
+    model: nn.Module, buffers: list[torch.Tensor | None], device: torch.device
+) -> None:
     """Give saved partial buffers back to their groups: the boundary adds them before its
     all-reduce across replicas."""
     groups = list(param_groups(model))
     if len(groups) != len(buffers):
-        raise ValueError(f"the window holds {len(buffers)} partial buffers, the model has {len(groups)} groups")
+        raise ValueError(
+            f"the window holds {len(buffers)} partial buffers, the model has {len(groups)} groups"
+        )
     for group, buffer in zip(groups, buffers):
         _require(group, "_partial_reduce_output", "partial all-reduce buffer")
         group._partial_reduce_output = None if buffer is None else buffer.to(device)

@@ -16,8 +16,18 @@ from gradsync.backends._memory import AUTO_BUDGET_FRACTION, Budget, available_me
 from gradsync.config import RequestedPolicy, SyncPolicy
 from gradsync.errors import ConfigError
 
-__all__ = ["AUTO_BUDGET_FRACTION", "Keep", "available_memory", "crosses_nodes", "decide",
-           "deferral_cost", "held_numel", "mesh_shape", "partial_cost", "select_units"]
+__all__ = [
+    "AUTO_BUDGET_FRACTION",
+    "Keep",
+    "available_memory",
+    "crosses_nodes",
+    "decide",
+    "deferral_cost",
+    "held_numel",
+    "mesh_shape",
+    "partial_cost",
+    "select_units",
+]
 
 _MESH_FIX = "give (R, S) with R x S = the world size (one of them may be -1), or 'node'"
 
@@ -56,6 +66,7 @@ def crosses_nodes(shards: int, per_node: int) -> bool:
     """A shard group of ``shards`` ranks spans nodes: it does not divide the processes per node."""
     return shards > 1 and per_node % shards != 0
 
+
 #: How long a deferred window keeps the parameters gathered: "no" (FSDP2's default: gathered
 #: for forward, again for backward), "after_backward" (the deprecated
 #: fsdp_reshard_after_backward=False: from backward to the next forward) or "window" (from the
@@ -70,9 +81,11 @@ def select_units(model: nn.Module, wrap: Any = None) -> list[nn.Module]:
     module class names or classes, or a callable ``module -> bool``.
     """
     if wrap is None:
+
         def pick(parent: nn.Module, child: nn.Module) -> bool:
             return isinstance(parent, nn.ModuleList | nn.Sequential)
     elif callable(wrap) and not isinstance(wrap, type):
+
         def pick(parent: nn.Module, child: nn.Module) -> bool:
             return bool(wrap(child))
     else:
@@ -115,7 +128,9 @@ def held_numel(param: Any) -> int:
     return full
 
 
-def deferral_cost(model: nn.Module, world: int, *, grad_bytes: int | None, keep_params: bool) -> int:
+def deferral_cost(
+    model: nn.Module, world: int, *, grad_bytes: int | None, keep_params: bool
+) -> int:
     """Extra bytes per rank that deferring holds: the unsharded gradients minus their shard
     (in the gradient dtype), plus the whole gathered parameters when they stay gathered
     (FSDP2 keeps each rank's shard beside the gathered copy, so nothing is subtracted).
@@ -135,9 +150,18 @@ def partial_cost(model: nn.Module, shards: int, *, grad_bytes: int | None) -> in
     return -(-full // shards)
 
 
-def decide(asked: RequestedPolicy, keep: bool | None, legacy_keep: bool, *, grads: int, full: int,
-           budget: Budget | None, world: int, replicas: int = 1,
-           partial: int = 0) -> tuple[SyncPolicy, Keep, int, str]:
+def decide(
+    asked: RequestedPolicy,
+    keep: bool | None,
+    legacy_keep: bool,
+    *,
+    grads: int,
+    full: int,
+    budget: Budget | None,
+    world: int,
+    replicas: int = 1,
+    partial: int = 0,
+) -> tuple[SyncPolicy, Keep, int, str]:
     """Pick the deferral level. ``grads`` / ``full``: extra bytes per rank that deferring
     holds for the gradients alone / for gradients and parameters. ``keep``: the option
     fsdp_keep_params_in_window (None: auto decides by the budget; explicit policies do not
@@ -146,16 +170,23 @@ def decide(asked: RequestedPolicy, keep: bool | None, legacy_keep: bool, *, grad
     1-D), where ``partial`` bytes per rank are what defer_replicate holds."""
     g_text = extra_text(grads, "unsharded gradients", world)
     f_text = extra_text(full, "unsharded gradients and parameters", world, gathered=True)
-    p_text = (f"defer_replicate holds a partial buffer of {human_bytes(partial)} ({partial} bytes) "
-              f"per rank (1/{world} of the gradients) and all-reduces across the {replicas} "
-              "replicas once per window")
+    p_text = (
+        f"defer_replicate holds a partial buffer of {human_bytes(partial)} ({partial} bytes) "
+        f"per rank (1/{world} of the gradients) and all-reduces across the {replicas} "
+        "replicas once per window"
+    )
     if asked == "every_step":
         return "every_step", "no", 0, f"every_step (requested): {g_text} when deferring"
     if asked == "defer_replicate":
         return "defer_replicate", "no", partial, f"defer_replicate (requested): {p_text}"
     if asked == "defer":
         if keep:
-            return "defer", "window", full, f"defer (requested), parameters kept gathered in the window: {f_text}"
+            return (
+                "defer",
+                "window",
+                full,
+                f"defer (requested), parameters kept gathered in the window: {f_text}",
+            )
         if legacy_keep:
             return "defer", "after_backward", full, f"defer (requested): {f_text}"
         return "defer", "no", grads, f"defer (requested): {g_text}"
@@ -163,23 +194,53 @@ def decide(asked: RequestedPolicy, keep: bool | None, legacy_keep: bool, *, grad
     b = budget.describe()
     texts = {"window": f_text, "after_backward": f_text, "no": g_text}
     options: list[tuple[Keep, int]] = (
-        [("after_backward", full)] if legacy_keep and keep is None
-        else [("window", full)] if keep else [("no", grads)] if keep is False
+        [("after_backward", full)]
+        if legacy_keep and keep is None
+        else [("window", full)]
+        if keep
+        else [("no", grads)]
+        if keep is False
         else [("window", full), ("no", grads)]
     )
     for i, (level, extra) in enumerate(options):
         if extra <= budget.nbytes:
-            how = {"window": ", parameters kept gathered in the window",
-                   "after_backward": ", parameters kept gathered after backward",
-                   "no": " (gradients only)" if keep is None else ""}[level]
-            also = (f"; keeping the parameters gathered too would hold {human_bytes(full)} "
-                    f"({full} bytes), which exceeds it") if i > 0 else ""
-            return "defer", level, extra, f"auto -> defer{how}: {texts[level]}, which fits the budget {b}{also}"
+            how = {
+                "window": ", parameters kept gathered in the window",
+                "after_backward": ", parameters kept gathered after backward",
+                "no": " (gradients only)" if keep is None else "",
+            }[level]
+            also = (
+                (
+                    f"; keeping the parameters gathered too would hold {human_bytes(full)} "
+                    f"({full} bytes), which exceeds it"
+                )
+                if i > 0
+                else ""
+            )
+            return (
+                "defer",
+                level,
+                extra,
+                f"auto -> defer{how}: {texts[level]}, which fits the budget {b}{also}",
+            )
     level, _ = options[-1]
     if replicas > 1 and partial <= budget.nbytes:
-        return ("defer_replicate", "no", partial,
-                f"auto -> defer_replicate: {texts[level]}, which exceeds the budget {b}; {p_text}, which fits it")
+        return (
+            "defer_replicate",
+            "no",
+            partial,
+            f"auto -> defer_replicate: {texts[level]}, which exceeds the budget {b}; {p_text}, which fits it",
+        )
     if replicas > 1:
-        return ("every_step", "no", 0, f"auto -> every_step: {texts[level]}, and {p_text}: both "
-                f"exceed the budget {b}")
-    return "every_step", "no", 0, f"auto -> every_step: {texts[level]}, which exceeds the budget {b}"
+        return (
+            "every_step",
+            "no",
+            0,
+            f"auto -> every_step: {texts[level]}, and {p_text}: both exceed the budget {b}",
+        )
+    return (
+        "every_step",
+        "no",
+        0,
+        f"auto -> every_step: {texts[level]}, which exceeds the budget {b}",
+    )

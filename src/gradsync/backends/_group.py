@@ -16,8 +16,14 @@ from gradsync import audit
 from gradsync._dist import is_distributed, rank_info
 from gradsync.errors import UsageError
 
-__all__ = ["broadcast_from_rank0", "ensure_process_group", "local_device", "rank_info",
-           "release_process_group", "use_cuda"]
+__all__ = [
+    "broadcast_from_rank0",
+    "ensure_process_group",
+    "local_device",
+    "rank_info",
+    "release_process_group",
+    "use_cuda",
+]
 
 log = logging.getLogger("gradsync")
 
@@ -37,8 +43,9 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def ensure_process_group(backend_name: str, *, want_audit: bool, self_check: bool = False,
-                         timeout: float | None = None) -> bool:
+def ensure_process_group(
+    backend_name: str, *, want_audit: bool, self_check: bool = False, timeout: float | None = None
+) -> bool:
     """Join the running process group, or create one from the launcher's environment.
 
     A group gradsync creates goes through the audit's counting wrapper when ``want_audit``

@@ -68,6 +68,10 @@ def agreed_budget(given: int | None, name: str, device: torch.device) -> Budget:
 def extra_text(extra: int, what: str, world: int, *, gathered: bool = False) -> str:
     """'deferring holds 1.4 KiB (1410 bytes) of extra <what> per rank (...)'; ``gathered``:
     the parameters stay gathered too, all of their bytes beside the shard."""
-    how = (f"the gradients' full size minus this rank's 1/{world} shard, plus the whole gathered "
-           "parameters" if gathered else f"full size minus this rank's 1/{world} shard")
+    how = (
+        f"the gradients' full size minus this rank's 1/{world} shard, plus the whole gathered "
+        "parameters"
+        if gathered
+        else f"full size minus this rank's 1/{world} shard"
+    )
     return f"deferring holds {human_bytes(extra)} ({extra} bytes) of extra {what} per rank ({how})"

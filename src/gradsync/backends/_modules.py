@@ -35,12 +35,19 @@ def compile_in_place(module: nn.Module, kwargs: dict[str, Any] | None) -> None:
         module.compile(**kwargs)
 
 
-def refuse_wrapped(model: nn.Module, backend: str, config_checkpointing: Any,
-                   compile_kwargs: dict[str, Any] | None) -> None:
+def refuse_wrapped(
+    model: nn.Module, backend: str, config_checkpointing: Any, compile_kwargs: dict[str, Any] | None
+) -> None:
     """A model the user already wrapped for the backend is taken as it is; checkpointing or
     compiling it would have to happen before that wrapping, so asking for either is an error."""
-    asked = [name for name, value in (("activation_checkpointing", config_checkpointing),
-                                      ("compile", compile_kwargs)) if value is not None]
+    asked = [
+        name
+        for name, value in (
+            ("activation_checkpointing", config_checkpointing),
+            ("compile", compile_kwargs),
+        )
+        if value is not None
+    ]
     if asked:
         raise ConfigError(
             f"{' and '.join(asked)} with a model already wrapped in {type(model).__name__}: "

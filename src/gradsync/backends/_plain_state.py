@@ -33,7 +33,9 @@ def window_file(path: Path, rank: int) -> Path:
 
 def local_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The gradients this rank holds on ``module``'s parameters, by name."""
-    return {n: p.grad.detach().cpu().clone() for n, p in module.named_parameters() if p.grad is not None}
+    return {
+        n: p.grad.detach().cpu().clone() for n, p in module.named_parameters() if p.grad is not None
+    }
 
 
 def put_grads(module: torch.nn.Module, grads: dict[str, torch.Tensor]) -> None:
@@ -42,8 +44,16 @@ def put_grads(module: torch.nn.Module, grads: dict[str, torch.Tensor]) -> None:
         p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
 
 
-def save(path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Held],
-         unwrap: Unwrap, rank: int, *, window_open: bool, gathered_optimizers: bool = False) -> None:
+def save(
+    path: Path,
+    models: Sequence[torch.nn.Module],
+    optimizers: Sequence[Held],
+    unwrap: Unwrap,
+    rank: int,
+    *,
+    window_open: bool,
+    gathered_optimizers: bool = False,
+) -> None:
     """``gathered_optimizers``: an optimizer's ``state_dict()`` is a collective that gathers
     its shards (fairscale's OSS): every rank calls it, rank 0 writes it."""
     if gathered_optimizers:
@@ -52,8 +62,10 @@ def save(path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Hel
         for i, model in enumerate(models):
             save_file(unwrap(model).state_dict(), path / f"model_{i}.pt")
         for n, held in enumerate(optimizers):
-            save_file(states[n] if gathered_optimizers else held.optimizer.state_dict(),
-                      path / f"optimizer_{held.index}.pt")
+            save_file(
+                states[n] if gathered_optimizers else held.optimizer.state_dict(),
+                path / f"optimizer_{held.index}.pt",
+            )
     if window_open:
         save_file([local_grads(unwrap(m)) for m in models], window_file(path, rank))
 
@@ -86,14 +98,24 @@ def check_optimizer(where: Path, optimizer: Any, state: Any) -> None:
         )
 
 
-def load(path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Held],
-         unwrap: Unwrap, rank: int, *, window_open: bool, trusted: bool = False) -> None:
+def load(
+    path: Path,
+    models: Sequence[torch.nn.Module],
+    optimizers: Sequence[Held],
+    unwrap: Unwrap,
+    rank: int,
+    *,
+    window_open: bool,
+    trusted: bool = False,
+) -> None:
     # Read and check everything first: nothing reaches a model unless all of it fits.
     states = []
     for i, model in enumerate(models):
         file = path / f"model_{i}.pt"
         if not file.is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} has no {file.name} (it holds fewer models)")
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} has no {file.name} (it holds fewer models)"
+            )
         state = load_file(file, trusted=trusted)
         check_model(file, unwrap(model), state)
         states.append(state)
@@ -101,7 +123,9 @@ def load(path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Hel
     for held in optimizers:
         file = path / f"optimizer_{held.index}.pt"
         if not file.is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} has no {file.name} (it holds fewer optimizers)")
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} has no {file.name} (it holds fewer optimizers)"
+            )
         opt_states.append(load_file(file, trusted=trusted))
         check_optimizer(file, held.optimizer, opt_states[-1])
     grads = load_file(window_file(path, rank), trusted=trusted) if window_open else None

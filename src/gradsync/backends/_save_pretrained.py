@@ -23,8 +23,9 @@ ARRIVAL_TIMEOUT_S = 60.0
 _meetings = [0]
 
 
-def gather_in_save_pretrained(module: torch.nn.Module, gather: Callable[[], dict[str, Any]],
-                              barrier: Callable[[], None]) -> None:
+def gather_in_save_pretrained(
+    module: torch.nn.Module, gather: Callable[[], dict[str, Any]], barrier: Callable[[], None]
+) -> None:
     """Let ``module.save_pretrained`` (Transformers', or any whose signature takes
     ``state_dict``) write the full weights of a model whose own state dict holds shards.
 
@@ -65,8 +66,14 @@ def gather_in_save_pretrained(module: torch.nn.Module, gather: Callable[[], dict
                 "(is_main_process= picks the writer), or call accel.save_model(model, dir) on every rank"
             )
         _meetings[0] += 1
-        call.arguments["state_dict"] = gather() if given is None else {
-            k: v.full_tensor().detach().cpu() if isinstance(v, DTensor) else v for k, v in given.items()}
+        call.arguments["state_dict"] = (
+            gather()
+            if given is None
+            else {
+                k: v.full_tensor().detach().cpu() if isinstance(v, DTensor) else v
+                for k, v in given.items()
+            }
+        )
         result = own(*call.args, **call.kwargs)
         barrier()  # the other ranks return once the writer has written
         return result

@@ -49,7 +49,10 @@ STYLES: dict[str, tuple[Callable[[], ParallelStyle], str | None]] = {
 #: Where a style splits a layer's weight, by module type: dimension -> (attribute, what).
 _FEATURES: dict[type[nn.Module], dict[str, tuple[str, str]]] = {
     nn.Linear: {"out": ("out_features", "out_features"), "in": ("in_features", "in_features")},
-    nn.Embedding: {"out": ("embedding_dim", "embedding_dim"), "in": ("num_embeddings", "num_embeddings")},
+    nn.Embedding: {
+        "out": ("embedding_dim", "embedding_dim"),
+        "in": ("num_embeddings", "num_embeddings"),
+    },
 }
 
 
@@ -65,9 +68,14 @@ def resolve(model: nn.Module, plan: Any) -> Any:
     for pattern, style in patterns.items():
         hits = [n for n in names if fnmatchcase(n, pattern)]
         if not hits:
-            close = sorted({_shape(n) for n in names if n.rsplit(".", 1)[-1] == pattern.rsplit(".", 1)[-1]})
-            near = f"; module names look like {close[0]!r}" if close else (
-                f"; module names look like {', '.join(repr(n) for n in names[:4])}")
+            close = sorted(
+                {_shape(n) for n in names if n.rsplit(".", 1)[-1] == pattern.rsplit(".", 1)[-1]}
+            )
+            near = (
+                f"; module names look like {close[0]!r}"
+                if close
+                else (f"; module names look like {', '.join(repr(n) for n in names[:4])}")
+            )
             raise ConfigError(
                 f"tp_plan: the pattern {pattern!r} names no module of the {type(model).__name__}"
                 f"{near}: fix the pattern or drop it"
@@ -114,7 +122,9 @@ def check(model: nn.Module, plan: Any, degree: int) -> None:
                 )
             continue
         if style not in STYLES:
-            raise ConfigError(f"tp_plan: {name!r} -> {style!r} is no style; use one of {', '.join(STYLES)}")
+            raise ConfigError(
+                f"tp_plan: {name!r} -> {style!r} is no style; use one of {', '.join(STYLES)}"
+            )
         split = STYLES[style][1]
         module = modules[name]
         for kind, dims in _FEATURES.items():
@@ -142,13 +152,16 @@ def apply(model: nn.Module, plan: Any, tp_mesh: DeviceMesh) -> None:
     if callable(plan) and not isinstance(plan, Mapping):
         plan(model, tp_mesh)
         return
-    styles = {name: STYLES[style][0]() if isinstance(style, str) else style for name, style in plan.items()}
+    styles = {
+        name: STYLES[style][0]() if isinstance(style, str) else style
+        for name, style in plan.items()
+    }
     parallelize_module(model, tp_mesh, styles)
 
 
-
-
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` over DTensor gradients that live on several meshes (a
     split layer's on (dp_shard, tp), a layer left out of the plan on dp_shard alone), which
     torch's cannot stack: the norm of each mesh's gradients (made plain with
@@ -165,7 +178,11 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
         norm = torch.nn.utils.get_total_norm(group, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     stacked = torch.stack([n.to(norms[0].device, torch.float32) for n in norms])
-    total = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    total = (
+        stacked.max()
+        if math.isinf(norm_type)
+        else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g

@@ -37,8 +37,18 @@ if TYPE_CHECKING:
     from gradsync.backends._amp import WindowScaler
     from gradsync.config import Config
 
-__all__ = ["AdapterDefaults", "Backend", "Held", "RequestedPolicy", "SyncPolicy", "clear_grads", "is_frozen",
-           "not_prepared", "refuse_native", "single_optimizer"]
+__all__ = [
+    "AdapterDefaults",
+    "Backend",
+    "Held",
+    "RequestedPolicy",
+    "SyncPolicy",
+    "clear_grads",
+    "is_frozen",
+    "not_prepared",
+    "refuse_native",
+    "single_optimizer",
+]
 
 
 @dataclass(frozen=True)
@@ -54,8 +64,9 @@ class Held:
     legacy: bool = False
 
 
-def single_optimizer(backend: str, model: torch.nn.Module,
-                     optimizers: Sequence[torch.optim.Optimizer], why: str) -> torch.optim.Optimizer | None:
+def single_optimizer(
+    backend: str, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], why: str
+) -> torch.optim.Optimizer | None:
     """The one optimizer of ``model`` on a backend that wraps model and optimizer together
     (``why``): a ConfigError for several, or for one that also holds another model's
     parameters."""
@@ -92,7 +103,9 @@ class Backend(Protocol):
     policy: SyncPolicy
     policy_reason: str  # why the adapter resolved that policy, with its numbers ("" if nothing)
     owns_group: bool  # gradsync created the process group (and releases it)
-    scaler: WindowScaler | None  # the fp16 loss scaler the adapter drives (None: none / the backend's own)
+    scaler: (
+        WindowScaler | None
+    )  # the fp16 loss scaler the adapter drives (None: none / the backend's own)
 
     @property
     def device(self) -> torch.device: ...
@@ -115,7 +128,9 @@ class Backend(Protocol):
         the optimizer itself returns its own in that place, or a new one when none was
         given), or refuses in one line what the backend cannot do."""
 
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def attach(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.Optimizer:
         """An optimizer prepared in a later call than ``model`` (already wrapped), holding its
         parameters: the optimizer to use, or a one-line refusal where the backend builds its
         wrapper from model and optimizer together."""
@@ -181,20 +196,35 @@ class Backend(Protocol):
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
 
-    def save(self, path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Held], *,
-             window_open: bool) -> None:
+    def save(
+        self,
+        path: Path,
+        models: Sequence[torch.nn.Module],
+        optimizers: Sequence[Held],
+        *,
+        window_open: bool,
+    ) -> None:
         """Write the models and the optimizers (each with the models whose parameters it
         holds) into the folder ``path`` (collective). With ``window_open``, also the open
         window's local gradients of this rank, or a one-line error where the backend cannot."""
 
-    def load(self, path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Held], *,
-             window_open: bool, trusted: bool = False) -> None:
+    def load(
+        self,
+        path: Path,
+        models: Sequence[torch.nn.Module],
+        optimizers: Sequence[Held],
+        *,
+        window_open: bool,
+        trusted: bool = False,
+    ) -> None:
         """Read back what ``save`` wrote (collective); check before changing anything. Files
         are read without running code from them unless ``trusted``. A ``Held`` with
         ``legacy`` set was written by gradsync 0.1 (one optimizer per model, stored with it)."""
 
 
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
+
 def _seed(loss: torch.Tensor, factor: float) -> torch.Tensor | None:
     """``factor`` as a new scalar tensor like ``loss``, to seed its backward with; None where
     that would not be the same as ``(loss * factor).backward()``: a loss that is not a
@@ -243,7 +273,9 @@ class AdapterDefaults:
     def data_parallel(self) -> dist.DataParallel:
         return dist.world_data_parallel()
 
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def attach(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.Optimizer:
         return optimizer  # the wrapper left the parameters (or replaced them before it was built)
 
     def sync_next_backward(self, model: torch.nn.Module) -> None:
@@ -293,7 +325,10 @@ class AdapterDefaults:
         optimizer.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(
-        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
+        self,
+        model: torch.nn.Module,
+        parameters: Iterable[torch.Tensor],
+        max_norm: float,
         norm_type: float = 2.0,
     ) -> torch.Tensor:
         # At a boundary the gradients are reduced: the local norm is the global one.
@@ -314,8 +349,13 @@ class AdapterDefaults:
         dist.barrier()
 
 
-def not_prepared(model: torch.nn.Module, expected: str, *, why: str = "",
-                 fix: str = "`model = accel.prepare(model)`") -> UsageError:
+def not_prepared(
+    model: torch.nn.Module,
+    expected: str,
+    *,
+    why: str = "",
+    fix: str = "`model = accel.prepare(model)`",
+) -> UsageError:
     """The UsageError for ``accumulate()`` given a model other than the one ``prepare``
     returned: what it got, what it expected (``expected``), what would go wrong (``why``)
     and the fix."""
@@ -327,7 +367,7 @@ def not_prepared(model: torch.nn.Module, expected: str, *, why: str = "",
 
 
 def refuse_native(policy: str, backend_name: str) -> None:
-    """"native" names DeepSpeed's own accumulation: a ConfigError on any other backend."""
+    """ "native" names DeepSpeed's own accumulation: a ConfigError on any other backend."""
     if policy == "native":
         raise ConfigError(
             f"sync_policy='native' is DeepSpeed's; with backend={backend_name!r} use 'defer', "

@@ -50,7 +50,9 @@ class DDPBackend(AdapterDefaults):
                 )
             self.ddp_kwargs["find_unused_parameters"] = True
         self.owns_group = _group.ensure_process_group(
-            self.name, want_audit=config.audit, self_check=config.self_check and self.policy == "defer",
+            self.name,
+            want_audit=config.audit,
+            self_check=config.self_check and self.policy == "defer",
             timeout=config.timeout,
         )
         self._device = _group.local_device()
@@ -85,8 +87,11 @@ class DDPBackend(AdapterDefaults):
                 with self.autocast():
                     yield
                 return
-            raise not_prepared(model, "DistributedDataParallel model",
-                               why="gradients would sync on every micro-step")
+            raise not_prepared(
+                model,
+                "DistributedDataParallel model",
+                why="gradients would sync on every micro-step",
+            )
         # no_sync() saves require_backward_grad_sync and puts the saved value back on exit.
         defer = not boundary and self.policy != "every_step"
         try:
@@ -106,15 +111,36 @@ class DDPBackend(AdapterDefaults):
         model = _torch_compat.uncompiled(model)  # compiled after prepare, or before it
         return _torch_compat.uncompiled(model.module if isinstance(model, DDP) else model)
 
-    def save(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[Held], *, window_open: bool) -> None:
-        _plain_state.save(path, models, optimizers, self.unwrap, dist.rank(), window_open=window_open)
+    def save(
+        self,
+        path: Path,
+        models: Sequence[torch.nn.Module],
+        optimizers: Sequence[Held],
+        *,
+        window_open: bool,
+    ) -> None:
+        _plain_state.save(
+            path, models, optimizers, self.unwrap, dist.rank(), window_open=window_open
+        )
 
-    def load(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[Held], *, window_open: bool,
-             trusted: bool = False) -> None:
-        _plain_state.load(path, models, optimizers, self.unwrap, dist.rank(), window_open=window_open,
-                          trusted=trusted)
+    def load(
+        self,
+        path: Path,
+        models: Sequence[torch.nn.Module],
+        optimizers: Sequence[Held],
+        *,
+        window_open: bool,
+        trusted: bool = False,
+    ) -> None:
+        _plain_state.load(
+            path,
+            models,
+            optimizers,
+            self.unwrap,
+            dist.rank(),
+            window_open=window_open,
+            trusted=trusted,
+        )
 
 
 def _unused_message(model: DDP, torch_message: str) -> str:

@@ -103,7 +103,9 @@ class DeepSpeedBackend(AdapterDefaults):
         self._ds = load_ds_config(config.deepspeed_config)
         self.stage = int(self._ds.get("zero_optimization", {}).get("stage", 0))
         if self.stage not in (0, 1, 2, 3):
-            raise ConfigError(f"deepspeed_config zero_optimization.stage={self.stage} must be 0, 1, 2 or 3")
+            raise ConfigError(
+                f"deepspeed_config zero_optimization.stage={self.stage} must be 0, 1, 2 or 3"
+            )
         check_removed_keys(self._ds)
         check_hpz(self._ds, self.stage, dist.world_size())
         self._asked: RequestedPolicy = config.sync_policy
@@ -113,7 +115,9 @@ class DeepSpeedBackend(AdapterDefaults):
         self._clipping = Clipping(self._ds)
         # auto may defer on ZeRO 2/3 (decided at prepare): let the self-check count then too.
         self.owns_group = _group.ensure_process_group(
-            self.name, want_audit=config.audit, self_check=config.self_check and self.policy != "every_step",
+            self.name,
+            want_audit=config.audit,
+            self_check=config.self_check and self.policy != "every_step",
             timeout=config.timeout,
         )
         self._device = _group.local_device()
@@ -122,7 +126,9 @@ class DeepSpeedBackend(AdapterDefaults):
         self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], plan: BatchPlan
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         deepspeed = import_deepspeed()
-        optimizer = single_optimizer(self.name, model, optimizers, "one engine holds one model and its optimizer")
+        optimizer = single_optimizer(
+            self.name, model, optimizers, "one engine holds one model and its optimizer"
+        )
         if isinstance(model, deepspeed.DeepSpeedEngine):
             _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
             return model, [model.optimizer] if model.optimizer is not None else []
@@ -137,19 +143,31 @@ class DeepSpeedBackend(AdapterDefaults):
                 "model with trainable parameters was prepared: freeze it (requires_grad=False) "
                 "if it is a reference or teacher model, or train it with another backend"
             )
-        ds = build_config(self._ds, given_optimizer=optimizer is not None, plan=plan,
-                          world=dist.world_size(), mixed_precision=self._mixed_precision,
-                          cpu=not _group.use_cuda())
+        ds = build_config(
+            self._ds,
+            given_optimizer=optimizer is not None,
+            plan=plan,
+            world=dist.world_size(),
+            mixed_precision=self._mixed_precision,
+            cpu=not _group.use_cuda(),
+        )
         _modules.checkpoint_modules(_torch_compat.uncompiled(model), self._checkpointing)
         if not _group.use_cuda() and os.environ.get("GRADSYNC_DEEPSPEED_BUILD_OPS") != "1":
             import deepspeed.ops as ds_ops
 
             ds_ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of shm on CPU
         engine, ds_optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, model_parameters=list(model.parameters()),
-            config=ds, dist_init_required=False,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=list(model.parameters()),
+            config=ds,
+            dist_init_required=False,
         )
-        if self.policy == "defer" and self.stage in (2, 3) and not _deepspeed_compat.can_coalesce(engine):
+        if (
+            self.policy == "defer"
+            and self.stage in (2, 3)
+            and not _deepspeed_compat.can_coalesce(engine)
+        ):
             raise ConfigError(
                 f"sync_policy='defer' on ZeRO stage {self.stage} needs engine.coalesce_grad_reduction() "
                 f"for {type(engine.optimizer).__name__}, which deepspeed {deepspeed.__version__} does "
@@ -158,18 +176,23 @@ class DeepSpeedBackend(AdapterDefaults):
             )
         if self._compile is not None and _torch_compat.uncompiled(model) is model:
             kwargs = dict(self._compile)
-            engine.compile(**({"backend": kwargs.pop("backend")} if "backend" in kwargs else {}),
-                           compile_kwargs=kwargs)
+            engine.compile(
+                **({"backend": kwargs.pop("backend")} if "backend" in kwargs else {}),
+                compile_kwargs=kwargs,
+            )
         self.engine = engine
         self._ds = ds
         if self._asked == "auto" and self.stage in (2, 3):
             self.policy, self.policy_reason, self.memory = _deepspeed_policy.decide(
-                engine, self.stage, self._budget, self._device, deepspeed.__version__)
+                engine, self.stage, self._budget, self._device, deepspeed.__version__
+            )
         if dist.rank() == 0:
             log.info("gradsync deepspeed: sync_policy %s", self.policy_reason)
         return engine, [ds_optimizer] if ds_optimizer is not None else []
 
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def attach(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.Optimizer:
         raise ConfigError(
             f"backend={self.name!r} got the {type(optimizer).__name__} in a later prepare() call "
             "than its model (DeepSpeed builds its engine from the model and its optimizer together); prepare both in one call: "
@@ -226,7 +249,9 @@ class DeepSpeedBackend(AdapterDefaults):
 
     def backward(self, loss: torch.Tensor, factor: float = 1.0, **kwargs: Any) -> None:
         # gradsync's own scaling (1 / this window's size), not DeepSpeed's.
-        self.engine.backward(loss * factor if factor != 1.0 else loss, scale_wrt_gas=False, **kwargs)
+        self.engine.backward(
+            loss * factor if factor != 1.0 else loss, scale_wrt_gas=False, **kwargs
+        )
         if self.engine.is_gradient_accumulation_boundary():
             self._flush()
 
@@ -243,7 +268,10 @@ class DeepSpeedBackend(AdapterDefaults):
         return None
 
     def clip_grad_norm_(
-        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
+        self,
+        model: torch.nn.Module,
+        parameters: Iterable[torch.Tensor],
+        max_norm: float,
         norm_type: float = 2.0,
     ) -> torch.Tensor:
         self._clipping.set(self.engine, max_norm, norm_type)
@@ -263,13 +291,25 @@ class DeepSpeedBackend(AdapterDefaults):
         """The full fp32 weights on every rank (a collective: call it on all ranks)."""
         return _deepspeed_checkpoint.full_weights(self.engine, self.unwrap(model))
 
-    def save(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[Held], *, window_open: bool) -> None:
+    def save(
+        self,
+        path: Path,
+        models: Sequence[torch.nn.Module],
+        optimizers: Sequence[Held],
+        *,
+        window_open: bool,
+    ) -> None:
         if window_open:
             _deepspeed_checkpoint.refuse_open_window()
         _deepspeed_checkpoint.save(path, self.engine, models)
 
-    def load(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[Held], *, window_open: bool,
-             trusted: bool = False) -> None:
+    def load(
+        self,
+        path: Path,
+        models: Sequence[torch.nn.Module],
+        optimizers: Sequence[Held],
+        *,
+        window_open: bool,
+        trusted: bool = False,
+    ) -> None:
         _deepspeed_checkpoint.load(path, self.engine, models, trusted=trusted)

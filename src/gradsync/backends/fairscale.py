@@ -94,7 +94,9 @@ class FairscaleBackend(AdapterDefaults):
         self._dtype = _amp.autocast_dtype(config, _group.local_device())
         self.sdp_kwargs = dict(config.fairscale_kwargs or {})
         self.owns_group = _group.ensure_process_group(
-            self.name, want_audit=config.audit, self_check=config.self_check and self.policy == "defer",
+            self.name,
+            want_audit=config.audit,
+            self_check=config.self_check and self.policy == "defer",
             timeout=config.timeout,
         )
         self._device = _group.local_device()
@@ -102,8 +104,12 @@ class FairscaleBackend(AdapterDefaults):
     def prepare(
         self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], plan: BatchPlan
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
-        optimizer = single_optimizer(self.name, model, optimizers,
-                                     "ShardedDataParallel reduces to the owner of each OSS shard")
+        optimizer = single_optimizer(
+            self.name,
+            model,
+            optimizers,
+            "ShardedDataParallel reduces to the owner of each OSS shard",
+        )
         if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
             raise ConfigError(
                 "backend='fairscale' got a model wrapped in fairscale's FullyShardedDataParallel, "
@@ -143,12 +149,17 @@ class FairscaleBackend(AdapterDefaults):
 
     def _sharded_optimizer(self, model: torch.nn.Module) -> Any:
         if not isinstance(model, ShardedDataParallel) or model not in self._oss:
-            raise not_prepared(model, "ShardedDataParallel model",
-                               why="gradients cannot be deferred or reduced correctly",
-                               fix="`model, optimizer = accel.prepare(model, optimizer)`")
+            raise not_prepared(
+                model,
+                "ShardedDataParallel model",
+                why="gradients cannot be deferred or reduced correctly",
+                fix="`model, optimizer = accel.prepare(model, optimizer)`",
+            )
         return self._oss[model]
 
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def attach(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.Optimizer:
         raise ConfigError(
             f"backend={self.name!r} got the {type(optimizer).__name__} in a later prepare() call "
             "than its model (ShardedDataParallel is built from the model and its OSS optimizer together); prepare both in one call: "
@@ -170,7 +181,10 @@ class FairscaleBackend(AdapterDefaults):
         if self.policy == "every_step" and id(model) in self._reduced:
             self._rescale_for_next_reduction(oss)
         defer = not boundary and self.policy != "every_step"
-        with _fairscale_compat.no_sync(model) if defer else contextlib.nullcontext(), self.autocast():
+        with (
+            _fairscale_compat.no_sync(model) if defer else contextlib.nullcontext(),
+            self.autocast(),
+        ):
             yield
         if not defer:
             self._reduced.add(id(model))
@@ -209,7 +223,10 @@ class FairscaleBackend(AdapterDefaults):
         optimizer.zero_grad(set_to_none=False)
 
     def clip_grad_norm_(
-        self, model: torch.nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
+        self,
+        model: torch.nn.Module,
+        parameters: Iterable[torch.Tensor],
+        max_norm: float,
         norm_type: float = 2.0,
     ) -> torch.Tensor:
         oss = self._sharded_optimizer(model)
@@ -231,17 +248,41 @@ class FairscaleBackend(AdapterDefaults):
 
     def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         # A copy: OSS keeps the parameters as views of its flat broadcast buffers.
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrap(model).state_dict().items()}
+        return {
+            k: v.detach().to("cpu", copy=True) for k, v in self.unwrap(model).state_dict().items()
+        }
 
-    def save(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[Held], *, window_open: bool) -> None:
+    def save(
+        self,
+        path: Path,
+        models: Sequence[torch.nn.Module],
+        optimizers: Sequence[Held],
+        *,
+        window_open: bool,
+    ) -> None:
         if window_open:  # ShardedDataParallel's reduce buckets are views of the window's gradients
-            _plain_state.refuse_open_window(self.name, "its window gradients live in its reduce buckets")
-        _plain_state.save(path, models, optimizers, self.unwrap, dist.rank(), window_open=False,
-                          gathered_optimizers=True)
+            _plain_state.refuse_open_window(
+                self.name, "its window gradients live in its reduce buckets"
+            )
+        _plain_state.save(
+            path,
+            models,
+            optimizers,
+            self.unwrap,
+            dist.rank(),
+            window_open=False,
+            gathered_optimizers=True,
+        )
 
-    def load(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[Held], *, window_open: bool,
-             trusted: bool = False) -> None:
-        _plain_state.load(path, models, optimizers, self.unwrap, dist.rank(), window_open=False,
-                          trusted=trusted)
+    def load(
+        self,
+        path: Path,
+        models: Sequence[torch.nn.Module],
+        optimizers: Sequence[Held],
+        *,
+        window_open: bool,
+        trusted: bool = False,
+    ) -> None:
+        _plain_state.load(
+            path, models, optimizers, self.unwrap, dist.rank(), window_open=False, trusted=trusted
+        )

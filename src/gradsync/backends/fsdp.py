@@ -112,17 +112,27 @@ class FSDPBackend(AdapterDefaults):
         self._checkpointing = config.activation_checkpointing
         self._compile = _modules.compile_kwargs(config)
         self._wrap = config.fsdp_wrap
-        if config.fsdp_keep_params_in_window and config.sync_policy in ("every_step", "defer_replicate"):
+        if config.fsdp_keep_params_in_window and config.sync_policy in (
+            "every_step",
+            "defer_replicate",
+        ):
             raise ConfigError(
                 "fsdp_keep_params_in_window=True keeps the parameters gathered through a deferred "
                 f"window, and sync_policy={config.sync_policy!r} "
-                + ("defers nothing" if config.sync_policy == "every_step" else "reduces every micro-step")
+                + (
+                    "defers nothing"
+                    if config.sync_policy == "every_step"
+                    else "reduces every micro-step"
+                )
                 + "; use sync_policy='defer' or 'auto', or drop fsdp_keep_params_in_window"
             )
         # The mesh's size against the world, before any collective runs.
         self._dims = self._parallelism(config)
-        self._shape = self._mesh_shape(config.fsdp_mesh) if self._dims is None else (
-            self._dims.dp_replicate, self._dims.dp_shard)
+        self._shape = (
+            self._mesh_shape(config.fsdp_mesh)
+            if self._dims is None
+            else (self._dims.dp_replicate, self._dims.dp_shard)
+        )
         self._check_replicate_policy(config.fsdp_mesh if self._dims is None else self._dims.text())
         self._budget = config.memory_budget()
         self._keep_option = config.fsdp_keep_params_in_window
@@ -130,7 +140,9 @@ class FSDPBackend(AdapterDefaults):
         self.policy = "every_step" if config.sync_policy == "auto" else config.sync_policy
         self.policy_reason = f"sync_policy={config.sync_policy!r} (auto decides at prepare)"
         self.owns_group = _group.ensure_process_group(  # "auto" may defer: decided at prepare
-            self.name, want_audit=config.audit, self_check=config.self_check and self._asked != "every_step",
+            self.name,
+            want_audit=config.audit,
+            self_check=config.self_check and self._asked != "every_step",
             timeout=config.timeout,
         )
         self._device = _group.local_device()
@@ -194,8 +206,10 @@ class FSDPBackend(AdapterDefaults):
         self._world_mesh = world_mesh
         audit.label_group(world_mesh.get_group("tp"), "tp")
         if dims.tp > 1:  # the R x S ranks of each tp coordinate (every rank makes every group)
-            groups = [torch.distributed.new_group(list(range(t, dims.data_parallel * dims.tp, dims.tp)))
-                      for t in range(dims.tp)]
+            groups = [
+                torch.distributed.new_group(list(range(t, dims.data_parallel * dims.tp, dims.tp)))
+                for t in range(dims.tp)
+            ]
             me = dist.rank()
             group = groups[me % dims.tp]
             audit.label_group(group, "dp")
@@ -226,14 +240,22 @@ class FSDPBackend(AdapterDefaults):
                 "gradsync fsdp: fsdp_mesh=(%d, %d) shards over %d ranks, which does not divide the "
                 "%d processes per node: shard groups cross nodes (their reduce-scatters and "
                 "all-gathers go over the network); pick S dividing %d, or fsdp_mesh='node'",
-                replicas, shards, shards, per_node, per_node)
+                replicas,
+                shards,
+                shards,
+                per_node,
+                per_node,
+            )
         return replicas, shards
 
     def _check_replicate_policy(self, spec: Any) -> None:
         replicas, shards = self._shape
         if self._asked == "defer_replicate" and replicas == 1:
-            named = (f"parallelism={spec!r}" if self._dims is not None else
-                     f"fsdp_mesh={spec if not isinstance(spec, DeviceMesh) else tuple(spec.shape)!r}")
+            named = (
+                f"parallelism={spec!r}"
+                if self._dims is not None
+                else f"fsdp_mesh={spec if not isinstance(spec, DeviceMesh) else tuple(spec.shape)!r}"
+            )
             raise ConfigError(
                 f"sync_policy='defer_replicate' defers the all-reduce across replicas, and "
                 f"{named} has one replica (a 1-D mesh of {shards}); give "
@@ -248,13 +270,18 @@ class FSDPBackend(AdapterDefaults):
             return spec[names[1]] if spec.ndim == 2 and replicas == 1 else spec
         if replicas == 1:  # R = 1 is 1-D
             return init_device_mesh(self._device.type, (shards,))
-        return init_device_mesh(self._device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(
+            self._device.type, (replicas, shards), mesh_dim_names=("replicate", "shard")
+        )
 
     # -- prepare ------------------------------------------------------------
     def prepare(
         self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], plan: BatchPlan
     ) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
-        given, model = model, _torch_compat.uncompiled(model)  # compiled before prepare: shard inside
+        given, model = (
+            model,
+            _torch_compat.uncompiled(model),
+        )  # compiled before prepare: shard inside
         if not any(True for _ in model.parameters()):
             raise ConfigError(
                 f"backend='fsdp' got a {type(model).__name__} with no parameters; there is "
@@ -278,14 +305,17 @@ class FSDPBackend(AdapterDefaults):
             sharded = dict(model.named_parameters())
             for optimizer in optimizers:  # another model's parameters stay as they are
                 for group in optimizer.param_groups:
-                    group["params"] = [sharded[names[id(p)]] if id(p) in names else p
-                                       for p in group["params"]]
+                    group["params"] = [
+                        sharded[names[id(p)]] if id(p) in names else p for p in group["params"]
+                    ]
         else:
             _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
         if not is_frozen(model):  # a frozen model is sharded for its forward only
             self._decide(model)
         if isinstance(model, FSDPModule):  # its own state dict holds DTensor shards
-            _save_pretrained.gather_in_save_pretrained(model, lambda: self.state_dict(model), self.barrier)
+            _save_pretrained.gather_in_save_pretrained(
+                model, lambda: self.state_dict(model), self.barrier
+            )
         return given, list(optimizers)
 
     def _shard(self, model: nn.Module, *, compile_units: bool, plan: Any = None) -> None:
@@ -299,7 +329,9 @@ class FSDPBackend(AdapterDefaults):
             _tensor_parallel.apply(model, plan, self._world_mesh["tp"])
         kwargs: dict[str, Any] = {"mesh": self._mesh}
         if self._bf16:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
         # Checkpointing, then compiling, happen to the blocks before they are sharded.
         _modules.checkpoint_modules(model, self._checkpointing)
         units = select_units(model, self._wrap)
@@ -328,8 +360,16 @@ class FSDPBackend(AdapterDefaults):
         budget = agreed_budget(*self._budget, self._device) if self._asked == "auto" else None
         keep = False if isinstance(model, FSDP1) else self._keep_option  # FSDP1: no_sync only
         self.policy, self.keep, extra, self.policy_reason = decide(
-            self._asked, keep, self._legacy_keep and keep is not False, grads=grads, full=full,
-            budget=budget, world=shards, replicas=replicas, partial=partial)
+            self._asked,
+            keep,
+            self._legacy_keep and keep is not False,
+            grads=grads,
+            full=full,
+            budget=budget,
+            world=shards,
+            replicas=replicas,
+            partial=partial,
+        )
         self.memory = {"deferral_extra_bytes": extra, "world_size": world}
         if replicas > 1:
             self.memory.update(replicas=replicas, shards=shards)
@@ -382,7 +422,10 @@ class FSDPBackend(AdapterDefaults):
                     _fsdp_compat.reshard(model)
 
     def clip_grad_norm_(
-        self, model: nn.Module, parameters: Iterable[torch.Tensor], max_norm: float,
+        self,
+        model: nn.Module,
+        parameters: Iterable[torch.Tensor],
+        max_norm: float,
         norm_type: float = 2.0,
     ) -> torch.Tensor:
         model = _torch_compat.uncompiled(model)
@@ -395,7 +438,9 @@ class FSDPBackend(AdapterDefaults):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
 
-    def clip_grad_value_(self, model: nn.Module, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+    def clip_grad_value_(
+        self, model: nn.Module, parameters: Iterable[torch.Tensor], clip_value: float
+    ) -> None:
         if self._dims is not None and self._dims.tp > 1:  # gradients on several meshes
             _tensor_parallel.clip_grad_value_(parameters, clip_value)
             return
@@ -421,12 +466,33 @@ class FSDPBackend(AdapterDefaults):
             out[key] = full.detach().cpu()
         return out
 
-    def save(self, path: Path, models: Sequence[nn.Module],
-             optimizers: Sequence[Held], *, window_open: bool) -> None:
-        _fsdp_checkpoint.save(path, models, optimizers, window_open=window_open, device=self._device)
+    def save(
+        self,
+        path: Path,
+        models: Sequence[nn.Module],
+        optimizers: Sequence[Held],
+        *,
+        window_open: bool,
+    ) -> None:
+        _fsdp_checkpoint.save(
+            path, models, optimizers, window_open=window_open, device=self._device
+        )
 
-    def load(self, path: Path, models: Sequence[nn.Module],
-             optimizers: Sequence[Held], *, window_open: bool,
-             trusted: bool = False) -> None:
-        _fsdp_checkpoint.load(path, models, optimizers, window_open=window_open, device=self._device,
-                              trusted=trusted, allowed=allow_list(self.checkpoint_globals).__contains__)
+    def load(
+        self,
+        path: Path,
+        models: Sequence[nn.Module],
+        optimizers: Sequence[Held],
+        *,
+        window_open: bool,
+        trusted: bool = False,
+    ) -> None:
+        _fsdp_checkpoint.load(
+            path,
+            models,
+            optimizers,
+            window_open=window_open,
+            device=self._device,
+            trusted=trusted,
+            allowed=allow_list(self.checkpoint_globals).__contains__,
+        )

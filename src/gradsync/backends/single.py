@@ -50,12 +50,25 @@ class SingleBackend(AdapterDefaults):
     def barrier(self) -> None:
         return None  # one process: nothing to wait for
 
-    def save(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[Held], *, window_open: bool) -> None:
+    def save(
+        self,
+        path: Path,
+        models: Sequence[torch.nn.Module],
+        optimizers: Sequence[Held],
+        *,
+        window_open: bool,
+    ) -> None:
         _plain_state.save(path, models, optimizers, self.unwrap, 0, window_open=window_open)
 
-    def load(self, path: Path, models: Sequence[torch.nn.Module],
-             optimizers: Sequence[Held], *, window_open: bool,
-             trusted: bool = False) -> None:
-        _plain_state.load(path, models, optimizers, self.unwrap, 0, window_open=window_open,
-                          trusted=trusted)
+    def load(
+        self,
+        path: Path,
+        models: Sequence[torch.nn.Module],
+        optimizers: Sequence[Held],
+        *,
+        window_open: bool,
+        trusted: bool = False,
+    ) -> None:
+        _plain_state.load(
+            path, models, optimizers, self.unwrap, 0, window_open=window_open, trusted=trusted
+        )

@@ -38,8 +38,16 @@ _SHARD = re.compile(r"(?:model|pytorch_model)-\d{5}-of-\d{5}\.(?:safetensors|bin
 _TMP = ".gradsync-tmp"
 
 #: Units of a size written as text: decimal (``"5GB"``) and binary (``"5GiB"``).
-_UNITS = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10,
-          "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+_UNITS = {
+    "TIB": 2**40,
+    "GIB": 2**30,
+    "MIB": 2**20,
+    "KIB": 2**10,
+    "TB": 10**12,
+    "GB": 10**9,
+    "MB": 10**6,
+    "KB": 10**3,
+}
 
 
 def parse_size(value: int | str, name: str = "max_shard_size") -> int:
@@ -79,8 +87,14 @@ def parse_size(value: int | str, name: str = "max_shard_size") -> int:
     return size
 
 
-def save_model(backend: Backend, model: torch.nn.Module, directory: str | os.PathLike[str],
-               rank: int, max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> str:
+def save_model(
+    backend: Backend,
+    model: torch.nn.Module,
+    directory: str | os.PathLike[str],
+    rank: int,
+    max_shard_size: int | str = "10GB",
+    safe_serialization: bool = True,
+) -> str:
     """Gather ``model``'s full weights (a collective on sharded backends) and write them on
     rank 0 in Transformers' layout into the folder ``directory``; every rank returns once
     rank 0 has finished (a barrier).
@@ -108,8 +122,10 @@ def save_model(backend: Backend, model: torch.nn.Module, directory: str | os.Pat
         )
     limit = parse_size(max_shard_size)
     if not isinstance(safe_serialization, bool):
-        raise ConfigError(f"save_model(safe_serialization={safe_serialization!r}) must be True "
-                          "(safetensors) or False (torch.save)")
+        raise ConfigError(
+            f"save_model(safe_serialization={safe_serialization!r}) must be True "
+            "(safetensors) or False (torch.save)"
+        )
     state = backend.state_dict(model)  # gathered (a collective on sharded backends)
     if rank == 0:
         _write(backend.unwrap(model), state, folder, limit, safe_serialization)
@@ -147,7 +163,9 @@ def shard_plan(sizes: dict[str, int], limit: int, weights_name: str) -> dict[str
     if len(shards) == 1:
         return {weights_name: shards[0]}
     stem, dot, ext = weights_name.rpartition(".")
-    return {f"{stem}-{i + 1:05d}-of-{len(shards):05d}{dot}{ext}": keys for i, keys in enumerate(shards)}
+    return {
+        f"{stem}-{i + 1:05d}-of-{len(shards):05d}{dot}{ext}": keys for i, keys in enumerate(shards)
+    }
 
 
 def _tied_names(module: torch.nn.Module) -> dict[str, str]:
@@ -177,16 +195,20 @@ def _standalone(state: dict[str, Any], skip: dict[str, str]) -> dict[str, torch.
             )
         t = value.detach().cpu().contiguous()
         storage = t.untyped_storage()
-        if (storage.data_ptr() in storages or t.storage_offset() != 0
-                or storage.nbytes() != t.numel() * t.element_size()):
+        if (
+            storage.data_ptr() in storages
+            or t.storage_offset() != 0
+            or storage.nbytes() != t.numel() * t.element_size()
+        ):
             t = t.clone()
         storages.add(t.untyped_storage().data_ptr())
         out[key] = t
     return out
 
 
-def _write(module: torch.nn.Module, state: dict[str, Any], folder: Path, limit: int,
-           safe: bool) -> None:
+def _write(
+    module: torch.nn.Module, state: dict[str, Any], folder: Path, limit: int, safe: bool
+) -> None:
     """Rank 0's part of :func:`save_model`. The order keeps every moment loadable or plainly
     empty: shards under temporary names, then the earlier save's entry points (index, single
     file) removed, then the shards renamed, then the index; stale shards last."""
@@ -195,8 +217,9 @@ def _write(module: torch.nn.Module, state: dict[str, Any], folder: Path, limit: 
     tied = _tied_names(module)
     tensors = _standalone(state, tied)
     weights_name, index_name = SAFE_WEIGHTS if safe else PICKLE_WEIGHTS
-    plan = shard_plan({k: t.numel() * t.element_size() for k, t in tensors.items()}, limit,
-                      weights_name)
+    plan = shard_plan(
+        {k: t.numel() * t.element_size() for k, t in tensors.items()}, limit, weights_name
+    )
     folder.mkdir(parents=True, exist_ok=True)
     for leftover in folder.glob(f".*{_TMP}"):  # an earlier save that crashed
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
@@ -216,8 +239,10 @@ def _write(module: torch.nn.Module, state: dict[str, Any], folder: Path, limit: 
     for filename in plan:
         os.replace(folder / f".{filename}{_TMP}", folder / filename)
     if sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": {k: filename for filename, keys in plan.items() for k in keys}}
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": {k: filename for filename, keys in plan.items() for k in keys},
+        }
         tmp = folder / f".{index_name}{_TMP}"
         tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         fsync(tmp)
@@ -250,8 +275,11 @@ def _write_config(module: torch.nn.Module, tensors: dict[str, torch.Tensor], fol
     config.save_pretrained(str(staging))
     can_generate = getattr(module, "can_generate", None)
     generation: Any = getattr(module, "generation_config", None)
-    if (callable(can_generate) and can_generate()
-            and callable(getattr(generation, "save_pretrained", None))):
+    if (
+        callable(can_generate)
+        and can_generate()
+        and callable(getattr(generation, "save_pretrained", None))
+    ):
         generation.save_pretrained(str(staging))
     for path in sorted(staging.iterdir()):
         fsync(path)
@@ -259,8 +287,9 @@ def _write_config(module: torch.nn.Module, tensors: dict[str, torch.Tensor], fol
     staging.rmdir()
 
 
-def save(obj: Any, f: str | os.PathLike[str] | IO[bytes], *, main: bool,
-         safe_serialization: bool = False) -> None:
+def save(
+    obj: Any, f: str | os.PathLike[str] | IO[bytes], *, main: bool, safe_serialization: bool = False
+) -> None:
     """Save ``obj`` on the main process only, in place of ``torch.save``.
 
     Args:
@@ -278,7 +307,8 @@ def save(obj: Any, f: str | os.PathLike[str] | IO[bytes], *, main: bool,
         return
     if safe_serialization:
         if not isinstance(obj, dict) or not all(
-                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+        ):
             raise ConfigError(
                 f"save(safe_serialization=True) takes a dict of str -> tensor, not a "
                 f"{type(obj).__name__}; pass safe_serialization=False to write it with torch.save"

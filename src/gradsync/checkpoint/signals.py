@@ -22,6 +22,7 @@ log = logging.getLogger("gradsync")
 #: 0, so the scheduler never takes the job for saved; it is not requeued either.
 SAVE_FAILED_STATUS = 1
 
+
 class SignalWatch:
     """Remembers which of ``signals`` arrived first (with ``save_on_signal``); the Accelerator
     acts on it when the next window starts."""
@@ -56,14 +57,21 @@ def requeue(environ: Mapping[str, str] | None = None) -> bool:
     id). Returns whether the request went through; a failure is one warning line."""
     command = requeue_command(environ)
     if command is None:
-        log.warning("gradsync: requeue=True, but this is not a SLURM job (no SLURM_JOB_ID): not requeued")
+        log.warning(
+            "gradsync: requeue=True, but this is not a SLURM job (no SLURM_JOB_ID): not requeued"
+        )
         return False
     if shutil.which(command[0]) is None:
-        log.warning("gradsync: requeue=True, but scontrol is not on the PATH: job %s not requeued", command[2])
+        log.warning(
+            "gradsync: requeue=True, but scontrol is not on the PATH: job %s not requeued",
+            command[2],
+        )
         return False
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
-        log.warning("gradsync: %s failed: %s", " ".join(command), " ".join(done.stderr.split())[:300])
+        log.warning(
+            "gradsync: %s failed: %s", " ".join(command), " ".join(done.stderr.split())[:300]
+        )
         return False
     return True
 
@@ -95,13 +103,22 @@ def stop_if_told(parts: Any, end: Callable[[], None]) -> None:
     except CheckpointError as err:
         # Not saved: exit non-zero so the scheduler never believes it was, and no requeue.
         if main:
-            print(f"gradsync: {what} received; {err}; not requeued, exiting with status "
-                  f"{SAVE_FAILED_STATUS}", file=sys.stderr, flush=True)
+            print(
+                f"gradsync: {what} received; {err}; not requeued, exiting with status "
+                f"{SAVE_FAILED_STATUS}",
+                file=sys.stderr,
+                flush=True,
+            )
         end()
         raise SystemExit(SAVE_FAILED_STATUS) from None
     if main:
         requeued = parts.config.requeue and requeue()
-        print(f"gradsync: {what} received; saved {path}" + (", job requeued" if requeued else "")
-              + ", exiting", file=sys.stderr, flush=True)
+        print(
+            f"gradsync: {what} received; saved {path}"
+            + (", job requeued" if requeued else "")
+            + ", exiting",
+            file=sys.stderr,
+            flush=True,
+        )
     end()
     raise SystemExit(0)

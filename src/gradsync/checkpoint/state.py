@@ -49,8 +49,9 @@ class CheckpointState:
     """``save_state`` / ``load_state`` over what one Accelerator prepared (``prepared``), its
     window and its backend. The window is changed only through its own methods."""
 
-    def __init__(self, prepared: Prepared, window: Window, backend: Backend,
-                 loaders: LoaderContext) -> None:
+    def __init__(
+        self, prepared: Prepared, window: Window, backend: Backend, loaders: LoaderContext
+    ) -> None:
         self._prepared = prepared
         self._window = window
         self._backend = backend
@@ -62,8 +63,13 @@ class CheckpointState:
         #: Called with the folder, once it is verified and before anything is loaded.
         self.load_hooks: dict[int, Callable[[Path], None]] = collections.OrderedDict()
 
-    def save(self, path: str | os.PathLike[str], keep_last: int | None, pending: int = 0,
-             background: bool = False) -> str:
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        keep_last: int | None,
+        pending: int = 0,
+        background: bool = False,
+    ) -> str:
         p, window, backend = self._prepared, self._window, self._backend
         if window.current is not None:
             raise UsageError(
@@ -78,42 +84,66 @@ class CheckpointState:
             for loader in p.loaders
         ]
         manifest = new_manifest(
-            backend=backend.name, format=backend.checkpoint_format, world_size=dist.world_size(),
-            optimizer_steps=p.steps_applied(), steps_applied=[o.steps_applied for o in p.optimizers],
+            backend=backend.name,
+            format=backend.checkpoint_format,
+            world_size=dist.world_size(),
+            optimizer_steps=p.steps_applied(),
+            steps_applied=[o.steps_applied for o in p.optimizers],
             optimizer_models=[list(p.model_indices(o)) for o in p.optimizers],
-            window=window.state_dict(), models=len(p.models), schedulers=len(p.schedulers),
-            objects=len(p.objects), scaler=backend.scaler is not None,
+            window=window.state_dict(),
+            models=len(p.models),
+            schedulers=len(p.schedulers),
+            objects=len(p.objects),
+            scaler=backend.scaler is not None,
             loaders=[{k: pos[k] for k in ("epoch", "consumed", "read")} for pos in positions],
         )
         rank = dist.rank()
         # The user's hooks may gather (get_state_dict on a sharded backend): they run once
         # every rank has written its own files, so none of them waits for a rank that failed.
-        with self._committer.writing(target, manifest, keep_last=keep_last, background=background,
-                                     device=backend.device, then=list(self.save_hooks.values())) as tmp:
+        with self._committer.writing(
+            target,
+            manifest,
+            keep_last=keep_last,
+            background=background,
+            device=backend.device,
+            then=list(self.save_hooks.values()),
+        ) as tmp:
             backend.save(tmp, p.models, p.held(), window_open=window.is_open)
             if rank == 0:
                 save_file([s.state_dict() for s in p.schedulers], tmp / "schedulers.pt")
                 save_file([o.state_dict() for o in p.objects], tmp / "objects.pt")
                 if backend.scaler is not None:
                     save_file(backend.scaler.state_dict(), tmp / "scaler.pt")
-            save_file({"rng": capture_rng(), "loaders": [pos["rng"] for pos in positions]},
-                      tmp / f"rng_rank{rank}.pt")
+            save_file(
+                {"rng": capture_rng(), "loaders": [pos["rng"] for pos in positions]},
+                tmp / f"rng_rank{rank}.pt",
+            )
         return str(target)
 
-    def add_save_hook(self, hook: Callable[[list[Any], list[dict[str, Any]], str], None],
-                      unwrap: Callable[[Any], Any], state_dict: Callable[[Any], dict[str, Any]]) -> RemovableHandle:
+    def add_save_hook(
+        self,
+        hook: Callable[[list[Any], list[dict[str, Any]], str], None],
+        unwrap: Callable[[Any], Any],
+        state_dict: Callable[[Any], dict[str, Any]],
+    ) -> RemovableHandle:
         """``register_save_state_pre_hook``: ``hook(models, weights, folder)`` in every save."""
+
         def call(folder: Path) -> None:
-            hook([unwrap(m) for m in self._prepared.models],
-                 [state_dict(m) for m in self._prepared.models], str(folder))
+            hook(
+                [unwrap(m) for m in self._prepared.models],
+                [state_dict(m) for m in self._prepared.models],
+                str(folder),
+            )
 
         handle = RemovableHandle(self.save_hooks)
         self.save_hooks[handle.id] = call
         return handle
 
-    def add_load_hook(self, hook: Callable[[list[Any], str], None],
-                      unwrap: Callable[[Any], Any]) -> RemovableHandle:
+    def add_load_hook(
+        self, hook: Callable[[list[Any], str], None], unwrap: Callable[[Any], Any]
+    ) -> RemovableHandle:
         """``register_load_state_pre_hook``: ``hook(models, folder)`` in every load."""
+
         def call(folder: Path) -> None:
             hook([unwrap(m) for m in self._prepared.models], str(folder))
 
@@ -134,7 +164,9 @@ class CheckpointState:
         is a warning (rank 0) and the new save or load goes on (the SIGTERM save too)."""
         _, failure = self._committer.settle()
         if failure is not None and dist.rank() == 0:
-            warnings.warn(f"gradsync: {failure}; that checkpoint does not exist", RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"gradsync: {failure}; that checkpoint does not exist", RuntimeWarning, stacklevel=4
+            )
 
     def finish(self) -> CheckpointError | None:
         return self._committer.finish()
@@ -148,11 +180,17 @@ class CheckpointState:
                 f"backend={backend.name!r} cannot read; load it with backend={saved_backend!r}"
             )
         have = self._prepared.counts()
-        saved = {"models": manifest["models"], "schedulers": manifest["schedulers"],
-                 "objects": manifest["objects"], "loaders": len(manifest["loaders"]),
-                 "optimizers": len(manifest["steps_applied"])}
+        saved = {
+            "models": manifest["models"],
+            "schedulers": manifest["schedulers"],
+            "objects": manifest["objects"],
+            "loaders": len(manifest["loaders"]),
+            "optimizers": len(manifest["steps_applied"]),
+        }
         if have != saved:
-            diff = ", ".join(f"{k} {saved[k]} saved vs {have[k]} here" for k in have if have[k] != saved[k])
+            diff = ", ".join(
+                f"{k} {saved[k]} saved vs {have[k]} here" for k in have if have[k] != saved[k]
+            )
             raise CheckpointError(
                 f"checkpoint {where!r} does not fit this training: {diff}; prepare (and "
                 "register) the same objects before load_state()"
@@ -220,11 +258,20 @@ class CheckpointState:
         schedulers = load_file(folder / "schedulers.pt", trusted=trusted)
         objects = load_file(folder / "objects.pt", trusted=trusted)
         scaler = backend.scaler
-        scaler_state = load_file(folder / "scaler.pt", trusted=trusted) if scaler is not None and manifest.get("scaler") else None
+        scaler_state = (
+            load_file(folder / "scaler.pt", trusted=trusted)
+            if scaler is not None and manifest.get("scaler")
+            else None
+        )
         if window.is_open:
             drop_window(window, backend, p)
-        backend.load(folder, p.models, self._held(str(folder), manifest), trusted=trusted,
-                     window_open=int(manifest["window"]["index"]) > 0)
+        backend.load(
+            folder,
+            p.models,
+            self._held(str(folder), manifest),
+            trusted=trusted,
+            window_open=int(manifest["window"]["index"]) > 0,
+        )
         for opt, steps in zip(p.optimizers, manifest["steps_applied"]):
             opt.steps_applied = int(steps)
         for sched, state in zip(p.schedulers, schedulers):
@@ -245,9 +292,14 @@ class CheckpointState:
         now()
 
 
-def choose_folder(call: str, path: str | os.PathLike[str] | None, alias: str,
-                  other: str | os.PathLike[str] | None, project_dir: str | None,
-                  steps: int) -> str | os.PathLike[str]:
+def choose_folder(
+    call: str,
+    path: str | os.PathLike[str] | None,
+    alias: str,
+    other: str | os.PathLike[str] | None,
+    project_dir: str | None,
+    steps: int,
+) -> str | os.PathLike[str]:
     """The folder of ``save_state`` / ``load_state``: ``path`` or Accelerate's name for it
     (never both); for ``save_state`` without either, ``project_dir/checkpoints/step-N``."""
     if path is not None and other is not None:
@@ -256,8 +308,10 @@ def choose_folder(call: str, path: str | os.PathLike[str] | None, alias: str,
     if chosen is not None:
         return chosen
     if project_dir is None or call != "save_state":
-        raise ConfigError(f"{call}() needs the checkpoint folder: {call}(path), or set "
-                          "project_dir to save under project_dir/checkpoints")
+        raise ConfigError(
+            f"{call}() needs the checkpoint folder: {call}(path), or set "
+            "project_dir to save under project_dir/checkpoints"
+        )
     return os.path.join(project_dir, "checkpoints", f"step-{steps}")
 
 
@@ -269,6 +323,10 @@ def _rescale(pos: LoaderPosition, saved_world: int, world: int) -> LoaderPositio
     if consumed % world:
         log.warning(
             "gradsync: resuming on %d rank(s) a pass saved on %d: %d batches consumed do not divide "
-            "evenly; resuming after %d", world, saved_world, pos["consumed"], consumed // world,
+            "evenly; resuming after %d",
+            world,
+            saved_world,
+            pos["consumed"],
+            consumed // world,
         )
     return {"epoch": pos["epoch"], "consumed": consumed // world, "read": consumed // world}

@@ -134,8 +134,11 @@ def load_deepspeed_config(value: Any, label: str | None = None) -> dict[str, Any
     text = os.fspath(value)
     path = Path(text).expanduser()
     if not text.lstrip().startswith("{") and path.is_file():
-        data = parse(_read_text(path, name, "a DeepSpeed JSON or YAML file"), name,
-                     syntax=_syntax(path, "json"))
+        data = parse(
+            _read_text(path, name, "a DeepSpeed JSON or YAML file"),
+            name,
+            syntax=_syntax(path, "json"),
+        )
     elif text.lstrip().startswith(("{", "[")):
         data = parse(text, name, syntax="json")
     else:

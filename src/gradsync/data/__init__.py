@@ -13,6 +13,18 @@ from gradsync.data.loader import (
 )
 from gradsync.data.sharding import BatchShard, IterableShard, shard_dataloader
 
-__all__ = ["BatchShard", "Epochs", "ItemCounter", "IterableShard", "LoaderContext", "LoaderIteration",
-           "PreparedDataLoader", "batch_length", "checked_count", "shard_dataloader", "split_batch",
-           "to_device", "tree_map"]
+__all__ = [
+    "BatchShard",
+    "Epochs",
+    "ItemCounter",
+    "IterableShard",
+    "LoaderContext",
+    "LoaderIteration",
+    "PreparedDataLoader",
+    "batch_length",
+    "checked_count",
+    "shard_dataloader",
+    "split_batch",
+    "to_device",
+    "tree_map",
+]

@@ -38,7 +38,9 @@ def split_size(batch_size: int | None, world_size: int) -> int | None:
 class BatchDeal(Sampler[list[int]]):
     """This rank's batches (or slices of them) of a batch sequence every rank runs alike."""
 
-    def __init__(self, batches: Any, *, rank: int, world_size: int, split: bool, even: bool) -> None:
+    def __init__(
+        self, batches: Any, *, rank: int, world_size: int, split: bool, even: bool
+    ) -> None:
         self.batches = batches
         self.rank = rank
         self.world_size = world_size
@@ -171,8 +173,15 @@ class IterableDeal(IterableDataset[Any]):
     rounds of ``per_round``; rank r takes the r-th ``per_rank`` of each round. A last short
     round is completed with the pass's first samples (unless ``drop_last``)."""
 
-    def __init__(self, dataset: IterableDataset[Any], *, rank: int, per_rank: int,
-                 per_round: int, drop_last: bool) -> None:
+    def __init__(
+        self,
+        dataset: IterableDataset[Any],
+        *,
+        rank: int,
+        per_rank: int,
+        per_round: int,
+        drop_last: bool,
+    ) -> None:
         self.dataset = dataset
         self.rank = rank
         self.per_rank = per_rank
@@ -207,8 +216,12 @@ class EpochSeededSampler(RandomSampler):
     so every rank draws the same order without a broadcast."""
 
     def __init__(self, sampler: RandomSampler, seed: int) -> None:
-        super().__init__(sampler.data_source, replacement=sampler.replacement,
-                         num_samples=sampler._num_samples, generator=torch.Generator())
+        super().__init__(
+            sampler.data_source,
+            replacement=sampler.replacement,
+            num_samples=sampler._num_samples,
+            generator=torch.Generator(),
+        )
         self.seed = seed
         self.epoch = 0
 
@@ -222,8 +235,16 @@ class EpochSeededSampler(RandomSampler):
         self.epoch += 1
 
 
-def deal_batches(loader: DataLoader[Any], *, rank: int, world_size: int, split: bool,
-                 even: bool, seedable: bool = False, data_seed: int | None = None) -> DataLoader[Any]:
+def deal_batches(
+    loader: DataLoader[Any],
+    *,
+    rank: int,
+    world_size: int,
+    split: bool,
+    even: bool,
+    seedable: bool = False,
+    data_seed: int | None = None,
+) -> DataLoader[Any]:
     """``loader`` with this rank's batches dealt as Accelerate deals them (see the module)."""
     from gradsync.data.sharding import rebuild
 
@@ -232,9 +253,13 @@ def deal_batches(loader: DataLoader[Any], *, rank: int, world_size: int, split: 
     if isinstance(loader.dataset, IterableDataset):
         size = loader.batch_size or 1
         per_rank = (split_size(size, world_size) or 1) if split else size
-        shard = IterableDeal(loader.dataset, rank=rank, per_rank=per_rank,
-                             per_round=size if split else size * world_size,
-                             drop_last=loader.drop_last)
+        shard = IterableDeal(
+            loader.dataset,
+            rank=rank,
+            per_rank=per_rank,
+            per_round=size if split else size * world_size,
+            drop_last=loader.drop_last,
+        )
         return rebuild(loader, shard, batch_size=per_rank, drop_last=loader.drop_last)
     batches: Any = loader.batch_sampler
     if batches is None:
@@ -245,7 +270,9 @@ def deal_batches(loader: DataLoader[Any], *, rank: int, world_size: int, split: 
     inner = getattr(batches, "sampler", None)
     if seedable and type(inner) is RandomSampler:
         seed = data_seed if data_seed is not None else torch.random.initial_seed()
-        batches = BatchSampler(EpochSeededSampler(inner, seed), batches.batch_size, batches.drop_last)
+        batches = BatchSampler(
+            EpochSeededSampler(inner, seed), batches.batch_size, batches.drop_last
+        )
     else:
         seed_like_rank0(inner if inner is not None else loader.sampler)
     deal = BatchDeal(batches, rank=rank, world_size=world_size, split=split, even=even)

@@ -78,8 +78,13 @@ class LoaderIteration:
     """One pass over a prepared loader: reads one batch ahead (a window ahead on request),
     knows where the pass stands, and re-raises a loading error at the batch that caused it."""
 
-    def __init__(self, owner: PreparedDataLoader, source: Iterator[Any], total: int | None,
-                 rng_at_start: RngState | None = None) -> None:
+    def __init__(
+        self,
+        owner: PreparedDataLoader,
+        source: Iterator[Any],
+        total: int | None,
+        rng_at_start: RngState | None = None,
+    ) -> None:
         self.owner = owner
         self.rng_at_start = rng_at_start  # the RNG the iterator was created under
         self.epoch = owner.epochs.current
@@ -230,9 +235,18 @@ class PreparedDataLoader:
         it = self._current
         if it is None or (it.finished and not unconsumed):
             # Between passes only a generator that carries over to the next pass is kept.
-            return {"epoch": self.epochs.next, "consumed": 0, "read": 0, "rng": dealing_rng(self.loader)}
-        return {"epoch": self.epochs.current, "consumed": it.yielded - unconsumed, "read": it.read,
-                "rng": it.rng_at_start}
+            return {
+                "epoch": self.epochs.next,
+                "consumed": 0,
+                "read": 0,
+                "rng": dealing_rng(self.loader),
+            }
+        return {
+            "epoch": self.epochs.current,
+            "consumed": it.yielded - unconsumed,
+            "read": it.read,
+            "rng": it.rng_at_start,
+        }
 
     @property
     def pass_in_progress(self) -> LoaderIteration | None:
@@ -259,17 +273,26 @@ class PreparedDataLoader:
         restored, self._restored = self._restored, None
         if restored is not None:
             if batches == restored:
-                log.debug("gradsync: skip_first_batches(%d) after load_state: the loader already "
-                          "resumes at batch %d of epoch %d; nothing more skipped",
-                          batches, restored, self.epochs.next)
+                log.debug(
+                    "gradsync: skip_first_batches(%d) after load_state: the loader already "
+                    "resumes at batch %d of epoch %d; nothing more skipped",
+                    batches,
+                    restored,
+                    self.epochs.next,
+                )
             elif dist.rank() == 0:  # one line for the run, not one per rank
                 log.warning(
                     "gradsync: skip_first_batches(%d) after load_state: the checkpoint was saved "
                     "after batch %d of epoch %d, and the loader resumes there (skipping %d would "
                     "%s); nothing more skipped",
-                    batches, restored, self.epochs.next, batches,
-                    "leave out batches never trained on" if batches > restored
-                    else "train again on batches already trained on")
+                    batches,
+                    restored,
+                    self.epochs.next,
+                    batches,
+                    "leave out batches never trained on"
+                    if batches > restored
+                    else "train again on batches already trained on",
+                )
             return
         if not batches:
             return

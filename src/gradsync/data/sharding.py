@@ -24,7 +24,11 @@ log = logging.getLogger("gradsync")
 
 
 def shard_dataloader(
-    loader: DataLoader[Any], *, rank: int, world_size: int, seed: int,
+    loader: DataLoader[Any],
+    *,
+    rank: int,
+    world_size: int,
+    seed: int,
     dataset_shards_itself: bool = False,
 ) -> DataLoader[Any]:
     """A DataLoader over this rank's shard, with the same number of batches on every rank.
@@ -42,8 +46,13 @@ def shard_dataloader(
     if isinstance(loader.dataset, IterableDataset):
         if dataset_shards_itself:
             return loader
-        shard = IterableShard(loader.dataset, rank=rank, world_size=world_size,
-                              batch_size=loader.batch_size or 1, drop_last=loader.drop_last)
+        shard = IterableShard(
+            loader.dataset,
+            rank=rank,
+            world_size=world_size,
+            batch_size=loader.batch_size or 1,
+            drop_last=loader.drop_last,
+        )
         return rebuild(loader, shard, batch_size=loader.batch_size, drop_last=loader.drop_last)
     if isinstance(loader.sampler, DistributedSampler):
         return loader
@@ -52,13 +61,24 @@ def shard_dataloader(
         and not loader.sampler.replacement
         and sampler_num_samples(loader.sampler) is None
     )
-    if loader.batch_size is not None and (plain_random or type(loader.sampler) is SequentialSampler):
+    if loader.batch_size is not None and (
+        plain_random or type(loader.sampler) is SequentialSampler
+    ):
         sampler: DistributedSampler[Any] = DistributedSampler(
-            loader.dataset, num_replicas=world_size, rank=rank,
-            shuffle=plain_random, seed=seed, drop_last=loader.drop_last,
+            loader.dataset,
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=plain_random,
+            seed=seed,
+            drop_last=loader.drop_last,
         )
-        return rebuild(loader, loader.dataset, batch_size=loader.batch_size, sampler=sampler,
-                        drop_last=loader.drop_last)
+        return rebuild(
+            loader,
+            loader.dataset,
+            batch_size=loader.batch_size,
+            sampler=sampler,
+            drop_last=loader.drop_last,
+        )
     if loader.batch_sampler is None:  # batch_size=None with a sampler: each index is a batch
         raise ConfigError(
             f"the dataloader has batch_size=None and a {type(loader.sampler).__name__} (no "
@@ -147,7 +167,9 @@ class BatchShard(Sampler[list[int]]):
                 "gradsync: the batch sampler's last %d batch(es) of the epoch are left out: every "
                 "rank takes every %d-th batch, and a last round of fewer than %d batches would "
                 "give the ranks unequal batch counts (logged once)",
-                len(round_), self.world_size, self.world_size,
+                len(round_),
+                self.world_size,
+                self.world_size,
             )
 
 
@@ -162,8 +184,15 @@ class IterableShard(IterableDataset[Any]):
     allows it, every sample is seen exactly once per pass.
     """
 
-    def __init__(self, dataset: IterableDataset[Any], *, rank: int, world_size: int,
-                 batch_size: int, drop_last: bool) -> None:
+    def __init__(
+        self,
+        dataset: IterableDataset[Any],
+        *,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        drop_last: bool,
+    ) -> None:
         self.dataset = dataset
         self.rank = rank
         self.world_size = world_size
@@ -175,7 +204,11 @@ class IterableShard(IterableDataset[Any]):
         total = len(self.dataset)  # type: ignore[arg-type]
         per_round = self.world_size * self.batch_size
         rounds, tail = divmod(total, per_round)
-        mine = 0 if self.drop_last or tail < self.world_size else len(range(self.rank, tail, self.world_size))
+        mine = (
+            0
+            if self.drop_last or tail < self.world_size
+            else len(range(self.rank, tail, self.world_size))
+        )
         return rounds * self.batch_size + mine
 
     def __iter__(self) -> Iterator[Any]:
@@ -199,5 +232,7 @@ class IterableShard(IterableDataset[Any]):
             log.warning(
                 "gradsync: the IterableDataset's last %d sample(s) of this pass are left out: "
                 "fewer than one per rank (%d ranks), and a rank without them would wait for "
-                "the others' extra batch", position, self.world_size,
+                "the others' extra batch",
+                position,
+                self.world_size,
             )

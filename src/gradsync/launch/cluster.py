@@ -38,6 +38,7 @@ class Requested(Protocol):
     rdzv_id: str | None
     standalone: bool
 
+
 #: The rendezvous fields: one given (or set by PET_*) means the others are not derived.
 _RENDEZVOUS = ("rdzv_endpoint", "master_addr", "master_port")
 
@@ -126,8 +127,12 @@ class Derived:
     sources: dict[str, str] = field(default_factory=dict)
 
 
-def resolve(config: Requested, environ: Mapping[str, str] | None = None, *,
-            unique: Callable[[], str] | None = None) -> Derived:
+def resolve(
+    config: Requested,
+    environ: Mapping[str, str] | None = None,
+    *,
+    unique: Callable[[], str] | None = None,
+) -> Derived:
     """The values of the fields of ``config`` that were not given, from the scheduler's
     environment, else torchrun's defaults.
 
@@ -157,8 +162,11 @@ def resolve(config: Requested, environ: Mapping[str, str] | None = None, *,
     pet = _pet_values(env)
     rendezvous_given = any(getattr(config, n) is not None for n in _RENDEZVOUS) or config.standalone
     for name, value in pet.items():
-        if name in _RENDEZVOUS and rendezvous_given and not (
-                name == "master_port" and config.master_addr is not None):
+        if (
+            name in _RENDEZVOUS
+            and rendezvous_given
+            and not (name == "master_port" and config.master_addr is not None)
+        ):
             continue  # a rendezvous given by flags is taken whole (a missing port apart)
         take(name, value, f"{pet_name(name)}={env[pet_name(name)]}")
     standalone = config.standalone
@@ -168,8 +176,13 @@ def resolve(config: Requested, environ: Mapping[str, str] | None = None, *,
         sources["standalone"] = "PET_STANDALONE=" + env["PET_STANDALONE"]
     rendezvous_given = rendezvous_given or any(n in values for n in _RENDEZVOUS) or standalone
     pet_nodes = pet.get("nnodes")
-    if (pet_nodes is not None and node_range(pet_nodes)[1] > 1 and not rendezvous_given
-            and where.scheduler == "torchrun" and where.master_addr is not None):
+    if (
+        pet_nodes is not None
+        and node_range(pet_nodes)[1] > 1
+        and not rendezvous_given
+        and where.scheduler == "torchrun"
+        and where.master_addr is not None
+    ):
         # A PyTorchJob pod: torch's own MASTER_ADDR / MASTER_PORT name the job's first pod.
         take("master_addr", where.master_addr, f"MASTER_ADDR={where.master_addr}")
         take("master_port", where.master_port, f"MASTER_PORT={where.master_port}")
@@ -190,11 +203,18 @@ def resolve(config: Requested, environ: Mapping[str, str] | None = None, *,
 
     _check_facts(config, facts)
 
-    for name, default in (("nproc_per_node", 1), ("nnodes", 1), ("node_rank", 0), ("max_restarts", 0)):
+    for name, default in (
+        ("nproc_per_node", 1),
+        ("nnodes", 1),
+        ("node_rank", 0),
+        ("max_restarts", 0),
+    ):
         if getattr(config, name) is None:
             values.setdefault(name, default)
     rdzv_id = config.rdzv_id if config.rdzv_id is not None else values.get("rdzv_id")
-    endpoint = config.rdzv_endpoint if config.rdzv_endpoint is not None else values.get("rdzv_endpoint")
+    endpoint = (
+        config.rdzv_endpoint if config.rdzv_endpoint is not None else values.get("rdzv_endpoint")
+    )
     if rdzv_id is None and endpoint is not None:
         # Outside a scheduler, one node: an id of its own (two jobs on one endpoint stay
         # apart). Several nodes must agree on it, and nothing here names the job: a constant.
@@ -248,9 +268,14 @@ def _switch(env: Mapping[str, str], key: str) -> bool:
     return text.isdigit() and int(text) != 0
 
 
-def _slurm(config: Requested, env: Mapping[str, str], where: environment.Environment,
-           take: Callable[[str, Any, str], None], facts: dict[str, tuple[Any, str]],
-           rendezvous_given: bool) -> None:
+def _slurm(
+    config: Requested,
+    env: Mapping[str, str],
+    where: environment.Environment,
+    take: Callable[[str, Any, str], None],
+    facts: dict[str, tuple[Any, str]],
+    rendezvous_given: bool,
+) -> None:
     tasks, nodes = where.world_size, where.nnodes or 1
     if tasks > nodes:
         raise ConfigError(
@@ -309,7 +334,9 @@ def _unique_id() -> str:
 # -- CPUs -------------------------------------------------------------------------------
 
 
-def usable_cpus(environ: Mapping[str, str] | None = None, cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+def usable_cpus(
+    environ: Mapping[str, str] | None = None, cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> int:
     """The CPUs this process may use: its CPU affinity, SLURM's ``SLURM_CPUS_PER_TASK`` when
     set, and its cgroup's CPU quota, whichever is smallest.
 
@@ -332,7 +359,9 @@ def usable_cpus(environ: Mapping[str, str] | None = None, cgroup_root: Path = Pa
     return max(1, min(counts))
 
 
-def cgroup_cpus(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+def cgroup_cpus(
+    root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> int | None:
     """The CPU quota of this process's cgroup and its parents (v2 ``cpu.max``, v1
     ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), rounded up; None when there is none.
 
@@ -430,6 +459,8 @@ def cpu_warnings(ranks: int, environ: Mapping[str, str]) -> list[str]:
         return []
     if ranks <= cpus:
         return []
-    return [f"{ranks} CPU processes on this node but SLURM gave this launch {cpus} CPU(s) "
-            f"({key}={cpus}): they will share them; ask SLURM for --cpus-per-task={ranks} or "
-            f"give --nproc-per-node {cpus}"]
+    return [
+        f"{ranks} CPU processes on this node but SLURM gave this launch {cpus} CPU(s) "
+        f"({key}={cpus}): they will share them; ask SLURM for --cpus-per-task={ranks} or "
+        f"give --nproc-per-node {cpus}"
+    ]

@@ -16,8 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-_ELASTIC = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher",
-            "torch.multiprocessing")  # its "Terminating process ..." (--start-method fork)
+_ELASTIC = (
+    "torch.distributed.elastic",
+    "torch.distributed.run",
+    "torch.distributed.launcher",
+    "torch.multiprocessing",
+)  # its "Terminating process ..." (--start-method fork)
 #: Loggers whose per-process lines gradsync replaces with its own report.
 _PER_PROCESS = ("torch.distributed.elastic.multiprocessing", "torch.multiprocessing")
 _AGENT = "torch.distributed.elastic.agent.server.api"
@@ -36,8 +40,11 @@ class _Quiet(logging.Filter):
         message = record.getMessage()
         if "will restart worker group" in message:
             left = message.split("attempts left")[0].strip().rsplit(" ", 1)[-1]
-            print(f"gradsync: a worker failed; restarting every worker (restarts left: {left})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"gradsync: a worker failed; restarting every worker (restarts left: {left})",
+                file=sys.stderr,
+                flush=True,
+            )
             return False
         if record.levelno >= logging.CRITICAL:
             return True
@@ -48,8 +55,11 @@ class _Quiet(logging.Filter):
 
 @contextlib.contextmanager
 def quiet_torchrun() -> Iterator[None]:
-    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
-               if name.startswith(_ELASTIC)]
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.Logger.manager.loggerDict)
+        if name.startswith(_ELASTIC)
+    ]
     quiet = _Quiet()
     agent = logging.getLogger(_AGENT)
     level = agent.level
@@ -166,7 +176,9 @@ def report(err: Any, stream: TextIO, recorded: str | None = None) -> int:
     failures: dict[int, Any] = with_recorded(dict(err.failures), recorded)
     rank, failure = first_cause(failures)
     info = _info(failure)
-    lines = [f"gradsync: rank {rank} (local rank {failure.local_rank}) failed ({_how(failure, info)})"]
+    lines = [
+        f"gradsync: rank {rank} (local rank {failure.local_rank}) failed ({_how(failure, info)})"
+    ]
     if info.get("py_callstack"):
         lines.append(str(info["py_callstack"]).rstrip())
     elif info.get("message"):

@@ -16,6 +16,7 @@ from gradsync.errors import ConfigError
 
 def phases(schedule: Schedule, micro: int | None, world: int) -> tuple[str, str]:
     """(k, global batch size) as text, through the schedule's phases."""
+
     def global_of(k: int) -> str:
         return str(micro * k * world) if micro else "?"
 
@@ -26,13 +27,20 @@ def phases(schedule: Schedule, micro: int | None, world: int) -> tuple[str, str]
         gs = " -> ".join(global_of(k) for _, k in schedule.points)
         return ks, gs
     if isinstance(schedule, RampUp):
-        first, last = schedule.start // schedule.per_micro_step, schedule.target // schedule.per_micro_step
-        return (f"{first} -> {last} (ramp-up over {schedule.samples} samples)",
-                f"{schedule.start} -> {schedule.target}")
+        first, last = (
+            schedule.start // schedule.per_micro_step,
+            schedule.target // schedule.per_micro_step,
+        )
+        return (
+            f"{first} -> {last} (ramp-up over {schedule.samples} samples)",
+            f"{schedule.start} -> {schedule.target}",
+        )
     return schedule.describe(), "varies"
 
 
-def rows(settings: Mapping[str, Any], nproc: Sequence[int], nnodes: Sequence[int]) -> list[dict[str, str]]:
+def rows(
+    settings: Mapping[str, Any], nproc: Sequence[int], nnodes: Sequence[int]
+) -> list[dict[str, str]]:
     """One row per (nodes, processes per node); a row that cannot be planned holds its error.
     With ``parallelism`` in ``settings`` (an N-D mesh) the global batch counts the R x S
     data-parallel ranks only: micro x k x (R x S)."""
@@ -66,7 +74,14 @@ def rows(settings: Mapping[str, Any], nproc: Sequence[int], nnodes: Sequence[int
 
 def render(table: list[dict[str, str]]) -> str:
     """A Markdown table (errors in their own column)."""
-    head = ["nodes", "processes/node", "world", "micro batch", "accumulation steps k", "global batch"]
+    head = [
+        "nodes",
+        "processes/node",
+        "world",
+        "micro batch",
+        "accumulation steps k",
+        "global batch",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
         if "error" in r:
@@ -83,9 +98,11 @@ def single(row: dict[str, str]) -> str:
     where = f"{row['world']} ({row['nodes']} node(s) x {row['per_node']})"
     if "mesh" in row:  # an N-D mesh: the ranks of a tp group read the same micro-batches
         where = f"{row['data']} of {where}, mesh {row['mesh']}"
-    return "\n".join([
-        f"data-parallel processes: {where}",
-        f"micro batch size:        {row['micro']} per process",
-        f"accumulation steps:      {row['k']}",
-        f"global batch size:       {row['global'] if row['global'] != '?' else '?'} per optimizer step",
-    ])
+    return "\n".join(
+        [
+            f"data-parallel processes: {where}",
+            f"micro batch size:        {row['micro']} per process",
+            f"accumulation steps:      {row['k']}",
+            f"global batch size:       {row['global'] if row['global'] != '?' else '?'} per optimizer step",
+        ]
+    )

@@ -30,12 +30,15 @@ from typing import Any, TextIO
 
 #: The signals that stop `gradsync launch` (torchrun's agent forwards them to the workers).
 STOPPING: tuple[signal.Signals, ...] = tuple(
-    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-    if hasattr(signal, name))
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    if hasattr(signal, name)
+)
 
 #: The signals forwarded to the workers (POSIX only).
 FORWARDED: tuple[signal.Signals, ...] = tuple(
-    getattr(signal, name) for name in ("SIGUSR1",) if hasattr(signal, name))
+    getattr(signal, name) for name in ("SIGUSR1",) if hasattr(signal, name)
+)
 
 
 def children(pid: int, proc: Path = Path("/proc")) -> list[int]:
@@ -64,7 +67,7 @@ def children(pid: int, proc: Path = Path("/proc")) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
+        fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) "
         if len(fields) > 1 and fields[1] == str(pid):
             found.add(int(entry.name))
     return sorted(found)
@@ -100,8 +103,10 @@ def _handler(signum: int, frame: object) -> None:
     name = signal.Signals(signum).name
     reached = forward(signum, children(os.getpid()))
     if reached:
-        _say(f"{name} received; sent it to the {len(reached)} worker process(es) of this node "
-             f"(pids {', '.join(map(str, reached))}) and waiting for them to exit")
+        _say(
+            f"{name} received; sent it to the {len(reached)} worker process(es) of this node "
+            f"(pids {', '.join(map(str, reached))}) and waiting for them to exit"
+        )
     else:
         _say(f"{name} received before any worker process started here; nothing to send it to")
 

@@ -112,12 +112,16 @@ class LaunchConfig:
         if isinstance(n, int) or (isinstance(n, str) and n.isdigit()):
             return check_positive_int("--nproc-per-node", int(n))
         if n not in ("auto", "cpu", "gpu"):
-            raise ConfigError(f"--nproc-per-node={n!r} must be a whole number >= 1, auto, cpu or gpu")
+            raise ConfigError(
+                f"--nproc-per-node={n!r} must be a whole number >= 1, auto, cpu or gpu"
+            )
         if n == "cpu":
             return os.cpu_count() or 1
         gpus = _gpu_count()
         if n == "gpu" and gpus == 0:
-            raise ConfigError("--nproc-per-node=gpu, but no CUDA GPU is visible here; give a number or 'cpu'")
+            raise ConfigError(
+                "--nproc-per-node=gpu, but no CUDA GPU is visible here; give a number or 'cpu'"
+            )
         return gpus if gpus else os.cpu_count() or 1
 
     @property
@@ -187,13 +191,19 @@ class Launcher:
             return config
         base = self._file_settings.get("deepspeed_config")
         by_flags = accelerate.translate(
-            flags, flag_source, deepspeed_base=base, base_label=f"deepspeed_config in {path!r}",
-            backend=config.backend)
+            flags,
+            flag_source,
+            deepspeed_base=base,
+            base_label=f"deepspeed_config in {path!r}",
+            backend=config.backend,
+        )
         everything = by_flags
         if file_data is not None:
             everything = accelerate.translate(
                 accelerate.merge(file_data, flags),
-                accelerate.Source(repr(path), flag_source.flags), backend=config.backend)
+                accelerate.Source(repr(path), flag_source.flags),
+                backend=config.backend,
+            )
         self.warnings += everything.notes
         for name in by_flags.settings:
             value = everything.settings[name]
@@ -205,10 +215,14 @@ class Launcher:
                 )
             self._accelerated[name] = value
         if file_data is not None:
-            self._file_settings = {k: v for k, v in everything.settings.items()
-                                   if k not in by_flags.settings}
-        self._single_origin = (everything.origins.get("backend")
-                               if everything.settings.get("backend") == "single" else None)
+            self._file_settings = {
+                k: v for k, v in everything.settings.items() if k not in by_flags.settings
+            }
+        self._single_origin = (
+            everything.origins.get("backend")
+            if everything.settings.get("backend") == "single"
+            else None
+        )
         self._total = everything.launch.get("num_processes")
         self._total_origin = everything.origins.get("num_processes", "")
         self._total_by_flag = "num_processes" in by_flags.launch
@@ -218,27 +232,32 @@ class Launcher:
         self._file_fields = {
             name: (value, everything.origins.get(key, f"{key} in {path!r}"))
             for name, (value, key) in accelerate.torchrun_fields(
-                everything.launch, config.rdzv_backend).items()}
+                everything.launch, config.rdzv_backend
+            ).items()
+        }
         return self._flag_fields(config, by_flags)
 
-    def _flag_fields(self, config: LaunchConfig,
-                     by_flags: accelerate.Translation) -> LaunchConfig:
+    def _flag_fields(self, config: LaunchConfig, by_flags: accelerate.Translation) -> LaunchConfig:
         """The torchrun fields Accelerate's flags stand for; one that contradicts the torchrun
         flag given (or a second way to say where the nodes meet) is a ConfigError."""
         given_rendezvous = [n for n in _RENDEZVOUS if getattr(config, n) is not None] or (
-            ["standalone"] if config.standalone else [])
+            ["standalone"] if config.standalone else []
+        )
         values: dict[str, Any] = {}
         for name, (value, key) in accelerate.torchrun_fields(
-                by_flags.launch, config.rdzv_backend).items():
+            by_flags.launch, config.rdzv_backend
+        ).items():
             mine = getattr(config, name)
             said = by_flags.origins.get(key, f"--{key}")
             if mine is not None and str(mine) != str(value):
                 raise ConfigError(
-                    f"{said} contradicts {scheduler.flag(name)}={mine}; give one of them")
+                    f"{said} contradicts {scheduler.flag(name)}={mine}; give one of them"
+                )
             if name in _RENDEZVOUS and given_rendezvous and mine is None:
                 raise ConfigError(
                     f"{said} and {scheduler.flag(given_rendezvous[0])} both say where the nodes "
-                    "meet; give one of them")
+                    "meet; give one of them"
+                )
             values[name] = value
             self._flag_sources[name] = said
         return dataclasses.replace(config, **values) if values else config
@@ -248,7 +267,8 @@ class Launcher:
         environment gives one (flags > scheduler > the file > torchrun's defaults); the
         rendezvous is taken whole from one of them."""
         rendezvous_elsewhere = config.standalone or any(
-            getattr(config, n) is not None or n in derived.sources for n in _RENDEZVOUS)
+            getattr(config, n) is not None or n in derived.sources for n in _RENDEZVOUS
+        )
         values: dict[str, Any] = {}
         for name, (value, origin) in self._file_fields.items():
             if getattr(config, name) is not None or name in derived.sources:
@@ -266,8 +286,9 @@ class Launcher:
         total = self._total
         if total is None:
             return config
-        if not self._total_by_flag and (config.nproc_per_node is not None
-                                        or "nproc_per_node" in derived.sources):
+        if not self._total_by_flag and (
+            config.nproc_per_node is not None or "nproc_per_node" in derived.sources
+        ):
             return config
         nnodes = config.nnodes if config.nnodes is not None else derived.values.get("nnodes", 1)
         low, high = scheduler.node_range(nnodes)
@@ -275,26 +296,30 @@ class Launcher:
         if low != high:
             raise ConfigError(
                 f"{self._total_origin} is the total over a fixed number of machines, and "
-                f"--nnodes={nnodes}{nodes_from} is a range; give --nproc-per-node instead")
+                f"--nnodes={nnodes}{nodes_from} is a range; give --nproc-per-node instead"
+            )
         if total % low:
             raise ConfigError(
                 f"{self._total_origin} does not divide evenly over {low} machines{nodes_from}; "
-                f"give a multiple of {low}, or --nproc-per-node")
+                f"give a multiple of {low}, or --nproc-per-node"
+            )
         per_node = total // low
         if config.nproc_per_node is not None:
             given = dataclasses.replace(config, nnodes=low).processes_per_node
             if given != per_node:
                 raise ConfigError(
                     f"{self._total_origin} contradicts --nproc-per-node={config.nproc_per_node} "
-                    f"on {low} machine(s){nodes_from} ({given * low} processes); give one of them")
+                    f"on {low} machine(s){nodes_from} ({given * low} processes); give one of them"
+                )
             return config
         if not self._total_by_flag:
             self.file_sources["nproc_per_node"] = self._total_origin
         return dataclasses.replace(config, nproc_per_node=per_node)
 
     def _source_of(self, name: str, derived: scheduler.Derived) -> str:
-        source = (derived.sources.get(name) or self.file_sources.get(name)
-                  or self._flag_sources.get(name))
+        source = (
+            derived.sources.get(name) or self.file_sources.get(name) or self._flag_sources.get(name)
+        )
         return f" (from {source})" if source else ""
 
     def _check_single(self, config: LaunchConfig) -> None:
@@ -305,7 +330,8 @@ class Launcher:
         if config.world_size > 1:
             raise ConfigError(
                 f"{origin} runs one process, but this launch starts {config.world_size}; use "
-                "distributed_type MULTI_GPU or MULTI_CPU (--multi_gpu), or start one process")
+                "distributed_type MULTI_GPU or MULTI_CPU (--multi_gpu), or start one process"
+            )
 
     def validate(self) -> BatchPlan:
         c = self.config
@@ -358,7 +384,9 @@ class Launcher:
         merged = self._merged()
         for nodes in sorted({min_nodes, max_nodes}, reverse=True):  # elastic: both ends must work
             plan, self.schedule = solve_with_schedule(  # R x S of an N-D mesh read distinct data
-                data_parallel_size=mesh.data_parallel_size(merged.get("parallelism"), nproc * nodes),
+                data_parallel_size=mesh.data_parallel_size(
+                    merged.get("parallelism"), nproc * nodes
+                ),
                 global_batch_size=merged.get("global_batch_size"),
                 micro_batch_size=merged.get("micro_batch_size"),
                 gradient_accumulation_steps=merged.get("gradient_accumulation_steps"),
@@ -368,8 +396,9 @@ class Launcher:
     def _source(self, name: str) -> str:
         """A suffix naming where field ``name`` came from (`` (from SLURM_NODEID=1)``, `` (from
         num_machines=2 in 'accelerate.yaml')``), if not given."""
-        source = (self.sources.get(name) or self.file_sources.get(name)
-                  or self._flag_sources.get(name))
+        source = (
+            self.sources.get(name) or self.file_sources.get(name) or self._flag_sources.get(name)
+        )
         return f" (from {source})" if source else ""
 
     def _given(self) -> dict[str, Any]:
@@ -410,8 +439,15 @@ class Launcher:
         if self._accelerate_file:
             # Accelerate's file is translated here, once: its settings go as variables (those
             # the environment already sets win, as over a gradsync file), not as the file.
-            env.update(env_vars({k: v for k, v in self._file_settings.items()
-                                 if k not in sizes and BY_NAME[k].env not in self._environ}))
+            env.update(
+                env_vars(
+                    {
+                        k: v
+                        for k, v in self._file_settings.items()
+                        if k not in sizes and BY_NAME[k].env not in self._environ
+                    }
+                )
+            )
         elif self.config.config_file:
             env[ENV_PREFIX + "CONFIG"] = str(Path(self.config.config_file).resolve())
         env.update(env_vars(given))
@@ -440,8 +476,11 @@ class Launcher:
         c = self.config
         argv = [f"--nproc-per-node={c.nproc_per_node}", f"--nnodes={c.nnodes}"]
         if c.rdzv_endpoint is not None:
-            argv += [f"--rdzv-backend={c.rdzv_backend or 'c10d'}", f"--rdzv-endpoint={c.rdzv_endpoint}",
-                     f"--rdzv-id={c.rdzv_id}"]
+            argv += [
+                f"--rdzv-backend={c.rdzv_backend or 'c10d'}",
+                f"--rdzv-endpoint={c.rdzv_endpoint}",
+                f"--rdzv-id={c.rdzv_id}",
+            ]
         elif c.master_addr is not None or c.master_port is not None or c.node_range[1] > 1:
             argv += [f"--node-rank={c.node_rank}"]
             if c.master_addr is not None:
@@ -453,17 +492,25 @@ class Launcher:
         else:
             argv.append("--standalone")
         argv.append(f"--max-restarts={c.max_restarts}")
-        for flag, value in (("--rdzv-conf", c.rdzv_conf), ("--monitor-interval", c.monitor_interval),
-                            ("--log-dir", c.log_dir), ("--tee", c.tee), ("--redirects", c.redirects),
-                            ("--local-ranks-filter", c.local_ranks_filter)):
+        for flag, value in (
+            ("--rdzv-conf", c.rdzv_conf),
+            ("--monitor-interval", c.monitor_interval),
+            ("--log-dir", c.log_dir),
+            ("--tee", c.tee),
+            ("--redirects", c.redirects),
+            ("--local-ranks-filter", c.local_ranks_filter),
+        ):
             if value is not None:
                 argv.append(f"{flag}={value}")
         if c.no_python:
             return [*argv, "--no-python", c.script], list(c.script_args)
         # Each worker runs the script through gradsync's wrapper, which records its error:
         # a fresh interpreter runs its module, or torchrun's agent runs its file in each copy.
-        wrapper = (["--run-path", "--start-method=fork", str(WORKER)] if c.start_method == "fork"
-                   else ["-m", "gradsync.launch.worker"])
+        wrapper = (
+            ["--run-path", "--start-method=fork", str(WORKER)]
+            if c.start_method == "fork"
+            else ["-m", "gradsync.launch.worker"]
+        )
         return [*argv, *wrapper], [*(["-m"] if c.module else []), c.script, *c.script_args]
 
     def run_env(self) -> dict[str, str]:
@@ -474,7 +521,9 @@ class Launcher:
         env.update({k: v for k, v in self._launch_env_defaults.items() if k not in self._environ})
         env.update(self._launch_env)
         if (self.config.max_restarts or 0) > 0:
-            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get(
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"
+            )
         return env
 
     def describe(self) -> str:
@@ -482,13 +531,21 @@ class Launcher:
         cmd = shlex.join([sys.executable, "-m", "torch.distributed.run", *self.torchrun_argv()])
         lines = [f"command: {cmd}", f"plan: {self.plan.describe()}"]
         if self.sources:
-            lines.append(f"from the environment ({self.environment.scheduler}): " + ", ".join(
-                f"{scheduler.flag(name)}={getattr(self.config, name)} ({source})"
-                for name, source in self.sources.items()))
+            lines.append(
+                f"from the environment ({self.environment.scheduler}): "
+                + ", ".join(
+                    f"{scheduler.flag(name)}={getattr(self.config, name)} ({source})"
+                    for name, source in self.sources.items()
+                )
+            )
         if self.file_sources:
-            lines.append(f"from {self.config.config_file!r} (Accelerate's format): " + ", ".join(
-                f"{scheduler.flag(name)}={getattr(self.config, name)} ({source})"
-                for name, source in self.file_sources.items()))
+            lines.append(
+                f"from {self.config.config_file!r} (Accelerate's format): "
+                + ", ".join(
+                    f"{scheduler.flag(name)}={getattr(self.config, name)} ({source})"
+                    for name, source in self.file_sources.items()
+                )
+            )
         lines.append("environment:")
         lines += [f"  {k}={v}" for k, v in sorted(env.items())]
         return "\n".join(lines)
@@ -525,8 +582,7 @@ class Launcher:
             args = torchrun_namespace(own, tail)
             stop: tuple[int, bool] | None = None
             failed: Any = None
-            with (_environ(env), failures.quiet_torchrun(), signals.forwarding(),
-                  signals.stopping()):
+            with _environ(env), failures.quiet_torchrun(), signals.forwarding(), signals.stopping():
                 try:
                     run(args)
                 except ChildFailedError as err:
@@ -567,7 +623,8 @@ def _prepare_fork() -> None:
         raise ConfigError(
             "--start-method fork starts the workers as copies of the launcher, for training on "
             "CPU; torch sees a CUDA device here, which a copy cannot use once the launcher has "
-            "asked for it: drop --start-method fork")
+            "asked for it: drop --start-method fork"
+        )
     import torch._dynamo  # what an optimizer imports on first use
 
     import gradsync.accelerator  # noqa: F401
@@ -638,7 +695,11 @@ _STD = re.compile(r"^([0-3]|\d+:[0-3](,\d+:[0-3])*)$")
 
 
 def _check_torchrun_flags(c: LaunchConfig, max_nodes: int) -> None:
-    if isinstance(c.max_restarts, bool) or not isinstance(c.max_restarts, int) or c.max_restarts < 0:
+    if (
+        isinstance(c.max_restarts, bool)
+        or not isinstance(c.max_restarts, int)
+        or c.max_restarts < 0
+    ):
         raise ConfigError(f"--max-restarts={c.max_restarts!r} must be a whole number >= 0")
     if c.standalone and (max_nodes > 1 or c.rdzv_endpoint is not None):
         raise ConfigError(
@@ -665,10 +726,13 @@ def _check_torchrun_flags(c: LaunchConfig, max_nodes: int) -> None:
     if c.start_method not in (None, *START_METHODS):
         raise ConfigError(
             f"--start-method={c.start_method!r} is unknown; use exec (each worker a fresh "
-            "interpreter, the default) or fork (CPU workers as copies of the launcher)")
+            "interpreter, the default) or fork (CPU workers as copies of the launcher)"
+        )
     if c.start_method == "fork" and c.no_python:
-        raise ConfigError("--start-method fork runs the script in a copy of the launcher's "
-                          "Python, and --no-python runs a program: drop one of them")
+        raise ConfigError(
+            "--start-method fork runs the script in a copy of the launcher's "
+            "Python, and --no-python runs a program: drop one of them"
+        )
 
 
 def _check_settings(settings: Mapping[str, Any]) -> None:
@@ -680,9 +744,7 @@ def _check_settings(settings: Mapping[str, Any]) -> None:
 def _check_endpoint(endpoint: str) -> None:
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host:
-        raise ConfigError(
-            f"--rdzv-endpoint={endpoint!r} must be HOST:PORT, e.g. 127.0.0.1:29500"
-        )
+        raise ConfigError(f"--rdzv-endpoint={endpoint!r} must be HOST:PORT, e.g. 127.0.0.1:29500")
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(
             f"--rdzv-endpoint={endpoint!r} has port {port!r}, which is not a TCP port (1-65535); "

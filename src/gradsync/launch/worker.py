@@ -42,8 +42,17 @@ from collections.abc import Iterator
 from types import TracebackType
 
 #: Words of errors that follow another rank's failure (its connections closed, a timeout).
-_CONSEQUENCE = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
-                "connection refused", "peer closed", "stopped answering", "lost its connection")
+_CONSEQUENCE = (
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "connection refused",
+    "peer closed",
+    "stopped answering",
+    "lost its connection",
+)
 
 #: The exit status of a worker whose script raised.
 EXIT_CODE = 1
@@ -54,8 +63,11 @@ EXIT_CODE = 1
 ERRORS_ENV = "GRADSYNC_ERRORS"
 
 #: The signals torchrun's agent stops workers with; held off while the error file is written.
-_STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-                      if hasattr(signal, name))
+_STOP_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    if hasattr(signal, name)
+)
 
 
 def _user_traceback(err: BaseException) -> str:
@@ -159,8 +171,9 @@ def _write_whole(path: str, data: object) -> None:
             os.remove(temporary)
 
 
-def _silent_interrupt(kind: type[BaseException], value: BaseException,
-                      tb: TracebackType | None) -> None:
+def _silent_interrupt(
+    kind: type[BaseException], value: BaseException, tb: TracebackType | None
+) -> None:
     """``sys.excepthook`` for a KeyboardInterrupt: no traceback (Python then ends the process
     by SIGINT, after its exit handlers, as it does for any uncaught KeyboardInterrupt)."""
     if not issubclass(kind, KeyboardInterrupt):
@@ -168,8 +181,11 @@ def _silent_interrupt(kind: type[BaseException], value: BaseException,
 
 
 #: The signals whose handlers a copy of the launcher inherits (its own and torchrun's agent's).
-_INHERITED = tuple(getattr(signal, name) for name in (
-    "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
+_INHERITED = tuple(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+    if hasattr(signal, name)
+)
 
 
 def _as_fresh_process() -> None:
@@ -264,8 +280,11 @@ def _run(argv: list[str] | None) -> None:
     except BaseException as err:
         record(err)
         line = " ".join(str(err).split())[:200]
-        print(f"gradsync: rank {os.environ.get('RANK', '?')} failed: {type(err).__name__}: {line}",
-              file=sys.stderr, flush=True)
+        print(
+            f"gradsync: rank {os.environ.get('RANK', '?')} failed: {type(err).__name__}: {line}",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(EXIT_CODE)
 
 

@@ -16,9 +16,18 @@ def _check_ddp_kwargs(name: str, value: Any, config: Any) -> Any:
 class DDPOptions:
     """Settings that only the ``ddp`` backend reads."""
 
-    ddp_kwargs: dict[str, Any] | None = field(default=None, metadata=setting(
-        "extra DistributedDataParallel(...) arguments, e.g. {\"bucket_cap_mb\": 50}",
-        backend="ddp", check=_check_ddp_kwargs))
-    find_unused_parameters: bool = field(default=False, metadata=setting(
-        "find the parameters a backward did not reach (torch's find_unused_parameters)",
-        backend="ddp"))
+    ddp_kwargs: dict[str, Any] | None = field(
+        default=None,
+        metadata=setting(
+            'extra DistributedDataParallel(...) arguments, e.g. {"bucket_cap_mb": 50}',
+            backend="ddp",
+            check=_check_ddp_kwargs,
+        ),
+    )
+    find_unused_parameters: bool = field(
+        default=False,
+        metadata=setting(
+            "find the parameters a backward did not reach (torch's find_unused_parameters)",
+            backend="ddp",
+        ),
+    )

@@ -15,6 +15,10 @@ class DeepSpeedOptions:
     """Settings that only the ``deepspeed`` backend reads."""
 
     # Checked when the backend loads it (backends/_deepspeed_config.py): a file is read there.
-    deepspeed_config: dict[str, Any] | str | os.PathLike[str] | None = field(default=None, metadata=setting(
-        "the DeepSpeed config: a dict, the path of a JSON/YAML file, or JSON text",
-        backend="deepspeed"))
+    deepspeed_config: dict[str, Any] | str | os.PathLike[str] | None = field(
+        default=None,
+        metadata=setting(
+            "the DeepSpeed config: a dict, the path of a JSON/YAML file, or JSON text",
+            backend="deepspeed",
+        ),
+    )

@@ -17,6 +17,11 @@ def _check_fairscale_kwargs(name: str, value: Any, config: Any) -> Any:
 class FairscaleOptions:
     """Settings that only the ``fairscale`` backend reads."""
 
-    fairscale_kwargs: dict[str, Any] | None = field(default=None, metadata=setting(
-        "extra ShardedDataParallel(...) arguments, e.g. {\"reduce_buffer_size\": 0}",
-        backend="fairscale", check=_check_fairscale_kwargs))
+    fairscale_kwargs: dict[str, Any] | None = field(
+        default=None,
+        metadata=setting(
+            'extra ShardedDataParallel(...) arguments, e.g. {"reduce_buffer_size": 0}',
+            backend="fairscale",
+            check=_check_fairscale_kwargs,
+        ),
+    )

@@ -15,8 +15,10 @@ from gradsync.errors import ConfigError
 #: The policy that needs a 2-D mesh: reduce-scatter every micro-step, all-reduce across the
 #: replicas once per window.
 REPLICATE_POLICY = "defer_replicate"
-_MESH_FIX = ("give (R, S) with R x S = the world size (one of them may be -1: inferred), "
-             "'node', or a DeviceMesh with named dimensions (replicate, shard)")
+_MESH_FIX = (
+    "give (R, S) with R x S = the world size (one of them may be -1: inferred), "
+    "'node', or a DeviceMesh with named dimensions (replicate, shard)"
+)
 
 
 @runtime_checkable
@@ -54,7 +56,9 @@ def mesh_from_text(raw: str, source: str) -> str | tuple[int, int]:
     parts = [p.strip() for p in text.replace("x", ",").split(",")]
     if len(parts) == 2 and all(p.lstrip("-").isdigit() for p in parts):
         return int(parts[0]), int(parts[1])
-    raise ConfigError(f"{source}={raw!r} is not a mesh; give 'R,S' (replicas, shards), e.g. '2,8', or 'node'")
+    raise ConfigError(
+        f"{source}={raw!r} is not a mesh; give 'R,S' (replicas, shards), e.g. '2,8', or 'node'"
+    )
 
 
 def _check_mesh(name: str, value: Any, config: Any) -> Any:
@@ -69,7 +73,9 @@ def _check_mesh(name: str, value: Any, config: Any) -> Any:
             return "node"
         return mesh_from_text(value, name)
     if isinstance(value, list | tuple):
-        if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if len(value) != 2 or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
             raise ConfigError(f"{name}={value!r} must be two whole numbers (R, S); {_MESH_FIX}")
         shape = (int(value[0]), int(value[1]))
         if any(v == 0 or v < -1 for v in shape):
@@ -114,11 +120,21 @@ ParallelismSpec = Mapping[str, int] | str | ParallelismConfigLike
 #: ParallelStyle), a callable ``(model, tp_mesh) -> None``, or "auto" (the model's own plan).
 TPPlan = Literal["auto"] | Mapping[str, Any] | Callable[[Any, Any], None]
 #: The words a ``tp_plan`` mapping may use (Transformers' words for torch's ParallelStyles).
-TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output",
-             "embedding_rowwise", "sequence_parallel", "replicate")
-_CP_NEEDS_GPU = ("context parallel needs a GPU (CUDA): torch's context_parallel has no CPU "
-                 "attention kernel to split (gloo on the CPU cannot run it); set cp to 1 (or leave "
-                 "it out)")
+TP_STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_rep",
+    "rowwise_rep",
+    "colwise_gather_output",
+    "embedding_rowwise",
+    "sequence_parallel",
+    "replicate",
+)
+_CP_NEEDS_GPU = (
+    "context parallel needs a GPU (CUDA): torch's context_parallel has no CPU "
+    "attention kernel to split (gloo on the CPU cannot run it); set cp to 1 (or leave "
+    "it out)"
+)
 
 
 def _check_parallelism(name: str, value: Any, config: Any) -> dict[str, int]:
@@ -174,7 +190,9 @@ def _check_tp_plan(name: str, value: Any, config: Any) -> Any:
             raise ConfigError(f"{name}={{}} names no module; give module-name patterns and styles")
         for pattern, style in value.items():
             if not isinstance(pattern, str):
-                raise ConfigError(f"{name}: the key {pattern!r} is not a module-name pattern (text)")
+                raise ConfigError(
+                    f"{name}: the key {pattern!r} is not a module-name pattern (text)"
+                )
             if isinstance(style, str) and style not in TP_STYLES:
                 raise ConfigError(
                     f"{name}: {pattern!r}: {style!r} is no style; use one of "
@@ -195,7 +213,9 @@ def _tp_plan_from_text(raw: str, source: str) -> Any:
         try:
             return json.loads(text)
         except ValueError:
-            raise ConfigError(f"{source}={raw!r} is not JSON; give 'auto' or a JSON object") from None
+            raise ConfigError(
+                f"{source}={raw!r} is not JSON; give 'auto' or a JSON object"
+            ) from None
     return text
 
 
@@ -226,7 +246,8 @@ def _check_reshard(name: str, value: Any, config: Any) -> bool:
         "fsdp_reshard_after_backward is deprecated; use fsdp_keep_params_in_window=True "
         "(keeps the parameters gathered for the whole window: no all-gather after the "
         "window's first micro-step) or False",
-        DeprecationWarning, stacklevel=6,  # the caller of Accelerator() / load_config()
+        DeprecationWarning,
+        stacklevel=6,  # the caller of Accelerator() / load_config()
     )
     return value
 
@@ -235,30 +256,70 @@ def _check_reshard(name: str, value: Any, config: Any) -> bool:
 class FSDPOptions:
     """Settings that only the ``fsdp`` backend reads."""
 
-    fsdp_wrap: ModuleSelector | None = field(default=None, metadata=setting(
-        "the submodules sharded as their own unit: class names, classes or a callable "
-        "module -> bool (None: the children of every ModuleList / Sequential)",
-        backend="fsdp"))
-    fsdp_keep_params_in_window: bool | None = field(default=None, metadata=setting(
-        "keep the parameters gathered for the rest of a deferred window (None: decided by "
-        "sync_memory_budget)", backend="fsdp"))
-    fsdp_reshard_after_backward: bool | None = field(default=None, metadata=setting(
-        "deprecated: False keeps the parameters gathered only after backward; use "
-        "fsdp_keep_params_in_window", backend="fsdp", check=_check_reshard))
-    fsdp_mesh: MeshSpec | None = field(default=None, metadata=setting(
-        "the device mesh: None (1-D, shard over all ranks), (R, S) replicas x shards (HSDP; "
-        "one may be -1), 'node' (shard inside a node, replicate across nodes), or a 2-D "
-        "DeviceMesh (replicate, shard); from text 'R,S' or 'node'",
-        backend="fsdp", flag=True, check=_check_mesh, parse=mesh_from_text, metavar="R,S"))
-    parallelism: ParallelismSpec | None = field(default=None, metadata=setting(
-        "the N-D mesh: {'dp_replicate': R, 'dp_shard': S, 'tp': T} (one may be -1; R x S x T "
-        "= the world), Accelerate's ParallelismConfig, or text 'dp_shard=2,tp=2'; the data "
-        "parallel ranks are R x S", backend="fsdp", flag=True, check=_check_parallelism,
-        parse=parallelism_from_text, metavar="DIMS"))
-    tp_plan: TPPlan | None = field(default=None, metadata=setting(
-        "tensor parallelism's plan: module-name pattern -> style ('colwise', 'rowwise', ...), "
-        "a callable (model, tp_mesh) -> None, or 'auto' (a Transformers model's own plan)",
-        backend="fsdp", check=_check_tp_plan, parse=_tp_plan_from_text))
-    fsdp_memory_budget: int | None = field(default=None, metadata=setting(
-        "the old name of sync_memory_budget", backend="fsdp", check=_check_old_budget,
-        minimum=0))
+    fsdp_wrap: ModuleSelector | None = field(
+        default=None,
+        metadata=setting(
+            "the submodules sharded as their own unit: class names, classes or a callable "
+            "module -> bool (None: the children of every ModuleList / Sequential)",
+            backend="fsdp",
+        ),
+    )
+    fsdp_keep_params_in_window: bool | None = field(
+        default=None,
+        metadata=setting(
+            "keep the parameters gathered for the rest of a deferred window (None: decided by "
+            "sync_memory_budget)",
+            backend="fsdp",
+        ),
+    )
+    fsdp_reshard_after_backward: bool | None = field(
+        default=None,
+        metadata=setting(
+            "deprecated: False keeps the parameters gathered only after backward; use "
+            "fsdp_keep_params_in_window",
+            backend="fsdp",
+            check=_check_reshard,
+        ),
+    )
+    fsdp_mesh: MeshSpec | None = field(
+        default=None,
+        metadata=setting(
+            "the device mesh: None (1-D, shard over all ranks), (R, S) replicas x shards (HSDP; "
+            "one may be -1), 'node' (shard inside a node, replicate across nodes), or a 2-D "
+            "DeviceMesh (replicate, shard); from text 'R,S' or 'node'",
+            backend="fsdp",
+            flag=True,
+            check=_check_mesh,
+            parse=mesh_from_text,
+            metavar="R,S",
+        ),
+    )
+    parallelism: ParallelismSpec | None = field(
+        default=None,
+        metadata=setting(
+            "the N-D mesh: {'dp_replicate': R, 'dp_shard': S, 'tp': T} (one may be -1; R x S x T "
+            "= the world), Accelerate's ParallelismConfig, or text 'dp_shard=2,tp=2'; the data "
+            "parallel ranks are R x S",
+            backend="fsdp",
+            flag=True,
+            check=_check_parallelism,
+            parse=parallelism_from_text,
+            metavar="DIMS",
+        ),
+    )
+    tp_plan: TPPlan | None = field(
+        default=None,
+        metadata=setting(
+            "tensor parallelism's plan: module-name pattern -> style ('colwise', 'rowwise', ...), "
+            "a callable (model, tp_mesh) -> None, or 'auto' (a Transformers model's own plan)",
+            backend="fsdp",
+            check=_check_tp_plan,
+            parse=_tp_plan_from_text,
+        ),
+    )
+    fsdp_memory_budget: int | None = field(
+        default=None,
+        metadata=setting(
+            "the old name of sync_memory_budget", backend="fsdp", check=_check_old_budget, minimum=0
+        ),
+    )

@@ -36,11 +36,16 @@ class _Save:
     without it), then, only when a rank failed, one gather of the ranks' reasons and every
     rank raises the same one-line CheckpointError. Rank 0 removes ``tmp`` then."""
 
-    def __init__(self, target: Path, tmp: Path, device: torch.device | None, background: bool) -> None:
+    def __init__(
+        self, target: Path, tmp: Path, device: torch.device | None, background: bool
+    ) -> None:
         self.target, self.tmp, self.device, self.background = target, tmp, device, background
 
-    def agree(self, error: BaseException | None, sums: dict[str, tuple[int, int]] | None = None,
-              ) -> list[dict[str, tuple[int, int]] | None]:
+    def agree(
+        self,
+        error: BaseException | None,
+        sums: dict[str, tuple[int, int]] | None = None,
+    ) -> list[dict[str, tuple[int, int]] | None]:
         """Raise the same CheckpointError on every rank when any rank's ``error`` is set
         (collective). ``sums`` (this rank's file checksums, at the commit) are gathered in
         the same collective, and every rank's are returned when no rank failed."""
@@ -56,9 +61,19 @@ class _Save:
         if error is not None and _is_own(error):
             raise error  # a usage error of this rank, or an interrupt: as it was raised
         # The first rank that says why (a rank that stopped because another failed does not).
-        rank, reason = next(((r, why) for r, why in failed if why is not None), (failed[0][0], None))
-        raise CheckpointError(failure.line(self.target, rank, len(parts), reason, _kept(self.target),
-                                           background=self.background)) from None
+        rank, reason = next(
+            ((r, why) for r, why in failed if why is not None), (failed[0][0], None)
+        )
+        raise CheckpointError(
+            failure.line(
+                self.target,
+                rank,
+                len(parts),
+                reason,
+                _kept(self.target),
+                background=self.background,
+            )
+        ) from None
 
     def _reason(self, error: BaseException | None) -> tuple[str, str] | None:
         return None if error is None else failure.describe(error, self.tmp)
@@ -73,7 +88,9 @@ def _kept(target: Path) -> str:
 def _is_own(error: BaseException) -> bool:
     """A gradsync error raised on purpose (a call in the wrong place, a setting), which names
     its fix already, or an interrupt (KeyboardInterrupt): raised as it is on its rank."""
-    return isinstance(error, (ConfigError, UsageError, CheckpointError)) or not isinstance(error, Exception)
+    return isinstance(error, (ConfigError, UsageError, CheckpointError)) or not isinstance(
+        error, Exception
+    )
 
 
 class Committer:
@@ -110,9 +127,16 @@ class Committer:
         return pending.wait() if pending is not None else None
 
     @contextlib.contextmanager
-    def writing(self, target: Path, manifest: Manifest, *, keep_last: int | None = None,
-                background: bool = False, device: torch.device | None = None,
-                then: Sequence[Callable[[Path], None]] = ()) -> Iterator[Path]:
+    def writing(
+        self,
+        target: Path,
+        manifest: Manifest,
+        *,
+        keep_last: int | None = None,
+        background: bool = False,
+        device: torch.device | None = None,
+        then: Sequence[Callable[[Path], None]] = (),
+    ) -> Iterator[Path]:
         """Yield the temporary folder every rank writes its files into; on leaving, call
         each of ``then`` with it once every rank has written (they may be collectives), and
         commit it on rank 0. Collective: call on every rank, after ``settle``; ``device`` is
@@ -155,7 +179,9 @@ class Committer:
         try:
             names = listed_files(tmp)
             # Each rank sums its share of the files while rank 0 fsyncs all of them.
-            mine = _summed_while_syncing(tmp, share(tmp, names, rank, world), names if rank == 0 else [])
+            mine = _summed_while_syncing(
+                tmp, share(tmp, names, rank, world), names if rank == 0 else []
+            )
         except Exception as err:
             error = err
         parts = save.agree(error, mine or {})
@@ -166,8 +192,13 @@ class Committer:
                     sums.update(part or {})
                 # Rank 0's listing is the checkpoint; it sums what no rank did (a rank whose
                 # view of a shared filesystem lagged).
-                _install(tmp, target, manifest, {n: sums[n] if n in sums else checksum(tmp / n) for n in names},
-                         keep_last)
+                _install(
+                    tmp,
+                    target,
+                    manifest,
+                    {n: sums[n] if n in sums else checksum(tmp / n) for n in names},
+                    keep_last,
+                )
             except Exception as err:
                 error = err
         save.agree(error)
@@ -195,7 +226,9 @@ class _Background:
         return self._error
 
 
-def _summed_while_syncing(folder: Path, to_sum: list[str], to_sync: list[str]) -> dict[str, tuple[int, int]]:
+def _summed_while_syncing(
+    folder: Path, to_sum: list[str], to_sync: list[str]
+) -> dict[str, tuple[int, int]]:
     """(size, CRC-32) of each file of ``to_sum``, read back while a thread fsyncs the files
     of ``to_sync``; raises what either failed with."""
     syncing = _Background("gradsync-fsync", fsync_all, folder, to_sync) if to_sync else None
@@ -207,11 +240,18 @@ def _summed_while_syncing(folder: Path, to_sum: list[str], to_sync: list[str]) -
             raise failed
 
 
-def _install(tmp: Path, target: Path, manifest: Manifest, sums: dict[str, tuple[int, int]],
-             keep_last: int | None) -> None:
+def _install(
+    tmp: Path,
+    target: Path,
+    manifest: Manifest,
+    sums: dict[str, tuple[int, int]],
+    keep_last: int | None,
+) -> None:
     """The last steps of a commit, once every file is summed and on disk: the marker, the
     rename, then ``keep_last``."""
-    mark_and_rename(tmp, target, {**manifest, "files": {name: list(sums[name]) for name in sorted(sums)}})
+    mark_and_rename(
+        tmp, target, {**manifest, "files": {name: list(sums[name]) for name in sorted(sums)}}
+    )
     if keep_last is not None:
         prune(target, keep_last)
 
@@ -222,20 +262,39 @@ class _Commit:
 
     def __init__(self, tmp: Path, target: Path, manifest: Manifest, keep_last: int | None) -> None:
         self.target = target
-        self._job = _Background(f"gradsync-commit-{target.name}", self._run, tmp, manifest, keep_last)
+        self._job = _Background(
+            f"gradsync-commit-{target.name}", self._run, tmp, manifest, keep_last
+        )
 
     def _run(self, tmp: Path, manifest: Manifest, keep_last: int | None) -> None:
         try:
             names = listed_files(tmp)
-            _install(tmp, self.target, manifest, _summed_while_syncing(tmp, names, names), keep_last)
+            _install(
+                tmp, self.target, manifest, _summed_while_syncing(tmp, names, names), keep_last
+            )
         except BaseException as err:  # reported by wait(); also said now, in case none comes
             failure.remove(tmp)
-            message = failure.line(self.target, 0, 1, failure.describe(err, tmp), _kept(self.target),
-                                   background=True)
+            message = failure.line(
+                self.target, 0, 1, failure.describe(err, tmp), _kept(self.target), background=True
+            )
             print(f"gradsync: {message}", file=sys.stderr, flush=True)
             raise CheckpointError(message) from None
 
     def wait(self) -> CheckpointError | None:
         error = self._job.error()
-        return None if error is None else error if isinstance(error, CheckpointError) else CheckpointError(
-            failure.line(self.target, 0, 1, failure.describe(error, self.target), "unknown", background=True))
+        return (
+            None
+            if error is None
+            else error
+            if isinstance(error, CheckpointError)
+            else CheckpointError(
+                failure.line(
+                    self.target,
+                    0,
+                    1,
+                    failure.describe(error, self.target),
+                    "unknown",
+                    background=True,
+                )
+            )
+        )

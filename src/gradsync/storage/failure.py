@@ -64,7 +64,10 @@ def describe(err: BaseException, tmp: Path) -> tuple[str, str] | None:
         return None
     if found is None:
         text = " ".join(str(err).split())
-        return f"raised {type(err).__name__}: {text if len(text) <= 300 else text[:297] + '...'}", ""
+        return (
+            f"raised {type(err).__name__}: {text if len(text) <= 300 else text[:297] + '...'}",
+            "",
+        )
     name = found.filename
     where = ""
     if name is not None:
@@ -88,15 +91,26 @@ def kept(target: Path, complete: list[Path]) -> str:
     return repr(str(complete[-1])) if complete else "none"
 
 
-def line(target: Path, rank: int, world: int, reason: tuple[str, str] | None, kept: str, *,
-         background: bool = False) -> str:
+def line(
+    target: Path,
+    rank: int,
+    world: int,
+    reason: tuple[str, str] | None,
+    kept: str,
+    *,
+    background: bool = False,
+) -> str:
     """The message every rank raises (a CheckpointError) when saving ``target`` failed:
     ``reason`` is ``describe``'s (cause, fix) for ``rank``."""
     cause, fix = reason or ("failed", "")
-    what = f"the background save of {str(target)!r}" if background else f"save_state({str(target)!r})"
+    what = (
+        f"the background save of {str(target)!r}" if background else f"save_state({str(target)!r})"
+    )
     who = f"rank {rank} " if world > 1 else ""
-    return (f"{what} failed: {who}{cause}; nothing was saved there, the checkpoint kept is {kept}"
-            + (f"; {fix}" if fix else ""))
+    return (
+        f"{what} failed: {who}{cause}; nothing was saved there, the checkpoint kept is {kept}"
+        + (f"; {fix}" if fix else "")
+    )
 
 
 def remove(tmp: Path, what: str = "the unfinished checkpoint folder") -> None:
@@ -111,5 +125,8 @@ def remove(tmp: Path, what: str = "the unfinished checkpoint folder") -> None:
     if tmp.exists():
         shutil.rmtree(tmp, onerror=note)
     if problems and tmp.exists():
-        warnings.warn(f"gradsync: could not remove {what} {str(tmp)!r} "
-                      f"({problems[0]}); delete it by hand", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"gradsync: could not remove {what} {str(tmp)!r} ({problems[0]}); delete it by hand",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -71,7 +71,9 @@ class Manifest(TypedDict, total=False):
     world_size: int
     optimizer_steps: int
     steps_applied: list[int]  # per prepared optimizer
-    optimizer_models: list[list[int]]  # per prepared optimizer: the models whose parameters it holds
+    optimizer_models: list[
+        list[int]
+    ]  # per prepared optimizer: the models whose parameters it holds
     window: WindowState
     models: int
     schedulers: int
@@ -105,7 +107,9 @@ def load_file(path: Path, *, trusted: bool = False) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=not trusted)
     except Exception as err:
-        raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: {one_line(err)}") from None
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r} cannot be read: {one_line(err)}"
+        ) from None
 
 
 def one_line(err: BaseException) -> str:
@@ -126,8 +130,9 @@ def checksum(path: Path) -> tuple[int, int]:
 
 
 def listed_files(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                  if p.is_file() and p.name != MANIFEST)
+    return sorted(
+        str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST
+    )
 
 
 def share(folder: Path, names: list[str], rank: int, world: int) -> list[str]:
@@ -156,10 +161,11 @@ def fsync_all(folder: Path, names: list[str]) -> None:
         fsync(folder / name)
 
 
-
 def check_target(path: str | os.PathLike[str], keep_last: int | None) -> Path:
     """The folder to write, or a ConfigError for a bad ``path`` / ``keep_last``."""
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
         raise ConfigError(
             f"save_state(keep_last={keep_last!r}) must be a whole number >= 1 (how many of the "
             "newest checkpoints to keep), or None to keep them all"
@@ -204,8 +210,12 @@ def mark_and_rename(tmp: Path, target: Path, manifest: dict[str, Any]) -> None:
 def _order(manifest: dict[str, Any]) -> tuple[int, int, int, float]:
     """Newest = most optimizer steps, then the position in the window, then the save time."""
     window = manifest.get("window", {})
-    return (int(manifest.get("optimizer_steps", 0)), int(window.get("completed", 0)),
-            int(window.get("index", 0)), float(manifest.get("created", 0.0)))
+    return (
+        int(manifest.get("optimizer_steps", 0)),
+        int(window.get("completed", 0)),
+        int(window.get("index", 0)),
+        float(manifest.get("created", 0.0)),
+    )
 
 
 def complete_checkpoints(root: Path) -> list[tuple[tuple[int, int, int, float], Path]]:
@@ -259,8 +269,9 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
     return result
 
 
-def read_manifest(path: str | os.PathLike[str],
-                  allowed: Callable[[str], bool] | None = None) -> Manifest:
+def read_manifest(
+    path: str | os.PathLike[str], allowed: Callable[[str], bool] | None = None
+) -> Manifest:
     """Rank 0 checks that ``path`` is a complete, intact checkpoint (every file there with
     its recorded size and checksum, no file name leading out of the folder) and, with
     ``allowed``, that no pickle in it names a global ``allowed`` refuses; it sends the
@@ -294,9 +305,13 @@ def _verify(folder: Path, allowed: Callable[[str], bool] | None) -> Manifest:
     try:
         manifest = json.loads(marker.read_text())
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {where!r}: {MANIFEST} is unreadable ({one_line(err)})") from None
+        raise CheckpointError(
+            f"checkpoint {where!r}: {MANIFEST} is unreadable ({one_line(err)})"
+        ) from None
     if not isinstance(manifest, dict) or "gradsync_checkpoint" not in manifest:
-        raise CheckpointError(f"checkpoint {where!r}: {MANIFEST} is not a gradsync checkpoint manifest")
+        raise CheckpointError(
+            f"checkpoint {where!r}: {MANIFEST} is not a gradsync checkpoint manifest"
+        )
     version = manifest["gradsync_checkpoint"]
     if version not in READABLE_VERSIONS:
         writer = manifest.get("gradsync_version", "a gradsync release newer than this one")
@@ -333,7 +348,10 @@ def _release() -> str:
 
 def new_manifest(**fields: Any) -> Manifest:
     """A manifest for a checkpoint being written (its ``files`` are added at the commit)."""
-    manifest: Manifest = {"gradsync_checkpoint": FORMAT_VERSION, "created": time.time(),
-                          "gradsync_version": _release()}
+    manifest: Manifest = {
+        "gradsync_checkpoint": FORMAT_VERSION,
+        "created": time.time(),
+        "gradsync_version": _release(),
+    }
     manifest.update(fields)  # type: ignore[typeddict-item]
     return manifest

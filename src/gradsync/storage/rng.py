@@ -16,8 +16,13 @@ def capture_rng() -> dict[str, Any]:
     np = sys.modules.get("numpy")
     if np is not None:
         name, key, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = [str(name), torch.from_numpy(key.astype("int64")), int(pos),
-                          int(has_gauss), float(cached)]
+        state["numpy"] = [
+            str(name),
+            torch.from_numpy(key.astype("int64")),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

@@ -29,18 +29,21 @@ from gradsync.errors import CheckpointError
 
 #: Globals the metadata of a ``torch.distributed.checkpoint`` folder (``.metadata``) holds,
 #: besides torch's ``weights_only`` set (read from DCP's files with torch 2.13).
-DCP_METADATA_GLOBALS = frozenset({
-    "torch.distributed.checkpoint.metadata.Metadata",
-    "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
-    "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
-    "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
-    "torch.distributed.checkpoint.metadata.TensorProperties",
-    "torch.distributed.checkpoint.metadata.MetadataIndex",
-    "torch.distributed.checkpoint.metadata.StorageMeta",
-    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
-    "torch.distributed.checkpoint.filesystem._StorageInfo",
-    "pathlib.PosixPath",
-})
+DCP_METADATA_GLOBALS = frozenset(
+    {
+        "torch.distributed.checkpoint.metadata.Metadata",
+        "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
+        "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+        "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
+        "torch.distributed.checkpoint.metadata.TensorProperties",
+        "torch.distributed.checkpoint.metadata.MetadataIndex",
+        "torch.distributed.checkpoint.metadata.StorageMeta",
+        "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+        "torch.distributed.checkpoint.filesystem._StorageInfo",
+        "pathlib.PosixPath",
+    }
+)
+
 
 def allow_list(extra: frozenset[str] = frozenset()) -> frozenset[str]:
     """torch's ``weights_only`` globals and ``extra`` (a backend's own)."""

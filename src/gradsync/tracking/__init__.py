@@ -43,8 +43,16 @@ if TYPE_CHECKING:
     from gradsync.tracking._wandb import WandBTracker
 
 __all__ = [
-    "BUILTIN_TRACKERS", "CSVTracker", "JSONLTracker", "MLflowTracker", "TensorBoardTracker",
-    "Tracker", "Trackers", "WandBTracker", "plain", "tracker_available",
+    "BUILTIN_TRACKERS",
+    "CSVTracker",
+    "JSONLTracker",
+    "MLflowTracker",
+    "TensorBoardTracker",
+    "Tracker",
+    "Trackers",
+    "WandBTracker",
+    "plain",
+    "tracker_available",
 ]
 
 # name -> the module that defines it (imported on first access: most import torch)

@@ -15,7 +15,8 @@ from gradsync.tracking._wandb import WandBTracker
 
 #: The trackers ``log_with`` names, by name (in the order ``"all"`` starts them).
 BUILTIN_TRACKERS: Mapping[str, type[Any]] = {
-    cls.name: cls for cls in (TensorBoardTracker, WandBTracker, MLflowTracker, CSVTracker, JSONLTracker)
+    cls.name: cls
+    for cls in (TensorBoardTracker, WandBTracker, MLflowTracker, CSVTracker, JSONLTracker)
 }
 
 

@@ -38,8 +38,10 @@ class CSVTracker(FileTracker):
             with open(self.path, newline="", encoding="utf-8") as f:
                 header = next(csv.reader(f), [])
         if not header and self.path.exists() and self.path.stat().st_size:
-            raise ConfigError(f"{self.path} exists and does not start with a CSV header; move it "
-                              "away, or give init_trackers another project name")
+            raise ConfigError(
+                f"{self.path} exists and does not start with a CSV header; move it "
+                "away, or give init_trackers another project name"
+            )
         super().start()
         if not header:
             csv.writer(self._file).writerow(self.columns)

@@ -14,7 +14,9 @@ from gradsync.tracking._values import LeftOut, check_no_kwargs, plain
 def _write_config(path: Path, values: Mapping[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({k: plain(v) for k, v in values.items()}, indent=2, default=str) + "\n")
+    tmp.write_text(
+        json.dumps({k: plain(v) for k, v in values.items()}, indent=2, default=str) + "\n"
+    )
     os.replace(tmp, path)
 
 

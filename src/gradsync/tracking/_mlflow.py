@@ -12,8 +12,15 @@ from gradsync.errors import ConfigError
 from gradsync.tracking._values import LeftOut, flat, is_number, log, plain
 
 #: The MLflow settings ``init_kwargs["mlflow"]`` takes.
-MLFLOW_KEYS = ("tracking_uri", "experiment_name", "run_name", "run_id", "tags", "description",
-               "artifact_location")
+MLFLOW_KEYS = (
+    "tracking_uri",
+    "experiment_name",
+    "run_name",
+    "run_id",
+    "tags",
+    "description",
+    "artifact_location",
+)
 
 
 class MLflowTracker:
@@ -43,11 +50,14 @@ class MLflowTracker:
     def __init__(self, project_name: str, logging_dir: str | None, **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - set(MLFLOW_KEYS))
         if unknown:
-            raise ConfigError(f"init_kwargs['mlflow'] has {', '.join(map(repr, unknown))}, which "
-                              f"the mlflow tracker does not take; use {', '.join(MLFLOW_KEYS)}")
+            raise ConfigError(
+                f"init_kwargs['mlflow'] has {', '.join(map(repr, unknown))}, which "
+                f"the mlflow tracker does not take; use {', '.join(MLFLOW_KEYS)}"
+            )
         env = os.environ
-        self.experiment_name: str = env.get("MLFLOW_EXPERIMENT_NAME") or kwargs.get(
-            "experiment_name") or project_name
+        self.experiment_name: str = (
+            env.get("MLFLOW_EXPERIMENT_NAME") or kwargs.get("experiment_name") or project_name
+        )
         self.run_id: str | None = env.get("MLFLOW_RUN_ID") or kwargs.get("run_id")
         tags = env.get("MLFLOW_TAGS") or kwargs.get("tags")
         self.tags: dict[str, Any] = json.loads(tags) if isinstance(tags, str) else dict(tags or {})
@@ -82,7 +92,8 @@ class MLflowTracker:
             experiment_id = experiment.experiment_id
         else:
             experiment_id = client.create_experiment(
-                self.experiment_name, artifact_location=self.artifact_location)
+                self.experiment_name, artifact_location=self.artifact_location
+            )
         tags = {k: str(v) for k, v in self.tags.items()}
         if self.description:
             tags["mlflow.note.content"] = self.description
@@ -103,12 +114,16 @@ class MLflowTracker:
         for key, value in flat({k: plain(v) for k, v in values.items()}):
             text = str(value)
             if len(text) > MAX_PARAM_VAL_LENGTH:
-                log.warning("gradsync: config[%r] is longer than MLflow's %d characters for a "
-                            "parameter: it is left out", key, MAX_PARAM_VAL_LENGTH)
+                log.warning(
+                    "gradsync: config[%r] is longer than MLflow's %d characters for a "
+                    "parameter: it is left out",
+                    key,
+                    MAX_PARAM_VAL_LENGTH,
+                )
                 continue
             params.append(Param(key, text))
         for i in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=params[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+            self.client.log_batch(self.run_id, params=params[i : i + MAX_PARAMS_TAGS_PER_BATCH])
 
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         """One metric record per number in ``values``, at ``step`` (0 when None).
@@ -129,7 +144,9 @@ class MLflowTracker:
             elif value is not None:
                 self._left_out(key, value, "numbers (and dicts of numbers)")
         for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH], **kwargs)
+            self.client.log_batch(
+                self.run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH], **kwargs
+            )
 
     def finish(self) -> None:
         """End the run (status FINISHED)."""

@@ -50,4 +50,3 @@ class Tracker(Protocol):
     def finish(self) -> None:
         """Flush and close the run."""
         ...
-

@@ -57,8 +57,10 @@ class TensorBoardTracker:
         """
         from torch.utils.tensorboard.summary import hparams
 
-        params = {k: v if isinstance(v, bool | int | float | str) else str(v)
-                  for k, v in ((k, plain(v)) for k, v in values.items())}
+        params = {
+            k: v if isinstance(v, bool | int | float | str) else str(v)
+            for k, v in ((k, plain(v)) for k, v in values.items())
+        }
         for summary in hparams(params, {}):
             self.writer.file_writer.add_summary(summary)
         self.writer.flush()
@@ -86,8 +88,12 @@ class TensorBoardTracker:
                 elif scalars:
                     w.add_scalars(key, scalars, global_step=step, **kwargs)
             elif isinstance(value, torch.Tensor | np.ndarray):
-                w.add_histogram(key, value.detach().cpu() if isinstance(value, torch.Tensor)
-                                else value, global_step=step, **kwargs)
+                w.add_histogram(
+                    key,
+                    value.detach().cpu() if isinstance(value, torch.Tensor) else value,
+                    global_step=step,
+                    **kwargs,
+                )
             else:
                 self._left_out(key, value, "numbers, strings, dicts of numbers and tensors")
         w.flush()

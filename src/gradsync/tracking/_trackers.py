@@ -67,8 +67,12 @@ class Trackers:
             file-writing tracker without ``project_dir``, or an unknown name.
     """
 
-    def __init__(self, log_with: Sequence[Any] | None, project_dir: str | os.PathLike[str] | None,
-                 step: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        log_with: Sequence[Any] | None,
+        project_dir: str | os.PathLike[str] | None,
+        step: Callable[[], int],
+    ) -> None:
         self.project_dir = os.fspath(project_dir) if project_dir is not None else None
         self._step = step
         self._chosen: list[str | Any] = []  # built-in names and tracker objects, in order
@@ -84,7 +88,8 @@ class Trackers:
                 if missing:
                     raise ConfigError(
                         f"log_with={item!r} needs {', '.join(missing)}, which is not installed: "
-                        f"pip install 'gradsync[{item}]'")
+                        f"pip install 'gradsync[{item}]'"
+                    )
                 names = [item]
             self._chosen.extend(n for n in names if n not in self._chosen)
         homeless = [n for n in self._chosen if isinstance(n, str) and BUILTIN_TRACKERS[n].needs_dir]
@@ -92,7 +97,8 @@ class Trackers:
             asked = "'all'" if "all" in given else ", ".join(map(repr, homeless))
             raise ConfigError(
                 f"log_with={asked} writes files into project_dir, which is not set: pass "
-                "project_dir='runs' (a folder) to Accelerator, or set GRADSYNC_PROJECT_DIR")
+                "project_dir='runs' (a folder) to Accelerator, or set GRADSYNC_PROJECT_DIR"
+            )
         self._started: list[Any] = []
         self._project: str | None = None
         self._main = False
@@ -113,8 +119,12 @@ class Trackers:
         return list(self._started)
 
     # -- the run --------------------------------------------------------------------------
-    def init(self, project_name: str, config: Mapping[str, Any] | None = None,
-             init_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    def init(
+        self,
+        project_name: str,
+        config: Mapping[str, Any] | None = None,
+        init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         """Create and start every tracker (on the main process; elsewhere only note that
         the trackers are started), then record ``config``.
 
@@ -131,14 +141,20 @@ class Trackers:
                 for a tracker name gradsync does not know.
         """
         if self._project is not None:
-            raise UsageError(f"init_trackers({project_name!r}): the trackers were already started "
-                             f"(project {self._project!r}); call init_trackers once per run")
+            raise UsageError(
+                f"init_trackers({project_name!r}): the trackers were already started "
+                f"(project {self._project!r}); call init_trackers once per run"
+            )
         if not isinstance(project_name, str) or not project_name.strip():
-            raise ConfigError(f"init_trackers(project_name={project_name!r}) needs a non-empty "
-                              "name, e.g. init_trackers('my_project')")
+            raise ConfigError(
+                f"init_trackers(project_name={project_name!r}) needs a non-empty "
+                "name, e.g. init_trackers('my_project')"
+            )
         if config is not None and not isinstance(config, Mapping):
-            raise ConfigError(f"init_trackers(config=...) got a {type(config).__name__}; pass a dict "
-                              "of hyperparameters, e.g. config={'lr': 1e-3}")
+            raise ConfigError(
+                f"init_trackers(config=...) got a {type(config).__name__}; pass a dict "
+                "of hyperparameters, e.g. config={'lr': 1e-3}"
+            )
         kwargs = self._per_tracker("init_kwargs", init_kwargs)
         self._main = dist.rank() == 0
         if not self._main:
@@ -149,8 +165,9 @@ class Trackers:
         try:
             for chosen in self._chosen:
                 if isinstance(chosen, str):
-                    tracker = BUILTIN_TRACKERS[chosen](project_name, self.project_dir,
-                                                       **kwargs.get(chosen, {}))
+                    tracker = BUILTIN_TRACKERS[chosen](
+                        project_name, self.project_dir, **kwargs.get(chosen, {})
+                    )
                 else:
                     tracker = chosen
                 start = getattr(tracker, "start", None)
@@ -172,8 +189,12 @@ class Trackers:
             raise
         self._project = project_name
 
-    def log(self, values: Mapping[str, Any], step: int | None = None,
-            log_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    def log(
+        self,
+        values: Mapping[str, Any],
+        step: int | None = None,
+        log_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         """Record ``values`` with every tracker, on the main process; elsewhere nothing.
 
         Args:
@@ -188,22 +209,30 @@ class Trackers:
                 itself ("step", "wall_time"), or log_kwargs for an unknown tracker name.
         """
         if self._finished:
-            raise UsageError("accel.log(...) after end_training(): the trackers are finished; "
-                             "log before end_training()")
+            raise UsageError(
+                "accel.log(...) after end_training(): the trackers are finished; "
+                "log before end_training()"
+            )
         if not self._chosen:
             if not self._warned_empty:
                 self._warned_empty = True
                 if dist.rank() == 0:
-                        log.warning("gradsync: accel.log(...) records nothing: log_with is not "
-                                "set; pass e.g. Accelerator(log_with='tensorboard', "
-                                "project_dir='runs')")
+                    log.warning(
+                        "gradsync: accel.log(...) records nothing: log_with is not "
+                        "set; pass e.g. Accelerator(log_with='tensorboard', "
+                        "project_dir='runs')"
+                    )
             return
         if self._project is None:
-            raise UsageError("accel.log(...) before init_trackers(): start the trackers first, "
-                             "e.g. accel.init_trackers('my_project')")
+            raise UsageError(
+                "accel.log(...) before init_trackers(): start the trackers first, "
+                "e.g. accel.init_trackers('my_project')"
+            )
         if not isinstance(values, Mapping) or not all(isinstance(k, str) for k in values):
-            raise ConfigError(f"accel.log(values=...) got {type(values).__name__}; pass a dict "
-                              "of str -> value, e.g. {'loss': loss}")
+            raise ConfigError(
+                f"accel.log(values=...) got {type(values).__name__}; pass a dict "
+                "of str -> value, e.g. {'loss': loss}"
+            )
         kwargs = self._per_tracker("log_kwargs", log_kwargs)
         if not self._main:
             return
@@ -216,7 +245,8 @@ class Trackers:
                 key = sorted(taken)[0]
                 raise ConfigError(
                     f"accel.log: values[{key!r}]: the {_name_of(tracker)} tracker writes "
-                    f"{key!r} itself; rename the value (for the step: accel.log(values, step=N))")
+                    f"{key!r} itself; rename the value (for the step: accel.log(values, step=N))"
+                )
         plain_values = {k: plain(v) for k, v in values.items()}
         at = self._step() if step is None else step
         for tracker in self._started:
@@ -238,8 +268,10 @@ class Trackers:
             ConfigError: no tracker of that name (the message lists the started ones).
         """
         if self._project is None:
-            raise UsageError(f"get_tracker({name!r}) before init_trackers(): start the trackers "
-                             "first, e.g. accel.init_trackers('my_project')")
+            raise UsageError(
+                f"get_tracker({name!r}) before init_trackers(): start the trackers "
+                "first, e.g. accel.init_trackers('my_project')"
+            )
         if name not in self.names:
             have = ", ".join(map(repr, self.names)) or "none (log_with is not set)"
             raise ConfigError(f"get_tracker({name!r}): no such tracker; the started ones: {have}")
@@ -271,20 +303,27 @@ class Trackers:
         if first is not None:
             raise first
 
-    def _per_tracker(self, what: str, given: Mapping[str, Mapping[str, Any]] | None,
-                     ) -> Mapping[str, Mapping[str, Any]]:
+    def _per_tracker(
+        self,
+        what: str,
+        given: Mapping[str, Mapping[str, Any]] | None,
+    ) -> Mapping[str, Mapping[str, Any]]:
         """``init_kwargs`` / ``log_kwargs`` checked: a dict of tracker name -> dict (an
         entry for a built-in tracker not chosen is ignored: a typo is not)."""
         if given is None:
             return {}
         known = set(BUILTIN_TRACKERS) | set(self.names)
         if not isinstance(given, Mapping):
-            raise ConfigError(f"{what}={given!r} must be a dict of tracker name -> dict of "
-                              f"arguments, e.g. {{'wandb': {{'tags': ['a']}}}}")
+            raise ConfigError(
+                f"{what}={given!r} must be a dict of tracker name -> dict of "
+                f"arguments, e.g. {{'wandb': {{'tags': ['a']}}}}"
+            )
         for key, value in given.items():
             if key not in known:
-                raise ConfigError(f"{what}[{key!r}]: no tracker of that name; use one of "
-                                  f"{', '.join(sorted(known))}")
+                raise ConfigError(
+                    f"{what}[{key!r}]: no tracker of that name; use one of "
+                    f"{', '.join(sorted(known))}"
+                )
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{what}[{key!r}]={value!r} must be a dict of keyword arguments")
         return given

@@ -61,14 +61,21 @@ class LeftOut:
         if key in self.keys:
             return
         self.keys.add(key)
-        log.warning("gradsync: the %s tracker cannot record values[%r] (a %s): it is left out; "
-                    "it records %s", self.tracker, key, type(value).__name__, can)
+        log.warning(
+            "gradsync: the %s tracker cannot record values[%r] (a %s): it is left out; "
+            "it records %s",
+            self.tracker,
+            key,
+            type(value).__name__,
+            can,
+        )
 
 
 def check_no_kwargs(name: str, kwargs: Mapping[str, Any], what: str) -> None:
     """Refuse arguments for tracker ``name``, which takes none (``what``: where they were
     given, ``init_kwargs`` or ``log_kwargs``)."""
     if kwargs:
-        raise ConfigError(f"{what}[{name!r}]={dict(kwargs)!r}: the {name} tracker takes no "
-                          f"arguments there; drop the {name!r} entry")
-
+        raise ConfigError(
+            f"{what}[{name!r}]={dict(kwargs)!r}: the {name} tracker takes no "
+            f"arguments there; drop the {name!r} entry"
+        )

@@ -118,8 +118,13 @@ def _same(a: Any, b: Any) -> bool:
     """Two recorded batches are equal: the same structure, tensors equal in dtype, shape and
     every element."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and bool(torch.equal(a, b)))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(torch.equal(a, b))
+        )
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -130,7 +135,9 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _first_difference(ours: list[list[dict[str, Any]]], theirs: list[list[dict[str, Any]]]) -> str | None:
+def _first_difference(
+    ours: list[list[dict[str, Any]]], theirs: list[list[dict[str, Any]]]
+) -> str | None:
     """Where two ranks' recorded loaders differ ("prepared loader L, pass P, batch B"), or None."""
     if len(ours) != len(theirs):
         return f"{len(ours)} and {len(theirs)} prepared loaders"
@@ -170,10 +177,12 @@ def mismatched_readers(folder: str | os.PathLike[str]) -> str | None:
         for rank in group[1:]:
             where = _first_difference(loaded[first], loaded[rank])
             if where is not None:
-                return (f"ranks {first} and {rank} of one tensor-parallel group read different "
-                        f"micro-batches ({where}), and they must read the same: build the same "
-                        "dataset on every rank, prepare its loader with accel.prepare, and draw "
-                        "no per-rank random numbers in it")
+                return (
+                    f"ranks {first} and {rank} of one tensor-parallel group read different "
+                    f"micro-batches ({where}), and they must read the same: build the same "
+                    "dataset on every rank, prepare its loader with accel.prepare, and draw "
+                    "no per-rank random numbers in it"
+                )
     return None
 
 
@@ -214,7 +223,10 @@ def overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     meta = read_meta(environ[ENV_REPLAY])
     forced: dict[str, Any] = {s.name: s.default for s in SETTINGS if s.backend is not None}
     forced.update(
-        backend="single", sync_policy="auto", audit=False, track_window_loss=True,
+        backend="single",
+        sync_policy="auto",
+        audit=False,
+        track_window_loss=True,
         global_batch_size=None,
         gradient_accumulation_steps=GlobalWindows(meta.get("k", [1]), int(meta.get("world", 1))),
     )
@@ -227,7 +239,9 @@ class ReplayExhausted(RuntimeError):
 
 def _cpu_copy(batch: Any) -> Any:
     """``batch`` with every tensor copied to the CPU (the script may change its batch in place)."""
-    return tree_map(lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, batch)
+    return tree_map(
+        lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, batch
+    )
 
 
 def _sized(loader: Any) -> int | None:
@@ -299,7 +313,9 @@ class ReplayLoader:
     def _replay(self, number: int) -> Iterator[Any]:
         where = f"prepared loader {self._index + 1}, pass {number + 1}"
         if number >= len(self._passes):
-            raise ReplayExhausted(f"the reference started {where}, which the launched run never started")
+            raise ReplayExhausted(
+                f"the reference started {where}, which the launched run never started"
+            )
         ranks = self._passes[number]
         longest = max((len(r["batches"]) for r in ranks), default=0)
         for position in range(longest):
@@ -309,7 +325,8 @@ class ReplayLoader:
         if not all(r["exhausted"] for r in ranks):
             raise ReplayExhausted(
                 f"the reference needed batch {longest + 1} per rank of {where}, which the "
-                "launched run never read")
+                "launched run never read"
+            )
 
 
 def _rng_states() -> dict[str, Any]:
@@ -373,8 +390,17 @@ class Verifier:
             ``rank``, ``size``); None: every rank.
     """
 
-    def __init__(self, accel: Any, runner: Any, preparer: Any, prepared: Any, folder: str,
-                 steps: int, replay_from: str | None, data_parallel: Any = None) -> None:
+    def __init__(
+        self,
+        accel: Any,
+        runner: Any,
+        preparer: Any,
+        prepared: Any,
+        folder: str,
+        steps: int,
+        replay_from: str | None,
+        data_parallel: Any = None,
+    ) -> None:
         self.accel = accel
         self.prepared = prepared
         self.folder = Path(folder)
@@ -392,17 +418,29 @@ class Verifier:
         self._rng_start: dict[str, Any] | None = None
         processes = int(accel.world_size)
         self.meta: dict[str, Any] = {
-            "rank": self.rank, "world": processes, "processes": processes,
-            "readers": [[r] for r in range(processes)], "reference": self.replay_from is not None,
-            "backend": accel.backend, "mixed_precision": accel.mixed_precision,
-            "steps_wanted": steps, "k": [], "rows": [], "dropout": [], "dtypes": [],
-            "param_names": [], "unverifiable": None, "rng_drawn": [], "loaders": 0,
+            "rank": self.rank,
+            "world": processes,
+            "processes": processes,
+            "readers": [[r] for r in range(processes)],
+            "reference": self.replay_from is not None,
+            "backend": accel.backend,
+            "mixed_precision": accel.mixed_precision,
+            "steps_wanted": steps,
+            "k": [],
+            "rows": [],
+            "dropout": [],
+            "dtypes": [],
+            "param_names": [],
+            "unverifiable": None,
+            "rng_drawn": [],
+            "loaders": 0,
             "stopped": False,
         }
         if data_parallel is not None and int(data_parallel.size) != processes:
             self.meta["world"] = int(data_parallel.size)
-            self.meta["readers"] = readers(dist.all_gather_object(int(data_parallel.rank)),
-                                           int(data_parallel.size))
+            self.meta["readers"] = readers(
+                dist.all_gather_object(int(data_parallel.rank)), int(data_parallel.size)
+            )
         runner.before_window.append(self._before_window)
         runner.at_boundary.append(self._at_boundary)
         preparer.loader_hook = self._wrap_loader
@@ -419,12 +457,14 @@ class Verifier:
                 self._replayed = self._read_batches()
             passes = self._replayed[index] if index < len(self._replayed) else []
             return ReplayLoader(loader, passes, index)
-        if (self.accel.config.dataset_shards_itself
-                and isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)):
+        if self.accel.config.dataset_shards_itself and isinstance(
+            getattr(loader, "dataset", None), torch.utils.data.IterableDataset
+        ):
             self._unverifiable(
                 "the script prepares an IterableDataset with dataset_shards_itself=True: each rank "
                 "reads a stream gradsync does not shard, so the ranks' batches cannot be lined up "
-                "into one process's windows")
+                "into one process's windows"
+            )
         recording = RecordingLoader(loader)
         self.loaders.append(recording)
         return recording
@@ -438,7 +478,9 @@ class Verifier:
         for rank in first:  # one rank per data-parallel position
             path = self.replay_from / batches_file(rank)
             if not path.is_file():
-                raise ReplayExhausted(f"the launched run left no {path.name} (rank {rank} recorded nothing)")
+                raise ReplayExhausted(
+                    f"the launched run left no {path.name} (rank {rank} recorded nothing)"
+                )
             per_rank.append(torch.load(path, weights_only=False)["loaders"])
         loaders = max((len(r) for r in per_rank), default=0)
         out: list[list[list[dict[str, Any]]]] = []
@@ -449,8 +491,10 @@ class Verifier:
 
     def _write_batches(self) -> None:
         with contextlib.suppress(Exception):
-            _save({"loaders": [loader.passes for loader in self.loaders]},
-                  self.folder / batches_file(self.rank))
+            _save(
+                {"loaders": [loader.passes for loader in self.loaders]},
+                self.folder / batches_file(self.rank),
+            )
 
     # -- the windows --------------------------------------------------------------
     def _before_window(self) -> None:
@@ -475,13 +519,15 @@ class Verifier:
         if not self.prepared.loaders:
             self._unverifiable(
                 "the script prepared no dataloader: gradsync replays the batches of the loaders "
-                "passed to accel.prepare; prepare the training DataLoader")
+                "passed to accel.prepare; prepare the training DataLoader"
+            )
             return
         if self.replay_from is not None and not self.prepared.optimizers:
             self._unverifiable(
                 "one process has no optimizer: the script prepares none (an optimizer defined "
                 "only in the DeepSpeed config has no single-process equivalent); build it in "
-                "the script and pass it to accel.prepare")
+                "the script and pass it to accel.prepare"
+            )
             return
         for model in self.prepared.models:
             self.meta["dropout"] += _quiet_dropout(self.accel.unwrap_model(model))
@@ -519,23 +565,35 @@ class Verifier:
         off = on = None
         audit = getattr(self.accel, "audit", None)
         if audit is not None and step > 0:
-            records = audit.records[self._audit_seen:]
+            records = audit.records[self._audit_seen :]
             self._audit_seen = len(audit.records)
             off = sum(r.reduction_bytes for r in records if not r.boundary)
             on = sum(r.reduction_bytes for r in records if r.boundary)
         self.snapshots = step
         self.pending = False
         if self.rank == 0:
-            _save([{k: v.detach().to("cpu", copy=True) for k, v in s.items()
-                    if isinstance(v, torch.Tensor)} for s in states],
-                  self.folder / params_file(step))
+            _save(
+                [
+                    {
+                        k: v.detach().to("cpu", copy=True)
+                        for k, v in s.items()
+                        if isinstance(v, torch.Tensor)
+                    }
+                    for s in states
+                ],
+                self.folder / params_file(step),
+            )
             if step > 0:
-                self.meta["rows"].append({
-                    "step": step, "loss": None if loss is None or math.isnan(loss) else loss,
-                    "off_boundary_bytes": off, "boundary_bytes": on,
-                    "optimizer_steps": self.prepared.steps_applied(),
-                    "k": self.meta["k"][step - 1] if step - 1 < len(self.meta["k"]) else None,
-                })
+                self.meta["rows"].append(
+                    {
+                        "step": step,
+                        "loss": None if loss is None or math.isnan(loss) else loss,
+                        "off_boundary_bytes": off,
+                        "boundary_bytes": on,
+                        "optimizer_steps": self.prepared.steps_applied(),
+                        "k": self.meta["k"][step - 1] if step - 1 < len(self.meta["k"]) else None,
+                    }
+                )
             if self._rng_start is not None:
                 self.meta["rng_drawn"] = _advanced(self._rng_start, _rng_states())
             self._write_meta()
@@ -579,6 +637,13 @@ def attach(accel: Any, parts: Any, environ: Mapping[str, str] | None = None) -> 
     if not folder:
         return None
     steps = int(env.get(ENV_STEPS, "3"))
-    return Verifier(accel, parts.runner, parts.preparer, parts.prepared, folder, steps,
-                    env.get(ENV_REPLAY) or None, parts.backend.data_parallel)
-
+    return Verifier(
+        accel,
+        parts.runner,
+        parts.preparer,
+        parts.prepared,
+        folder,
+        steps,
+        env.get(ENV_REPLAY) or None,
+        parts.backend.data_parallel,
+    )

@@ -67,8 +67,18 @@ EXACT, DIFFERS, UNVERIFIABLE = 0, 1, 2
 #: Variables of a scheduler or of torchrun that would make the reference think it is one of
 #: several processes.
 _RANK_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "PET_", "TORCHELASTIC_")
-_RANK_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-               "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE")
+_RANK_NAMES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_WORLD_SIZE",
+)
 
 
 @dataclass
@@ -129,13 +139,27 @@ class Report:
         """
         lines = [f"gradsync verify: {self.title}"] if self.title else []
         if self.steps:
-            head = ("step", "loss (launched)", "loss (1 process)", "max abs diff", "rel diff",
-                    "grad bytes off boundary", "verdict")
-            rows = [head] + [(
-                str(s.step), _num(s.loss), _num(s.reference_loss), f"{s.max_abs:.2e}",
-                f"{s.max_rel:.2e}",
-                "-" if s.off_boundary_bytes is None else human_bytes(s.off_boundary_bytes),
-                "ok" if s.ok else "DIFFERS") for s in self.steps]
+            head = (
+                "step",
+                "loss (launched)",
+                "loss (1 process)",
+                "max abs diff",
+                "rel diff",
+                "grad bytes off boundary",
+                "verdict",
+            )
+            rows = [head] + [
+                (
+                    str(s.step),
+                    _num(s.loss),
+                    _num(s.reference_loss),
+                    f"{s.max_abs:.2e}",
+                    f"{s.max_rel:.2e}",
+                    "-" if s.off_boundary_bytes is None else human_bytes(s.off_boundary_bytes),
+                    "ok" if s.ok else "DIFFERS",
+                )
+                for s in self.steps
+            ]
             widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
             lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
             lines.append(f"tolerance: {self.tolerance:g} relative ({self.precision})")
@@ -166,8 +190,11 @@ def _close(a: float | None, b: float | None, tol: float) -> bool:
     return abs(a - b) <= tol * max(abs(b), 1e-12)
 
 
-def param_difference(ours: Sequence[Mapping[str, Any]], theirs: Sequence[Mapping[str, Any]],
-                     names: Sequence[Sequence[str]]) -> tuple[float, float, str]:
+def param_difference(
+    ours: Sequence[Mapping[str, Any]],
+    theirs: Sequence[Mapping[str, Any]],
+    names: Sequence[Sequence[str]],
+) -> tuple[float, float, str]:
     """How far two lists of state dicts are apart, over the parameters.
 
     The relative difference is norm-wise over every parameter of every model,
@@ -189,7 +216,9 @@ def param_difference(ours: Sequence[Mapping[str, Any]], theirs: Sequence[Mapping
         ConfigError: the two runs hold different models or parameters.
     """
     if len(ours) != len(theirs):
-        raise ConfigError(f"the launched run trained {len(ours)} model(s), the reference {len(theirs)}")
+        raise ConfigError(
+            f"the launched run trained {len(ours)} model(s), the reference {len(theirs)}"
+        )
     max_abs = diff_sq = ref_sq = 0.0
     worst, worst_rel = "", -1.0
     for j, (a_state, b_state) in enumerate(zip(ours, theirs)):
@@ -198,12 +227,16 @@ def param_difference(ours: Sequence[Mapping[str, Any]], theirs: Sequence[Mapping
             keys = [k for k, v in a_state.items() if v.is_floating_point()]
         for key in keys:
             if key not in b_state:
-                raise ConfigError(f"parameter {key!r} of model {j + 1} is missing from the reference")
+                raise ConfigError(
+                    f"parameter {key!r} of model {j + 1} is missing from the reference"
+                )
             a = a_state[key].double()
             b = b_state[key].double()
             if a.shape != b.shape:
-                raise ConfigError(f"parameter {key!r} has shape {tuple(a.shape)} in the launched run "
-                                  f"and {tuple(b.shape)} in the reference")
+                raise ConfigError(
+                    f"parameter {key!r} has shape {tuple(a.shape)} in the launched run "
+                    f"and {tuple(b.shape)} in the reference"
+                )
             if a.numel() == 0:
                 continue
             d = (a - b).abs()
@@ -219,12 +252,15 @@ def param_difference(ours: Sequence[Mapping[str, Any]], theirs: Sequence[Mapping
     return max_abs, math.sqrt(diff_sq / ref_sq), worst
 
 
-_NO_STEP = ("cannot verify: the script completed no optimizer step inside `with "
-            "accel.accumulate(model):` (it never entered accumulate, or its data ended first)")
+_NO_STEP = (
+    "cannot verify: the script completed no optimizer step inside `with "
+    "accel.accumulate(model):` (it never entered accumulate, or its data ended first)"
+)
 
 
-def compare(launched: str | os.PathLike[str], reference: str | os.PathLike[str],
-            rtol: float | None = None) -> Report:
+def compare(
+    launched: str | os.PathLike[str], reference: str | os.PathLike[str], rtol: float | None = None
+) -> Report:
     """Compare the records of the launched run and of the reference.
 
     Args:
@@ -260,8 +296,9 @@ def compare(launched: str | os.PathLike[str], reference: str | os.PathLike[str],
         max_abs, max_rel, worst = param_difference(ours, theirs, names)
         loss, ref_loss = row.get("loss"), rows_ref[n].get("loss")
         ok = max_rel <= tol and _close(loss, ref_loss, tol)
-        report.steps.append(Step(n, loss, ref_loss, max_abs, max_rel, row.get("off_boundary_bytes"),
-                                 ok, worst))
+        report.steps.append(
+            Step(n, loss, ref_loss, max_abs, max_rel, row.get("off_boundary_bytes"), ok, worst)
+        )
         if not ok and first_bad is None:
             first_bad = n
     if not report.steps:
@@ -269,16 +306,21 @@ def compare(launched: str | os.PathLike[str], reference: str | os.PathLike[str],
         return report
     wanted = int(run.get("steps_wanted", len(report.steps)))
     if len(report.steps) < wanted:
-        report.notes.append(f"the script stopped after {len(report.steps)} of the {wanted} "
-                            "optimizer steps asked for (its data ran out): those are compared")
+        report.notes.append(
+            f"the script stopped after {len(report.steps)} of the {wanted} "
+            "optimizer steps asked for (its data ran out): those are compared"
+        )
     drawn = ref.get("rng_drawn") or []
     if first_bad is None:
         report.exit_code = EXACT
-        report.verdict = (f"the launched run equals one process on the same global windows for "
-                          f"{len(report.steps)} optimizer step(s), within {tol:g} (exit 0)")
+        report.verdict = (
+            f"the launched run equals one process on the same global windows for "
+            f"{len(report.steps)} optimizer step(s), within {tol:g} (exit 0)"
+        )
         if drawn:
-            report.notes.append(f"the training loop draws random numbers ({', '.join(drawn)}), "
-                                "yet the runs agree")
+            report.notes.append(
+                f"the training loop draws random numbers ({', '.join(drawn)}), yet the runs agree"
+            )
     elif drawn:
         report.exit_code = UNVERIFIABLE
         report.verdict = (
@@ -286,20 +328,23 @@ def compare(launched: str | os.PathLike[str], reference: str | os.PathLike[str],
             f"numbers ({', '.join(drawn)} generator) in the forward, the loss or between the "
             f"micro-steps, which N processes and one process draw differently; the runs differ "
             f"from step {first_bad} on, which says nothing about gradsync. Make the step "
-            "deterministic (e.g. draw noise in the dataset, whose batches verify replays) (exit 2)")
+            "deterministic (e.g. draw noise in the dataset, whose batches verify replays) (exit 2)"
+        )
     else:
         report.exit_code = DIFFERS
         report.verdict = (
             f"the launched run differs from one process from step {first_bad} on (beyond "
             f"{tol:g}; most in {report.steps[first_bad - 1].worst or 'the window loss'}): the update is not the global window's mean; look for a loss or "
             "gradient that depends on the rank or the world size, or a model changed outside "
-            "gradsync (exit 1)")
+            "gradsync (exit 1)"
+        )
     return report
 
 
 # -- running the script twice -------------------------------------------------------------
-def _launch_config(script: str | LaunchConfig, args: Sequence[str],
-                   launch: Mapping[str, Any] | None) -> LaunchConfig:
+def _launch_config(
+    script: str | LaunchConfig, args: Sequence[str], launch: Mapping[str, Any] | None
+) -> LaunchConfig:
     from gradsync.launch.torchrun import LaunchConfig
 
     if isinstance(script, LaunchConfig):
@@ -310,10 +355,14 @@ def _launch_config(script: str | LaunchConfig, args: Sequence[str],
 def _one_process_env(launcher: Launcher) -> dict[str, str]:
     """The reference's variables: ours without any rank or scheduler variable, plus the
     settings the launch gives its workers (verification then forces its own)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_RANK_PREFIXES) and k not in _RANK_NAMES}
-    env.update({k: v for k, v in launcher.run_env().items()
-                if k != "OMP_NUM_THREADS" or k in os.environ})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(_RANK_PREFIXES) and k not in _RANK_NAMES
+    }
+    env.update(
+        {k: v for k, v in launcher.run_env().items() if k != "OMP_NUM_THREADS" or k in os.environ}
+    )
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     return env
 
@@ -322,8 +371,9 @@ def _run(argv: list[str], env: Mapping[str, str], log: Path, deadline: float) ->
     """Run ``argv`` in a session of its own, output into ``log``; its exit status, or None
     when it ran past ``deadline`` (it is then stopped, its children too)."""
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, env=dict(env), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, env=dict(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -362,10 +412,17 @@ def _why(log: Path) -> str:
     return lines[-1] if lines else ""
 
 
-def verify(script: str | LaunchConfig, args: Sequence[str] = (), *,
-           launch: Mapping[str, Any] | None = None, steps: int = 3, max_seconds: float = 900.0,
-           rtol: float | None = None, folder: str | os.PathLike[str] | None = None,
-           python: str | None = None) -> Report:
+def verify(
+    script: str | LaunchConfig,
+    args: Sequence[str] = (),
+    *,
+    launch: Mapping[str, Any] | None = None,
+    steps: int = 3,
+    max_seconds: float = 900.0,
+    rtol: float | None = None,
+    folder: str | os.PathLike[str] | None = None,
+    python: str | None = None,
+) -> Report:
     """Run ``script`` as launched and as one process on the same global windows, and compare.
 
     Args:
@@ -392,12 +449,16 @@ def verify(script: str | LaunchConfig, args: Sequence[str] = (), *,
         raise ConfigError(f"--steps={steps!r} must be a whole number >= 1")
     config = _launch_config(script, args, launch)
     if config.no_python:
-        raise ConfigError("gradsync verify runs the script in one Python process as the reference; "
-                          "drop --no-python")
+        raise ConfigError(
+            "gradsync verify runs the script in one Python process as the reference; "
+            "drop --no-python"
+        )
     launcher = Launcher(config)
     if launcher.config.node_range[1] > 1:
-        raise ConfigError(f"gradsync verify runs on one node; --nnodes={launcher.config.nnodes} "
-                          "asks for several: verify on one node with the same backend and settings")
+        raise ConfigError(
+            f"gradsync verify runs on one node; --nnodes={launcher.config.nnodes} "
+            "asks for several: verify on one node with the same backend and settings"
+        )
     world = launcher.config.world_size
     if folder is None:
         with tempfile.TemporaryDirectory(prefix="gradsync-verify-") as tmp:
@@ -405,8 +466,16 @@ def verify(script: str | LaunchConfig, args: Sequence[str] = (), *,
     return _verify(launcher, world, steps, max_seconds, rtol, Path(folder), python, keep=True)
 
 
-def _verify(launcher: Launcher, world: int, steps: int, max_seconds: float, rtol: float | None,
-            folder: Path, python: str | None, keep: bool) -> Report:
+def _verify(
+    launcher: Launcher,
+    world: int,
+    steps: int,
+    max_seconds: float,
+    rtol: float | None,
+    folder: Path,
+    python: str | None,
+    keep: bool,
+) -> Report:
     c = launcher.config
     python = python or sys.executable
     launched, reference = folder / "launched", folder / "reference"
@@ -426,22 +495,39 @@ def _verify(launcher: Launcher, world: int, steps: int, max_seconds: float, rtol
     env = dict(os.environ)
     env.update({ENV_RECORD: str(launched), ENV_STEPS: str(steps), extensions.ENV: RECORDER})
     env.pop(ENV_REPLAY, None)
-    code = _run([python, "-m", "gradsync.verify.runner", str(pickled)], env, folder / "launched.log", deadline)
+    code = _run(
+        [python, "-m", "gradsync.verify.runner", str(pickled)],
+        env,
+        folder / "launched.log",
+        deadline,
+    )
     log_hint = f" (its output: {folder / 'launched.log'})" if keep else ""
     if code is None:
-        return done(Report(UNVERIFIABLE, f"cannot verify: the launched run ran past --max-seconds="
-                                         f"{max_seconds:g}{log_hint}"))
+        return done(
+            Report(
+                UNVERIFIABLE,
+                f"cannot verify: the launched run ran past --max-seconds={max_seconds:g}{log_hint}",
+            )
+        )
     run = read_meta(launched)
     if code != 0:
-        return done(Report(UNVERIFIABLE, f"cannot verify: the script failed under gradsync launch "
-                                         f"(exit {code}): {_why(folder / 'launched.log')}"))
+        return done(
+            Report(
+                UNVERIFIABLE,
+                f"cannot verify: the script failed under gradsync launch "
+                f"(exit {code}): {_why(folder / 'launched.log')}",
+            )
+        )
     if not run:
-        return done(Report(UNVERIFIABLE, "cannot verify: the script never built a gradsync "
-                                         "Accelerator"))
+        return done(
+            Report(UNVERIFIABLE, "cannot verify: the script never built a gradsync Accelerator")
+        )
     data = int(run.get("world", world))  # the ranks that read distinct micro-batches
-    title = (f"{c.script} on {run.get('backend')} with {world} process(es)"
-             f"{f' ({data} data-parallel)' if data != world else ''} vs one process, "
-             f"{steps} optimizer step(s)")
+    title = (
+        f"{c.script} on {run.get('backend')} with {world} process(es)"
+        f"{f' ({data} data-parallel)' if data != world else ''} vs one process, "
+        f"{steps} optimizer step(s)"
+    )
     if run.get("unverifiable"):
         return done(Report(UNVERIFIABLE, f"cannot verify: {run['unverifiable']}", title=title))
     if not run.get("rows"):
@@ -451,18 +537,41 @@ def _verify(launcher: Launcher, world: int, steps: int, max_seconds: float, rtol
         return done(Report(UNVERIFIABLE, f"cannot verify: {mismatch}", title=title))
     # 2. the reference: one process on the same global windows
     ref_env = _one_process_env(launcher)
-    ref_env.update({ENV_RECORD: str(reference), ENV_STEPS: str(steps), ENV_REPLAY: str(launched),
-                    extensions.ENV: RECORDER})
-    argv = [python, "-m", "gradsync.launch.worker", *(["-m"] if c.module else []), c.script,
-            *c.script_args]
+    ref_env.update(
+        {
+            ENV_RECORD: str(reference),
+            ENV_STEPS: str(steps),
+            ENV_REPLAY: str(launched),
+            extensions.ENV: RECORDER,
+        }
+    )
+    argv = [
+        python,
+        "-m",
+        "gradsync.launch.worker",
+        *(["-m"] if c.module else []),
+        c.script,
+        *c.script_args,
+    ]
     code = _run(argv, ref_env, folder / "reference.log", deadline)
     if code is None:
-        return done(Report(UNVERIFIABLE, f"cannot verify: the reference (one process) ran past "
-                                         f"--max-seconds={max_seconds:g}", title=title))
+        return done(
+            Report(
+                UNVERIFIABLE,
+                f"cannot verify: the reference (one process) ran past "
+                f"--max-seconds={max_seconds:g}",
+                title=title,
+            )
+        )
     if code != 0:
-        return done(Report(UNVERIFIABLE, f"cannot verify: the reference (one process) failed "
-                                         f"(exit {code}): {_why(folder / 'reference.log')}",
-                           title=title))
+        return done(
+            Report(
+                UNVERIFIABLE,
+                f"cannot verify: the reference (one process) failed "
+                f"(exit {code}): {_why(folder / 'reference.log')}",
+                title=title,
+            )
+        )
     report = compare(launched, reference, rtol)
     report.title = title
     ks = run.get("k", [])
@@ -470,8 +579,12 @@ def _verify(launcher: Launcher, world: int, steps: int, max_seconds: float, rtol
         k_text = str(ks[0]) if len(set(ks)) == 1 else ",".join(map(str, ks))
         report.title += f"; k={k_text} per process, {data * ks[0]} micro-batches per window"
     dropped = run.get("dropout", [])
-    report.notes.insert(0, "dropout set to p=0 in both runs: " + ", ".join(dropped) if dropped
-                        else "no dropout module to switch off (functional dropout is not seen)")
+    report.notes.insert(
+        0,
+        "dropout set to p=0 in both runs: " + ", ".join(dropped)
+        if dropped
+        else "no dropout module to switch off (functional dropout is not seen)",
+    )
     return done(report)
 
 

@@ -38,8 +38,13 @@ def batches(world: int, rank: int, step: int) -> list[tuple[torch.Tensor, torch.
     return [(xs[:2], ys[:2]), (xs[2:], ys[2:])]
 
 
-def train_step(accel: Accelerator, teacher: torch.nn.Module, student: torch.nn.Module,
-               opt: torch.optim.Optimizer, step: int) -> None:
+def train_step(
+    accel: Accelerator,
+    teacher: torch.nn.Module,
+    student: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    step: int,
+) -> None:
     for x, y in batches(accel.world_size, accel.rank, step):
         with accel.accumulate(student):
             loss = torch.nn.functional.mse_loss(student(teacher(x)), y)

@@ -46,31 +46,71 @@ from gradsync.errors import ConfigError
 from gradsync.settings import SETTINGS
 
 __all__ = [
-    "ACCELERATE_KEYS", "FLAGS", "REFUSED_FLAG_PREFIXES", "AcceleratedFlag", "Source",
-    "Translation", "from_flags", "is_accelerate", "merge", "refused_flag", "torchrun_fields",
+    "ACCELERATE_KEYS",
+    "FLAGS",
+    "REFUSED_FLAG_PREFIXES",
+    "AcceleratedFlag",
+    "Source",
+    "Translation",
+    "from_flags",
+    "is_accelerate",
+    "merge",
+    "refused_flag",
+    "torchrun_fields",
     "translate",
 ]
 
 #: The top-level keys of Accelerate's config file (its ``ClusterConfig``), with the older
 #: ``fp16`` and ``dynamo_backend`` that Accelerate still reads, and the flag
 #: ``--num_cpu_threads_per_process`` as a key of its name.
-ACCELERATE_KEYS = frozenset({
-    "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug",
-    "num_processes", "machine_rank", "num_machines", "gpu_ids", "main_process_ip",
-    "main_process_port", "rdzv_backend", "same_network", "main_training_function",
-    "enable_cpu_affinity", "fp8_config", "deepspeed_config", "fsdp_config", "parallelism_config",
-    "megatron_lm_config", "mpirun_config", "downcast_bf16", "tpu_name", "tpu_zone",
-    "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env",
-    "dynamo_config", "fp16", "dynamo_backend", "num_cpu_threads_per_process",
-})
+ACCELERATE_KEYS = frozenset(
+    {
+        "compute_environment",
+        "distributed_type",
+        "mixed_precision",
+        "use_cpu",
+        "debug",
+        "num_processes",
+        "machine_rank",
+        "num_machines",
+        "gpu_ids",
+        "main_process_ip",
+        "main_process_port",
+        "rdzv_backend",
+        "same_network",
+        "main_training_function",
+        "enable_cpu_affinity",
+        "fp8_config",
+        "deepspeed_config",
+        "fsdp_config",
+        "parallelism_config",
+        "megatron_lm_config",
+        "mpirun_config",
+        "downcast_bf16",
+        "tpu_name",
+        "tpu_zone",
+        "tpu_use_cluster",
+        "tpu_use_sudo",
+        "command_file",
+        "commands",
+        "tpu_vm",
+        "tpu_env",
+        "dynamo_config",
+        "fp16",
+        "dynamo_backend",
+        "num_cpu_threads_per_process",
+    }
+)
 _GRADSYNC_KEYS = {s.yaml_key: s.name for s in SETTINGS}
 #: Keys that only Accelerate's files have: any of them marks a file as Accelerate's.
 _MARKS = ACCELERATE_KEYS - set(_GRADSYNC_KEYS)
 #: A value in a DeepSpeed config by its path (``("zero_optimization", "stage")``), or None.
 _get = deepspeed.value_at
 #: The sections read with one backend: (section, backend, the distributed_type that means it).
-_BACKEND_SECTIONS = (("fsdp_config", "fsdp", "FSDP (--use_fsdp)"),
-                     ("deepspeed_config", "deepspeed", "DEEPSPEED (--use_deepspeed)"))
+_BACKEND_SECTIONS = (
+    ("fsdp_config", "fsdp", "FSDP (--use_fsdp)"),
+    ("deepspeed_config", "deepspeed", "DEEPSPEED (--use_deepspeed)"),
+)
 
 
 def is_accelerate(data: Mapping[str, Any]) -> bool:
@@ -142,9 +182,14 @@ def merge(file: Mapping[str, Any], flags: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def translate(data: Mapping[str, Any], source: Source | None = None, *,
-              deepspeed_base: Any = None, base_label: str = "",
-              backend: str | None = None) -> Translation:
+def translate(
+    data: Mapping[str, Any],
+    source: Source | None = None,
+    *,
+    deepspeed_base: Any = None,
+    base_label: str = "",
+    backend: str | None = None,
+) -> Translation:
     """Accelerate's config keys (a file's, ``from_flags``' or both ``merge``d) in gradsync's
     terms.
 
@@ -184,7 +229,8 @@ def translate(data: Mapping[str, Any], source: Source | None = None, *,
         elif keys:
             out.notes.append(
                 f"{_first(src, name, keys)} is ignored: {name} is read with distributed_type "
-                f"{chosen_by}, and the backend here is {backend or 'not given'}")
+                f"{chosen_by}, and the backend here is {backend or 'not given'}"
+            )
     processes.parallelism(section(data, "parallelism_config", src, "parallelism_config_"), src, out)
     _gradsync_keys(data, src, out)
     return out

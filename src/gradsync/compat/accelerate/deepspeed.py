@@ -31,8 +31,10 @@ from gradsync.compat.files import load_deepspeed_config
 from gradsync.errors import ConfigError
 
 SECTION = "deepspeed_config"
-LAUNCHER = ("gradsync launch starts the processes of one node with torchrun: run it once per "
-            "node (e.g. srun --ntasks-per-node=1 gradsync launch ...)")
+LAUNCHER = (
+    "gradsync launch starts the processes of one node with torchrun: run it once per "
+    "node (e.g. srun --ntasks-per-node=1 gradsync launch ...)"
+)
 _STAGE: KeyPath = ("zero_optimization", "stage")
 
 
@@ -64,11 +66,18 @@ def _offload(kind: str) -> tuple[Key, Key]:
     """The device and NVMe path of the ``kind`` offload (optimizer or param)."""
     device = f"offload_{kind}_device"
     return (
-        Key(device, word("none", "cpu", "nvme", upper=False), quiet=(None, "none"),
-            to=("zero_optimization", f"offload_{kind}", "device")),
-        Key(f"offload_{kind}_nvme_path", _text, to=("zero_optimization", f"offload_{kind}",
-                                                     "nvme_path"),
-            when=When(device, ("nvme",), said=False)),
+        Key(
+            device,
+            word("none", "cpu", "nvme", upper=False),
+            quiet=(None, "none"),
+            to=("zero_optimization", f"offload_{kind}", "device"),
+        ),
+        Key(
+            f"offload_{kind}_nvme_path",
+            _text,
+            to=("zero_optimization", f"offload_{kind}", "nvme_path"),
+            when=When(device, ("nvme",), said=False),
+        ),
     )
 
 
@@ -80,20 +89,35 @@ KEYS: tuple[Key, ...] = (
     *_offload("optimizer"),
     *_offload("param"),
     Key("gradient_clipping", _clipping, to=("gradient_clipping",)),
-    Key("zero3_save_16bit_model", boolean, quiet=(None, False),
-        to=("zero_optimization", "stage3_gather_16bit_weights_on_model_save")),
+    Key(
+        "zero3_save_16bit_model",
+        boolean,
+        quiet=(None, False),
+        to=("zero_optimization", "stage3_gather_16bit_weights_on_model_save"),
+    ),
     # 1: what `accelerate config` writes unless asked, and gradsync's default
     Key("gradient_accumulation_steps", _steps, quiet=(None, 1), to="gradient_accumulation_steps"),
-    Key("zero3_init_flag", boolean, quiet=(None, False),
+    Key(
+        "zero3_init_flag",
+        boolean,
+        quiet=(None, False),
         ignored="gradsync does not build the model; build it under deepspeed.zero.Init() "
-                "yourself to create it sharded"),
-    Key("deepspeed_multinode_launcher", word(upper=False), quiet=(None, "standard"),
-        ignored=LAUNCHER),
+        "yourself to create it sharded",
+    ),
+    Key(
+        "deepspeed_multinode_launcher",
+        word(upper=False),
+        quiet=(None, "standard"),
+        ignored=LAUNCHER,
+    ),
     Key("deepspeed_hostfile", given, ignored=LAUNCHER),
     Key("deepspeed_exclusion_filter", given, ignored=LAUNCHER),
     Key("deepspeed_inclusion_filter", given, ignored=LAUNCHER),
-    Key("deepspeed_moe_layer_cls_names", given,
-        ignored="set DeepSpeed's leaf modules yourself (deepspeed.utils.set_z3_leaf_modules)"),
+    Key(
+        "deepspeed_moe_layer_cls_names",
+        given,
+        ignored="set DeepSpeed's leaf modules yourself (deepspeed.utils.set_z3_leaf_modules)",
+    ),
 )
 
 
@@ -125,8 +149,9 @@ def _put(ds: dict[str, Any], path: KeyPath, value: Any) -> None:
     node[path[-1]] = value
 
 
-def translate(keys: Mapping[str, Any], src: Source, out: Translation, base: Any,
-              base_label: str) -> None:
+def translate(
+    keys: Mapping[str, Any], src: Source, out: Translation, base: Any, base_label: str
+) -> None:
     """The deepspeed_config keys into ``out``: gradsync's ``deepspeed_config`` (and
     ``gradient_accumulation_steps``), and a note for each key ignored.
 
@@ -168,5 +193,8 @@ def translate(keys: Mapping[str, Any], src: Source, out: Translation, base: Any,
                 f"{said} contradicts {'.'.join(path)}={current!r} in {origin}; drop one of them"
             )
         _put(merged, path, value)
-    out.set("deepspeed_config", merged,
-            ", ".join(said for _, said in wanted.values()) + (f" into {origin}" if origin else ""))
+    out.set(
+        "deepspeed_config",
+        merged,
+        ", ".join(said for _, said in wanted.values()) + (f" into {origin}" if origin else ""),
+    )

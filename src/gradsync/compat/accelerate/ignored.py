@@ -29,10 +29,16 @@ def _key(name: str, quiet: tuple[Any, ...], why: str) -> Key:
 KEYS: tuple[Key, ...] = (
     _key("debug", (False, None), "gradsync has no debug mode (--audit counts the collectives)"),
     _key("downcast_bf16", (False, None), "it is for TPUs"),
-    _key("enable_cpu_affinity", (False, None),
-         "gradsync launch pins no CPUs (it sets OMP_NUM_THREADS from those this job may use)"),
-    _key("main_training_function", ("main", None),
-         "gradsync runs the script itself (the function matters to notebook launches only)"),
+    _key(
+        "enable_cpu_affinity",
+        (False, None),
+        "gradsync launch pins no CPUs (it sets OMP_NUM_THREADS from those this job may use)",
+    ),
+    _key(
+        "main_training_function",
+        ("main", None),
+        "gradsync runs the script itself (the function matters to notebook launches only)",
+    ),
     Key("same_network"),  # accepted: the rendezvous is the same either way
     _key("tpu_name", (None,), TPU),
     _key("tpu_zone", (None,), TPU),
@@ -42,8 +48,12 @@ KEYS: tuple[Key, ...] = (
     _key("commands", (None,), TPU),
     _key("tpu_vm", (None,), TPU),
     _key("tpu_env", (None,), TPU),
-    _key("mpirun_config", (None,), "gradsync launch starts the processes with torchrun (for "
-                                   "mpiexec, run the script under it without gradsync launch)"),
+    _key(
+        "mpirun_config",
+        (None,),
+        "gradsync launch starts the processes with torchrun (for "
+        "mpiexec, run the script under it without gradsync launch)",
+    ),
     _key("megatron_lm_config", (None,), "gradsync does not run Megatron-LM"),
     _key("fp8_config", (None,), "gradsync has no fp8 training"),
 )

@@ -113,8 +113,9 @@ def boolean(value: Any, item: str) -> bool:
     raise ConfigError(f"{item} must be true or false")
 
 
-def whole(value: Any, item: str, low: int, high: int | None = None, *,
-          shown: int | None = None) -> int:
+def whole(
+    value: Any, item: str, low: int, high: int | None = None, *, shown: int | None = None
+) -> int:
     """A whole number from ``low`` to ``high``.
 
     Args:
@@ -179,6 +180,7 @@ def word(*choices: str, upper: bool = True) -> Reader:
     Returns:
         The reader; another word is a ConfigError listing the choices.
     """
+
     def read(value: Any, item: str) -> str:
         text = str(value).strip()
         text = text.upper() if upper else text.lower()
@@ -186,6 +188,7 @@ def word(*choices: str, upper: bool = True) -> Reader:
             use = ", ".join(choices[:-1]) + f" or {choices[-1]}" if len(choices) > 1 else choices[0]
             raise ConfigError(f"{item} is unknown; use {use}")
         return text
+
     return read
 
 
@@ -251,8 +254,13 @@ class Applied:
     paths: dict[KeyPath, tuple[Any, str]] = field(default_factory=dict)
 
 
-def apply(table: Sequence[Key], keys: Mapping[str, Any], section: str | None, src: Source,
-          out: Translation) -> Applied:
+def apply(
+    table: Sequence[Key],
+    keys: Mapping[str, Any],
+    section: str | None,
+    src: Source,
+    out: Translation,
+) -> Applied:
     """Translate a section's keys by its table, in the table's order: read each key given,
     refuse, stay quiet, note that it is ignored, or put it where it goes.
 
@@ -282,8 +290,9 @@ def apply(table: Sequence[Key], keys: Mapping[str, Any], section: str | None, sr
             continue
         if key.when is not None and applied.values.get(key.when.key) not in key.when.values:
             if key.when.said:
-                out.notes.append(f"{item} is ignored: {key.when.key} is "
-                                 f"{applied.values.get(key.when.key)}")
+                out.notes.append(
+                    f"{item} is ignored: {key.when.key} is {applied.values.get(key.when.key)}"
+                )
             continue
         if key.ignored:
             out.notes.append(f"{item} is ignored: {key.ignored}")
@@ -296,8 +305,15 @@ def apply(table: Sequence[Key], keys: Mapping[str, Any], section: str | None, sr
     return applied
 
 
-def leftovers(table: Sequence[Key], keys: Mapping[str, Any], section: str, src: Source,
-              out: Translation, *, article: str = "a") -> None:
+def leftovers(
+    table: Sequence[Key],
+    keys: Mapping[str, Any],
+    section: str,
+    src: Source,
+    out: Translation,
+    *,
+    article: str = "a",
+) -> None:
     """One note for each key of the section its table does not know.
 
     Args:
@@ -310,8 +326,10 @@ def leftovers(table: Sequence[Key], keys: Mapping[str, Any], section: str, src: 
     """
     known = {key.name for key in table}
     for name in sorted(set(keys) - known):
-        out.notes.append(f"{src.item(section, name, keys[name])} is ignored: not {article} "
-                         f"{section} key gradsync knows")
+        out.notes.append(
+            f"{src.item(section, name, keys[name])} is ignored: not {article} "
+            f"{section} key gradsync knows"
+        )
 
 
 def section(data: Mapping[str, Any], key: str, source: Source, prefix: str = "") -> dict[str, Any]:
@@ -335,5 +353,7 @@ def section(data: Mapping[str, Any], key: str, source: Source, prefix: str = "")
         return {}
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{source.item(None, key, raw)} must be a mapping of {key} keys")
-    return {(k if not prefix or str(k).startswith(prefix.rstrip("_")) else prefix + str(k)): v
-            for k, v in raw.items()}
+    return {
+        (k if not prefix or str(k).startswith(prefix.rstrip("_")) else prefix + str(k)): v
+        for k, v in raw.items()
+    }

@@ -23,8 +23,12 @@ DYNAMO_KEYS: tuple[Key, ...] = (
     Key("dynamo_mode", lambda value, item: str(value), quiet=(None, "default"), to=("mode",)),
     Key("dynamo_use_fullgraph", boolean, quiet=(False,), to=("fullgraph",)),
     Key("dynamo_use_dynamic", boolean, quiet=(False,), to=("dynamic",)),
-    Key("dynamo_use_regional_compilation", boolean, quiet=(None, False),
-        ignored="gradsync compiles the whole model (on FSDP each sharded block)"),
+    Key(
+        "dynamo_use_regional_compilation",
+        boolean,
+        quiet=(None, False),
+        ignored="gradsync compiles the whole model (on FSDP each sharded block)",
+    ),
 )
 
 
@@ -68,5 +72,8 @@ def dynamo(keys: Mapping[str, Any], src: Source, out: Translation) -> None:
         return  # no torch.compile: the other keys do not count
     applied = apply(DYNAMO_KEYS, keys, DYNAMO, src, out)
     leftovers(DYNAMO_KEYS, keys, DYNAMO, src, out)
-    out.set("compile", {path[0]: value for path, (value, _) in applied.paths.items()},
-            src.item(DYNAMO, "dynamo_backend", backend))
+    out.set(
+        "compile",
+        {path[0]: value for path, (value, _) in applied.paths.items()},
+        src.item(DYNAMO, "dynamo_backend", backend),
+    )

@@ -11,27 +11,47 @@ from gradsync.compat.accelerate.keys import Source, Translation, boolean, whole
 from gradsync.errors import ConfigError
 
 #: distributed_type -> gradsync's backend.
-BACKENDS = {"NO": "single", "MULTI_CPU": "ddp", "MULTI_GPU": "ddp", "FSDP": "fsdp",
-            "DEEPSPEED": "deepspeed"}
+BACKENDS = {
+    "NO": "single",
+    "MULTI_CPU": "ddp",
+    "MULTI_GPU": "ddp",
+    "FSDP": "fsdp",
+    "DEEPSPEED": "deepspeed",
+}
 #: distributed_type values gradsync refuses: why, and what to use.
 _REFUSED = {
     "XLA": "gradsync does not run on TPUs (XLA); use MULTI_GPU or FSDP on GPUs",
     "MEGATRON_LM": "gradsync does not run Megatron-LM; use FSDP or DEEPSPEED for a model that "
-                   "needs sharding",
-    **{name: "gradsync runs on CUDA GPUs and CPUs; use MULTI_GPU or MULTI_CPU"
-       for name in ("MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU",
-                    "MULTI_HPU", "MULTI_NEURON")},
+    "needs sharding",
+    **{
+        name: "gradsync runs on CUDA GPUs and CPUs; use MULTI_GPU or MULTI_CPU"
+        for name in (
+            "MULTI_NPU",
+            "MULTI_MLU",
+            "MULTI_SDAA",
+            "MULTI_MUSA",
+            "MULTI_XPU",
+            "MULTI_HPU",
+            "MULTI_NEURON",
+        )
+    },
 }
 #: The whole-number launch keys: (lowest, highest). num_processes' -1 and main_process_port's
 #: 0 are Accelerate's "not set" and "a free port": gradsync's defaults.
 _NUMBERS: dict[str, tuple[int, int | None]] = {
-    "num_processes": (-1, None), "num_machines": (1, None), "machine_rank": (0, None),
-    "main_process_port": (0, 65535), "num_cpu_threads_per_process": (1, None),
+    "num_processes": (-1, None),
+    "num_machines": (1, None),
+    "machine_rank": (0, None),
+    "main_process_port": (0, 65535),
+    "num_cpu_threads_per_process": (1, None),
 }
 _UNSET = (("num_processes", -1), ("main_process_port", 0))
 #: The text launch keys, and their values that are gradsync's default.
-_TEXTS: dict[str, tuple[str, ...]] = {"main_process_ip": (), "rdzv_backend": ("static",),
-                                      "gpu_ids": ("all",)}
+_TEXTS: dict[str, tuple[str, ...]] = {
+    "main_process_ip": (),
+    "rdzv_backend": ("static",),
+    "gpu_ids": ("all",),
+}
 
 
 def translate(data: Mapping[str, Any], src: Source, out: Translation) -> None:
@@ -78,14 +98,17 @@ def translate(data: Mapping[str, Any], src: Source, out: Translation) -> None:
             out.notes.append(
                 f"{out.origins['use_cpu']} with {out.origins['num_processes']}: gradsync starts "
                 f"{processes} processes on the CPU, where accelerate launch would start one (it "
-                f"needs --multi_gpu with ACCELERATE_USE_CPU=1 for {processes})")
+                f"needs --multi_gpu with ACCELERATE_USE_CPU=1 for {processes})"
+            )
     machines = out.launch.get("num_machines", 1)
     if machines > 1 and out.launch.get("machine_rank", 0) >= machines:
         raise ConfigError(f"{out.origins['machine_rank']} must be below num_machines={machines}")
 
 
 #: ``parallelism_config``'s sizes gradsync's ``parallelism`` setting has (gradsync.mesh).
-_MESH_SIZES = {f"parallelism_config_{dim}_size": dim for dim in ("dp_replicate", "dp_shard", "tp", "cp")}
+_MESH_SIZES = {
+    f"parallelism_config_{dim}_size": dim for dim in ("dp_replicate", "dp_shard", "tp", "cp")
+}
 
 
 def parallelism(keys: Mapping[str, Any], src: Source, out: Translation) -> None:
@@ -111,21 +134,29 @@ def parallelism(keys: Mapping[str, Any], src: Source, out: Translation) -> None:
         size = whole(value, item, -1)
         if key not in _MESH_SIZES:
             if size > 1:
-                raise ConfigError(f"{item}: gradsync's mesh has dp_replicate, dp_shard and tp "
-                                  "(FSDP2 with tensor parallel); drop it or set it to 1")
+                raise ConfigError(
+                    f"{item}: gradsync's mesh has dp_replicate, dp_shard and tp "
+                    "(FSDP2 with tensor parallel); drop it or set it to 1"
+                )
             continue
         if _MESH_SIZES[key] == "cp" and size > 1:
-            raise ConfigError(f"{item}: context parallel needs a GPU (CUDA): torch's "
-                              "context_parallel has no CPU attention kernel; set it to 1")
+            raise ConfigError(
+                f"{item}: context parallel needs a GPU (CUDA): torch's "
+                "context_parallel has no CPU attention kernel; set it to 1"
+            )
         sizes[_MESH_SIZES[key]] = size
         origins.append(item)
     if any(n != 1 for n in sizes.values()):
-        out.set("parallelism", {dim: sizes.get(dim, 1) for dim in ("dp_replicate", "dp_shard", "tp")},
-                ", ".join(origins))
+        out.set(
+            "parallelism",
+            {dim: sizes.get(dim, 1) for dim in ("dp_replicate", "dp_shard", "tp")},
+            ", ".join(origins),
+        )
 
 
-def torchrun_fields(launch: Mapping[str, Any],
-                    rdzv_backend: str | None = None) -> dict[str, tuple[Any, str]]:
+def torchrun_fields(
+    launch: Mapping[str, Any], rdzv_backend: str | None = None
+) -> dict[str, tuple[Any, str]]:
     """LaunchConfig's torchrun fields for Accelerate's launch keys, as ``accelerate launch``
     starts torchrun: on one machine the port only; on several the node rank and the main
     process's address and port (29500 unless given), a static rendezvous unless
