@@ -52,11 +52,29 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
+        import torch
+
+        from gradsync import _torch_range
+
+        if _torch_range.below(torch.__version__):  # its modules may not even import there
+            return _refused(name, _torch_range.refusal(torch.__version__))
         module = importlib.import_module(_LAZY[name])
         value = module if name == "audit" else getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
+
+
+def _refused(name: str, why: str) -> Any:
+    """What ``name`` is on a torch below the supported range: calling it raises ``why``."""
+    if name == "audit":
+        raise UsageError(why)
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise UsageError(why)
+
+    refused.__name__ = refused.__qualname__ = name
+    return refused
 
 
 def __dir__() -> list[str]:

@@ -8,12 +8,14 @@ Everything prepared is recorded in the registry (``gradsync._registry``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gradsync import _dist as dist
+from gradsync import _torch_range
 from gradsync._batch_plan import BatchPlan
 from gradsync._wrappers import PreparedOptimizer, PreparedScheduler
 from gradsync.backends.base import is_frozen
@@ -71,6 +73,7 @@ class Preparer:
         self._before_step = before_step
         #: ``gradsync verify``: replaces each loader's sharded source (records or replays it).
         self.loader_hook: Callable[[Any], Any] | None = None
+        self._untested_torch = _torch_range.above(torch.__version__)  # warned at the first model
 
     def prepare(self, objects: Sequence[Any]) -> Any:
         """The prepared ``objects``, in order (one object when one was given)."""
@@ -88,6 +91,10 @@ class Preparer:
                     micro_batch_size=batch,
                     gradient_accumulation_steps=self.plan.gradient_accumulation_steps,
                 )
+        if models and self._untested_torch:
+            self._untested_torch = False
+            if dist.rank() == 0:
+                warnings.warn(_torch_range.warning(torch.__version__), stacklevel=3)
         owners = {id(opt): self._owners(opt, models) for opt in optimizers}
         out: dict[int, Any] = {}
         now: dict[int, torch.optim.Optimizer] = {id(o): o for o in optimizers}  # after the backend

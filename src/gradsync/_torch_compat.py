@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from gradsync import _torch_range
 from gradsync._util import require_attr
 
 #: The torch versions whose internals this module was written and tested against.
-SUPPORTED_TORCH = "2.6 to 2.13"
+SUPPORTED_TORCH = _torch_range.supported()
 
 
 def require(obj: object, name: str, what: str) -> Any:
@@ -39,11 +40,13 @@ def default_store() -> Any:
 
 
 def allgather_base(pg: Any, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
-    return require(pg, "_allgather_base", "all-gather into one tensor")(output, inp, opts)
+    args = (output, inp) if opts is None else (output, inp, opts)
+    return require(pg, "_allgather_base", "all-gather into one tensor")(*args)
 
 
 def reduce_scatter_base(pg: Any, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
-    return require(pg, "_reduce_scatter_base", "reduce-scatter of one tensor")(output, inp, opts)
+    args = (output, inp) if opts is None else (output, inp, opts)
+    return require(pg, "_reduce_scatter_base", "reduce-scatter of one tensor")(*args)
 
 
 def set_nccl_timeout(opts: Any, timeout: timedelta) -> None:

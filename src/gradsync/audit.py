@@ -396,89 +396,89 @@ class AuditProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         self._rec("allreduce", tensors)
-        return (
-            self.inner.allreduce(tensors, opts)
-            if opts is not None
-            else self.inner.allreduce(tensors)
-        )
+        return self.inner.allreduce(*_given(tensors, opts))
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         self._rec("allreduce", tensors)
-        return self.inner.allreduce_coalesced(tensors, opts)
+        return self.inner.allreduce_coalesced(*_given(tensors, opts))
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         self._rec("reduce", tensors)
-        return self.inner.reduce(tensors, opts)
+        return self.inner.reduce(*_given(tensors, opts))
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         self._rec("broadcast", tensors)
-        return self.inner.broadcast(tensors, opts)
+        return self.inner.broadcast(*_given(tensors, opts))
 
-    def barrier(self, opts: Any) -> Any:
+    def barrier(self, opts: Any = None) -> Any:
         self._rec("barrier", [])
-        return self.inner.barrier(opts)
+        return self.inner.barrier(*_given(opts))
 
     def allgather(
-        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
         self._rec("allgather", inputs)
-        return self.inner.allgather(outputs, inputs, opts)
+        return self.inner.allgather(*_given(outputs, inputs, opts))
 
-    def allgather_coalesced(self, outputs: Any, inputs: list[torch.Tensor], opts: Any) -> Any:
+    def allgather_coalesced(
+        self, outputs: Any, inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
         self._rec("allgather", inputs)
-        return self.inner.allgather_coalesced(outputs, inputs, opts)
+        return self.inner.allgather_coalesced(*_given(outputs, inputs, opts))
 
-    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
         self._rec("allgather", inp)
         return _torch_compat.allgather_base(self.inner, output, inp, opts)
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
         return _Work([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def reduce_scatter(
-        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
         self._rec("reduce_scatter", inputs)
-        return self.inner.reduce_scatter(outputs, inputs, opts)
+        return self.inner.reduce_scatter(*_given(outputs, inputs, opts))
 
-    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
+    def reduce_scatter_single(
+        self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None
+    ) -> Any:
         self._rec("reduce_scatter", inp)
         return _torch_compat.reduce_scatter_base(self.inner, output, inp, opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
         return _Work([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def all_to_all_single(
-        self, output: Any, inp: Any, out_splits: Any, in_splits: Any, opts: Any
+        self, output: Any, inp: Any, out_splits: Any, in_splits: Any, opts: Any = None
     ) -> Any:
         self._rec("alltoall", inp)
-        return self.inner.alltoall_base(output, inp, out_splits, in_splits, opts)
+        return self.inner.alltoall_base(*_given(output, inp, out_splits, in_splits, opts))
 
     alltoall_base = all_to_all_single
 
-    def alltoall(self, outputs: Any, inputs: Any, opts: Any) -> Any:
+    def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
         self._rec("alltoall", inputs)
-        return self.inner.alltoall(outputs, inputs, opts)
+        return self.inner.alltoall(*_given(outputs, inputs, opts))
 
-    def gather(self, outputs: Any, inputs: Any, opts: Any) -> Any:
+    def gather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
         self._rec("gather", inputs)
-        return self.inner.gather(outputs, inputs, opts)
+        return self.inner.gather(*_given(outputs, inputs, opts))
 
-    def scatter(self, outputs: Any, inputs: Any, opts: Any) -> Any:
+    def scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
         self._rec("scatter", outputs)
-        return self.inner.scatter(outputs, inputs, opts)
+        return self.inner.scatter(*_given(outputs, inputs, opts))
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         self._rec("send", tensors)
@@ -487,6 +487,13 @@ class AuditProcessGroup(dist.ProcessGroup):
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         self._rec("recv", tensors)
         return self.inner.recv(tensors, src, tag)
+
+
+def _given(*args: Any) -> tuple[Any, ...]:
+    """A collective's arguments as the caller gave them: its options (the last) left out when
+    None, so that the wrapped group applies its defaults (torch 2.4's ``all_gather`` passes
+    none)."""
+    return args if args[-1] is not None else args[:-1]
 
 
 def _eager_under_compile(_dynamo: object) -> None:

@@ -45,12 +45,14 @@ def grad_bytes(model: nn.Module) -> dict[str, int]:
             continue
         for group in module._get_fsdp_state()._fsdp_param_groups:
             for fp in group.fsdp_params:
-                acc = fp.unsharded_accumulated_grad
-                if acc is not None:
-                    unsharded += acc.numel() * acc.element_size()
                 up = getattr(fp, "_unsharded_param", None)
-                if up is not None and up.grad is not None:
-                    unsharded += up.grad.numel() * up.grad.element_size()
+                # torch 2.15 on: the accumulated gradient is a view of the leaf's, one tensor
+                held = {
+                    id(t): t
+                    for t in (fp.unsharded_accumulated_grad, getattr(up, "grad", None))
+                    if t is not None
+                }
+                unsharded += sum(t.numel() * t.element_size() for t in held.values())
                 g = fp.sharded_param.grad
                 if g is not None:
                     local = g.to_local()

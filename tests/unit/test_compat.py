@@ -12,6 +12,7 @@ tests/multiprocess/test_compile.py.
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -43,7 +44,8 @@ def test_missing_fsdp_attribute_names_the_supported_versions():
     from gradsync.backends import _fsdp_compat
 
     with pytest.raises(
-        RuntimeError, match=r"FSDP2 .*Bare\.fsdp_params.*supports torch 2\.6 to 2\.13"
+        RuntimeError,
+        match=rf"FSDP2 .*Bare\.fsdp_params.*supports torch {re.escape(_torch_compat.SUPPORTED_TORCH)}",
     ):
         _fsdp_compat._require(Bare(), "fsdp_params", "parameters of a group")
 
@@ -227,3 +229,149 @@ def test_compat_scaler_names_what_is_missing():
         RuntimeError, match=r"GradScaler's per-optimizer inf check \(Bare\._found_inf_per_device\)"
     ):
         _torch_compat.scaler_found_inf(Bare(), torch.optim.SGD(make_model().parameters(), lr=0.1))  # type: ignore[arg-type]
+
+
+# -- what gradsync relies on in FSDP2's private state, not only that it exists ---------------
+
+
+def _one_rank_fsdp(tmp_path, shape=(1,)):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+    def sharded():
+        torch.manual_seed(1)
+        model = make_model()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    return mesh, sharded
+
+
+def _local_grads(model):
+    return [p.grad.to_local().clone() for p in model.parameters()]
+
+
+def test_fsdp2_flags_gradsync_writes_are_plain_settable_attributes(tmp_path):
+    """restore_flags writes these four per group: none may become a read-only property."""
+    from gradsync.backends import _fsdp_compat
+
+    _, sharded = _one_rank_fsdp(tmp_path)
+    for group in _fsdp_compat.param_groups(sharded()):
+        for name in (
+            "reduce_grads",
+            "all_reduce_grads",
+            "reshard_after_backward",
+            "post_forward_mesh_info",
+            "_partial_reduce_output",
+        ):
+            found = getattr(type(group), name, None)
+            assert not isinstance(found, property) or found.fset is not None, name
+            assert name in vars(group), f"{name} is no longer the group's own attribute"
+
+
+def test_fsdp2_window_gradients_live_where_the_compat_module_says(tmp_path):
+    """Before torch 2.15 a deferred window's gradients may sit in ``unsharded_accumulated_grad``,
+    a settable buffer; from 2.15 it is a read-only view of the unsharded parameter's ``.grad``.
+    ``grads_live_on_leaf`` must tell which, and writing follows it."""
+    from gradsync.backends import _fsdp_compat
+
+    _, sharded = _one_rank_fsdp(tmp_path)
+    model = sharded()
+    model.set_requires_gradient_sync(False)
+    model(torch.randn(2, 8)).sum().backward()
+    for fp in (fp for g in _fsdp_compat.param_groups(model) for fp in g.fsdp_params):
+        if _fsdp_compat.grads_live_on_leaf(fp):
+            assert fp.unsharded_accumulated_grad is fp._unsharded_param.grad
+            assert fp._unsharded_param.grad is not None
+            with pytest.raises(AttributeError):
+                fp.unsharded_accumulated_grad = None
+        else:
+            assert "unsharded_accumulated_grad" in vars(fp), "a settable attribute of its own"
+
+
+def test_fsdp2_window_gradients_restore_into_a_freshly_loaded_model(tmp_path):
+    """A mid-window load gives the window's gradients to a model that never ran a forward
+    (torch 2.15 on: no unsharded parameter exists yet to hold them); the boundary then
+    reduces exactly what the uninterrupted window reduces."""
+    from gradsync.backends import _fsdp_compat
+
+    _, sharded = _one_rank_fsdp(tmp_path)
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    plain, first, fresh = sharded(), sharded(), sharded()
+    for model in (plain, first):
+        model.set_requires_gradient_sync(False)
+        model(x1).sum().backward()
+    saved = _fsdp_compat.window_grads(first)
+    assert all(g is not None for g in saved)
+    _fsdp_compat.clear_unsharded_grads(first)
+    assert all(g is None for g in _fsdp_compat.window_grads(first)), "a dropped window leaves none"
+    _fsdp_compat.put_window_grads(fresh, saved, torch.device("cpu"))
+    for model in (plain, fresh):
+        model.set_requires_gradient_sync(True)
+        model(x2).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(_local_grads(plain), _local_grads(fresh)))
+
+
+def _partial_window(sharded, restore):
+    """An HSDP window whose all-reduce is deferred, broken off after its first micro-step and
+    given to a fresh model by ``restore(first, fresh)``; -> (uninterrupted, restored) grads."""
+    from gradsync.backends import _fsdp_compat
+
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    plain, first, fresh = sharded(), sharded(), sharded()
+    for model in (plain, first):
+        model.set_requires_all_reduce(False)
+        model(x1).sum().backward()
+    assert all(b is not None for b in _fsdp_compat.partial_buffers(first))
+    restore(first, fresh)
+    for model in (plain, fresh):
+        model.set_requires_all_reduce(True)
+        model(x2).sum().backward()
+    return _local_grads(plain), _local_grads(fresh)
+
+
+def test_hsdp_partial_buffers_restore_with_their_layout(tmp_path):
+    """The partial buffers and their layout (torch 2.15 on), saved and given to a fresh model:
+    the boundary adds exactly what the uninterrupted window held, with the saved layout and
+    with the in-order layout derived for a buffer saved without one."""
+    from gradsync.backends import _fsdp_compat
+
+    _, sharded = _one_rank_fsdp(tmp_path, (1, 1))
+    cpu = torch.device("cpu")
+    for with_layout in (True, False):
+
+        def restore(first, fresh, with_layout=with_layout):
+            layouts = _fsdp_compat.partial_layouts(first) if with_layout else None
+            buffers = _fsdp_compat.partial_buffers(first)
+            _fsdp_compat.reset_iter_state(first)
+            assert all(b is None for b in _fsdp_compat.partial_buffers(first))
+            _fsdp_compat.put_partial_buffers(fresh, buffers, cpu, layouts)
+
+        plain, restored = _partial_window(sharded, restore)
+        assert all(torch.equal(a, b) for a, b in zip(plain, restored)), with_layout
+
+
+def test_hsdp_a_partial_buffer_without_its_layout_is_what_torch_drops(tmp_path):
+    """Why the layout is saved: where torch keeps one (2.15 on), a buffer put back alone is
+    repacked into zeros and the window's cross-replica sums are lost. Where it keeps none, the
+    buffer alone is the whole state. A torch that changes either fails here by name."""
+    from gradsync.backends import _fsdp_compat
+
+    _, sharded = _one_rank_fsdp(tmp_path, (1, 1))
+    keeps_layout = any(
+        hasattr(g, "_partial_reduce_output_layout") for g in _fsdp_compat.param_groups(sharded())
+    )
+
+    def buffer_alone(first, fresh):
+        for mine, theirs in zip(_fsdp_compat.param_groups(fresh), _fsdp_compat.param_groups(first)):
+            mine._partial_reduce_output = theirs._partial_reduce_output.clone()
+
+    plain, restored = _partial_window(sharded, buffer_alone)
+    same = all(torch.equal(a, b) for a, b in zip(plain, restored))
+    assert same is not keeps_layout

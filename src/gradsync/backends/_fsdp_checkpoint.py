@@ -95,6 +95,9 @@ def save(
                 "sharded": _sharded_grads(m),
                 "unsharded": _fsdp_compat.window_grads(m) if isinstance(m, FSDPModule) else [],
                 "partial": _fsdp_compat.partial_buffers(m) if isinstance(m, FSDPModule) else [],
+                "partial_layout": (
+                    _fsdp_compat.partial_layouts(m) if isinstance(m, FSDPModule) else []
+                ),
             }
             for m in models
         ]
@@ -229,4 +232,6 @@ def load(
             if isinstance(model, FSDPModule):
                 _fsdp_compat.put_window_grads(model, saved["unsharded"], device)
                 if "partial" in saved:  # older files: no 2-D mesh, no partial buffers
-                    _fsdp_compat.put_partial_buffers(model, saved["partial"], device)
+                    _fsdp_compat.put_partial_buffers(
+                        model, saved["partial"], device, saved.get("partial_layout")
+                    )

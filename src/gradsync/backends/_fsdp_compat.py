@@ -104,54 +104,76 @@ def unsharded_numel(param: torch.Tensor) -> int:
     return torch.Size(getattr(param, "_unpadded_unsharded_size", param.shape)).numel()
 
 
+def grads_live_on_leaf(fsdp_param: Any) -> bool:
+    """Whether FSDP2 keeps a deferred window's gradients only on the unsharded parameter's
+    ``.grad`` (torch 2.15 on: ``unsharded_accumulated_grad`` is a read-only view of it), or
+    also in a separate ``unsharded_accumulated_grad`` buffer of the reduce dtype (earlier)."""
+    _require(fsdp_param, "unsharded_accumulated_grad", "accumulated unsharded gradient")
+    found = getattr(type(fsdp_param), "unsharded_accumulated_grad", None)
+    return isinstance(found, property) and found.fset is None
+
+
+def _fsdp_params(model: nn.Module) -> list[Any]:
+    return [
+        fp
+        for group in param_groups(model)
+        for fp in _require(group, "fsdp_params", "parameters of a group")
+    ]
+
+
 def clear_unsharded_grads(model: nn.Module) -> None:
     """Drop the unsharded gradients a deferred window left inside FSDP2 (they are reduced
     into the sharded ``.grad`` only at the boundary, so ``zero_grad`` never sees them)."""
-    for group in param_groups(model):
-        for fsdp_param in _require(group, "fsdp_params", "parameters of a group"):
-            _require(fsdp_param, "unsharded_accumulated_grad", "accumulated unsharded gradient")
+    for fsdp_param in _fsdp_params(model):
+        if not grads_live_on_leaf(fsdp_param):
             fsdp_param.unsharded_accumulated_grad = None
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if unsharded is not None:
-                unsharded.grad = None
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is not None:
+            unsharded.grad = None
 
 
 def window_grads(model: nn.Module) -> list[torch.Tensor | None]:
     """The unsharded gradients a deferred window holds on this rank, one entry per FSDP2
     parameter (in the model's group order): this rank's local sums, not yet reduced."""
     out: list[torch.Tensor | None] = []
-    for group in param_groups(model):
-        for fsdp_param in _require(group, "fsdp_params", "parameters of a group"):
-            grad = _require(
-                fsdp_param, "unsharded_accumulated_grad", "accumulated unsharded gradient"
-            )
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if grad is None and unsharded is not None:
-                grad = unsharded.grad
-            out.append(None if grad is None else grad.detach().cpu().clone())
+    for fsdp_param in _fsdp_params(model):
+        grad = _require(fsdp_param, "unsharded_accumulated_grad", "accumulated unsharded gradient")
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if grad is None and unsharded is not None:
+            grad = unsharded.grad
+        out.append(None if grad is None else grad.detach().cpu().clone())
     return out
 
 
 def put_window_grads(
     model: nn.Module, grads: list[torch.Tensor | None], device: torch.device
 ) -> None:
-    """Give a deferred window's saved gradients back to FSDP2 as its accumulated unsharded
-    gradients: the next backward adds to them, and the boundary reduce-scatters the sum."""
-    fsdp_params = [
-        fp
-        for group in param_groups(model)
-        for fp in _require(group, "fsdp_params", "parameters of a group")
-    ]
+    """Give a deferred window's saved gradients back to FSDP2 where it accumulates them: the
+    next backward adds to them, and the boundary reduce-scatters the sum. Where they live on
+    the unsharded parameter (torch 2.15 on) and a freshly loaded model has none yet, its
+    modules are unsharded and resharded once to create it (an all-gather: every rank loads)."""
+    fsdp_params = _fsdp_params(model)
     if len(fsdp_params) != len(grads):
         raise ValueError(
             f"the window holds {len(grads)} gradients, the model has {len(fsdp_params)} parameters"
         )
+    if any(
+        grad is not None and grads_live_on_leaf(fp) and not hasattr(fp, "_unsharded_param")
+        for fp, grad in zip(fsdp_params, grads)
+    ):
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.unshard()
+                module.reshard()
     for fsdp_param, grad in zip(fsdp_params, grads):
-        _require(fsdp_param, "unsharded_accumulated_grad", "accumulated unsharded gradient")
-        fsdp_param.unsharded_accumulated_grad = None if grad is None else grad.to(device)
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
-        if unsharded is not None:
-            unsharded.grad = None
+        if not grads_live_on_leaf(fsdp_param):
+            fsdp_param.unsharded_accumulated_grad = None if grad is None else grad.to(device)
+            if unsharded is not None:
+                unsharded.grad = None
+        elif unsharded is not None:
+            dtype = getattr(unsharded, "grad_dtype", None) or unsharded.dtype
+            unsharded.grad = None if grad is None else grad.to(device, dtype)
 
 
 def reset_iter_state(model: nn.Module) -> None:
@@ -177,16 +199,68 @@ def partial_buffers(model: nn.Module) -> list[torch.Tensor | None]:
     return out
 
 
+#: Where each parameter's shard sits in a group's partial buffer: (index of the parameter in
+#: the group, offset, padded size), in buffer order.
+Layout = list[tuple[int, int, int]]
+
+
+def partial_layouts(model: nn.Module) -> list[Layout | None]:
+    """Each group's partial-buffer layout (torch 2.15 on keeps it beside the buffer, keyed by
+    parameter, and repacks a buffer whose layout it does not know into zeros); None where this
+    torch keeps none (the buffer then packs every parameter of the group in order)."""
+    out: list[Layout | None] = []
+    for group in param_groups(model):
+        layout = getattr(group, "_partial_reduce_output_layout", None)
+        if layout is None:
+            out.append(None)
+            continue
+        index = {id(fp): i for i, fp in enumerate(group.fsdp_params)}
+        out.append([(index[id(fp)], offset, size) for fp, (offset, size) in layout.items()])
+    return out
+
+
+def _packed_in_order(group: Any, buffer: torch.Tensor) -> Layout:
+    """The layout of a buffer that packs every parameter of ``group`` in order (what torch
+    before 2.15 keeps, and what a checkpoint written there holds)."""
+    layout, offset = [], 0
+    for i, fsdp_param in enumerate(_require(group, "fsdp_params", "parameters of a group")):
+        size = _require(fsdp_param, "padded_sharded_param_size", "padded shard size").numel()
+        layout.append((i, offset, size))
+        offset += size
+    if offset != buffer.numel():
+        raise ValueError(
+            f"a saved partial buffer of {buffer.numel()} elements does not pack the "
+            f"{len(layout)} parameters of its group ({offset} elements)"
+        )
+    return layout
+
+
 def put_partial_buffers(
-    model: nn.Module, buffers: list[torch.Tensor | None], device: torch.device
+    model: nn.Module,
+    buffers: list[torch.Tensor | None],
+    device: torch.device,
+    layouts: list[Layout | None] | None = None,
 ) -> None:
-    """Give saved partial buffers back to their groups: the boundary adds them before its
-    all-reduce across replicas."""
+    """Give saved partial buffers back to their groups, with the layout that says which
+    parameter each part belongs to: the boundary adds them before its all-reduce across
+    replicas. A buffer saved without a layout packs its group's parameters in order."""
     groups = list(param_groups(model))
     if len(groups) != len(buffers):
         raise ValueError(
             f"the window holds {len(buffers)} partial buffers, the model has {len(groups)} groups"
         )
-    for group, buffer in zip(groups, buffers):
+    for group, buffer, layout in zip(groups, buffers, layouts or [None] * len(groups)):
         _require(group, "_partial_reduce_output", "partial all-reduce buffer")
-        group._partial_reduce_output = None if buffer is None else buffer.to(device)
+        keeps_layout = hasattr(group, "_partial_reduce_output_layout")
+        if buffer is None:
+            group._partial_reduce_output = None
+            if keeps_layout:
+                group._partial_reduce_output_layout = {}
+            continue
+        layout = layout if layout is not None else _packed_in_order(group, buffer)
+        if keeps_layout:
+            params = group.fsdp_params
+            group._partial_reduce_output_layout = {params[i]: (o, n) for i, o, n in layout}
+        else:  # packed in the group's parameter order, as the next reduce-scatter packs it
+            buffer = torch.cat([buffer.narrow(0, o, n) for _, o, n in sorted(layout)])
+        group._partial_reduce_output = buffer.to(device)

@@ -39,6 +39,7 @@ from gradsync import mesh as nd_mesh
 from gradsync._batch_plan import BatchPlan
 from gradsync.backends import (
     _amp,
+    _fsdp_canary,
     _fsdp_checkpoint,
     _fsdp_compat,
     _group,
@@ -102,6 +103,7 @@ class FSDPBackend(AdapterDefaults):
         self._world_mesh: DeviceMesh | None = None
         self._tp_plan: Any = None
         self._data: dist.DataParallel | None = None
+        self._canary = _fsdp_canary.Canary()  # runs on a torch newer than the tested range
 
     def setup(self, config: Config) -> None:
         refuse_native(config.sync_policy, self.name)
@@ -310,6 +312,8 @@ class FSDPBackend(AdapterDefaults):
                     ]
         else:
             _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
+        if not isinstance(model, FSDP1):  # FSDP2's private state: checked on an untested torch
+            self._canary.run(self._mesh, self._device)  # type: ignore[arg-type]
         if not is_frozen(model):  # a frozen model is sharded for its forward only
             self._decide(model)
         if isinstance(model, FSDPModule):  # its own state dict holds DTensor shards
@@ -409,6 +413,8 @@ class FSDPBackend(AdapterDefaults):
             _fsdp_compat.restore_flags(saved)
 
     def abort_window(self, models: Sequence[nn.Module]) -> None:
+        if self.policy != "every_step":
+            self._canary.refuse("dropping a window", partial=self.policy == "defer_replicate")
         # Reduced gradients sit on the sharded parameters; a deferred window's gradients sit
         # unsharded inside FSDP2's own state (FSDP1's no_sync: on its flat parameters).
         # On a 2-D mesh a window whose all-reduce was deferred sits in partial buffers.
@@ -474,6 +480,8 @@ class FSDPBackend(AdapterDefaults):
         *,
         window_open: bool,
     ) -> None:
+        if window_open and self.policy != "every_step":
+            self._canary.refuse("a mid-window save", partial=self.policy == "defer_replicate")
         _fsdp_checkpoint.save(
             path, models, optimizers, window_open=window_open, device=self._device
         )

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradsync import backends, mesh
+from gradsync import _torch_range, backends, mesh
 from gradsync._accumulation_schedule import Schedule, is_schedule
 from gradsync._batch_plan import BatchPlan, solve_with_schedule
 from gradsync._util import check_positive_int
@@ -649,7 +649,7 @@ def torchrun_namespace(own: list[str], tail: list[str]) -> Any:
     its parser, with the ``PET_*`` variables gradsync already read hidden from it, then the
     script's arguments ``tail`` set as they are.
 
-    What of torchrun this relies on (torch.distributed.run, 2.4 to 2.13): ``parse_args``,
+    What of torchrun this relies on (torch.distributed.run, ``_torch_range``'s releases): ``parse_args``,
     the name its parser gives the training script's arguments (``training_script_args``),
     and its reading ``PET_<FLAG>`` from the environment when its parser is built.
 
@@ -671,7 +671,7 @@ def torchrun_namespace(own: list[str], tail: list[str]) -> Any:
     if not isinstance(getattr(args, "training_script_args", None), list):
         raise RuntimeError(
             "torch.distributed.run's arguments have no 'training_script_args' in torch "
-            f"{_torch_version()}; gradsync launch supports torch 2.4 to 2.13"
+            f"{_torch_version()}; gradsync launch supports torch {_torch_range.supported()}"
         )
     args.training_script_args = list(tail)
     return args
