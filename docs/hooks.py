@@ -10,6 +10,8 @@ Two pages hold a placeholder comment that is replaced when the site is built:
   in words, with their names;
 * ``<!-- gradsync:version -->`` (docs/changelog.md): the release, ``gradsync.__version__``
   (also in the site's name, next to the logo);
+* ``<!-- gradsync:torch-range -->`` (docs/install.md, docs/changelog.md): the supported torch
+  range, from ``gradsync/_torch_range.py`` (the one declaration; loaded by its path);
 * ``<!-- gradsync:accelerate-names -->`` (docs/migrating-from-accelerate.md): every name of
   Accelerate's module paths and what ``gradsync.accelerate`` makes of it, from
   ``gradsync/accelerate/_names.py`` (loaded by its path: no torch).
@@ -36,6 +38,7 @@ CLI_MARK = "<!-- gradsync:cli -->"
 CLI_COUNT_MARK = "<!-- gradsync:cli-count -->"
 VERSION_MARK = "<!-- gradsync:version -->"
 NAMES_MARK = "<!-- gradsync:accelerate-names -->"
+TORCH_MARK = "<!-- gradsync:torch-range -->"
 
 
 _filled: set[str] = set()
@@ -69,12 +72,20 @@ def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
         CLI_COUNT_MARK: cli_count_markdown,
         VERSION_MARK: version,
         NAMES_MARK: names_markdown,
+        TORCH_MARK: torch_range,
     }
     for mark, fill in fills.items():
         if mark in markdown:
             markdown = markdown.replace(mark, fill())
             _filled.add(mark)
     return markdown
+
+
+def torch_range() -> str:
+    """The supported torch range ("2.8 to 2.15"), from gradsync/_torch_range.py alone."""
+    namespace: dict[str, Any] = {}
+    exec((SRC / "gradsync" / "_torch_range.py").read_text(), namespace)
+    return str(namespace["supported"]())
 
 
 def names_markdown() -> str:
@@ -94,7 +105,7 @@ def on_post_build(config: Any, **kwargs: Any) -> None:
     """The generated references must be somewhere: a lost placeholder fails the build."""
     from mkdocs.exceptions import PluginError
 
-    marks = (SETTINGS_MARK, CLI_MARK, CLI_COUNT_MARK, VERSION_MARK, NAMES_MARK)
+    marks = (SETTINGS_MARK, CLI_MARK, CLI_COUNT_MARK, VERSION_MARK, NAMES_MARK, TORCH_MARK)
     missing = [mark for mark in marks if mark not in _filled]
     if missing:
         raise PluginError(

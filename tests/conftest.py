@@ -194,11 +194,31 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ByScope(config, log)
 
 
+#: The multi-process modules that exercise torch's internals (FSDP2's private state, HSDP's
+#: partial buffers, tensor parallelism, resumes and dropped windows, checkpoints, the audit's
+#: process group): marked ``torch_internals``. scripts/torch_range.sh runs them, with the unit
+#: tests, on the oldest supported and the newest torch (``-m "not multiprocess or
+#: torch_internals"``).
+TORCH_INTERNALS = {
+    "test_checkpoint_faults.py",
+    "test_checkpoint_processes.py",
+    "test_checkpoint_safety.py",
+    "test_ddp.py",
+    "test_fsdp.py",
+    "test_hsdp.py",
+    "test_resume.py",
+    "test_tensor_parallel.py",
+    "test_tensor_parallel_3d.py",
+}
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if MULTIPROCESS in Path(str(item.path)).resolve().parents:
             item.add_marker(pytest.mark.multiprocess)
+            if Path(str(item.path)).name in TORCH_INTERNALS:
+                item.add_marker(pytest.mark.torch_internals)
 
     def order(item: pytest.Item) -> int:
         if _shared_of(item) is not None:

@@ -94,3 +94,27 @@ def test_window_loss_overhead(tmp_path):
     assert result["windows_read"] == 6 and 0 < result["window_loss_last"] < float("inf"), (
         "the tracked loop reads one finite window loss per timed step"
     )
+
+
+@pytest.mark.parametrize("mesh", ["1d", "2d"])
+def test_canary_cost(tmp_path, mesh):
+    """The FSDP2 canary on 2 real ranks (a 1-D mesh and 1 x 2 HSDP): it holds on this torch on
+    every rank (the worker asserts it), ends without a hang, and its cost is written."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "canary_cost.py"),
+            "--quick",
+            "--mesh",
+            mesh,
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "canary_cost.json").read_text())
+    assert result["mesh"] == mesh and result["canary_ms_median"] > 0
+    assert len(result["canary_ms"]) == len(result["prepare_ms"]) == 2
