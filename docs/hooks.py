@@ -82,7 +82,7 @@ def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
 
 
 def torch_range() -> str:
-    """The supported torch range ("2.8 to 2.15"), from gradsync/_torch_range.py alone."""
+    """The supported torch range ("2.10 to 2.15"), from gradsync/_torch_range.py alone."""
     namespace: dict[str, Any] = {}
     exec((SRC / "gradsync" / "_torch_range.py").read_text(), namespace)
     return str(namespace["supported"]())

@@ -1,7 +1,7 @@
 """The supported torch range, from its one declaration (src/gradsync/_torch_range.py).
 
-    python scripts/torch_range.py                # "2.8 to 2.15"
-    python scripts/torch_range.py --pins         # the releases CI tests: "2.8.0 2.15.0"
+    python scripts/torch_range.py                # "2.10 to 2.15"
+    python scripts/torch_range.py --pins         # the releases CI tests: "2.10.0 2.15.0"
     python scripts/torch_range.py --write        # pyproject.toml's torch requirement from it
     python scripts/torch_range.py --check        # exit 1 while pyproject.toml differs
 

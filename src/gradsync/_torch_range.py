@@ -15,15 +15,15 @@ from __future__ import annotations
 import re
 
 #: The oldest supported torch minor, and the release CI installs for it.
-OLDEST = "2.8"
-OLDEST_PIN = "2.8.0"
+OLDEST = "2.10"
+OLDEST_PIN = "2.10.0"
 #: The newest torch minor tested, and the release CI installs for it.
 NEWEST = "2.15"
 NEWEST_PIN = "2.15.0"
 
 
 def supported() -> str:
-    """``"2.8 to 2.15"``: the range as messages and the docs say it."""
+    """``"2.10 to 2.15"``: the range as messages and the docs say it."""
     return f"{OLDEST} to {NEWEST}"
 
 

@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
 from gradsync import Accelerator
+from gradsync.backends._fsdp_compat import param_groups
 
 from scenarios.common import Block, Loop, captured_log, make_model, make_optimizer, train
 
@@ -30,33 +30,26 @@ def _accel(steps: int, policy: str = "auto", **options: Any) -> Accelerator:
 
 def _units(model: nn.Module) -> int:
     """Sharded units that hold parameters (each reduce-scatters once per reduction)."""
-    return sum(
-        len(m._get_fsdp_state()._fsdp_param_groups)
-        for m in model.modules()
-        if isinstance(m, FSDPModule)
-    )
+    return sum(1 for _ in param_groups(model))
 
 
 def grad_bytes(model: nn.Module) -> dict[str, int]:
     """Gradient bytes this rank holds: FSDP2's unsharded (deferred) and sharded gradients."""
     unsharded = sharded = 0
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            for fp in group.fsdp_params:
-                up = getattr(fp, "_unsharded_param", None)
-                # torch 2.15 on: the accumulated gradient is a view of the leaf's, one tensor
-                held = {
-                    id(t): t
-                    for t in (fp.unsharded_accumulated_grad, getattr(up, "grad", None))
-                    if t is not None
-                }
-                unsharded += sum(t.numel() * t.element_size() for t in held.values())
-                g = fp.sharded_param.grad
-                if g is not None:
-                    local = g.to_local()
-                    sharded += local.numel() * local.element_size()
+    for group in param_groups(model):
+        for fp in group.fsdp_params:
+            up = getattr(fp, "_unsharded_param", None)
+            # torch 2.15 on: the accumulated gradient is a view of the leaf's, one tensor
+            held = {
+                id(t): t
+                for t in (fp.unsharded_accumulated_grad, getattr(up, "grad", None))
+                if t is not None
+            }
+            unsharded += sum(t.numel() * t.element_size() for t in held.values())
+            g = fp.sharded_param.grad
+            if g is not None:
+                local = g.to_local()
+                sharded += local.numel() * local.element_size()
     return {"unsharded": unsharded, "sharded": sharded}
 
 
@@ -95,21 +88,13 @@ def flags(model: nn.Module) -> list[list[Any]]:
     """Per group: gradient sync, reshard after backward, reshard after forward."""
     return [
         [g.reduce_grads, g.reshard_after_backward, g.post_forward_mesh_info is not None]
-        for m in model.modules()
-        if isinstance(m, FSDPModule)
-        for g in m._get_fsdp_state()._fsdp_param_groups
+        for g in param_groups(model)
     ]
 
 
 def _unsharded_groups(model: nn.Module) -> int:
     """Groups whose parameters are gathered right now (none once a window has ended)."""
-    return sum(
-        1
-        for m in model.modules()
-        if isinstance(m, FSDPModule)
-        for g in m._get_fsdp_state()._fsdp_param_groups
-        if g.is_unsharded
-    )
+    return sum(1 for g in param_groups(model) if g.is_unsharded)
 
 
 def train_wrap_callable(*, steps: int, loop: Loop) -> dict[str, Any]:
@@ -197,12 +182,7 @@ def restores_state() -> dict[str, Any]:
     backend = accel._backend
 
     def flags() -> list[list[bool]]:
-        return [
-            [g.reduce_grads, g.reshard_after_backward]
-            for m in model.modules()
-            if isinstance(m, FSDPModule)
-            for g in m._get_fsdp_state()._fsdp_param_groups
-        ]
+        return [[g.reduce_grads, g.reshard_after_backward] for g in param_groups(model)]
 
     seen: dict[str, Any] = {"before": flags()}
     model.blocks[0].set_requires_gradient_sync(False, recurse=False)  # the user's own setting

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from gradsync import Accelerator
+from gradsync.backends._fsdp_compat import param_groups
 
 from scenarios.common import Loop, Probe, make_model, make_optimizer, micro_step, to_lists, train
 
@@ -64,13 +64,7 @@ class Shards(Probe):
 
 def partial_groups(model: nn.Module) -> int:
     """Groups holding a partial buffer (a window's shards not yet all-reduced across replicas)."""
-    return sum(
-        1
-        for m in model.modules()
-        if isinstance(m, FSDPModule)
-        for g in m._get_fsdp_state()._fsdp_param_groups
-        if g._partial_reduce_output is not None
-    )
+    return sum(1 for g in param_groups(model) if g._partial_reduce_output is not None)
 
 
 def train_hsdp(
@@ -183,12 +177,7 @@ def restores_flags(*, mesh: list[int]) -> dict[str, Any]:
     backend = accel._backend
 
     def flags() -> list[list[bool]]:
-        return [
-            [g.reduce_grads, g.all_reduce_grads]
-            for m in model.modules()
-            if isinstance(m, FSDPModule)
-            for g in m._get_fsdp_state()._fsdp_param_groups
-        ]
+        return [[g.reduce_grads, g.all_reduce_grads] for g in param_groups(model)]
 
     seen: dict[str, Any] = {"before": flags()}
     with backend.micro_step(model, boundary=False):

@@ -193,9 +193,16 @@ def _attribute_docstrings(cls: type) -> set[str]:
 
 
 def _overrides_foreign(cls: type, name: str) -> bool:
-    """``name`` is a method of a base class outside gradsync (its contract is documented there)."""
+    """``name``, or another name the same function is bound to in ``cls`` (the audit group's
+    ``_allgather_base = all_gather_single``), is a method of a base class outside gradsync
+    (its contract is documented there; older torch knows only the other name)."""
+    member = inspect.unwrap(inspect.getattr_static(cls, name))  # through compiler.disable
+    ours = [k for k in cls.__mro__ if k.__module__.startswith(_OURS)]
+    names = {name} | {
+        n for k in ours for n, v in vars(k).items() if callable(v) and inspect.unwrap(v) is member
+    }
     return any(
-        name in vars(base) for base in cls.__mro__[1:] if not base.__module__.startswith(_OURS)
+        names & set(vars(base)) for base in cls.__mro__[1:] if not base.__module__.startswith(_OURS)
     )
 
 

@@ -46,6 +46,12 @@ def param_groups(model: nn.Module) -> Iterator[Any]:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             state = _require(module, "_get_fsdp_state", "per-module state")()
+            if not hasattr(state, "_fsdp_param_groups") and hasattr(state, "_fsdp_param_group"):
+                # torch 2.8 and older: at most one group per module, None when it holds no params
+                group = state._fsdp_param_group
+                if group is not None:
+                    yield group
+                continue
             yield from _require(state, "_fsdp_param_groups", "parameter groups")
 
 
