@@ -206,6 +206,7 @@ TORCH_INTERNALS = {
     "test_ddp.py",
     "test_fsdp.py",
     "test_hsdp.py",
+    "test_oom.py",
     "test_resume.py",
     "test_tensor_parallel.py",
     "test_tensor_parallel_3d.py",

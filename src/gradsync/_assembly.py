@@ -20,9 +20,11 @@ from gradsync import _selfcheck as selfcheck
 from gradsync import audit as audit_mod
 from gradsync import backends, extensions, tracking
 from gradsync import mesh as nd_mesh
+from gradsync._accumulation_schedule import is_schedule
 from gradsync._batch_plan import solve_with_schedule
 from gradsync._gradients import Gradients
 from gradsync._microstep import AuditObserver, ItemCount, Runner, SelfCheckObserver
+from gradsync._oom import OomSplit, check_at_prepare
 from gradsync._planned_steps import Planner, warn_unfinished
 from gradsync._preparer import Preparer
 from gradsync._registry import Prepared
@@ -179,6 +181,7 @@ def assemble(owner: Any, config: Config, rules: Rules) -> Parts:
         gradients.before_step if loss is not None else None,
         rules=rules,
     )
+    oom = _split_on_oom(config, backend, window, prepared, runner, preparer)
     ended = weakref.finalize(
         owner,
         warn_unfinished,
@@ -193,6 +196,9 @@ def assemble(owner: Any, config: Config, rules: Rules) -> Parts:
             "gradsync: requeue=True outside a SLURM job (no SLURM_JOB_ID): the job "
             "will not be requeued"
         )
+    state = CheckpointState(prepared, window, backend, loaders)
+    if oom is not None:
+        state.after_load.append(oom.after_load)
     parts = Parts(
         config=config,
         rules=rules,
@@ -201,7 +207,7 @@ def assemble(owner: Any, config: Config, rules: Rules) -> Parts:
         prepared=prepared,
         runner=runner,
         loaders=loaders,
-        state=CheckpointState(prepared, window, backend, loaders),
+        state=state,
         preparer=preparer,
         gradients=gradients,
         planner=planner,
@@ -213,6 +219,43 @@ def assemble(owner: Any, config: Config, rules: Rules) -> Parts:
         ended=ended,
     )
     return parts
+
+
+def _split_on_oom(
+    config: Config,
+    backend: Backend,
+    window: Window,
+    prepared: Prepared,
+    runner: Runner,
+    preparer: Preparer,
+) -> OomSplit | None:
+    """``on_oom="split"``: the agreement points in every micro-step, checked and armed at
+    each prepare (the training loader keeps its window's batches)."""
+    if config.on_oom != "split":
+        return None
+
+    def set_plan(plan: Any) -> None:
+        preparer.plan = plan
+
+    oom = OomSplit(
+        window=window,
+        backend=backend,
+        plan=lambda: preparer.plan,
+        set_plan=set_plan,
+        own=runner.own_collective,
+    )
+    steps = config.gradient_accumulation_steps
+    schedule = str(steps) if is_schedule(steps) else None
+
+    def after_prepare(models: list[torch.nn.Module]) -> None:
+        if not prepared.models:
+            return
+        check_at_prepare(preparer.plan, backend, bool(prepared.loaders), schedule)
+        oom.arm(prepared.loaders[0], models)  # the first loader prepared: the training loader
+
+    preparer.after_prepare.append(after_prepare)
+    runner.oom = oom
+    return oom
 
 
 def attach(owner: Any, parts: Parts) -> None:

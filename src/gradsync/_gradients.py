@@ -83,6 +83,8 @@ class Gradients:
             with self._runner.run(tuple(self._prepared.trained), force=True):
                 self.backward(loss, reduction, kwargs)
             return
+        if step is not None and self._runner.oom is not None:
+            self._runner.oom.before_backward(step)  # on_oom="split": agree before it syncs
         keeps_graph = bool(kwargs.get("retain_graph"))
         if reduction == "mean":
             if step is None and self._window.steps > 1:

@@ -32,6 +32,7 @@ from gradsync.errors import naming_collective
 
 if TYPE_CHECKING:
     from gradsync import _selfcheck as selfcheck
+    from gradsync._oom import OomSplit
     from gradsync._registry import Prepared
     from gradsync._window import MicroStep, Window
     from gradsync.audit import Recorder
@@ -89,6 +90,8 @@ class Runner:
         self.at_boundary: list[Callable[[MicroStep], None]] = []
         #: Name a hung or broken collective in the error (only where collectives run).
         self.names = dist.is_multiprocess()
+        #: ``on_oom="split"``: agreement points and the re-plan (None: an OOM propagates).
+        self.oom: OomSplit | None = None
 
     def drop(self) -> None:
         drop_window(self.window, self.backend, self.prepared)
@@ -131,6 +134,8 @@ class MicroStepBlock:
             for before in runner.before_window:
                 before()
         step = self._step = window.begin(force=force)
+        if runner.oom is not None:
+            runner.oom.begin()
         if step.index == 0:
             try:
                 # Every window starts from cleared gradients: the prepared optimizers' here,
@@ -202,6 +207,14 @@ class MicroStepBlock:
         except BaseException:
             self._fail()
             raise
+        oom = runner.oom
+        if oom is not None:
+            failed = oom.at_exit(None if swallowed else err)
+            if failed is not None:  # every rank drops the window and runs it again, smaller
+                feed = runner.window.feed
+                self._fail()
+                oom.replan(failed, feed)
+                return True
         if err is not None and not swallowed:
             self._fail()
             return False

@@ -73,6 +73,8 @@ class Preparer:
         self._before_step = before_step
         #: ``gradsync verify``: replaces each loader's sharded source (records or replays it).
         self.loader_hook: Callable[[Any], Any] | None = None
+        #: Called at the end of each prepare call with the models it prepared (wrapped).
+        self.after_prepare: list[Callable[[list[torch.nn.Module]], None]] = []
         self._untested_torch = _torch_range.above(torch.__version__)  # warned at the first model
 
     def prepare(self, objects: Sequence[Any]) -> Any:
@@ -138,6 +140,8 @@ class Preparer:
                     f"prepare() does not know what to do with a {type(obj).__name__}; pass "
                     "torch.nn.Modules, torch.optim.Optimizers, DataLoaders or LR schedulers"
                 )
+        for hook in self.after_prepare:
+            hook([out[id(m)] for m in models])
         result = tuple(out[id(o)] for o in objects)
         return result[0] if len(result) == 1 else result
 

@@ -120,6 +120,7 @@ class Window:
         self._schedule: Schedule = steps
         self._steps = check_positive_int("gradient_accumulation_steps", steps.steps_at(0))
         self._pending_steps: int | None = None
+        self._fixed: int | None = None  # k set during the run (it replaced the schedule)
         self._follow_data = follow_data
         self._split: _Split | None = None
         self._index = 0
@@ -153,6 +154,7 @@ class Window:
         """Use ``value`` from the next window on (it replaces a schedule)."""
         value = check_positive_int("gradient_accumulation_steps", value)
         self._schedule = Constant(value)
+        self._fixed = value
         if self._index == 0 and self._current is None:
             self._steps = value
             self._pending_steps = None
@@ -402,6 +404,7 @@ class Window:
             "boundary": self._boundary,
             "completed": self._completed,
             "items": self._items,
+            "fixed": self._fixed,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -413,6 +416,10 @@ class Window:
         if pending is not None:  # a change of k made during the saved window
             self._pending_steps = check_positive_int("gradient_accumulation_steps", pending)
             self._schedule = Constant(self._pending_steps)
+        fixed = state.get("fixed")
+        if fixed is not None:  # k was set during the saved run: it goes on with it
+            self._fixed = check_positive_int("gradient_accumulation_steps", fixed)
+            self._schedule = Constant(self._fixed)
         self._index = int(state["index"])
         self._size = int(state["size"])
         self._boundary = bool(state["boundary"])

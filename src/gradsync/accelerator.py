@@ -43,6 +43,7 @@ from gradsync.settings import (
     ItemCounter,
     MixedPrecision,
     ModuleSelector,
+    OnOom,
     RequestedPolicy,
 )
 
@@ -106,6 +107,10 @@ class Accelerator:
         project_dir: the folder the trackers write into.
         track_window_loss: keep ``window_loss``, the global mean of each window's losses
             weighted as the update (default True; one small all-reduce per optimizer step).
+        on_oom: ``"raise"`` (default) or ``"split"``: an out-of-memory error inside
+            ``accumulate`` on any rank drops the window on every rank, halves the micro-batch,
+            doubles k and runs the window again from its first sample (the global batch and
+            the data order are kept). ddp, fsdp, fairscale and single; refused with deepspeed.
         config_file: a YAML (or JSON) file of settings (default: ``GRADSYNC_CONFIG``).
         **options: a backend's options: ``ddp_kwargs``, ``find_unused_parameters`` (ddp);
             ``fsdp_wrap``, ``fsdp_keep_params_in_window``, ``fsdp_reshard_after_backward``,
@@ -152,6 +157,7 @@ class Accelerator:
         log_with: str | Sequence[Any] | None = None,
         project_dir: str | os.PathLike[str] | None = None,
         track_window_loss: bool | None = None,
+        on_oom: OnOom | None = None,
         config_file: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
@@ -181,6 +187,7 @@ class Accelerator:
             log_with=log_with,
             project_dir=project_dir,
             track_window_loss=track_window_loss,
+            on_oom=on_oom,
             **options,
         )
         self._p = assemble(self, self.config, self._rules)

@@ -414,6 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the N-D mesh, e.g. dp_shard=2,tp=2: the global batch is micro x k x "
         "(dp_replicate x dp_shard)",
     )
+    plan.add_argument(
+        "--ladder",
+        action="store_true",
+        help="also show the micro batch x k steps on_oom='split' walks (the global batch kept)",
+    )
     est = plan.add_argument_group("communication estimate (--estimate)")
     est.add_argument(
         "--estimate",
@@ -670,6 +675,8 @@ def _plan(args: argparse.Namespace) -> int:
             "the mesh; give one (--fsdp-mesh R,S is --parallelism dp_replicate=R,dp_shard=S)"
         )
     table = plan.rows(settings, args.nproc_per_node, args.nnodes)
+    if args.ladder:
+        plan.add_ladders(table)
     if len(table) == 1:
         if "error" in table[0]:
             raise ConfigError(table[0]["error"])

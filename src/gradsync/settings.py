@@ -52,6 +52,7 @@ __all__ = [
     "ItemCounter",
     "MixedPrecision",
     "ModuleSelector",
+    "OnOom",
     "RequestedPolicy",
     "Setting",
     "SyncPolicy",
@@ -73,6 +74,8 @@ SYNC_POLICIES: tuple[RequestedPolicy, ...] = (
     "native",
     "defer_replicate",
 )
+#: What an out-of-memory error inside ``accumulate`` does (see gradsync._oom).
+OnOom = Literal["raise", "split"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
 MIXED_PRECISION: tuple[MixedPrecision, ...] = ("no", "bf16", "fp16")
 GRAD_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
@@ -452,6 +455,16 @@ class CoreSettings:
         metadata=setting(
             "keep accel.window_loss: the global mean of a window's losses, weighted as the update "
             "(one small all-reduce per optimizer step)"
+        ),
+    )
+    on_oom: OnOom = field(
+        default="raise",
+        metadata=setting(
+            "an out-of-memory error inside accumulate: raise it, or split (every rank drops the "
+            "window, halves the micro-batch, doubles k and runs the window again from its first "
+            "sample: the global batch is kept)",
+            flag=True,
+            metavar="MODE",
         ),
     )
 

@@ -73,3 +73,16 @@ def expect_backward(model: torch.nn.parallel.DistributedDataParallel) -> None:
     forward must run inside the syncing micro-step."""
     if not model.find_unused_parameters:
         model.reducer.prepare_for_backward([])
+
+
+def start_window_again(model: torch.nn.parallel.DistributedDataParallel) -> None:
+    """After a dropped window, every rank's next forward does what a window's first forward
+    does after a boundary: broadcast the buffers (when DDP does). A rank whose dropped
+    window reached its boundary's forward and one whose did not otherwise disagree on it,
+    and one of them would wait in a broadcast the other never starts. The reducer forgets a
+    synchronising forward whose backward never ran (else the next backward, off the
+    boundary, would reduce on that rank alone)."""
+    model.require_forward_param_sync = True
+    reset = getattr(model.reducer, "_reset_state", None)
+    if callable(reset):
+        reset()

@@ -102,3 +102,11 @@ def finish_reductions(model: Any) -> None:
     raised before its end-of-backward flush leaves them pending)."""
     if _require(model, "_work_handles", "pending reductions"):
         _require(model, "_consume_work_handles", "wait for pending reductions")()
+
+
+def broadcasts_buffers(model: Any) -> bool:
+    """Whether ``model``'s next forward broadcasts its buffers from rank 0 (it does in each
+    forward whose backward reduces, when it has buffers and broadcasting is on)."""
+    enabled = _require(model, "_enable_broadcast_buffers", "broadcast_buffers flag")
+    accumulating = _require(model, "_should_accumulate_grads", "no_sync flag")
+    return bool(enabled) and not accumulating and any(True for _ in model.module.buffers())

@@ -55,6 +55,18 @@ def param_groups(model: nn.Module) -> Iterator[Any]:
             yield from _require(state, "_fsdp_param_groups", "parameter groups")
 
 
+def gathers_in_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s next forward all-gathers: one of its own parameter groups is not
+    gathered now (a window that keeps its parameters gathered gathers only in its first
+    forward)."""
+    state = _require(module, "_get_fsdp_state", "per-module state")()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch 2.8 and older: at most one group per module
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return any(not group.is_unsharded for group in groups)
+
+
 def save_flags(model: nn.Module) -> list[GroupFlags]:
     """The sync flags every group holds now (to be put back exactly by ``restore_flags``)."""
     return [
@@ -190,9 +202,23 @@ def reset_iter_state(model: nn.Module) -> None:
     if callable(reset):
         reset()
         return
-    for group in param_groups(model):  # older torch: only the partial buffers to drop
+    # Older torch (before reset_iter_state): what a forward or backward broken off midway
+    # leaves behind, put back by hand: every state and group idle, nothing gathered, the
+    # root's per-iteration trackers cleared, the partial buffers dropped.
+    for group in param_groups(model):
         _require(group, "_partial_reduce_output", "partial all-reduce buffer")
         group._partial_reduce_output = None
+        group._all_gather_result = None
+        group._post_forward_indices.clear()
+        group._training_state = type(group._training_state).IDLE
+    state = model._get_fsdp_state()  # type: ignore[operator]
+    for each in state._state_ctx.all_states:
+        each._training_state = type(each._training_state).IDLE
+        each._modules_to_run_forward.clear()
+    state._state_ctx.iter_forward_root = None
+    state._state_ctx.post_backward_final_callback_queued = False
+    state._comm_ctx.post_forward_order.clear()
+    reshard(model)
 
 
 def partial_buffers(model: nn.Module) -> list[torch.Tensor | None]:

@@ -157,6 +157,20 @@ class Backend(Protocol):
     def autocast(self) -> AbstractContextManager[Any]:
         """The autocast the micro-steps run under (a no-op context when there is none)."""
 
+    def gathering_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The modules of ``model`` whose forward runs a collective (FSDP2's units gather
+        their parameters): ``on_oom="split"`` agrees before each of them."""
+
+    def forward_gathers(self, module: torch.nn.Module) -> bool:
+        """Whether the next forward of ``module`` (one of ``gathering_modules``) runs its
+        collective (parameters already gathered need none)."""
+
+    def backward_communicates(self, boundary: bool) -> bool:
+        """Whether the backward of a micro-step (a boundary's or not) runs a collective."""
+
+    def oom_split_refusal(self) -> str | None:
+        """Why ``on_oom="split"`` cannot work here, in a few words (None: it can)."""
+
     def backward(self, loss: torch.Tensor, factor: float = 1.0, **kwargs: Any) -> None:
         """Run the backward pass of ``loss * factor`` (``factor``: gradsync's scaling, e.g.
         1 / the window's size; an fp16 adapter also multiplies by the loss scale);
@@ -293,6 +307,18 @@ class AdapterDefaults:
 
     def autocast(self) -> AbstractContextManager[Any]:
         return _amp.autocast(self._device, self._dtype)
+
+    def gathering_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        return []  # the parameters are whole on every rank: a forward runs no collective
+
+    def forward_gathers(self, module: torch.nn.Module) -> bool:
+        return True
+
+    def backward_communicates(self, boundary: bool) -> bool:
+        return boundary or self.policy != "defer"
+
+    def oom_split_refusal(self) -> str | None:
+        return None
 
     def backward(self, loss: torch.Tensor, factor: float = 1.0, **kwargs: Any) -> None:
         scaled = loss if self.scaler is None else self.scaler.scale(loss)

@@ -107,6 +107,20 @@ class DDPBackend(AdapterDefaults):
         if isinstance(model, DDP) and self.policy != "every_step":
             _ddp_compat.expect_backward(model)
 
+    def abort_window(self, models: Sequence[torch.nn.Module]) -> None:
+        super().abort_window(models)  # the window's gradients live on the parameters
+        for model in map(_torch_compat.uncompiled, models):
+            if isinstance(model, DDP):
+                _ddp_compat.start_window_again(model)
+
+    def gathering_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        model = _torch_compat.uncompiled(model)
+        return [model] if isinstance(model, DDP) else []
+
+    def forward_gathers(self, module: torch.nn.Module) -> bool:
+        # The first forward after a synchronised one broadcasts the buffers from rank 0.
+        return isinstance(module, DDP) and module.will_sync_module_buffers()
+
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         model = _torch_compat.uncompiled(model)  # compiled after prepare, or before it
         return _torch_compat.uncompiled(model.module if isinstance(model, DDP) else model)

@@ -224,6 +224,13 @@ class DeepSpeedBackend(AdapterDefaults):
     def end_window(self, models: Sequence[torch.nn.Module]) -> None:
         self._flush()
 
+    def oom_split_refusal(self) -> str | None:
+        return (
+            "DeepSpeed builds the micro-batch into its engine (train_micro_batch_size_per_gpu) "
+            "and counts its own accumulation steps, which cannot change during a run; set "
+            "on_oom='raise' with backend='deepspeed'"
+        )
+
     def abort_window(self, models: Sequence[torch.nn.Module]) -> None:
         if self.engine is None:
             return

@@ -243,6 +243,13 @@ class FairscaleBackend(AdapterDefaults):
         norm: torch.Tensor = oss.clip_grad_norm(max_norm, norm_type)
         return norm.detach()
 
+    def gathering_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        return [model] if isinstance(model, ShardedDataParallel) else []
+
+    def forward_gathers(self, module: torch.nn.Module) -> bool:
+        # Off the boundary no buffer is broadcast; at it, every buffer from rank 0.
+        return _fairscale_compat.broadcasts_buffers(module)
+
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.module if isinstance(model, ShardedDataParallel) else model
 

@@ -412,6 +412,17 @@ class FSDPBackend(AdapterDefaults):
         finally:  # put back exactly what FSDP held before, not a value derived from `boundary`
             _fsdp_compat.restore_flags(saved)
 
+    def gathering_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [m for m in model.modules() if isinstance(m, FSDPModule | FSDP1)]
+
+    def forward_gathers(self, module: nn.Module) -> bool:
+        return isinstance(module, FSDP1) or _fsdp_compat.gathers_in_forward(module)
+
+    def backward_communicates(self, boundary: bool) -> bool:
+        # Only a window that keeps its parameters gathered runs its backward without an
+        # all-gather; every other backward re-gathers (or reduces) each unit.
+        return boundary or self.policy != "defer" or self.keep != "window"
+
     def abort_window(self, models: Sequence[nn.Module]) -> None:
         if self.policy != "every_step":
             self._canary.refuse("dropping a window", partial=self.policy == "defer_replicate")
@@ -421,8 +432,10 @@ class FSDPBackend(AdapterDefaults):
         clear_grads(models)
         for model in map(_torch_compat.uncompiled, models):
             if isinstance(model, FSDPModule):
-                if self._shape[0] > 1:
-                    _fsdp_compat.reset_iter_state(model)
+                # A forward or backward broken off midway (an error, or an out-of-memory
+                # error on_oom="split" recovers from) leaves FSDP2's per-iteration state half
+                # run; on a 2-D mesh the partial buffers too.
+                _fsdp_compat.reset_iter_state(model)
                 _fsdp_compat.clear_unsharded_grads(model)
                 if self.keep != "no":  # the window kept its parameters gathered: free them
                     _fsdp_compat.reshard(model)

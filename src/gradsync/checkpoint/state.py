@@ -62,6 +62,8 @@ class CheckpointState:
         self.save_hooks: dict[int, Callable[[Path], None]] = collections.OrderedDict()
         #: Called with the folder, once it is verified and before anything is loaded.
         self.load_hooks: dict[int, Callable[[Path], None]] = collections.OrderedDict()
+        #: Called once everything is loaded (gradsync's own parts that derive from it).
+        self.after_load: list[Callable[[], None]] = []
 
     def save(
         self,
@@ -95,7 +97,7 @@ class CheckpointState:
             schedulers=len(p.schedulers),
             objects=len(p.objects),
             scaler=backend.scaler is not None,
-            loaders=[{k: pos[k] for k in ("epoch", "consumed", "read")} for pos in positions],
+            loaders=[_saved_position(pos) for pos in positions],
         )
         rank = dist.rank()
         # The user's hooks may gather (get_state_dict on a sharded backend): they run once
@@ -290,6 +292,8 @@ class CheckpointState:
                 pos, pass_rng = _rescale(pos, world, here), None
             loader.resume({**pos, "rng": pass_rng}, now)
         now()
+        for after in self.after_load:
+            after()
 
 
 def choose_folder(
@@ -329,4 +333,19 @@ def _rescale(pos: LoaderPosition, saved_world: int, world: int) -> LoaderPositio
             pos["consumed"],
             consumed // world,
         )
-    return {"epoch": pos["epoch"], "consumed": consumed // world, "read": consumed // world}
+    out: LoaderPosition = {
+        "epoch": pos["epoch"],
+        "consumed": consumed // world,
+        "read": consumed // world,
+    }
+    if "split" in pos:
+        out["split"] = pos["split"]
+    return out
+
+
+def _saved_position(pos: dict[str, Any]) -> LoaderPosition:
+    """What the manifest keeps of a loader's position (its split only once one happened)."""
+    out: LoaderPosition = {"epoch": pos["epoch"], "consumed": pos["consumed"], "read": pos["read"]}
+    if pos.get("split", 1) > 1:
+        out["split"] = pos["split"]
+    return out

@@ -104,3 +104,21 @@ def checked_count(value: Any, where: str) -> int:
     if value < 0:
         raise ConfigError(f"count_items returned {value} for {where}; a count must be >= 0")
     return int(value)
+
+
+def halves(batch: Any) -> list[Any]:
+    """``batch`` cut into two pieces along the first dimension (the first one row longer
+    when the rows are odd; one piece when it has a single row)."""
+    rows = batch_length(batch)
+    return split_batch(batch, max(1, -(-rows // 2)))
+
+
+def pieces(batch: Any, split: int) -> list[Any]:
+    """``batch`` halved ``log2(split)`` times: the micro-batches it becomes when every
+    micro-batch is ``split`` times smaller (``split`` a power of 2). Halving a piece again
+    gives the pieces of ``2 * split``, so a pass can be split further midway."""
+    out = [batch]
+    while split > 1:
+        out = [half for piece in out for half in halves(piece)]
+        split //= 2
+    return out

@@ -20,7 +20,14 @@ from torch.utils.data.distributed import DistributedSampler
 
 from gradsync import _dist as dist
 from gradsync._util import check_non_negative_int, check_positive_int
-from gradsync.data.batches import batch_length, checked_count, split_batch, to_device
+from gradsync.data.batches import (
+    batch_length,
+    checked_count,
+    halves,
+    pieces,
+    split_batch,
+    to_device,
+)
 from gradsync.data.dealing import BatchDeal, IterableDeal
 from gradsync.data.sharding import BatchShard
 from gradsync.errors import ConfigError
@@ -74,6 +81,29 @@ class LoaderContext:
     last_pass: weakref.ref[LoaderIteration] | None = None
 
 
+class Pieces:
+    """A loader's batches as micro-batches ``split`` times smaller (``split`` a power of 2,
+    each batch halved that many times over; see ``batches.pieces``)."""
+
+    def __init__(self, source: Iterator[Any], split: int) -> None:
+        self.source = source
+        self.split = split
+        self.pending: collections.deque[Any] = collections.deque()
+
+    def __iter__(self) -> Pieces:
+        return self
+
+    def __next__(self) -> Any:
+        while not self.pending:
+            self.pending.extend(pieces(next(self.source), self.split))
+        return self.pending.popleft()
+
+    def split_further(self) -> None:
+        """From now on every micro-batch is half as large (those already cut are halved)."""
+        self.pending = collections.deque(h for piece in self.pending for h in halves(piece))
+        self.split *= 2
+
+
 class LoaderIteration:
     """One pass over a prepared loader: reads one batch ahead (a window ahead on request),
     knows where the pass stands, and re-raises a loading error at the batch that caused it."""
@@ -103,6 +133,9 @@ class LoaderIteration:
         self._weak = weakref.ref(self)
         self._last_batch: Any = None  # the last yielded batch as loaded (kept to count its items)
         self._move = owner._context.device.type != "cpu"
+        #: The micro-batches yielded in the window in progress, kept (as loaded) when a
+        #: window may be re-run in smaller micro-batches (``on_oom="split"``).
+        self._window_batches: list[Any] | None = [] if owner.replannable else None
 
     def __iter__(self) -> LoaderIteration:
         return self
@@ -150,6 +183,24 @@ class LoaderIteration:
         """Every batch of the pass was yielded (the pass may not have noticed yet)."""
         return self.done or (self.exhausted and self.error is None and not self.buffer)
 
+    def split_further(self) -> int:
+        """Re-run the open window in micro-batches half as large: the batches it consumed
+        come again, each as two halves, and every later batch is halved too (the same
+        samples in the same order). Returns the micro-batches the window had consumed."""
+        kept = self._window_batches
+        assert kept is not None and isinstance(self.source, Pieces), "not replannable"
+        again = [half for batch in kept for half in halves(batch)]
+        ahead = [half for batch in self.buffer for half in halves(batch)]
+        self.source.split_further()
+        self.buffer = collections.deque(again + ahead)
+        self.yielded = 2 * (self.yielded - len(kept))
+        consumed = len(kept)
+        kept.clear()
+        self.total = None  # a count in smaller micro-batches: read ahead instead
+        self.remaining, self.last = None, False
+        self.owner.split = self.source.split
+        return consumed
+
     def skip(self, consumed: int, read: int) -> None:
         """Resume mid-pass: read ``read`` batches, of which the first ``consumed`` were
         consumed before (dropped), the others were read ahead (kept), as when saved."""
@@ -177,6 +228,11 @@ class LoaderIteration:
             self.remaining = None
         self.last = self.error is None and self.exhausted and not self.buffer
         self.yielded += 1
+        kept = self._window_batches
+        if kept is not None:
+            if not self._window.is_open:  # this batch starts a window
+                kept.clear()
+            kept.append(batch)
         self._window.fed(self._ticket)
         self._context.last_pass = self._weak
         if self._context.count_items is not None:
@@ -200,6 +256,10 @@ class PreparedDataLoader:
         self.epochs = Epochs()
         self._current: LoaderIteration | None = None
         self._resume: dict[str, Any] | None = None  # the pass to resume (from load_state)
+        #: Each loader batch is cut into ``split`` micro-batches (``on_oom="split"`` halved
+        #: them ``log2(split)`` times); ``replannable``: passes keep their window's batches.
+        self.split = 1
+        self.replannable = False
         self._restored: int | None = None  # batches of its pass load_state skipped, until it starts
 
     @property
@@ -240,12 +300,14 @@ class PreparedDataLoader:
                 "consumed": 0,
                 "read": 0,
                 "rng": dealing_rng(self.loader),
+                "split": self.split,
             }
         return {
             "epoch": self.epochs.current,
             "consumed": it.yielded - unconsumed,
             "read": it.read,
             "rng": it.rng_at_start,
+            "split": self.split,
         }
 
     @property
@@ -258,6 +320,7 @@ class PreparedDataLoader:
         moment of the save (creating an iterator draws from it)."""
         self.set_epoch(int(position["epoch"]))
         self._current = None
+        self.split = int(position.get("split", 1))  # counts are in micro-batches of this split
         rng = position.get("rng")
         started = position["consumed"] or rng is not None
         # The RNG of the moment of the save is put back only for a pass begun before it.
@@ -335,7 +398,9 @@ class PreparedDataLoader:
             return None
 
     def __len__(self) -> int:
-        return len(self.loader)
+        """Micro-batches per pass: the loader's batches, each cut into ``split`` after
+        ``on_oom="split"`` halved them (so ``len(loader) / k`` stays the optimizer steps)."""
+        return len(self.loader) * self.split
 
     def __getattr__(self, name: str) -> Any:
         if name == "loader":
@@ -353,7 +418,11 @@ class PreparedDataLoader:
         if resume is not None and resume["rng"] is not None:
             set_rng(resume["rng"], self.loader)
         rng = get_rng(self.loader)
-        it = LoaderIteration(self, iter(self.loader), self._sized_len(), rng)
+        source: Iterator[Any] = iter(self.loader)
+        if self.replannable or self.split > 1:
+            source = Pieces(source, self.split)
+        total = self._sized_len() if self.split == 1 else None  # read ahead instead
+        it = LoaderIteration(self, source, total, rng)
         if resume is not None:
             it.skip(int(resume["consumed"]), int(resume["read"]))
             resume["rng_now"]()

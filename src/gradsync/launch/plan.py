@@ -72,6 +72,25 @@ def rows(
     return out
 
 
+def ladder(micro: int, k: int) -> str:
+    """The (micro batch x k) steps ``on_oom="split"`` walks from ``micro x k``: the micro
+    batch halves and k doubles while the micro batch is even, down to 1 (the global batch
+    stays); where it ends on an odd micro batch > 1, the next out-of-memory error is raised."""
+    steps = [f"{micro} x {k}"]
+    while micro > 1 and micro % 2 == 0:
+        micro, k = micro // 2, k * 2
+        steps.append(f"{micro} x {k}")
+    end = "" if micro == 1 else f" (then raise: {micro} is odd)"
+    return " -> ".join(steps) + end
+
+
+def add_ladders(table: list[dict[str, str]]) -> None:
+    """Each plannable row with a known micro batch and a constant k gets its ladder."""
+    for row in table:
+        if "error" not in row and row.get("micro", "?").isdigit() and row["k"].isdigit():
+            row["ladder"] = ladder(int(row["micro"]), int(row["k"]))
+
+
 def render(table: list[dict[str, str]]) -> str:
     """A Markdown table (errors in their own column)."""
     head = [
@@ -82,6 +101,9 @@ def render(table: list[dict[str, str]]) -> str:
         "accumulation steps k",
         "global batch",
     ]
+    ladders = any("ladder" in r for r in table)
+    if ladders:
+        head.append("on_oom='split': micro x k")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
         if "error" in r:
@@ -89,6 +111,8 @@ def render(table: list[dict[str, str]]) -> str:
         else:
             world = f"{r['world']} ({r['data']} data-parallel)" if "mesh" in r else r["world"]
             cells = [r["nodes"], r["per_node"], world, r["micro"], r["k"], r["global"]]
+        if ladders:
+            cells.append(r.get("ladder", ""))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -105,4 +129,5 @@ def single(row: dict[str, str]) -> str:
             f"accumulation steps:      {row['k']}",
             f"global batch size:       {row['global'] if row['global'] != '?' else '?'} per optimizer step",
         ]
+        + ([f"on_oom='split' walks:    {row['ladder']} (micro x k)"] if "ladder" in row else [])
     )

@@ -41,6 +41,7 @@ from gradsync.settings import (
     LAUNCH_SETTINGS,
     AccumulationSteps,
     MixedPrecision,
+    OnOom,
     RequestedPolicy,
 )
 
@@ -92,6 +93,7 @@ class LaunchConfig:
     audit: bool = False
     fsdp_mesh: MeshSpec | None = None
     parallelism: ParallelismSpec | None = None
+    on_oom: OnOom | None = None
     #: A YAML (or JSON) file: gradsync's settings, or Accelerate's config file (``accelerate
     #: config``), told apart by its keys.
     config_file: str | None = None
@@ -428,8 +430,12 @@ class Launcher:
         # The batch sizes go as the plan derived them from the flags and the file (the global
         # batch size follows from the other two); none go when neither gave any.
         merged = self._merged()
-        if is_schedule(merged.get("gradient_accumulation_steps")):
-            # A schedule goes as given (its k changes); so do the sizes it is read with.
+        min_nodes, max_nodes = self.config.node_range
+        elastic = min_nodes != max_nodes and merged.get("global_batch_size") is not None
+        if is_schedule(merged.get("gradient_accumulation_steps")) or elastic:
+            # A schedule goes as given (its k changes); so do the sizes it is read with. An
+            # elastic job's global batch goes as given too: each (re)start's workers solve k
+            # for the world that actually joined (validate checked both ends).
             given.update({k: merged[k] for k in sizes if merged.get(k) is not None})
         elif any(merged.get(name) is not None for name in sizes):
             given["gradient_accumulation_steps"] = self.plan.gradient_accumulation_steps

@@ -50,14 +50,21 @@ class WindowState(TypedDict, total=False):
     boundary: bool
     completed: int
     items: int | None
+    fixed: int | None  # k set during the run (on_oom="split", or the user's)
 
 
-class LoaderPosition(TypedDict):
-    """Where a prepared loader's pass stood (the RNG is saved per rank beside it)."""
-
+class _Position(TypedDict):
     epoch: int
     consumed: int
     read: int
+
+
+class LoaderPosition(_Position, total=False):
+    """Where a prepared loader's pass stood (the RNG is saved per rank beside it)."""
+
+    #: Micro-batches per loader batch once ``on_oom="split"`` halved them (absent: 1); the
+    #: counts above are in those micro-batches.
+    split: int
 
 
 class Manifest(TypedDict, total=False):
