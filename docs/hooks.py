@@ -214,7 +214,7 @@ def cli_markdown() -> str:
     out: list[str] = []
     for name, sub in _subcommands(parser).items():
         out += [f"## `gradsync {name}`", "", _sentence(helps.get(name, "")), ""]
-        out += ["```text", _usage(sub), "```", ""]
+        out += ["```output", _usage(sub), "```", ""]  # keeps its lines (docs/css/extra.css)
         out += _arguments(sub)
     return "\n".join(out) + "\n"
 
