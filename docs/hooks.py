@@ -5,7 +5,8 @@ Two pages hold a placeholder comment that is replaced when the site is built:
 * ``<!-- gradsync:settings -->`` (docs/reference/settings.md): the settings table, from
   ``gradsync.settings.reference_markdown()`` (derived from the one declaration per setting);
 * ``<!-- gradsync:cli -->`` (docs/reference/cli.md): every ``gradsync`` subcommand and
-  flag, from ``gradsync.cli.build_parser()``;
+  flag, from ``gradsync.cli.build_parser()``, each flag's default too (the one its help names,
+  else the declared default of the setting it sets, else argparse's);
 * ``<!-- gradsync:cli-count -->`` (docs/reference/cli.md): how many subcommands there are,
   in words, with their names;
 * ``<!-- gradsync:version -->`` (docs/changelog.md): the release, ``gradsync.__version__``
@@ -27,6 +28,7 @@ attributes (``{"bucket_cap_mb": 50}``). tests/unit/test_docs_html.py checks the 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -270,20 +272,84 @@ def _value(action: argparse.Action) -> str:
     return _code(metavar)
 
 
+#: A default a flag's help names: "(default: X)", "(default X)", "(...; default: X)".
+_DEFAULT_CLAUSE = re.compile(r"(\(|; )default(?::| (?=by\b))?\s+")
+#: "WORD (the default)" or "WORD (the default QUALIFIER)".
+_THE_DEFAULT = re.compile(r"(\S*) \(the default( [^)]*)?\)")
+
+
+def _help_default(action: argparse.Action) -> tuple[str, str] | None:
+    """(the default the flag's help names, the help as the Meaning column shows it), or None.
+
+    A clause that only names the default leaves the help; one that explains it ("default
+    476: 8x H100 over NVLink") stays, and the Default column shows its first word."""
+    text = str(action.help or "").replace("%%", "%")
+    match = _DEFAULT_CLAUSE.search(text)
+    if match is None:
+        the = _THE_DEFAULT.search(text)
+        if the is None:
+            return None
+        qualifier = (the.group(2) or "").strip()
+        if action.nargs == 0:
+            return qualifier or "on", text
+        clause = text[text.rfind("; ", 0, the.start()) + 1 : the.start()].strip()
+        named = re.match(r"([\w-]+): ", clause)  # "exec: ... (the default); fork: ..."
+        word = named.group(1) if named else the.group(1).rstrip(",;:")
+        return " ".join(filter(None, [word, qualifier])), text
+    depth, end = 0, len(text)
+    for i in range(match.end(), len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            if depth == 0:
+                end = i
+                break
+            depth -= 1
+    value = text[match.end() : end].strip()
+    head = re.match(r"([^\s:;,]+)[:;] (.+)", value)
+    if head is not None:
+        return head.group(1), text
+    if match.group(1) == "(":  # the whole parenthesis goes
+        rest = text[: match.start()] + text[end + 1 :]
+    else:  # the clause goes, the parenthesis it ended stays
+        rest = text[: match.start()] + text[end:]
+    return value, " ".join(rest.split())
+
+
 def _default(action: argparse.Action) -> str:
-    if action.nargs == 0 or action.default is None or action.default == argparse.SUPPRESS:
+    """The Default column, from the parser: the default the flag's help names, else the
+    declared default of the setting the flag sets, else argparse's default; a switch is off,
+    an option without a default is "not set" (a positional argument: "—")."""
+    from gradsync.settings import BY_NAME
+
+    if not action.option_strings or action.nargs == argparse.REMAINDER:
         return "—"
-    if action.nargs == argparse.REMAINDER or not action.option_strings:
-        return "—"
+    named = _help_default(action)
+    if named is not None:
+        return _code(named[0]) if " " not in named[0] else _cell(named[0])
+    setting = BY_NAME.get(action.dest)
+    if setting is not None and not setting.switch:
+        return _code(repr(setting.default))
+    if action.nargs == 0:
+        return "off"
+    if action.default is None or action.default == argparse.SUPPRESS:
+        return "not set"
     default = action.default
     if isinstance(default, list):
         default = ",".join(str(v) for v in default)
     return _code(str(default))
 
 
+#: A dotted key of a config file (``zero_optimization.offload_param``) in a flag's help.
+_CONFIG_KEY = re.compile(r"(?<![`\w.])([a-z][a-z0-9]*_[a-z0-9_]*(?:\.[a-z0-9_]+)+)(?![`\w])")
+
+
 def _meaning(action: argparse.Action) -> str:
-    text = str(action.help or "")
-    return text.replace("%%", "%")
+    """The flag's help; a config file's dotted key in code (a cell may break a key in code,
+    docs/css/extra.css, so a long one does not widen the table)."""
+    named = _help_default(action)
+    text = named[1] if named is not None else str(action.help or "").replace("%%", "%")
+    return _CONFIG_KEY.sub(r"`\1`", text)
 
 
 def _sentence(text: str) -> str:
