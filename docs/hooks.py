@@ -13,6 +13,8 @@ Two pages hold a placeholder comment that is replaced when the site is built:
   (also in the site's name, next to the logo);
 * ``<!-- gradsync:torch-range -->`` (docs/install.md, docs/changelog.md): the supported torch
   range, from ``gradsync/_torch_range.py`` (the one declaration; loaded by its path);
+* ``<!-- gradsync:repo-url -->`` (docs/getting-started.md): the repository's address, mkdocs.yml's
+  ``repo_url`` (the clone command);
 * ``<!-- gradsync:accelerate-names -->`` (docs/migrating-from-accelerate.md): every name of
   Accelerate's module paths and what ``gradsync.accelerate`` makes of it, from
   ``gradsync/accelerate/_names.py`` (loaded by its path: no torch).
@@ -41,6 +43,7 @@ CLI_COUNT_MARK = "<!-- gradsync:cli-count -->"
 VERSION_MARK = "<!-- gradsync:version -->"
 NAMES_MARK = "<!-- gradsync:accelerate-names -->"
 TORCH_MARK = "<!-- gradsync:torch-range -->"
+REPO_MARK = "<!-- gradsync:repo-url -->"
 
 
 _filled: set[str] = set()
@@ -66,9 +69,10 @@ def on_pre_build(config: Any, **kwargs: Any) -> None:
     _filled.clear()
 
 
-def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
+def on_page_markdown(markdown: str, page: Any, config: Any, **kwargs: Any) -> str:
     """Fill the placeholders of the settings and CLI pages."""
-    fills = {
+    fills: dict[str, Any] = {
+        REPO_MARK: lambda: str(config["repo_url"]),
         SETTINGS_MARK: settings_markdown,
         CLI_MARK: cli_markdown,
         CLI_COUNT_MARK: cli_count_markdown,
@@ -107,7 +111,15 @@ def on_post_build(config: Any, **kwargs: Any) -> None:
     """The generated references must be somewhere: a lost placeholder fails the build."""
     from mkdocs.exceptions import PluginError
 
-    marks = (SETTINGS_MARK, CLI_MARK, CLI_COUNT_MARK, VERSION_MARK, NAMES_MARK, TORCH_MARK)
+    marks = (
+        SETTINGS_MARK,
+        CLI_MARK,
+        CLI_COUNT_MARK,
+        VERSION_MARK,
+        NAMES_MARK,
+        TORCH_MARK,
+        REPO_MARK,
+    )
     missing = [mark for mark in marks if mark not in _filled]
     if missing:
         raise PluginError(
