@@ -82,9 +82,37 @@ def on_page_markdown(markdown: str, page: Any, config: Any, **kwargs: Any) -> st
     }
     for mark, fill in fills.items():
         if mark in markdown:
-            markdown = markdown.replace(mark, fill())
+            markdown = _replace(markdown, mark, fill())
             _filled.add(mark)
     return markdown
+
+
+def _replace(markdown: str, mark: str, text: str) -> str:
+    """``mark`` replaced by ``text``; where the mark starts an indented line (inside a
+    collapsible ``???`` block), every line of ``text`` gets that indentation."""
+    import re
+
+    def indented(match: re.Match[str]) -> str:
+        indent = match.group(1)
+        return "\n".join(indent + line if line else line for line in text.split("\n"))
+
+    markdown = re.sub(rf"(?m)^([ \t]+){re.escape(mark)}", indented, markdown)
+    return markdown.replace(mark, text)
+
+
+def on_page_content(html: str, page: Any, **kwargs: Any) -> str:
+    """In table cells, a name in code may break after a dot or an underscore (``<wbr>``), so
+    that a long dotted or snake_case name wraps at its joints instead of mid-word or widening
+    the table past the column (tests/unit/test_docs_browser.py measures the tables)."""
+    import re
+
+    def joints(code: re.Match[str]) -> str:
+        return code.group(1) + re.sub(r"([._])(?=[\w])", r"\1<wbr>", code.group(2)) + "</code>"
+
+    def table(match: re.Match[str]) -> str:
+        return re.sub(r"(<code[^>]*>)([^<]*)</code>", joints, match.group(0))
+
+    return re.sub(r"<table\b.*?</table>", table, html, flags=re.S)
 
 
 def torch_range() -> str:

@@ -108,8 +108,11 @@ def test_every_table_cell_is_whole(site: Path) -> None:
 
 
 def test_the_generated_references_are_there(site: Path) -> None:
+    # <wbr>: where docs/hooks.py lets a name in a table cell break
     settings = (site / "reference" / "settings" / "index.html").read_text(encoding="utf-8")
+    settings = settings.replace("<wbr>", "")
     cli = (site / "reference" / "cli" / "index.html").read_text(encoding="utf-8")
+    cli = cli.replace("<wbr>", "")
     assert 'id="ddp_kwargs"' in settings and "bucket_cap_mb" in settings
     assert "<code>N|MIN:MAX</code>" in cli
     assert "subcommands (" in cli and "four subcommands" not in cli
