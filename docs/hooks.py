@@ -15,6 +15,11 @@ Two pages hold a placeholder comment that is replaced when the site is built:
   range, from ``gradsync/_torch_range.py`` (the one declaration; loaded by its path);
 * ``<!-- gradsync:repo-url -->`` (docs/getting-started.md): the repository's address, mkdocs.yml's
   ``repo_url`` (the clone command);
+* ``<!-- gradsync:accelerator-members -->`` and ``<!-- gradsync:accelerator-summary -->``
+  (docs/reference/accelerator.md): the order the reference documents ``Accelerator``'s
+  members in (``prepare``, ``accumulate``, ``backward``, then its other methods and its
+  properties, each in the order of the source), and a table of them with each one's first
+  docstring line, from ``gradsync/accelerator.py`` (read with ``ast``: no torch);
 * ``<!-- gradsync:accelerate-names -->`` (docs/migrating-from-accelerate.md): every name of
   Accelerate's module paths and what ``gradsync.accelerate`` makes of it, from
   ``gradsync/accelerate/_names.py`` (loaded by its path: no torch).
@@ -33,7 +38,7 @@ import argparse
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -44,6 +49,8 @@ VERSION_MARK = "<!-- gradsync:version -->"
 NAMES_MARK = "<!-- gradsync:accelerate-names -->"
 TORCH_MARK = "<!-- gradsync:torch-range -->"
 REPO_MARK = "<!-- gradsync:repo-url -->"
+MEMBERS_MARK = "<!-- gradsync:accelerator-members -->"
+SUMMARY_MARK = "<!-- gradsync:accelerator-summary -->"
 
 
 _filled: set[str] = set()
@@ -73,6 +80,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, **kwargs: Any) -> st
     """Fill the placeholders of the settings and CLI pages."""
     fills: dict[str, Any] = {
         REPO_MARK: lambda: str(config["repo_url"]),
+        MEMBERS_MARK: lambda: "[" + ", ".join(m.name for m in accelerator_members()) + "]",
+        SUMMARY_MARK: accelerator_summary,
         SETTINGS_MARK: settings_markdown,
         CLI_MARK: cli_markdown,
         CLI_COUNT_MARK: cli_count_markdown,
@@ -147,6 +156,8 @@ def on_post_build(config: Any, **kwargs: Any) -> None:
         NAMES_MARK,
         TORCH_MARK,
         REPO_MARK,
+        MEMBERS_MARK,
+        SUMMARY_MARK,
     )
     missing = [mark for mark in marks if mark not in _filled]
     if missing:
@@ -154,6 +165,68 @@ def on_post_build(config: Any, **kwargs: Any) -> None:
             f"docs/hooks.py: no page holds {' or '.join(missing)}; put it back where the "
             "generated reference belongs (docs/reference/settings.md, docs/reference/cli.md)"
         )
+
+
+# -- the Accelerator's members --------------------------------------------------------------
+#: The members the reference documents first, in this order: the three of every loop.
+FIRST_MEMBERS = ("prepare", "accumulate", "backward")
+#: Instance attributes the class's own Attributes table documents.
+NOT_MEMBERS = ("config", "audit")
+
+
+class Member(NamedTuple):
+    name: str
+    kind: str  # "method" or "property"
+    summary: str  # the docstring's first sentence, or ""
+
+
+def accelerator_members() -> list[Member]:
+    """``Accelerator``'s public members: FIRST_MEMBERS, then its methods, then its properties
+    (each in the source's order). An overloaded method counts once, with the docstring of its
+    implementation."""
+    import ast
+
+    path = SRC / "gradsync" / "accelerator.py"
+    tree = ast.parse(path.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Accelerator")
+    found: dict[str, Member] = {}
+    for node in cls.body:
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if node.name.startswith("_") or node.name in NOT_MEMBERS:
+            continue
+        decorators = {ast.unparse(d) for d in node.decorator_list}
+        if "overload" in decorators or "typing.overload" in decorators:
+            continue
+        kind = "property" if decorators & {"property", "functools.cached_property"} else "method"
+        doc = (ast.get_docstring(node) or "").strip()
+        paragraph = " ".join(doc.split("\n\n")[0].split())
+        sentence = re.match(r"(.+?[.!?])(?=\s+[A-Z`(]|$)", paragraph)
+        summary = sentence.group(1) if sentence else paragraph
+        if node.name not in found or not found[node.name].summary:
+            previous = found.get(node.name)
+            found[node.name] = Member(node.name, previous.kind if previous else kind, summary)
+    missing = [name for name in FIRST_MEMBERS if name not in found]
+    if missing:
+        raise ValueError(f"docs/hooks.py: Accelerator has no {missing}")
+    first = [found[name] for name in FIRST_MEMBERS]
+    rest = [m for m in found.values() if m.name not in FIRST_MEMBERS]
+    return (
+        first + [m for m in rest if m.kind == "method"] + [m for m in rest if m.kind == "property"]
+    )
+
+
+def accelerator_summary() -> str:
+    """Two tables, methods and properties, each member linked to its entry below."""
+    members = accelerator_members()
+    out: list[str] = []
+    for kind, title in (("method", "methods"), ("property", "properties")):
+        out += [f"| {title} | |", "|---|---|"]
+        for m in (m for m in members if m.kind == kind):
+            link = f"[`{m.name}`][gradsync.Accelerator.{m.name}]"
+            out.append(f"| {link} | {_cell(m.summary.replace('``', '`'))} |")
+        out.append("")
+    return "\n".join(out)
 
 
 # -- the settings ---------------------------------------------------------------------------
