@@ -513,10 +513,12 @@ def memory_chart(result: dict[str, Any], path: Path) -> str | None:
     except ImportError:
         return "chart: skipped, matplotlib is not installed (pip install 'gradsync[bench]')"
     groups = list(dict.fromkeys((tuple(c["mesh"]), c["k"]) for c in result["cells"]))
-    fig, axes = plt.subplots(
-        1, len(groups), figsize=(4.2 * len(groups), 4.2), squeeze=False, sharey=True
-    )
-    for ax, (mesh, k) in zip(axes[0], groups):
+    # Two panels a row: about 920 px wide, legible in a documentation column.
+    rows = (len(groups) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(8.4, 3.6 * rows), squeeze=False, sharey=True)
+    for ax in axes.flat[len(groups) :]:
+        ax.set_visible(False)
+    for ax, (mesh, k) in zip(axes.flat, groups):
         cells = [c for c in result["cells"] if (tuple(c["mesh"]), c["k"]) == (mesh, k)]
         xs = range(len(cells))
         series = [
@@ -534,7 +536,8 @@ def memory_chart(result: dict[str, Any], path: Path) -> str | None:
             )
         ax.set_xticks(list(xs), [c["asked"] for c in cells], rotation=30, ha="right", fontsize=8)
         ax.set_title(f"mesh {mesh}, k={k}", fontsize=9)
-    axes[0][0].set_ylabel("MiB above the window start (largest rank)")
+    for row in axes:
+        row[0].set_ylabel("MiB above the window start\n(largest rank)")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

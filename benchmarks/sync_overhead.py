@@ -481,8 +481,9 @@ def chart(result: dict[str, Any], path: Path) -> str | None:
     labels = list(dict.fromkeys(c["backend"] for c in result["cells"]))
     if not labels:
         return "chart: skipped, no cell was measured"
-    fig, axes = plt.subplots(2, len(labels), figsize=(4.2 * len(labels), 6.5), squeeze=False)
-    for col, label in enumerate(labels):
+    # One row per backend (time, bytes): about 920 px wide, legible in a documentation column.
+    fig, axes = plt.subplots(len(labels), 2, figsize=(8.4, 0.6 + 2.6 * len(labels)), squeeze=False)
+    for row, label in enumerate(labels):
         cells = [c for c in result["cells"] if c["backend"] == label]
         ks = sorted({c["k"] for c in cells})
         modes = [m for m in MODES if any(c["mode"] == m for c in cells)]
@@ -500,19 +501,21 @@ def chart(result: dict[str, Any], path: Path) -> str | None:
                 hi.append(s["q3"] - s["median"])
                 mib.append(cell["reduction_bytes_per_step"] / 2**20)
             color = f"C{MODES.index(mode)}"  # one color per mode in every panel
-            axes[0][col].bar(xs, ts, width, yerr=[lo, hi], label=mode, capsize=2, color=color)
-            axes[1][col].bar(xs, mib, width, label=mode, color=color)
-        for row, ylabel in ((0, "ms per optimizer step"), (1, "MiB reduced per step")):
+            axes[row][0].bar(xs, ts, width, yerr=[lo, hi], label=mode, capsize=2, color=color)
+            axes[row][1].bar(xs, mib, width, label=mode, color=color)
+        for col, what in ((0, "ms per optimizer step"), (1, "MiB reduced per step")):
             ax = axes[row][col]
             ax.set_xticks(range(len(ks)), [f"k={k}" for k in ks])
-            ax.set_ylabel(ylabel)
-        axes[0][col].set_title(label)
+            ax.set_title(f"{label}: {what}", fontsize=10)
     handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i}") for i in range(len(MODES))]
-    fig.legend(handles, list(MODES), loc="upper right", fontsize=8, ncol=len(MODES))
-    fig.suptitle(
-        f"gradsync sync overhead ({result['meta']['device']}, {result['meta']['world_size']} ranks)"
+    fig.legend(
+        handles, list(MODES), loc="upper center", bbox_to_anchor=(0.5, 0.96), ncol=len(MODES)
     )
-    fig.tight_layout()
+    fig.suptitle(
+        f"gradsync sync overhead ({result['meta']['device']}, {result['meta']['world_size']} ranks)",
+        y=0.995,
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None

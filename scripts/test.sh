@@ -12,13 +12,16 @@ quiet_pip() {  # pip's notes about absent local index folders are noise here
 }
 quiet_pip install -q --upgrade pip
 # Extras: test tools, DeepSpeed and fairscale (their tests run), the benchmark's plotting and
-# Accelerate, Transformers (the language-model tests and examples), MkDocs (the docs site),
+# Accelerate, Transformers (the language-model tests and examples), MkDocs and Playwright (the
+# docs site and its browser test),
 # the experiment trackers (TensorBoard, W&B, MLflow: their tests read back what they wrote).
 quiet_pip install -q -c constraints.txt -e ".[test,deepspeed,fairscale,bench,hf,docs,trackers]"
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 # The real-SLURM tests start a one-node cluster from Debian's slurm-wlm and munge, installed
 # here when this runs as root (CI does); otherwise they are skipped, and this says why.
 echo "== SLURM"; bash scripts/slurm/install.sh
+# The docs' browser test opens the built site in Debian's chromium, installed here as root.
+echo "== Chromium"; bash scripts/browser/install.sh
 echo "== ruff"; "$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check .
 echo "== mypy"; "$VENV/bin/mypy"
 echo "== docs"  # a broken link, anchor or snippet, or a page missing from the nav, fails it

@@ -416,11 +416,11 @@ class Accelerator:
     def prepare(self, *objects: Any) -> Any: ...
 
     def prepare(self, *objects: Any) -> Any:
-        r"""Wrap a model, optimizer, dataloader and scheduler (any subset, any order).
+        """Wrap a model, optimizer, dataloader and scheduler (any subset, any order).
 
         Args:
             *objects: a ``torch.nn.Module``, its ``torch.optim.Optimizer`` (over that model's
-                parameters), ``DataLoader``\ s and LR schedulers.
+                parameters), dataloaders (``DataLoader``) and LR schedulers.
 
         Returns:
             The prepared objects in the order given (a single object when one is given).

@@ -23,7 +23,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     augmentation) instead.
 
     Args:
-        seed: an int from 0 to 2**32 - 1.
+        seed: an int from 0 to ``2**32 - 1``.
         device_specific: add this process's rank (``gradsync._dist.rank()``: the process
             group's rank, else the launcher's ``RANK``) to ``seed``, so each rank draws
             differently.
@@ -33,7 +33,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
             needs; can slow training down.
 
     Raises:
-        ConfigError: ``seed`` is not an int from 0 to 2**32 - 1 (after adding the rank).
+        ConfigError: ``seed`` is not an int from 0 to ``2**32 - 1`` (after adding the rank).
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(
