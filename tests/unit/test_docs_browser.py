@@ -42,6 +42,7 @@ PAGES = (
     "faq/",
     "guide/",
     "checkpoints/",
+    "memory-and-nodes/",
     "parallelism/",
     "clusters/",
     "migrating-from-accelerate/",
