@@ -10,6 +10,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PINS=${TORCH_RANGE_PINS:-$(python3 scripts/torch_range.py --pins)}
+OLDEST=$(python3 scripts/torch_range.py --pins | cut -d' ' -f1)
+# With the oldest torch, the extras' lowest versions (pyproject.toml's floors) and the tests
+# that use them: DeepSpeed, Transformers' tensor-parallel plans, Accelerate as the reference.
+FLOOR_TESTS=(tests/multiprocess/test_deepspeed.py tests/multiprocess/test_deepspeed_hpz.py
+  tests/multiprocess/test_accelerate_scripts.py tests/multiprocess/test_accelerate_own_scripts.py
+  tests/multiprocess/test_save_pretrained.py)
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
@@ -18,7 +24,17 @@ for pin in $PINS; do
   venv=.venv-torch-$pin
   echo "== torch $pin ($venv)"
   start=$SECONDS
-  grep -v '^torch==' constraints.txt > "$WORK/constraints.txt"
+  extra=()
+  if [ "$pin" = "$OLDEST" ]; then
+    floors=$(python3 scripts/torch_range.py --floors)
+    names=$(echo "$floors" | cut -d= -f1 | paste -sd'|')
+    grep -Ev "^(torch|$names)==" constraints.txt > "$WORK/constraints.txt"
+    echo "$floors" >> "$WORK/constraints.txt"
+    echo "   with the extras' floors: $(echo "$floors" | paste -sd' ')"
+    extra=("${FLOOR_TESTS[@]}")
+  else
+    grep -v '^torch==' constraints.txt > "$WORK/constraints.txt"
+  fi
   echo "torch==$pin" >> "$WORK/constraints.txt"
   if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
@@ -31,6 +47,10 @@ for pin in $PINS; do
   "$venv/bin/python" -m pytest -n 2 --dist loadgroup --no-loadscope-reorder -q \
     -m "not multiprocess or torch_internals" "$@"
   rc=$?
+  if [ "$rc" -eq 0 ] && [ "${#extra[@]}" -gt 0 ]; then
+    "$venv/bin/python" -m pytest -n 2 --dist loadgroup --no-loadscope-reorder -q "${extra[@]}" "$@"
+    rc=$?
+  fi
   set -e
   echo "== torch $pin: pytest exit $rc, $((SECONDS - start)) s with the install"
   [ "$rc" -eq 0 ] || failed+=("$pin")
