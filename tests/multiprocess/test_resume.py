@@ -265,3 +265,51 @@ def test_a_hung_collective_times_out_naming_the_operation(tmp_path):
         "rank (timeout 10 s; set it with Accelerator(timeout=...) or GRADSYNC_TIMEOUT)"
     ) in block
     assert "gradsync: also stopped: rank 1 (SIGTERM)" in block
+
+
+def _global_windows(per_rank: list[list[list[list[int]]]]) -> list[list[list[int]]]:
+    """Each window's micro-batches over the ranks (rank order)."""
+    return [[mb for rank in per_rank for mb in rank[i]] for i in range(len(per_rank[0]))]
+
+
+@pytest.mark.parametrize(
+    ("backend", "before", "after"),
+    [("ddp", 2, 1), ("ddp", 1, 2), ("fsdp", 2, 1), ("fsdp", 1, 2)],
+)
+def test_a_restart_on_another_world_keeps_the_global_batch_and_the_order(
+    tmp_path, backend, before, after
+):
+    """Saved at a boundary on ``before`` processes, resumed by hand on ``after``: k follows
+    the world (global batch 16 kept), the epoch goes on from the first sample not trained
+    on in the same global order (every sample of every epoch once), and the result is one
+    process's on the same global windows."""
+    common = [str(SCRIPT), str(tmp_path), "--backend", backend, "--dropout", "0"]
+    common += ["--global-batch-size", "16"]
+    at = 8 if before == 2 else 16  # the second boundary: 32 of the epoch's 44 samples
+    first = launch("--nproc-per-node", str(before), *FORK, *common, "--reshard-at", str(at))
+    assert first.returncode == 0, first.stdout + first.stderr[-6000:]
+    second = launch(
+        "--nproc-per-node", str(after), *FORK, *common, "--resume-from", str(tmp_path / "reshard")
+    )
+    assert second.returncode == 0, second.stdout + second.stderr[-6000:]
+    saved = [json.loads((tmp_path / f"reshard_rank{r}.json").read_text()) for r in range(before)]
+    ends = [json.loads((tmp_path / f"final_rank{r}.json").read_text()) for r in range(after)]
+    assert all(end["world_size"] == after for end in ends)
+    pre = _global_windows([s["windows"] for s in saved])
+    post = _global_windows([end["windows"][len(saved[0]["windows"]) :] for end in ends])
+    windows = pre + post
+    # Full windows hold 16 samples before and after the restart: k = 16 / (2 x world).
+    sizes = [sum(len(mb) for mb in w) for w in windows]
+    assert sizes[:2] == [16, 16] and 16 in sizes[2:] and max(sizes) == 16, sizes
+    epochs, seen = [], []
+    for window in windows:
+        seen.extend(i for mb in window for i in mb)
+        if len(seen) >= 44:
+            epochs.append(sorted(seen))
+            seen = []
+    assert seen == [] and len(epochs) == 3
+    assert all(epoch == list(range(44)) for epoch in epochs)
+    ref = reference_on(windows)
+    final = load(tmp_path / "final.pt")
+    diff = max(float((ref[k] - final[k]).abs().max()) for k in ref)
+    assert diff < 1e-5, diff

@@ -104,6 +104,12 @@ def main() -> None:
     ap.add_argument("--stop", type=int, default=None)
     ap.add_argument("--reshard-at", type=int, default=None)
     ap.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="keep this global batch (micro-batch 2; k follows the world) instead of k = 4",
+    )
+    ap.add_argument(
         "--with-reference",
         action="store_true",
         help="first train the reference in the same processes (first attempt only)",
@@ -123,9 +129,12 @@ def train(args: argparse.Namespace, mode: str) -> None:
         options["deepspeed_config"] = {"zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
     if (args.sigterm_at is not None or args.sigterm_rank is not None) and mode == "run":
         options["save_on_sigterm"] = str(out / "ckpt")
+    sizes: dict[str, int] = {"gradient_accumulation_steps": 4}
+    if args.global_batch_size is not None:
+        sizes = {"global_batch_size": args.global_batch_size, "micro_batch_size": 2}
     accel = Accelerator(
         backend=args.backend,
-        gradient_accumulation_steps=4,
+        **sizes,
         seed=0,
         sync_policy=args.policy,
         **options,

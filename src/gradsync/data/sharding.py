@@ -34,15 +34,22 @@ def shard_dataloader(
     """A DataLoader over this rank's shard, with the same number of batches on every rank.
 
     * The default samplers (sequential, random): a DistributedSampler, seeded and reshuffled
-      per epoch (samples dealt one by one; the last ones padded by repeats).
+      per epoch (samples dealt one by one; the last ones padded by repeats). A shuffled
+      loader gets it on one process too, so the global order does not depend on the world
+      size.
     * A DistributedSampler the user built: kept as it is.
     * Any other sampler or batch sampler: sharded at the batch level (``BatchShard``): every
       rank runs the same seeded batch sequence and takes every ``world_size``-th batch.
     * An IterableDataset: dealt sample by sample over the ranks (``IterableShard``), unless
       ``dataset_shards_itself``.
     """
-    if world_size == 1:
-        return loader
+    plain_random = (
+        type(loader.sampler) is RandomSampler
+        and not loader.sampler.replacement
+        and sampler_num_samples(loader.sampler) is None
+    )
+    if world_size == 1 and not (plain_random and loader.batch_size is not None):
+        return loader  # one process reads the loader's own order (a shuffle: see below)
     if isinstance(loader.dataset, IterableDataset):
         if dataset_shards_itself:
             return loader
@@ -56,11 +63,9 @@ def shard_dataloader(
         return rebuild(loader, shard, batch_size=loader.batch_size, drop_last=loader.drop_last)
     if isinstance(loader.sampler, DistributedSampler):
         return loader
-    plain_random = (
-        type(loader.sampler) is RandomSampler
-        and not loader.sampler.replacement
-        and sampler_num_samples(loader.sampler) is None
-    )
+    # A shuffle becomes one seeded order of the whole dataset, dealt over the ranks: the same
+    # global order on any number of processes (one included), so a run resumed on another
+    # world size goes on from the first sample not yet trained on.
     if loader.batch_size is not None and (
         plain_random or type(loader.sampler) is SequentialSampler
     ):
