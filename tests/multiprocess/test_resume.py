@@ -22,9 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from scenarios.common import Indexed, make_model, make_optimizer, make_scheduler
+from scenarios.common import reference_on
 
 #: Each test starts its own processes and shares nothing with the others: xdist may run
 #: them on either worker (tests/conftest.py).
@@ -174,21 +173,6 @@ def test_sigterm_on_one_rank_saves_on_every_rank_and_the_job_resumes(tmp_path):
     assert second.returncode == 0, second.stdout + second.stderr[-6000:]
     assert results(tmp_path, "final")[0]["resumed_from"] == str(tmp_path / "ckpt" / "step-2")
     assert_bitwise(tmp_path)
-
-
-def reference_on(windows: list[list[list[int]]]) -> dict[str, torch.Tensor]:
-    """One process on the same global windows (each loss: the mean of micro-batch means)."""
-    data = Indexed(44)
-    model = make_model()
-    opt = make_optimizer(model.parameters(), "sgd", 0.05)
-    sched = make_scheduler(opt)
-    for window in windows:
-        opt.zero_grad()
-        loss = sum(F.mse_loss(model(data.x[mb]), data.y[mb]) for mb in window) / len(window)
-        loss.backward()
-        opt.step()
-        sched.step()
-    return {f"net.{k}": v for k, v in model.state_dict().items()}
 
 
 def test_fsdp_saved_on_two_ranks_resumes_on_one(tmp_path):

@@ -104,6 +104,16 @@ def main() -> None:
     ap.add_argument("--stop", type=int, default=None)
     ap.add_argument("--reshard-at", type=int, default=None)
     ap.add_argument(
+        "--kill-node",
+        default=None,
+        help="RANK:MICRO: on the first attempt that rank kills its agent and itself (a lost node)",
+    )
+    ap.add_argument(
+        "--log-windows",
+        action="store_true",
+        help="append each applied window to OUT/windows_rank{r}.jsonl (attempt, world, step)",
+    )
+    ap.add_argument(
         "--global-batch-size",
         type=int,
         default=None,
@@ -130,7 +140,9 @@ def train(args: argparse.Namespace, mode: str) -> None:
     if (args.sigterm_at is not None or args.sigterm_rank is not None) and mode == "run":
         options["save_on_sigterm"] = str(out / "ckpt")
     sizes: dict[str, int] = {"gradient_accumulation_steps": 4}
-    if args.global_batch_size is not None:
+    if args.global_batch_size == 0:  # the batch sizes come from the launcher
+        sizes = {}
+    elif args.global_batch_size is not None:
         sizes = {"global_batch_size": args.global_batch_size, "micro_batch_size": 2}
     accel = Accelerator(
         backend=args.backend,
@@ -176,6 +188,15 @@ def train(args: argparse.Namespace, mode: str) -> None:
             rec.current.append([int(i) for i in idx])
             if accel.sync_gradients:
                 rec.windows.append(rec.current)
+                if args.log_windows and mode == "run":
+                    line = {
+                        "attempt": attempt,
+                        "world": accel.world_size,
+                        "step": accel.optimizer_steps,
+                        "window": rec.current,
+                    }
+                    with open(out / f"windows_rank{accel.rank}.jsonl", "a") as log:
+                        log.write(json.dumps(line) + "\n")
                 rec.current = []
             if mode != "run":
                 continue
@@ -191,6 +212,13 @@ def train(args: argparse.Namespace, mode: str) -> None:
                 accel.save_state(
                     root / f"micro-{rec.micro:04d}", keep_last=2, background=background
                 )
+            if args.kill_node and first_attempt:
+                node_rank, node_at = (int(v) for v in args.kill_node.split(":"))
+                if rec.micro == node_at:
+                    accel.wait_for_checkpoint()  # on every rank (collective)
+                    if accel.rank == node_rank:  # the agent first: nothing restarts this node
+                        os.kill(os.getppid(), signal.SIGKILL)
+                        os.kill(os.getpid(), signal.SIGKILL)
             if rec.micro == kill_at:
                 accel.wait_for_checkpoint()  # on every rank (collective)
                 if accel.rank == kill_rank:
