@@ -272,6 +272,15 @@ def check_at_prepare(plan: BatchPlan, backend: Backend, has_loader: bool, schedu
     why = next_split(plan)
     if why is not None:
         raise ConfigError(f"on_oom='split' cannot split the micro-batch: {why}")
+    if backend.backward_communicates(False) and dist.rank() == 0:
+        log.warning(
+            "gradsync: on_oom='split' with backend=%r and sync_policy=%r: every backward "
+            "runs a collective, so an out-of-memory error inside a backward ends the run (one "
+            "in a forward is re-planned); with fsdp, sync_policy='defer' and "
+            "fsdp_keep_params_in_window=True keep backwards off the boundary collective-free",
+            backend.name,
+            backend.policy,
+        )
     if schedule is not None:
         raise ConfigError(
             f"on_oom='split' doubles k, but gradient_accumulation_steps is a schedule "

@@ -1,7 +1,8 @@
 """``on_oom="split"`` with a real allocation failure on one rank (its address space capped):
 every rank drops the window, halves the micro-batch and doubles k, no rank hangs, every
 sample of every epoch is trained on exactly once, and the result is one process's on the
-same global windows; on DDP, FSDP2 and one process."""
+same global windows; on DDP (either rank failing), FSDP2 on a 1-D and a 2-D (HSDP) mesh,
+and fairscale."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ CASES = {
         sync_policy="defer",
         fsdp_keep_params_in_window=True,
     ),
+    "hsdp": Scenario(
+        oom.split_on_oom,
+        backend="fsdp",
+        capped_rank=0,
+        sync_policy="defer",
+        fsdp_mesh=(2, 1),
+        fsdp_keep_params_in_window=True,
+    ),
+    "fairscale": Scenario(oom.split_on_oom, backend="fairscale", capped_rank=1),
 }
 
 
