@@ -6,7 +6,11 @@ per group of scripts and library (tests/accelerate_scripts/run_all.py):
   pattern): a prepared validation loader per fold, whose last batch ``gather_for_metrics``
   trims, then a test loader that is never prepared, whose rows it must return whole (every
   process predicts every test sample), with folds of unequal (16, 16, 15) and of equal (15)
-  sizes: the gathered rows are Accelerate's, fold by fold.
+  sizes: the gathered rows are Accelerate's, fold by fold;
+* LocalSGD (``local_sgd.py``, by_feature/local_sgd.py's pattern) with gradsync's self-check
+  on: ``gradsync.accelerate.local_sgd.LocalSGD`` (the respelled import), and Accelerate's own
+  ``accelerate.local_sgd.LocalSGD`` over ``gradsync.accelerate.Accelerator``: both train to
+  Accelerate's parameters and the self-check, which watches the run, says nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ TOL = 1e-5
 GROUPS: dict[str, dict[str, tuple[str, list[str]]]] = {
     "cv-unequal": {"cv-unequal": ("cross_validation.py", ["--train_samples", "47"])},
     "cv-equal": {"cv-equal": ("cross_validation.py", ["--train_samples", "45"])},
+    "sgd": {"sgd": ("local_sgd.py", [])},
+    "sgd-accelerates-class": {
+        "sgd-accelerates-class": ("local_sgd.py", ["--local_sgd_from", "accelerate"])
+    },
 }
 
 
@@ -128,3 +136,16 @@ def test_each_fold_trains_to_accelerates_parameters(runs, name):
     for a, b in zip(theirs["folds"], ours["folds"], strict=True):
         assert worst(a["params"], b["params"]) <= TOL
     assert (theirs["averaged"] - ours["averaged"]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("name", ["sgd", "sgd-accelerates-class"])
+def test_local_sgd_trains_as_under_accelerate_and_the_self_check_stays_quiet(runs, name):
+    theirs, ours = results(runs(name, "accelerate") / name), results(runs(name, "gradsync") / name)
+    assert ours["accuracies"] == theirs["accuracies"]
+    assert ours["ranks_agree"] and theirs["ranks_agree"]  # averaged when each block ended
+    assert ours["self_check"] is True and theirs["self_check"] is None  # watched under gradsync
+    a = torch.load(runs(name, "accelerate") / name / "final.pt", weights_only=True)
+    b = torch.load(runs(name, "gradsync") / name / "final.pt", weights_only=True)
+    assert worst(a, b) <= TOL
+    log = (runs(name, "gradsync") / "log.txt").read_text()
+    assert "gradsync self-check" not in log, log[-3000:]
