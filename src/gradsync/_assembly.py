@@ -165,6 +165,7 @@ def assemble(owner: Any, config: Config, rules: Rules) -> Parts:
         rank=rank,
         world_size=world,
         backend=backend.name,
+        paused=lambda: any(backend.user_paused_sync(m) for m in prepared.models),
     )
     if check is not None:
         gradients.self_check = SelfCheckObserver(check, gradients.self_check_over)

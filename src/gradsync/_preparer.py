@@ -73,6 +73,9 @@ class Preparer:
         self._before_step = before_step
         #: ``gradsync verify``: replaces each loader's sharded source (records or replays it).
         self.loader_hook: Callable[[Any], Any] | None = None
+        #: The processes a per-process scheduler rule counts (None: this run's data-parallel
+        #: size); ``gradsync verify``'s one-process reference sets the launched run's.
+        self.scheduler_processes: int | None = None
         #: Called at the end of each prepare call with the models it prepared (wrapped).
         self.after_prepare: list[Callable[[list[torch.nn.Module]], None]] = []
         self._untested_torch = _torch_range.above(torch.__version__)  # warned at the first model
@@ -128,7 +131,9 @@ class Preparer:
                 scheduler = PreparedScheduler(
                     obj,
                     self._registry.step_counter(obj.optimizer),
-                    self._rules.scheduler_steps(self.plan.data_parallel_size),
+                    self._rules.scheduler_steps(
+                        self.scheduler_processes or self.plan.data_parallel_size
+                    ),
                 )
                 self._registry.add_scheduler(scheduler)
                 self._on_scheduler(scheduler)

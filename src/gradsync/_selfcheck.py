@@ -1,6 +1,10 @@
 """The deferral self-check: count the first optimizer steps' collectives and say when the
 deferral does not take effect.
 
+It judges only what gradsync deferred: a boundary that reduces nothing because the user
+turned the model's own gradient sync off around it (a LocalSGD, a ``no_sync()`` of their
+own: ``Backend.user_paused_sync``) is what they asked for, said at debug level only.
+
 With a deferring policy a micro-step off the boundary must issue no gradient reduction, and
 a boundary micro-step whose backward ran must issue one. Two common mistakes break that
 silently: a forward outside ``accumulate`` (DDP decides at the forward whether the next
@@ -54,21 +58,27 @@ class SelfCheck:
         policy: Callable[[], str],
         where: str,
         steps: int = STEPS,
+        paused: Callable[[], bool] = lambda: False,
     ) -> None:
         self.recorder = recorder
         self.audited = audited
         self._policy = policy
+        self._paused = paused  # the user turned the models' own sync off (LocalSGD, no_sync)
         self._where = where
         self._steps = steps
         self._windows = 0
         self._record: MicroStepRecord | None = None
         self._was_enabled = recorder.enabled
         self._backward = False
+        self._boundary = False
+        self._user_paused = False  # the user's own sync was off at a boundary's backward
         self.done = False
 
     def begin(self, boundary: bool) -> None:
         """A micro-step starts (after the audit opened its record, when the audit is on)."""
         self._backward = False
+        self._boundary = boundary
+        self._user_paused = False
         if self._policy() not in DEFERRING:  # e.g. FSDP's "auto" chose every_step at prepare
             self.done = True
             return
@@ -80,8 +90,11 @@ class SelfCheck:
             self._record = self.recorder.open(boundary)
 
     def saw_backward(self) -> None:
-        """accel.backward ran the backend's backward in this micro-step."""
+        """accel.backward ran the backend's backward in this micro-step (a ``no_sync()`` of
+        the user's inside the block is still on: asked here, at a boundary)."""
         self._backward = True
+        if self._boundary and not self._user_paused:
+            self._user_paused = self._paused()
 
     def abort(self) -> None:
         """The micro-step raised: nothing to judge."""
@@ -109,13 +122,24 @@ class SelfCheck:
     def _judge(self, record: MicroStepRecord, boundary: bool) -> None:
         if not boundary and record.reductions:
             self._warn_off_boundary(record.reductions, record.reduction_bytes)
+        elif boundary and self._backward and not record.reductions and self._asked_for_it():
+            log.debug(
+                "gradsync self-check (%s): a boundary micro-step reduced nothing: the model's "
+                "gradient sync was turned off around it (no_sync, LocalSGD), as asked",
+                self._where,
+            )
         elif boundary and self._backward and not record.reductions:
             self._warn(
                 "a boundary micro-step ran accel.backward but reduced nothing, so the ranks' "
                 "gradients were not averaged; call the forward and accel.backward inside "
-                "`with accel.accumulate(model):` on the model accel.prepare() returned, and do "
-                "not turn the backend's gradient sync off yourself (e.g. a no_sync() of your own)"
+                "`with accel.accumulate(model):` on the model accel.prepare() returned (not its "
+                "inner module, nor one wrapped again)"
             )
+
+    def _asked_for_it(self) -> bool:
+        """The user turned the models' own gradient sync off around this boundary micro-step:
+        inside the block (seen at its backward) or around it (a LocalSGD, seen now)."""
+        return self._user_paused or self._paused()
 
     def _warn_off_boundary(self, reductions: int, nbytes: int) -> None:
         self._warn(
@@ -183,9 +207,12 @@ def start(
     rank: int,
     world_size: int,
     backend: str,
+    paused: Callable[[], bool] = lambda: False,
 ) -> SelfCheck | None:
     """The self-check for a new Accelerator, or None when it is off or has nothing to count
-    (one process, or a process group created outside gradsync)."""
+    (one process, or a process group created outside gradsync). ``paused``: the user turned
+    the models' own gradient sync off (a LocalSGD, a ``no_sync()`` of their own), so a
+    boundary that reduces nothing is what they asked for."""
     if not enabled or world_size < 2 or policy() not in (*DEFERRING, "every_step"):
         return None
     recorder = audit if audit is not None else recorder_of()
@@ -197,4 +224,4 @@ def start(
                 "created outside gradsync (let gradsync create it to have the first steps checked)"
             )
         return None
-    return SelfCheck(recorder, audited=audit is not None, policy=policy, where=where)
+    return SelfCheck(recorder, audited=audit is not None, policy=policy, where=where, paused=paused)

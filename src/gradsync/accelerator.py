@@ -1002,6 +1002,10 @@ class Accelerator:
         dataset's order without shuffling) and the duplicates that the sampler padded in at
         the end of the pass are dropped, so each sample is counted exactly once.
 
+        Only the loader being iterated counts (as in Accelerate): after its pass ended, or
+        over a loader that was never prepared (which duplicates nothing), everything
+        gathered comes back.
+
         Objects are gathered instead of tensors with ``use_gather_object``, or when
         ``input_data`` holds anything but tensors (a list of generated strings, say): a list
         with one entry per sample of that batch comes back in the sampler's order with the
@@ -1018,7 +1022,7 @@ class Accelerator:
         Returns:
             The same structure with gathered tensors, or on the object path a list.
         """
-        it = self._loaders.last_pass() if self._loaders.last_pass is not None else None
+        it = self._loaders.iterating()
         with self._p.runner.own_collective():  # over the ranks that read distinct batches
             return metrics.gather_for_metrics(
                 input_data, it, self._backend.data_parallel, use_gather_object=use_gather_object

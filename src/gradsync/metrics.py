@@ -70,13 +70,14 @@ def gather(data: Any, group: Any = None) -> Any:
 
 def gather_for_metrics(
     data: Any,
-    last_pass: LoaderIteration | None,
+    iterating: LoaderIteration | None,
     world: int | DataParallel,
     use_gather_object: bool = False,
 ) -> Any:
     """``gather``, with the rows put back in the sampler's order and its end-of-pass padding
-    dropped when ``data`` holds one row per sample of the batch ``last_pass`` (the pass of a
-    prepared loader that yielded last) just yielded from a sample-sharded sampler.
+    dropped when ``data`` holds one row per sample of the batch ``iterating`` (the pass of a
+    prepared loader being iterated) just yielded from a sample-sharded sampler. With no pass
+    being iterated (between passes, or over a loader never prepared) nothing is dropped.
 
     With ``use_gather_object``, or when ``data`` holds anything but tensors (Accelerate's
     rule), the objects are gathered instead (``gather_object``); a list (or tuple) with one
@@ -86,7 +87,8 @@ def gather_for_metrics(
 
     Args:
         data: tensors (nested dicts / lists / tuples of them), or any picklable object.
-        last_pass: the pass of a prepared loader that yielded last, if any.
+        iterating: the pass of a prepared loader being iterated, if any
+            (``LoaderContext.iterating``).
         world: the number of processes, or the data-parallel ranks (those that read
             distinct batches: on an N-D mesh those of this rank's tensor-parallel
             coordinate), whose group the data is gathered over.
@@ -97,14 +99,14 @@ def gather_for_metrics(
     """
     group = world.group if isinstance(world, DataParallel) else None
     world = world.size if isinstance(world, DataParallel) else world
-    cut = last_pass.owner.dealt_remainder() if last_pass is not None and last_pass.last else None
+    cut = iterating.owner.dealt_remainder() if iterating is not None and iterating.last else None
     if cut is not None and world > 1:  # whole batches dealt: drop the last round's padding
         if use_gather_object or not _all_tensors(data):
             return gather_object(data, group)[:cut]
         return apply(lambda t: torch.cat(gather_pieces(t, group))[:cut], data, "gather_for_metrics")
-    layout = last_pass.owner.sample_layout(world) if last_pass is not None else None
+    layout = iterating.owner.sample_layout(world) if iterating is not None else None
     if use_gather_object or not _all_tensors(data):
-        if last_pass is None or layout is None or world == 1 or not isinstance(data, list | tuple):
+        if iterating is None or layout is None or world == 1 or not isinstance(data, list | tuple):
             return gather_object(data, group)
         pieces = [
             list(piece) if isinstance(piece, list | tuple) else [piece]
@@ -117,15 +119,15 @@ def gather_for_metrics(
             pieces[rank][row]
             for rank, row in sample_positions(
                 [len(piece) for piece in pieces],
-                batch_index=last_pass.yielded - 1,
+                batch_index=iterating.yielded - 1,
                 batch_size=batch_size,
                 total=total,
             )
         ]
-    if last_pass is None or layout is None or world == 1:
+    if iterating is None or layout is None or world == 1:
         return gather(data, group)
     batch_size, total = layout
-    index = last_pass.yielded - 1
+    index = iterating.yielded - 1
 
     def one(t: torch.Tensor) -> torch.Tensor:
         return sampler_order(

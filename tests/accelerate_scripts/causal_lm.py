@@ -25,6 +25,9 @@ parser.add_argument("--checkpointing_steps", default=None)
 parser.add_argument("--resume_from_checkpoint", default=None)
 parser.add_argument("--stop_after", type=int, default=None)  # the interruption a resume test needs
 parser.add_argument("--with_tracking", action="store_true")
+# run_clm_no_trainer.py's schedule flags (its own default warmup is 0)
+parser.add_argument("--lr_scheduler_type", default="linear")
+parser.add_argument("--num_warmup_steps", type=int, default=1)
 args = parser.parse_args()
 
 kwargs = {"log_with": "tensorboard", "project_dir": args.out} if args.with_tracking else {}
@@ -46,9 +49,9 @@ overrode_max_train_steps = True
 num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
 max_train_steps = args.epochs * num_update_steps_per_epoch
 lr_scheduler = get_scheduler(
-    name="linear",
+    name=args.lr_scheduler_type,
     optimizer=optimizer,
-    num_warmup_steps=1 * accelerator.num_processes,
+    num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
     num_training_steps=max_train_steps,
 )
 

@@ -15,6 +15,8 @@ SCENARIOS = {
     "check_correct_fsdp": Scenario(pipelines.self_check, loop="correct", backend="fsdp"),
     "check_forward_outside": Scenario(pipelines.self_check, loop="forward_outside"),
     "check_own_no_sync": Scenario(pipelines.self_check, loop="own_no_sync"),
+    "check_own_no_sync_around": Scenario(pipelines.self_check, loop="own_no_sync_around"),
+    "check_inner_module": Scenario(pipelines.self_check, loop="inner_module"),
     "iterable45": Scenario(pipelines.loader_run, kind="iterable", samples=45, micro_batch=4),
     "weighted": Scenario(pipelines.loader_run, kind="weighted", samples=20, micro_batch=3),
     "bucketing": Scenario(pipelines.loader_run, kind="bucketing", samples=30, micro_batch=4),
@@ -49,9 +51,19 @@ def test_self_check_warns_once_for_a_forward_outside_accumulate(results):
 
 
 def test_self_check_warns_when_the_boundary_reduces_nothing(results):
-    for r in results["check_own_no_sync"]:
+    for r in results["check_inner_module"]:  # a backward that never passes through DDP
         assert len(r["warnings"]) == 1, r["warnings"]
         assert "boundary micro-step ran accel.backward but reduced nothing" in r["warnings"][0]
+        assert "not its inner module" in r["warnings"][0]
+
+
+@pytest.mark.parametrize("name", ["check_own_no_sync", "check_own_no_sync_around"])
+def test_self_check_is_silent_when_the_user_turned_the_sync_off(results, name):
+    # A no_sync() of the user's own, inside the block or around the loop (as LocalSGD
+    # enters it): the boundary reduces nothing because they asked for it.
+    for r in results[name]:
+        assert r["warnings"] == [], r["warnings"]
+        assert r["after"] == {"enabled": False, "records": 0}
 
 
 def test_unused_parameters_with_find_unused_train_like_one_process(results):

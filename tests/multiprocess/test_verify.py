@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +25,8 @@ INDEPENDENT_TESTS = True
 CASES = ROOT / "tests" / "scripts" / "verify_cases.py"
 TRAIN = ROOT / "examples" / "train.py"
 CAUSAL = ROOT / "examples" / "causal_lm.py"
+#: Transformers' run_clm_no_trainer.py as the corpus has it (tests/accelerate_scripts/)
+ACCELERATE_CLM = ROOT / "tests" / "accelerate_scripts" / "causal_lm.py"
 FORK = ("--start-method", "fork")
 
 
@@ -99,6 +102,54 @@ def test_the_token_weighted_example_is_exact(run_verify, backend):
     )
     assert code == 0, out
     assert len(table(out)) == 2 and max(rel_diffs(out)) <= 1e-5, out
+
+
+def accelerate_ruled(tmp_path: Path) -> Path:
+    """The corpus's run_clm_no_trainer.py-style script with its import lines respelled to
+    ``gradsync.accelerate`` (Accelerate's rule book), as a user switching would."""
+    sys.path.insert(0, str(ACCELERATE_CLM.parent))
+    try:
+        from run_all import respell
+    finally:
+        sys.path.remove(str(ACCELERATE_CLM.parent))
+    script = tmp_path / "clm_no_trainer.py"
+    script.write_text(respell(ACCELERATE_CLM.read_text()))
+    (tmp_path / "out").mkdir()
+    return script
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_an_accelerate_ruled_script_with_its_default_linear_schedule_is_exact(
+    run_verify, tmp_path, backend
+):
+    # Under Accelerate's rules the prepared scheduler steps twice per update on 2 processes:
+    # the one-process reference steps it twice too (it stepped it once: step 2 differed).
+    script = accelerate_ruled(tmp_path)
+    code, out = run_verify(
+        "--nproc-per-node", "2", *FORK, "--backend", backend, "--steps", "3", script,
+        "--out", tmp_path / "out", "--lr_scheduler_type", "linear", "--num_warmup_steps", "0",
+    )  # fmt: skip
+    assert code == 0, out
+    assert [r[-1] for r in table(out)] == ["ok", "ok", "ok"], out
+    assert max(rel_diffs(out)) <= 1e-5, out
+    assert "under Accelerate's rules (gradsync.accelerate) the prepared scheduler steps 2 " in out
+
+
+def test_a_schedule_sized_with_the_process_count_is_named_as_the_rule(run_verify, tmp_path):
+    # num_warmup_steps * num_processes: 2 warmup steps of the scheduler on 2 processes, 1 in
+    # one process; the synchronisation is right, the schedule differs by Accelerate's rule.
+    script = accelerate_ruled(tmp_path)
+    code, out = run_verify(
+        "--nproc-per-node", "2", *FORK, "--backend", "ddp", "--steps", "3", script,
+        "--out", tmp_path / "out", "--num_warmup_steps", "1",
+    )  # fmt: skip
+    assert code == 1, out
+    assert [r[-1] for r in table(out)] == ["ok", "DIFFERS", "DIFFERS"], out
+    verdict = [line for line in out.splitlines() if line.startswith("verdict:")]
+    assert len(verdict) == 1, out
+    assert "because the learning rate differs after step 1" in verdict[0], out
+    assert "under Accelerate's rules (gradsync.accelerate)" in verdict[0], out
+    assert "num_processes" in verdict[0] and "depends on the rank" not in verdict[0], out
 
 
 def test_a_loss_scaled_by_the_rank_differs_from_the_first_step(run_verify, tmp_path):

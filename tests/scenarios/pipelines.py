@@ -5,6 +5,7 @@ off): run by mp_worker.py."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -38,8 +39,10 @@ def self_check(
     *, loop: str, backend: str = "ddp", steps: int = 4, windows: int = 5
 ) -> dict[str, Any]:
     """``loop``: "correct" (forward and backward in the block), "forward_outside" (the forward
-    before the block), or "own_no_sync" (the micro-step wrapped in a no_sync() of the user's
-    own, so the boundary reduces nothing)."""
+    before the block), "own_no_sync" (the micro-step wrapped in a no_sync() of the user's
+    own, so the boundary reduces nothing, as asked), "own_no_sync_around" (the user's
+    no_sync() around the whole loop, as LocalSGD enters it), or "inner_module" (the
+    forward through the prepared model's inner module: the boundary reduces nothing)."""
     torch.manual_seed(0)
     accel = Accelerator(
         backend=backend, gradient_accumulation_steps=steps, seed=0, sync_policy="defer"
@@ -48,7 +51,8 @@ def self_check(
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     model, opt = accel.prepare(model, opt)
     data = Indexed(64)
-    with captured_log(logging.WARNING) as messages:
+    around = model.no_sync() if loop == "own_no_sync_around" else contextlib.nullcontext()
+    with captured_log(logging.WARNING) as messages, around:
         for i in range(windows * steps):
             x, y = data.x[2 * i : 2 * i + 2], data.y[2 * i : 2 * i + 2]
             if loop == "forward_outside":
@@ -58,6 +62,9 @@ def self_check(
             elif loop == "own_no_sync":
                 with accel.accumulate(model), model.no_sync():
                     accel.backward(F.mse_loss(model(x), y))
+            elif loop == "inner_module":
+                with accel.accumulate(model):
+                    accel.backward(F.mse_loss(model.module(x), y))
             else:
                 with accel.accumulate(model):
                     accel.backward(F.mse_loss(model(x), y))

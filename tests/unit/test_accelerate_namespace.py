@@ -353,3 +353,21 @@ def test_all_means_the_installed_tracker_libraries_as_in_accelerate() -> None:
     assert accelerate_trackers(LoggerType.ALL) == installed
     assert accelerate_trackers(["all", "csv"]) == [*installed, "csv"]
     assert accelerate_trackers("tensorboard") == "tensorboard"
+
+
+def test_local_sgd_in_one_process_does_nothing_and_a_sharding_backend_refuses_it(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    from gradsync.accelerate import Accelerator
+    from gradsync.accelerate.local_sgd import LocalSGD
+    from gradsync.backends.fsdp import FSDPBackend
+
+    accelerator = Accelerator()
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    with LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=1) as local_sgd:
+        local_sgd.step()
+    assert not local_sgd.enabled and local_sgd.num_steps == 1  # Accelerate's counting
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(ConfigError, match=r"^LocalSGD needs every process .*the fsdp backend"):
+        FSDPBackend().pause_sync(model)

@@ -116,3 +116,30 @@ def test_sample_positions_give_the_sampler_order_without_the_padding(n, world, b
         as_rows += rows.tolist()
     assert as_lists == order
     assert as_rows == order
+
+
+def test_only_the_pass_being_iterated_counts_as_accelerates_active_loader(clean_env):
+    """gather_for_metrics trims for the pass being iterated (an inner loop, then the outer
+    one again), through its last batch, and for none once every pass ended: a loader never
+    prepared then gathers whole (tests/multiprocess/test_accelerate_idioms.py, 2 ranks)."""
+    from gradsync.accelerate import Accelerator
+
+    accel = Accelerator()
+    train, evaluation = accel.prepare(
+        DataLoader(list(range(6)), batch_size=2), DataLoader(list(range(4)), batch_size=2)
+    )
+    state = accel.gradient_state
+    assert accel._loaders.iterating() is None
+    ends = []
+    for i, _ in enumerate(train):
+        outer = accel._loaders.iterating()
+        assert outer is not None and outer.owner is train
+        if i == 1:
+            for _ in evaluation:
+                assert accel._loaders.iterating().owner is evaluation
+            assert accel._loaders.iterating() is outer  # the inner pass ended
+        ends.append(state.end_of_dataloader)
+    assert ends == [False, False, True]  # still being iterated during its last batch
+    assert accel._loaders.iterating() is None
+    assert not state.end_of_dataloader and state.remainder == -1
+    assert accel._loaders.last_pass() is outer  # what a checkpoint reads is unchanged

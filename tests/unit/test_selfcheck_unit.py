@@ -103,3 +103,32 @@ def test_tensor_parallel_reductions_are_never_gradient_sync(caplog):
     with caplog.at_level(logging.WARNING, logger="gradsync"):
         _labelled_step(check, recorder, True, tp_only)
     assert "reduced nothing" in caplog.text
+
+
+def test_a_boundary_the_user_turned_the_sync_off_for_is_not_an_alarm(caplog):
+    """A no_sync() of the user's inside the block (on at the backward) or around the loop
+    (on when the micro-step ends, as a LocalSGD holds it): said at debug level only."""
+    recorder = Recorder()
+    for on_at in ("backward", "end"):
+        paused = {"now": False}
+        check = SelfCheck(
+            recorder,
+            audited=False,
+            policy=lambda: "defer",
+            where="w",
+            paused=lambda p=paused: p["now"],
+        )
+        with caplog.at_level(logging.DEBUG, logger="gradsync"):
+            check.begin(True)
+            paused["now"] = on_at == "backward"
+            check.saw_backward()
+            paused["now"] = on_at == "end"
+            check.end(True)
+        assert not check.done and "as asked" in caplog.text
+        assert all(r.levelno == logging.DEBUG for r in caplog.records)
+        caplog.clear()
+    off_boundary = SelfCheck(
+        recorder, audited=False, policy=lambda: "defer", where="w", paused=lambda: True
+    )
+    _micro_step(off_boundary, recorder, False, ops=["allreduce"])
+    assert off_boundary.done, "a reduction off the boundary is still gradsync's deferral gone wrong"

@@ -11,7 +11,7 @@ import torch
 from gradsync.config import load_config
 from gradsync.errors import ConfigError
 from gradsync.verify.recorder import ReplayExhausted, ReplayLoader
-from gradsync.verify.runner import param_difference, verify
+from gradsync.verify.runner import compare, param_difference, verify
 
 
 def _pass(rank, n, exhausted=True):
@@ -66,3 +66,34 @@ def test_verify_refuses_before_starting_anything(tmp_path):
         verify("examples/train.py", launch={"no_python": True})
     with pytest.raises(ConfigError, match="does not exist"):
         verify(str(tmp_path / "missing.py"))
+
+
+def _record(folder, rows, rules=None, world=2):
+    folder.mkdir()
+    meta = {"world": world, "rules": rules, "param_names": [["w"]], "rows": []}
+    for step, (w, lr) in enumerate(rows):
+        torch.save([{"w": torch.tensor([w])}], folder / f"params-{step}.pt")
+        if step:
+            meta["rows"].append({"step": step, "loss": 1.0, "lr": [lr]})
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+@pytest.mark.parametrize("name", ["accelerate", "gradsync"])
+def test_a_learning_rate_that_parts_first_is_named_as_the_schedule_rule(tmp_path, name):
+    rules = {"name": name, "scheduler_steps": 2 if name == "accelerate" else 1}
+    launched = _record(tmp_path / "run", [(1.0, 0), (0.9, 0.1), (0.8, 0.1)], rules)
+    reference = _record(tmp_path / "ref", [(1.0, 0), (0.9, 0.05), (0.85, 0.05)])
+    report = compare(launched, reference)
+    assert report.exit_code == 1
+    assert "from step 2 on because the learning rate differs after step 1" in report.verdict
+    assert "(0.1 launched, 0.05 in one process)" in report.verdict
+    said = "steps 2 times per optimizer step" if name == "accelerate" else "once per optimizer"
+    assert said in report.verdict and "depends on the rank" not in report.verdict
+
+
+def test_parameters_that_part_under_one_learning_rate_point_at_the_synchronisation(tmp_path):
+    launched = _record(tmp_path / "run", [(1.0, 0), (0.9, 0.1), (0.8, 0.1)])
+    reference = _record(tmp_path / "ref", [(1.0, 0), (0.9, 0.1), (0.85, 0.1)])
+    report = compare(launched, reference)
+    assert report.exit_code == 1 and "depends on the rank" in report.verdict

@@ -62,6 +62,11 @@ SUPPORTED: dict[str, dict[str, str]] = {
         "GradientState": "`accelerator.gradient_state` (`sync_gradients`, `end_of_dataloader`, `remainder`)",
     },
     "accelerate.data_loader": {"skip_first_batches": "as above"},
+    "accelerate.local_sgd": {
+        "LocalSGD": "the gradient sync off inside its block (DDP), the parameters averaged every "
+        "`local_sgd_steps` calls of `step()` and when the block ends; the self-check knows the "
+        "sync is off on purpose",
+    },
 }
 
 #: Accelerator members whose meaning differs, or that exist in gradsync.accelerate only

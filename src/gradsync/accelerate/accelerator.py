@@ -47,18 +47,20 @@ class GradientState:
     def num_steps(self) -> int:
         return self._accel.gradient_accumulation_steps
 
-    def _last_pass(self) -> Any:
-        last = self._accel._loaders.last_pass
-        return last() if last is not None else None
+    def _iterating(self) -> Any:
+        return self._accel._loaders.iterating()
 
     @property
     def end_of_dataloader(self) -> bool:
-        it = self._last_pass()
+        """The loader being iterated yielded its last batch (False between passes)."""
+        it = self._iterating()
         return bool(it is not None and it.last)
 
     @property
     def remainder(self) -> int:
-        it = self._last_pass()
+        """The real samples of the last global batch of the loader being iterated, when
+        short; -1 when none is being iterated or its last round is not padded."""
+        it = self._iterating()
         found = it.owner.dealt_remainder() if it is not None else None
         return -1 if found is None else found
 

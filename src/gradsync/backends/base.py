@@ -139,6 +139,17 @@ class Backend(Protocol):
         """Inside a boundary ``micro_step`` forced by the user (``trigger_sync_in_backward``):
         make the next backward of ``model`` reduce even if its forward ran off the boundary."""
 
+    def user_paused_sync(self, model: torch.nn.Module) -> bool:
+        """The user turned ``model``'s own gradient synchronisation off around the
+        micro-steps (DDP's ``no_sync()`` entered by them, a LocalSGD): a boundary that
+        reduces nothing is then what they asked for, not a deferral gone wrong."""
+
+    def pause_sync(self, model: torch.nn.Module) -> AbstractContextManager[None]:
+        """Keep ``model``'s gradients local for as long as the block lasts, boundaries
+        included (LocalSGD: each process steps on its own gradients and the parameters are
+        averaged now and then). A ConfigError where the processes do not each hold the
+        whole model."""
+
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
         """A window starts: clear the gradients ``models`` hold, the way the backend needs
         (the prepared optimizers' were cleared already)."""
@@ -294,6 +305,17 @@ class AdapterDefaults:
 
     def sync_next_backward(self, model: torch.nn.Module) -> None:
         return None  # the boundary micro_step's state is read when backward runs
+
+    def user_paused_sync(self, model: torch.nn.Module) -> bool:
+        return False  # a boundary micro-step reduces whatever the user set before it
+
+    def pause_sync(self, model: torch.nn.Module) -> AbstractContextManager[None]:
+        name = getattr(self, "name", type(self).__name__)
+        raise ConfigError(
+            f"LocalSGD needs every process to hold the whole model and step it alone; the "
+            f"{name} backend shards it or reduces inside its engine: use backend='ddp', or "
+            "pass LocalSGD(..., enabled=False)"
+        )
 
     def begin_window(self, models: Sequence[torch.nn.Module]) -> None:
         clear_grads(models)

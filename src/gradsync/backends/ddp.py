@@ -102,6 +102,23 @@ class DDPBackend(AdapterDefaults):
                 raise  # with the flag on, torch's own advice is the one that applies
             raise RuntimeError(_unused_message(model, str(err))) from None
 
+    def user_paused_sync(self, model: torch.nn.Module) -> bool:
+        # Off the boundary gradsync's own no_sync() has exited when this is asked; at a
+        # boundary it enters none: a flag still off is the user's.
+        model = _torch_compat.uncompiled(model)
+        return isinstance(model, DDP) and not model.require_backward_grad_sync
+
+    def pause_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+        model = _torch_compat.uncompiled(model)
+        if not isinstance(model, DDP):
+            if is_frozen(model):
+                return contextlib.nullcontext()  # nothing to synchronise
+            raise ConfigError(
+                f"LocalSGD got a {type(model).__name__}, not the DistributedDataParallel model "
+                "that accel.prepare() returned; pass the prepared model"
+            )
+        return model.no_sync()
+
     def sync_next_backward(self, model: torch.nn.Module) -> None:
         model = _torch_compat.uncompiled(model)
         if isinstance(model, DDP) and self.policy != "every_step":

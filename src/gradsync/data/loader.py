@@ -12,7 +12,7 @@ import collections
 import logging
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -79,6 +79,31 @@ class LoaderContext:
     count_items: ItemCounter | None = None
     #: The pass that yielded most recently, of any loader of this Accelerator (a weak reference).
     last_pass: weakref.ref[LoaderIteration] | None = None
+    #: The passes begun and not known to have ended, in the order they began (weak references).
+    begun: list[weakref.ref[LoaderIteration]] = field(default_factory=list)
+
+    def iterating(self) -> LoaderIteration | None:
+        """The pass of a prepared loader being iterated now (Accelerate's active dataloader):
+        the pass that yielded last while it has not ended, else the latest begun pass that
+        has not ended (an outer loop around an inner one that ended); None between passes,
+        so nothing prepared is being iterated (a loader never prepared, say).
+
+        A pass ends when its loop asks for the batch after the last one; during the last
+        batch's own iteration it is still being iterated.
+        """
+        last = self.last_pass() if self.last_pass is not None else None
+        if last is not None and not last.done:
+            return last
+        self._forget_ended()
+        return self.begun[-1]() if self.begun else None
+
+    def began(self, it: LoaderIteration) -> None:
+        """A pass begins."""
+        self._forget_ended()
+        self.begun.append(weakref.ref(it))
+
+    def _forget_ended(self) -> None:
+        self.begun = [ref for ref in self.begun if (it := ref()) is not None and not it.done]
 
 
 class Pieces:
@@ -131,6 +156,7 @@ class LoaderIteration:
         self._window = owner._context.window
         self._ticket = self._window.track(self)
         self._weak = weakref.ref(self)
+        self._context.began(self)
         self._last_batch: Any = None  # the last yielded batch as loaded (kept to count its items)
         self._move = owner._context.device.type != "cpu"
         #: The micro-batches yielded in the window in progress, kept (as loaded) when a

@@ -14,9 +14,11 @@ variables; an ``Accelerator`` built while ``GRADSYNC_VERIFY`` is set attaches a 
 * ``GRADSYNC_VERIFY_REPLAY=<folder of the launched run>`` as well: the reference, one
   process. The settings are forced (``overrides``: backend ``single``, each window k x N
   micro-batches, no backend option), the models start from the launched run's initial
-  parameters, and each prepared loader (matched by prepare order) replays the batches the N
-  ranks read: position by position, rank by rank within a position, with the passes ending
-  where they ended. A window of k micro-steps on N ranks is thus one window of the same k x N
+  parameters, the prepared schedulers step as many times per optimizer step as on the
+  launched world (the rule book's ``scheduler_steps``: N under Accelerate's, unless
+  ``split_batches``), and each prepared loader (matched by prepare order) replays the
+  batches the N ranks read: position by position, rank by rank within a position, with the
+  passes ending where they ended. A window of k micro-steps on N ranks is thus one window of the same k x N
   micro-batches, in (micro-step, rank) order; partial windows, schedules and item counts
   are the global window's.
 
@@ -44,6 +46,7 @@ import torch
 
 from gradsync import _dist as dist
 from gradsync.data.batches import tree_map
+from gradsync.rules import GRADSYNC, Rules
 from gradsync.settings import SETTINGS
 from gradsync.storage.rng import capture_rng
 
@@ -388,6 +391,9 @@ class Verifier:
         replay_from: the launched run's folder (the reference), or None (the launched run).
         data_parallel: the ranks that read distinct micro-batches (``Backend.data_parallel``:
             ``rank``, ``size``); None: every rank.
+        rules: the rule book the Accelerator follows (``gradsync.rules``); the reference
+            replays the launched run's: its prepared schedulers step as many times per
+            optimizer step as the launched world's do.
     """
 
     def __init__(
@@ -400,6 +406,7 @@ class Verifier:
         steps: int,
         replay_from: str | None,
         data_parallel: Any = None,
+        rules: Rules = GRADSYNC,
     ) -> None:
         self.accel = accel
         self.prepared = prepared
@@ -441,6 +448,16 @@ class Verifier:
             self.meta["readers"] = readers(
                 dist.all_gather_object(int(data_parallel.rank)), int(data_parallel.size)
             )
+        launched_world = int(self.meta["world"])
+        if self.replay_from is not None:  # the schedule steps as on the launched world
+            launched_world = int(read_meta(self.replay_from).get("world", 1))
+            preparer.scheduler_processes = launched_world
+        self.meta["rules"] = {
+            "name": rules.name,
+            "scheduler_steps": rules.scheduler_steps(launched_world),
+            "loss_divisor": rules.loss_divisor,
+            "dealing": rules.dealing,
+        }
         runner.before_window.append(self._before_window)
         runner.at_boundary.append(self._at_boundary)
         preparer.loader_hook = self._wrap_loader
@@ -591,12 +608,23 @@ class Verifier:
                         "off_boundary_bytes": off,
                         "boundary_bytes": on,
                         "optimizer_steps": self.prepared.steps_applied(),
+                        "lr": self._learning_rates(),
                         "k": self.meta["k"][step - 1] if step - 1 < len(self.meta["k"]) else None,
                     }
                 )
             if self._rng_start is not None:
                 self.meta["rng_drawn"] = _advanced(self._rng_start, _rng_states())
             self._write_meta()
+
+    def _learning_rates(self) -> list[float]:
+        """Every prepared optimizer's parameter groups' learning rates, in order (what the
+        schedulers set for the next step)."""
+        return [
+            float(group["lr"])
+            for optimizer in self.prepared.optimizers
+            for group in getattr(optimizer, "param_groups", [])
+            if "lr" in group
+        ]
 
     def _unverifiable(self, why: str) -> None:
         if self.meta["unverifiable"] is None:
@@ -646,4 +674,5 @@ def attach(accel: Any, parts: Any, environ: Mapping[str, str] | None = None) -> 
         steps,
         env.get(ENV_REPLAY) or None,
         parts.backend.data_parallel,
+        parts.rules,
     )

@@ -330,6 +330,9 @@ def compare(
             f"from step {first_bad} on, which says nothing about gradsync. Make the step "
             "deterministic (e.g. draw noise in the dataset, whose batches verify replays) (exit 2)"
         )
+    elif (moved := _first_lr_difference(run["rows"], rows_ref, first_bad)) is not None:
+        report.exit_code = DIFFERS
+        report.verdict = _schedule_verdict(run, first_bad, *moved)
     else:
         report.exit_code = DIFFERS
         report.verdict = (
@@ -339,6 +342,71 @@ def compare(
             "gradsync (exit 1)"
         )
     return report
+
+
+def _first_lr_difference(
+    rows: Sequence[Mapping[str, Any]], reference: Mapping[int, Mapping[str, Any]], until: int
+) -> tuple[int, float, float] | None:
+    """The first step, up to ``until``, after which the two runs' learning rates differ, and
+    the first differing rate of each (launched, reference); None when they agree (or were
+    not recorded)."""
+    for row in rows:
+        n = row["step"]
+        if n > until or n not in reference:
+            return None
+        ours, theirs = row.get("lr"), reference[n].get("lr")
+        if ours is None or theirs is None:
+            return None
+        if len(ours) != len(theirs):
+            return n, math.nan, math.nan
+        for a, b in zip(ours, theirs):
+            if not _close(a, b, 1e-9):
+                return n, a, b
+    return None
+
+
+def _rules_text(meta: Mapping[str, Any]) -> str:
+    """The scheduler rule of the launched run's rule book, in words."""
+    rules = meta.get("rules") or {}
+    steps = int(rules.get("scheduler_steps", 1))
+    if rules.get("name") == "accelerate":
+        times = "once" if steps == 1 else f"{steps} times"
+        return (
+            f"under Accelerate's rules (gradsync.accelerate) the prepared scheduler steps "
+            f"{times} per optimizer step on {meta.get('world', 1)} process(es), and the "
+            f"reference steps it {times} too"
+        )
+    return (
+        "under gradsync's rules the prepared scheduler steps once per optimizer step in both runs"
+    )
+
+
+def _schedule_verdict(
+    meta: Mapping[str, Any], first_bad: int, step: int, a: float, b: float
+) -> str:
+    """The verdict when the runs' learning rates part before (or where) their parameters do:
+    a rule of the schedule, not the synchronisation."""
+    rates = "" if math.isnan(a) else f" ({a:.6g} launched, {b:.6g} in one process)"
+    return (
+        f"the launched run differs from one process from step {first_bad} on because the "
+        f"learning rate differs after step {step}{rates}, not because of the gradient "
+        f"synchronisation: {_rules_text(meta)}, so the schedule itself depends on the number "
+        "of processes (sized with accelerator.num_processes, e.g. num_warmup_steps * "
+        "num_processes, or stepped by hand per process); size it without the process count "
+        "to verify the rest (exit 1)"
+    )
+
+
+def rules_note(meta: Mapping[str, Any]) -> str | None:
+    """A note naming the rule book the two runs followed, when it is not gradsync's."""
+    rules = meta.get("rules") or {}
+    if rules.get("name") != "accelerate":
+        return None
+    return (
+        f"{_rules_text(meta)}; each micro-batch's loss is divided by "
+        "gradient_accumulation_steps and whole batches are dealt to the ranks, as Accelerate "
+        "does (the reference replays them)"
+    )
 
 
 # -- running the script twice -------------------------------------------------------------
@@ -578,6 +646,9 @@ def _verify(
     if ks:
         k_text = str(ks[0]) if len(set(ks)) == 1 else ",".join(map(str, ks))
         report.title += f"; k={k_text} per process, {data * ks[0]} micro-batches per window"
+    rules = rules_note(run)
+    if rules is not None:
+        report.notes.insert(0, rules)
     dropped = run.get("dropout", [])
     report.notes.insert(
         0,
