@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_cells import CELLS, Sizes, build, checksum, mode_skip, sgd
+from bench_cells import CELLS, BackendCells, Sizes, build, checksum, mode_skip, sgd
 from peak_memory import PeakMemory, no_gradients
 
 from gradsync import audit
@@ -139,6 +139,175 @@ def _short(err: BaseException) -> str:
 
 
 # -- one backend at one k -----------------------------------------------------------------
+class _Group:
+    """One backend at one k on this rank: what every phase of ``run_group`` reads, and the
+    output its notes go to. (A plain class: small_bench loads this file as a module that
+    ``sys.modules`` does not hold, where ``dataclass`` cannot read its annotations.)"""
+
+    def __init__(
+        self,
+        label: str,
+        k: int,
+        cells: BackendCells,
+        device: torch.device,
+        rank: int,
+        out: dict[str, Any],
+        rec: Any,
+    ) -> None:
+        self.label = label
+        self.k = k
+        self.cells = cells
+        self.device = device
+        self.rank = rank
+        self.out = out
+        self.rec = rec
+
+    def note_failure(self, mode: str, what: str) -> None:
+        """Inside an ``except``: rank 0 prints the traceback; a note on the mode."""
+        if self.rank == 0:
+            traceback.print_exc()
+        self.out["notes"].append(f"{self.label} k={self.k} {mode}: {what}")
+
+
+def _runnable_modes(cells: BackendCells, spec: dict[str, Any], out: dict[str, Any]) -> list[str]:
+    """The spec's modes this backend runs; why the others do not, noted once."""
+    modes = []
+    for mode in spec["modes"]:
+        reason = mode_skip(cells, mode)
+        if reason is not None:
+            if reason not in out["notes"]:
+                out["notes"].append(reason)
+            continue
+        modes.append(mode)
+    return modes
+
+
+def _build_runners(g: _Group, modes: list[str], sizes: Sizes) -> dict[str, Any]:
+    """Every mode's runner; a mode whose build failed on any rank is left out (noted)."""
+    runners: dict[str, Any] = {}
+    for mode in modes:
+        err: BaseException | None = None
+        try:
+            runners[mode] = build(g.cells, mode, sizes, g.k, g.device)
+        except Exception as exc:  # recorded as a note; the other modes still run
+            err = exc
+            if g.rank == 0:
+                traceback.print_exc()
+        if not _agree(err is None, g.device):
+            runners.pop(mode, None)
+            g.out["notes"].append(
+                f"{g.label} k={g.k} {mode}: skipped, building it failed"
+                + (f" ({_short(err)})" if err else " on another rank")
+            )
+    return runners
+
+
+def _warm_up(
+    g: _Group, runners: dict[str, Any], modes: list[str], batches: list[Any], warmup: int
+) -> None:
+    """Warm-up steps of every mode; a mode whose step fails is removed from ``modes``."""
+    for mode in list(modes):
+        try:
+            _run_steps(runners[mode], batches, g.k, warmup, 0, g.rec)
+        except Exception as exc:
+            g.note_failure(mode, f"dropped, a warm-up step failed ({_short(exc)})")
+            modes.remove(mode)
+            g.rec.close()
+    g.rec.clear()
+
+
+def _measure_memory(
+    g: _Group,
+    runners: dict[str, Any],
+    modes: list[str],
+    batches: list[Any],
+    res: dict[str, dict[str, Any]],
+) -> None:
+    """Each mode's step under the memory probe, into ``res[mode]["memory"]``."""
+    for mode in modes:
+        dist.barrier()
+        try:
+            res[mode]["memory"] = _memory_step(
+                runners[mode], batches, g.k, g.rec, g.device, g.cells.grads_are_views
+            )
+        except Exception as exc:
+            g.note_failure(
+                mode, f"no memory reading, its step under the probe failed ({_short(exc)})"
+            )
+            g.rec.close()
+    g.rec.clear()
+
+
+def _timed_reps(
+    g: _Group,
+    runners: dict[str, Any],
+    modes: list[str],
+    batches: list[Any],
+    res: dict[str, dict[str, Any]],
+    spec: dict[str, Any],
+    numel: int,
+) -> tuple[list[str], list[float]]:
+    """The interleaved repetitions (the modes' order rotating), each followed by a few
+    all-reduces of the gradient's size; the modes still running and those all-reduce times
+    (ms). A mode whose step fails is dropped from then on, and from ``res``."""
+    steps, reps = spec["steps_per_rep"], spec["reps"] * g.cells.rep_scale
+    ar_ms: list[float] = []
+    for r in range(reps):
+        order = modes[r % len(modes) :] + modes[: r % len(modes)] if modes else []
+        for mode in order:
+            dist.barrier()
+            g.rec.clear()
+            try:
+                step_t, off_t, on_t = _run_steps(
+                    runners[mode], batches, g.k, steps, (r + 1) * steps * g.k, g.rec
+                )
+            except Exception as exc:  # both ranks run the same code: they fail alike
+                g.note_failure(mode, f"dropped, a step failed ({_short(exc)})")
+                modes = [m for m in modes if m != mode]
+                res.pop(mode, None)
+                g.rec.close()
+                continue
+            entry = res[mode]
+            entry["step_s"] += step_t
+            entry["off_s"] += off_t
+            entry["on_s"] += on_t
+            entry["rep_median_s"].append(statistics.median(step_t))
+            entry["audit"] = _audit_per_step(g.rec, g.k)
+        g.rec.clear()
+        ar_ms += _allreduce_ms(numel, g.device, 2)
+    return modes, ar_ms
+
+
+def _param_agreement(
+    g: _Group,
+    runners: dict[str, Any],
+    modes: list[str],
+    res: dict[str, dict[str, Any]],
+    initial: float,
+) -> None:
+    """Each mode's parameter difference to gradsync's, relative to gradsync's update."""
+    sums = {m: checksum(runners[m].model) for m in modes}
+    g.rec.clear()
+    ref = sums.get("gradsync")
+    update = abs(ref - initial) if ref is not None else 0.0
+    for m in modes:
+        res[m]["param_diff_rel"] = (
+            abs(sums[m] - ref) / update if ref is not None and update else None
+        )
+
+
+def _print_group(label: str, k: int, modes: list[str], res: dict[str, dict[str, Any]]) -> None:
+    """Each mode's median step time and its reductions per step (rank 0 calls it)."""
+    for m in modes:
+        med = statistics.median(res[m]["step_s"]) * 1e3
+        aud = res[m]["audit"]
+        print(
+            f"[bench] {label:<11} k={k:<2} {m:<10} {med:8.2f} ms/step  "
+            f"{aud['reductions']:.1f} reductions, {aud['reduction_bytes'] / 2**20:.2f} MiB per step",
+            flush=True,
+        )
+
+
 def run_group(
     label: str,
     k: int,
@@ -151,52 +320,20 @@ def run_group(
     cells = CELLS[label]
     rec = audit.recorder_of()
     assert rec is not None, "the worker's process group must be the audited one"
-    modes = []
-    for mode in spec["modes"]:
-        reason = mode_skip(cells, mode)
-        if reason is not None:
-            if reason not in out["notes"]:
-                out["notes"].append(reason)
-            continue
-        modes.append(mode)
+    g = _Group(label, k, cells, device, rank, out, rec)
+    modes = _runnable_modes(cells, spec, out)
 
     if rank == 0:
         print(f"[bench] {label:<11} k={k:<2} running {', '.join(modes)} ...", flush=True)
-    runners: dict[str, Any] = {}
-    for mode in modes:
-        err: BaseException | None = None
-        try:
-            runners[mode] = build(cells, mode, sizes, k, device)
-        except Exception as exc:  # recorded as a note; the other modes still run
-            err = exc
-            if rank == 0:
-                traceback.print_exc()
-        if not _agree(err is None, device):
-            runners.pop(mode, None)
-            out["notes"].append(
-                f"{label} k={k} {mode}: skipped, building it failed"
-                + (f" ({_short(err)})" if err else " on another rank")
-            )
+    runners = _build_runners(g, modes, sizes)
     modes = [m for m in modes if m in runners]
     initial = checksum(sizes.model())
     rec.clear()
 
     batches = sizes.batches(rank, spec["batches"], device)
     numel = sum(p.numel() for p in sizes.model().parameters())
-    steps, reps, warmup = spec["steps_per_rep"], spec["reps"] * cells.rep_scale, spec["warmup"]
     # Warm-up: DDP rebuilds its buckets after the first step, allocators settle.
-    for mode in list(modes):
-        try:
-            _run_steps(runners[mode], batches, k, warmup, 0, rec)
-        except Exception as exc:
-            if rank == 0:
-                traceback.print_exc()
-            out["notes"].append(
-                f"{label} k={k} {mode}: dropped, a warm-up step failed ({_short(exc)})"
-            )
-            modes.remove(mode)
-            rec.close()
-    rec.clear()
+    _warm_up(g, runners, modes, batches, spec["warmup"])
 
     res: dict[str, dict[str, Any]] = {
         m: {
@@ -211,56 +348,10 @@ def run_group(
     }
     # Memory: one more step per mode, each mode's from the same state (warmed up, its
     # optimizer state allocated), before the timed steps.
-    for mode in modes:
-        dist.barrier()
-        try:
-            res[mode]["memory"] = _memory_step(
-                runners[mode], batches, k, rec, device, cells.grads_are_views
-            )
-        except Exception as exc:
-            if rank == 0:
-                traceback.print_exc()
-            out["notes"].append(
-                f"{label} k={k} {mode}: no memory reading, its step under the probe "
-                f"failed ({_short(exc)})"
-            )
-            rec.close()
-    rec.clear()
-    ar_ms: list[float] = []
-    for r in range(reps):
-        order = modes[r % len(modes) :] + modes[: r % len(modes)] if modes else []
-        for mode in order:
-            dist.barrier()
-            rec.clear()
-            try:
-                step_t, off_t, on_t = _run_steps(
-                    runners[mode], batches, k, steps, (r + 1) * steps * k, rec
-                )
-            except Exception as exc:  # both ranks run the same code: they fail alike
-                if rank == 0:
-                    traceback.print_exc()
-                out["notes"].append(f"{label} k={k} {mode}: dropped, a step failed ({_short(exc)})")
-                modes = [m for m in modes if m != mode]
-                res.pop(mode, None)
-                rec.close()
-                continue
-            entry = res[mode]
-            entry["step_s"] += step_t
-            entry["off_s"] += off_t
-            entry["on_s"] += on_t
-            entry["rep_median_s"].append(statistics.median(step_t))
-            entry["audit"] = _audit_per_step(rec, k)
-        rec.clear()
-        ar_ms += _allreduce_ms(numel, device, 2)
+    _measure_memory(g, runners, modes, batches, res)
+    modes, ar_ms = _timed_reps(g, runners, modes, batches, res, spec, numel)
     # Every mode saw the same batches in the same order: their parameters must agree.
-    sums = {m: checksum(runners[m].model) for m in modes}
-    rec.clear()
-    ref = sums.get("gradsync")
-    update = abs(ref - initial) if ref is not None else 0.0
-    for m in modes:
-        res[m]["param_diff_rel"] = (
-            abs(sums[m] - ref) / update if ref is not None and update else None
-        )
+    _param_agreement(g, runners, modes, res, initial)
 
     group = {
         "backend": label,
@@ -273,14 +364,7 @@ def run_group(
     }
     out["groups"].append(group)
     if rank == 0:
-        for m in modes:
-            med = statistics.median(res[m]["step_s"]) * 1e3
-            aud = res[m]["audit"]
-            print(
-                f"[bench] {label:<11} k={k:<2} {m:<10} {med:8.2f} ms/step  "
-                f"{aud['reductions']:.1f} reductions, {aud['reduction_bytes'] / 2**20:.2f} MiB per step",
-                flush=True,
-            )
+        _print_group(label, k, modes, res)
     runners.clear()
     gc.collect()
 

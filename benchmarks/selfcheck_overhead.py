@@ -40,22 +40,15 @@ sys.path.insert(0, str(HERE))
 from small_bench import QUICK_SIZES, SIZES, parser, run_workers, write  # noqa: E402
 
 
-def worker(spec: dict[str, Any], out: Path) -> None:
-    import torch
-    import torch.distributed as dist
+def _past_the_check(sizes: Any, k: int) -> tuple[Any, list[Any]]:
+    """The default: gradsync creates the group through the wrapper and checks the first
+    steps; a few windows of k micro-batches run past them. The Accelerator and this rank's
+    batches."""
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from bench_cells import sgd
 
-    sys.path.insert(0, str(HERE))
-    from bench_cells import Sizes, sgd
+    from gradsync import Accelerator
 
-    from gradsync import Accelerator, audit
-
-    torch.set_num_threads(1)
-    sizes = Sizes(**spec["sizes"])
-    k, steps, calls = spec["k"], spec["steps"], spec["calls"]
-
-    # The default: gradsync creates the group through the wrapper and checks the first steps.
     accel = Accelerator(backend="ddp", gradient_accumulation_steps=k, seed=0)
     model = sizes.model()
     model, opt = accel.prepare(model, sgd(model.parameters()))
@@ -66,24 +59,21 @@ def worker(spec: dict[str, Any], out: Path) -> None:
                 accel.backward(F.mse_loss(model(x), y))
                 opt.step()
                 opt.zero_grad()
-    recorder = audit.recorder_of()
-    assert recorder is not None and isinstance(dist.group.WORLD, audit.AuditProcessGroup)
-    assert not recorder.enabled and accel._self_check is None, "the check must be over"
+    return accel, batches
 
-    wrapped = dist.group.WORLD
-    plain = dist.new_group(backend="gloo")
-    assert not isinstance(plain, audit.AuditProcessGroup)
 
-    # -- per collective, the wrapper's own cost: on a 1-rank gloo group of this process,
-    # where an all-reduce costs microseconds, the wrapper (recording off) against the group
-    # it wraps ------------------------------------------------------------------------
+def _local_allreduce_us(off: Any, t: Any, calls: int) -> dict[str, list[float]]:
+    """Per collective, the wrapper's own cost: on a 1-rank gloo group of this process, where
+    an all-reduce costs microseconds, the wrapper (recording off) against the group it wraps
+    (us per call, alternating blocks)."""
     from datetime import timedelta
 
+    import torch.distributed as dist
+
+    from gradsync import audit
+
     inner = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=60))
-    off = audit.Recorder()
-    off.enabled = False
     local = audit.AuditProcessGroup(inner, 0, 1, "local", off)
-    t = torch.zeros(1)
     local_us: dict[str, list[float]] = {"wrapped": [], "plain": []}
     for block in range(20):
         pair = ((local_us["wrapped"], local), (local_us["plain"], inner))
@@ -92,14 +82,22 @@ def worker(spec: dict[str, Any], out: Path) -> None:
             for _ in range(calls * 4):
                 pg.allreduce([t]).wait()
             times_.append((time.perf_counter() - t0) * 1e6 / (calls * 4))
+    return local_us
 
-    # the wrapper's Python layer alone: around an inner group that does nothing (no data
-    # moves: this times the wrapper's flag check and extra call, not a collective)
-    class Idle:
-        def allreduce(self, tensors: Any, opts: Any = None) -> None:
-            return None
 
-    idle = Idle()
+class _Idle:
+    """An inner group that does nothing: around it, the wrapper's Python layer alone."""
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> None:
+        return None
+
+
+def _wrapper_layer_us(off: Any, t: Any, calls: int) -> dict[str, list[float]]:
+    """The wrapper's Python layer alone: around an inner group that does nothing (no data
+    moves: this times the wrapper's flag check and extra call, not a collective)."""
+    from gradsync import audit
+
+    idle = _Idle()
     layer = audit.AuditProcessGroup(idle, 0, 1, "layer", off)
     layer_us: dict[str, list[float]] = {"wrapped": [], "plain": []}
     for block in range(20):
@@ -109,8 +107,14 @@ def worker(spec: dict[str, Any], out: Path) -> None:
             for _ in range(calls * 40):
                 obj.allreduce([t])
             times_.append((time.perf_counter() - t0) * 1e6 / (calls * 40))
+    return layer_us
 
-    # -- per collective across the 2 ranks (network and scheduling noise included) -----
+
+def _world_allreduce_us(wrapped: Any, plain: Any, t: Any, calls: int) -> dict[str, list[float]]:
+    """Per collective across the 2 ranks (network and scheduling noise included): the
+    wrapped world group against the plain one, alternating blocks."""
+    import torch.distributed as dist
+
     per_call: dict[str, list[float]] = {"wrapped": [], "plain": []}
     for block in range(12):
         order = (
@@ -124,36 +128,82 @@ def worker(spec: dict[str, Any], out: Path) -> None:
             for _ in range(calls):
                 dist.all_reduce(t, group=group)
             per_call[name].append((time.perf_counter() - t0) * 1e6 / calls)
+    return per_call
 
-    # -- DDP steps over each group -----------------------------------------------------
+
+def _ddp_step(runner: tuple[Any, Any], batches: list[Any], k: int) -> float:
+    """One optimizer step of DDP over k micro-batches (``no_sync()`` on all but the last), ms."""
+    import torch.nn.functional as F
+
+    m, o = runner
+    t0 = time.perf_counter()
+    for i, (x, y) in enumerate(batches):
+        with m.no_sync() if i < k - 1 else contextlib.nullcontext():
+            F.mse_loss(m(x), y).backward()
+    o.step()
+    o.zero_grad()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _ddp_steps(
+    sizes: Any, wrapped: Any, plain: Any, batches: list[Any], k: int, steps: int, recorder: Any
+) -> tuple[int, dict[str, list[float]]]:
+    """DDP steps over each group: the collectives of one step (counted by the wrapper) and
+    ``steps`` timed steps per group, alternating (ms)."""
+    from bench_cells import sgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     runners = {}
     for name, group in (("wrapped", wrapped), ("plain", plain)):
         m = DDP(sizes.model(), process_group=group)
         runners[name] = (m, sgd(m.parameters()))
 
-    def one_step(name: str) -> float:
-        m, o = runners[name]
-        t0 = time.perf_counter()
-        for i, (x, y) in enumerate(batches):
-            with m.no_sync() if i < k - 1 else contextlib.nullcontext():
-                F.mse_loss(m(x), y).backward()
-        o.step()
-        o.zero_grad()
-        return (time.perf_counter() - t0) * 1e3
-
     for name in runners:  # warm-up: DDP rebuilds its buckets after the first step
-        one_step(name)
-        one_step(name)
+        _ddp_step(runners[name], batches, k)
+        _ddp_step(runners[name], batches, k)
     recorder.outside.clear()
     recorder.enabled = True
-    one_step("wrapped")
+    _ddp_step(runners["wrapped"], batches, k)
     recorder.enabled = False
     collectives = len(recorder.outside)
     recorder.outside.clear()
     times: dict[str, list[float]] = {"wrapped": [], "plain": []}
     for s in range(steps):
         for name in ("wrapped", "plain") if s % 2 == 0 else ("plain", "wrapped"):
-            times[name].append(one_step(name))
+            times[name].append(_ddp_step(runners[name], batches, k))
+    return collectives, times
+
+
+def worker(spec: dict[str, Any], out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(HERE))
+    from bench_cells import Sizes
+
+    from gradsync import audit
+
+    torch.set_num_threads(1)
+    sizes = Sizes(**spec["sizes"])
+    k, steps, calls = spec["k"], spec["steps"], spec["calls"]
+
+    # The default: gradsync creates the group through the wrapper and checks the first steps.
+    accel, batches = _past_the_check(sizes, k)
+    recorder = audit.recorder_of()
+    assert recorder is not None and isinstance(dist.group.WORLD, audit.AuditProcessGroup)
+    assert not recorder.enabled and accel._self_check is None, "the check must be over"
+
+    wrapped = dist.group.WORLD
+    plain = dist.new_group(backend="gloo")
+    assert not isinstance(plain, audit.AuditProcessGroup)
+
+    off = audit.Recorder()
+    off.enabled = False
+    t = torch.zeros(1)
+    local_us = _local_allreduce_us(off, t, calls)
+    layer_us = _wrapper_layer_us(off, t, calls)
+    per_call = _world_allreduce_us(wrapped, plain, t, calls)
+    collectives, times = _ddp_steps(sizes, wrapped, plain, batches, k, steps, recorder)
     if accel.rank == 0:
         (out / "result.json").write_text(
             json.dumps(

@@ -27,28 +27,26 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
-def measure(reps: int, iters: int, k: int = 4) -> dict[str, Any]:
+def _model_opt() -> tuple[Any, Any]:
+    """The model (seeded: every loop starts from the same weights) and its SGD."""
     import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def _bare_loop(data: Any, k: int) -> Callable[[], float]:
+    """The bare loop: a plain DataLoader, ``loss / k``, ``step`` + ``zero_grad`` every k-th."""
     import torch.nn.functional as F
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
-    from gradsync import Accelerator
-
-    torch.set_num_threads(1)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(var, None)
-    data = TensorDataset(torch.randn(iters * 4, 8), torch.randn(iters * 4, 1))
-
-    def model_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        model = torch.nn.Linear(8, 1)
-        return model, torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    bare_model, bare_opt = model_opt()
+    bare_model, bare_opt = _model_opt()
     bare_loader = DataLoader(data, batch_size=4)
 
     def bare() -> float:
@@ -61,8 +59,18 @@ def measure(reps: int, iters: int, k: int = 4) -> dict[str, Any]:
                 bare_opt.zero_grad()
         return time.perf_counter() - t0
 
+    return bare
+
+
+def _gradsync_loop(data: Any, k: int) -> Callable[[], float]:
+    """gradsync's loop: the prepared DataLoader, ``accumulate``, the gated calls."""
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    from gradsync import Accelerator
+
     accel = Accelerator(backend="single", gradient_accumulation_steps=k)
-    gs_model, gs_opt, gs_loader = accel.prepare(*model_opt(), DataLoader(data, batch_size=4))
+    gs_model, gs_opt, gs_loader = accel.prepare(*_model_opt(), DataLoader(data, batch_size=4))
 
     def wrapped() -> float:
         t0 = time.perf_counter()
@@ -74,8 +82,17 @@ def measure(reps: int, iters: int, k: int = 4) -> dict[str, Any]:
                 gs_opt.zero_grad()
         return time.perf_counter() - t0
 
+    return wrapped
+
+
+def _seeded_loop(data: Any, k: int) -> Callable[[], float]:
+    """The bare loop tuned by hand: 1/k as backward's seed, the gradients set to None."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
     seed = torch.full((), 1.0 / k)
-    seeded_model, seeded_opt = model_opt()
+    seeded_model, seeded_opt = _model_opt()
     seeded_loader = DataLoader(data, batch_size=4)
 
     def seeded() -> float:
@@ -89,13 +106,20 @@ def measure(reps: int, iters: int, k: int = 4) -> dict[str, Any]:
                         p.grad = None
         return time.perf_counter() - t0
 
-    loops: dict[str, Any] = {"bare": bare, "gradsync": wrapped, "seeded": seeded}
+    return seeded
+
+
+def _accelerate_loop(data: Any, k: int) -> Callable[[], float] | None:
+    """Accelerate's ``accumulate`` loop, or None where Accelerate is not installed."""
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
     try:
         os.environ.setdefault("ACCELERATE_USE_CPU", "1")
         import accelerate
 
         acc = accelerate.Accelerator(gradient_accumulation_steps=k, cpu=True)
-        acc_model, acc_opt, acc_loader = acc.prepare(*model_opt(), DataLoader(data, batch_size=4))
+        acc_model, acc_opt, acc_loader = acc.prepare(*_model_opt(), DataLoader(data, batch_size=4))
 
         def accelerated() -> float:
             t0 = time.perf_counter()
@@ -106,9 +130,16 @@ def measure(reps: int, iters: int, k: int = 4) -> dict[str, Any]:
                     acc_opt.zero_grad()
             return time.perf_counter() - t0
 
-        loops["accelerate"] = accelerated
+        return accelerated
     except ImportError:
-        pass
+        return None
+
+
+def _interleaved_us(
+    loops: dict[str, Callable[[], float]], reps: int, iters: int
+) -> dict[str, list[float]]:
+    """One warm-up pass of each loop, then ``reps`` repetitions, each loop first in turn:
+    each loop's time per micro-step (us) in every repetition."""
     for fn in loops.values():
         fn()  # warm-up: one pass each
     times: dict[str, list[float]] = {name: [] for name in loops}
@@ -117,11 +148,34 @@ def measure(reps: int, iters: int, k: int = 4) -> dict[str, Any]:
         order = names[r % len(names) :] + names[: r % len(names)]  # each loop first in turn
         for name in order:
             times[name].append(loops[name]() / iters * 1e6)
+    return times
 
-    def over(name: str, base: str = "bare") -> list[float]:
-        return [a - b for a, b in zip(times[name], times[base])]
 
-    diffs = over("gradsync")
+def _over(times: dict[str, list[float]], name: str, base: str = "bare") -> list[float]:
+    """Per repetition, loop ``name``'s time less loop ``base``'s."""
+    return [a - b for a, b in zip(times[name], times[base])]
+
+
+def measure(reps: int, iters: int, k: int = 4) -> dict[str, Any]:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    torch.set_num_threads(1)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(var, None)
+    data = TensorDataset(torch.randn(iters * 4, 8), torch.randn(iters * 4, 1))
+
+    loops: dict[str, Any] = {
+        "bare": _bare_loop(data, k),
+        "gradsync": _gradsync_loop(data, k),
+        "seeded": _seeded_loop(data, k),
+    }
+    accelerated = _accelerate_loop(data, k)
+    if accelerated is not None:
+        loops["accelerate"] = accelerated
+    times = _interleaved_us(loops, reps, iters)
+
+    diffs = _over(times, "gradsync")
     result: dict[str, Any] = {
         "model": "Linear(8, 1), micro-batch 4, SGD, backend 'single', prepared DataLoader",
         "k": k,
@@ -133,11 +187,11 @@ def measure(reps: int, iters: int, k: int = 4) -> dict[str, Any]:
         "overhead_us": statistics.median(diffs),
         "overhead_us_min": min(diffs),
         "overhead_us_max": max(diffs),
-        "over_seeded_us": statistics.median(over("gradsync", "seeded")),
+        "over_seeded_us": statistics.median(_over(times, "gradsync", "seeded")),
     }
     if "accelerate" in times:
         result["accelerate_us"] = statistics.median(times["accelerate"])
-        result["accelerate_overhead_us"] = statistics.median(over("accelerate"))
+        result["accelerate_overhead_us"] = statistics.median(_over(times, "accelerate"))
     return result
 
 

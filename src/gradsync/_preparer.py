@@ -85,21 +85,38 @@ class Preparer:
         self._refuse(objects)
         models = [o for o in objects if isinstance(o, torch.nn.Module)]
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        self._size_from_loaders(objects)
+        if models and self._untested_torch:
+            self._untested_torch = False
+            if dist.rank() == 0:
+                warnings.warn(_torch_range.warning(torch.__version__), stacklevel=3)
+        out, now = self._prepare_models(models, optimizers)
+        for obj in objects:
+            if id(obj) not in out:
+                out[id(obj)] = self._prepare_other(obj, now)
+        for hook in self.after_prepare:
+            hook([out[id(m)] for m in models])
+        result = tuple(out[id(o)] for o in objects)
+        return result[0] if len(result) == 1 else result
+
+    def _size_from_loaders(self, objects: Sequence[Any]) -> None:
+        """The first prepared dataloader fixes the micro batch size (DeepSpeed needs it)."""
         for obj in objects:
             batch = getattr(obj, "batch_size", None) if is_dataloader(obj) else None
             if batch is not None and self._rules.split_batches:
                 batch = split_size(batch, self.plan.data_parallel_size)  # each rank's slice
             if batch is not None and self.plan.micro_batch_size is None:
-                # The first prepared dataloader fixes the micro batch size (DeepSpeed needs it).
                 self.plan = BatchPlan.solve(
                     data_parallel_size=self.plan.data_parallel_size,
                     micro_batch_size=batch,
                     gradient_accumulation_steps=self.plan.gradient_accumulation_steps,
                 )
-        if models and self._untested_torch:
-            self._untested_torch = False
-            if dist.rank() == 0:
-                warnings.warn(_torch_range.warning(torch.__version__), stacklevel=3)
+
+    def _prepare_models(
+        self, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]
+    ) -> tuple[dict[int, Any], dict[int, torch.optim.Optimizer]]:
+        """Each model wrapped by the backend and each optimizer prepared (by ``id`` of the
+        given object), and the optimizers the backend made of the given ones."""
         owners = {id(opt): self._owners(opt, models) for opt in optimizers}
         out: dict[int, Any] = {}
         now: dict[int, torch.optim.Optimizer] = {id(o): o for o in optimizers}  # after the backend
@@ -121,34 +138,31 @@ class Preparer:
             )
         for wrapped, new in built:
             self._add_optimizer(new, [wrapped])
-        for obj in objects:
-            if id(obj) in out:
-                continue
-            if is_scheduler(obj):
-                replaced = now.get(id(obj.optimizer))
-                if replaced is not None and replaced is not obj.optimizer:
-                    obj.optimizer = replaced
-                scheduler = PreparedScheduler(
-                    obj,
-                    self._registry.step_counter(obj.optimizer),
-                    self._rules.scheduler_steps(
-                        self.scheduler_processes or self.plan.data_parallel_size
-                    ),
-                )
-                self._registry.add_scheduler(scheduler)
-                self._on_scheduler(scheduler)
-                out[id(obj)] = scheduler
-            elif is_dataloader(obj):
-                out[id(obj)] = self._prepare_dataloader(obj)
-            else:
-                raise ConfigError(
-                    f"prepare() does not know what to do with a {type(obj).__name__}; pass "
-                    "torch.nn.Modules, torch.optim.Optimizers, DataLoaders or LR schedulers"
-                )
-        for hook in self.after_prepare:
-            hook([out[id(m)] for m in models])
-        result = tuple(out[id(o)] for o in objects)
-        return result[0] if len(result) == 1 else result
+        return out, now
+
+    def _prepare_other(self, obj: Any, now: dict[int, torch.optim.Optimizer]) -> Any:
+        """A scheduler (of an optimizer the backend may have replaced, in ``now``) or a
+        dataloader, prepared; a ConfigError for anything else."""
+        if is_scheduler(obj):
+            replaced = now.get(id(obj.optimizer))
+            if replaced is not None and replaced is not obj.optimizer:
+                obj.optimizer = replaced
+            scheduler = PreparedScheduler(
+                obj,
+                self._registry.step_counter(obj.optimizer),
+                self._rules.scheduler_steps(
+                    self.scheduler_processes or self.plan.data_parallel_size
+                ),
+            )
+            self._registry.add_scheduler(scheduler)
+            self._on_scheduler(scheduler)
+            return scheduler
+        if is_dataloader(obj):
+            return self._prepare_dataloader(obj)
+        raise ConfigError(
+            f"prepare() does not know what to do with a {type(obj).__name__}; pass "
+            "torch.nn.Modules, torch.optim.Optimizers, DataLoaders or LR schedulers"
+        )
 
     def _add_optimizer(
         self, optimizer: torch.optim.Optimizer, models: Sequence[torch.nn.Module]

@@ -55,6 +55,11 @@ S = TypeVar("S")
 log = logging.getLogger("gradsync")
 
 
+def _part(name: str) -> Any:
+    """A read-only view of one of an Accelerator's parts (``gradsync._assembly.Parts``)."""
+    return property(lambda self: getattr(self._p, name))
+
+
 class Accelerator:
     """Gradient accumulation that is correct on every backend.
 
@@ -200,29 +205,12 @@ class Accelerator:
         return self._p.audit
 
     # -- the parts (for gradsync's own tests and tools) ----------------------
-    @property
-    def _backend(self) -> Backend:
-        return self._p.backend
-
-    @property
-    def _window(self) -> Window:
-        return self._p.window
-
-    @property
-    def _prepared(self) -> Prepared:
-        return self._p.prepared
-
-    @property
-    def _runner(self) -> Runner:
-        return self._p.runner
-
-    @property
-    def _loaders(self) -> LoaderContext:
-        return self._p.loaders
-
-    @property
-    def _signals(self) -> SignalWatch:
-        return self._p.signals
+    _backend: Backend = _part("backend")
+    _window: Window = _part("window")
+    _prepared: Prepared = _part("prepared")
+    _runner: Runner = _part("runner")
+    _loaders: LoaderContext = _part("loaders")
+    _signals: SignalWatch = _part("signals")
 
     @property
     def _self_check(self) -> SelfCheckObserver | None:

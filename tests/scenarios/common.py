@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -178,6 +178,82 @@ class Probe:
         return {}
 
 
+@dataclass
+class _Run:
+    """One ``train`` call: the prepared objects its loop drives and what it records as it goes
+    (the windows, the clip norms and learning rates at their ends, the dropped windows).
+    ``raise_at``: the ``Loop``'s, until the block has raised there once."""
+
+    accel: Any
+    loop: Loop
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    probe: Probe
+    raise_at: tuple[int, int] | None
+    windows: list[list[list[int]]] = field(default_factory=list)
+    current: list[list[int]] = field(default_factory=list)
+    norms: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    dropped: list[list[list[int]]] = field(default_factory=list)
+    sched_calls: int = 0
+
+    def clip(self) -> None:
+        """The ``Loop``'s clipping, if any (a norm is recorded at the boundary only)."""
+        accel, loop, model = self.accel, self.loop, self.model
+        if loop.clip is not None:
+            norm = accel.clip_grad_norm_(model.parameters(), loop.clip)
+            if accel.sync_gradients:
+                self.norms.append(float(norm))
+            else:
+                assert norm is None, "clip_grad_norm_ off the boundary must return None"
+        if loop.clip_value is not None:
+            accel.clip_grad_value_(model.parameters(), loop.clip_value)
+
+    def optimizer_calls(self, zero_grad: bool) -> None:
+        """Clip, ``step``, the scheduler's ``step`` and (if ``zero_grad``) ``zero_grad``."""
+        self.clip()
+        self.opt.step()
+        self.sched.step()
+        self.sched_calls += 1
+        if zero_grad:
+            self.opt.zero_grad()
+
+    def block(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> None:
+        """One micro-step's ``with accel.accumulate(model):`` block; raises ``Dropped`` where
+        the ``Loop`` says."""
+        accel, model, opt, probe = self.accel, self.model, self.opt, self.probe
+        zero_grad_first = self.loop.calls == "zero_grad_first"
+        with accel.accumulate(model):
+            if zero_grad_first:
+                opt.zero_grad()
+            out = model(x)
+            probe.forward(out)
+            loss = probe.loss(F.mse_loss(out, y), accel, len(self.windows), len(self.current))
+            accel.backward(loss)
+            self.current.append([int(i) for i in idx])
+            if self.raise_at == (len(self.windows), len(self.current) - 1):
+                self.raise_at = None
+                raise Dropped
+            probe.after_backward(accel, model, len(self.windows))
+            if self.loop.calls != "after_block":
+                self.optimizer_calls(zero_grad=not zero_grad_first)
+
+    def drop(self) -> None:
+        """The open window is dropped: its micro-batches go to ``dropped``."""
+        self.dropped.append(self.current)
+        self.current = []
+
+    def end_window(self) -> None:
+        """The micro-step just done ended a window: record it."""
+        self.sizes.append(len(self.current))
+        self.windows.append(self.current)
+        self.current = []
+        self.lrs.append(float(self.sched.get_last_lr()[0]))
+        self.probe.window_end(self.accel)
+
+
 def train(
     accel: Any,
     loop: Loop,
@@ -193,9 +269,6 @@ def train(
     watches the loop for what a scenario checks beyond it (amp's overflows, DeepSpeed's
     boundary flag)."""
     probe = probe if probe is not None else Probe()
-    after_block = loop.calls == "after_block"
-    zero_grad_first = loop.calls == "zero_grad_first"
-    raise_at = loop.raise_at
     model = model if model is not None else make_model()
     opt = make_optimizer(model.parameters(), loop.optimizer, loop.lr)
     sched = make_scheduler(opt)
@@ -203,88 +276,44 @@ def train(
     model, opt, loader, sched = accel.prepare(model, opt, loader, sched)
     if after_prepare is not None:  # e.g. `model = torch.compile(model)` on the prepared model
         model = after_prepare(model)
-    windows: list[list[list[int]]] = []
-    current: list[list[int]] = []
-    norms: list[float] = []
-    lrs: list[float] = []
-    sizes: list[int] = []
-    sched_calls = 0
+    run = _Run(accel, loop, model, opt, sched, probe, loop.raise_at)
     audit_start = len(accel.audit.records) if accel.audit is not None else 0
-    dropped: list[list[list[int]]] = []
-
-    def clip() -> None:
-        if loop.clip is not None:
-            norm = accel.clip_grad_norm_(model.parameters(), loop.clip)
-            if accel.sync_gradients:
-                norms.append(float(norm))
-            else:
-                assert norm is None, "clip_grad_norm_ off the boundary must return None"
-        if loop.clip_value is not None:
-            accel.clip_grad_value_(model.parameters(), loop.clip_value)
 
     for epoch in range(loop.epochs):
         for batch, (x, y, idx) in enumerate(loader):
-            if loop.change_steps_at is not None and len(windows) == loop.change_steps_at[0]:
+            if loop.change_steps_at is not None and len(run.windows) == loop.change_steps_at[0]:
                 accel.gradient_accumulation_steps = loop.change_steps_at[1]
             if loop.break_at == (epoch, batch):
-                dropped.append(current)
-                current = []
+                run.drop()
                 break
             probe.before_block(accel, model)
             try:
-                with accel.accumulate(model):
-                    if zero_grad_first:
-                        opt.zero_grad()
-                    out = model(x)
-                    probe.forward(out)
-                    loss = probe.loss(F.mse_loss(out, y), accel, len(windows), len(current))
-                    accel.backward(loss)
-                    current.append([int(i) for i in idx])
-                    if raise_at == (len(windows), len(current) - 1):
-                        raise_at = None
-                        raise Dropped
-                    probe.after_backward(accel, model, len(windows))
-                    if not after_block:
-                        clip()
-                        opt.step()
-                        sched.step()
-                        sched_calls += 1
-                        if not zero_grad_first:
-                            opt.zero_grad()
+                run.block(x, y, idx)
             except Dropped:
                 opt.step()  # a stray step after the error must apply nothing
                 sched.step()
-                dropped.append(current)
-                current = []
+                run.drop()
                 continue
             probe.after_block(accel, model)
-            if after_block:
-                clip()
-                opt.step()
-                sched.step()
-                sched_calls += 1
-                opt.zero_grad()
+            if loop.calls == "after_block":
+                run.optimizer_calls(zero_grad=True)
             if accel.sync_gradients:  # after the block: this micro-step's decision
-                sizes.append(len(current))
-                windows.append(current)
-                current = []
-                lrs.append(float(sched.get_last_lr()[0]))
-                probe.window_end(accel)
+                run.end_window()
     records = []
     if accel.audit is not None:
         records = [r.to_dict() for r in accel.audit.records[audit_start:]]
     return {
         "state": to_lists(accel.get_state_dict(model)),
-        "windows": windows,
-        "sizes": sizes,
-        "norms": norms,
-        "lrs": lrs,
+        "windows": run.windows,
+        "sizes": run.sizes,
+        "norms": run.norms,
+        "lrs": run.lrs,
         "optimizer_steps": accel.optimizer_steps,
-        "scheduler_calls": sched_calls,
+        "scheduler_calls": run.sched_calls,
         "scheduler_last_epoch": int(sched.last_epoch),
         "audit": records,
         "policy": accel.sync_policy,
-        "dropped": dropped,
+        "dropped": run.dropped,
         **probe.finish(accel, model, sched),
     }
 

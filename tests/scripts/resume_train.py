@@ -131,9 +131,9 @@ def main() -> None:
     train(args, args.mode)
 
 
-def train(args: argparse.Namespace, mode: str) -> None:
-    out = Path(args.out)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+def make_accelerator(args: argparse.Namespace, mode: str, out: Path) -> Accelerator:
+    """The Accelerator of ``mode``: k=4 (or ``--global-batch-size``'s sizes), ZeRO-2 for
+    DeepSpeed, and ``save_on_sigterm`` into ``OUT/ckpt`` when a run is to get SIGTERM."""
     options: dict[str, Any] = {}
     if args.backend == "deepspeed":
         options["deepspeed_config"] = {"zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
@@ -144,13 +144,95 @@ def train(args: argparse.Namespace, mode: str) -> None:
         sizes = {}
     elif args.global_batch_size is not None:
         sizes = {"global_batch_size": args.global_batch_size, "micro_batch_size": 2}
-    accel = Accelerator(
+    return Accelerator(
         backend=args.backend,
         **sizes,
         seed=0,
         sync_policy=args.policy,
         **options,
     )
+
+
+def planned_kill(kill: str | None, attempt: int, rec: Recorder) -> tuple[int, int]:
+    """This attempt's entry of ``--kill``: (rank, micro-step) of a SIGKILL after a micro-step,
+    or (-1, -1) with ``rec`` set to die in the save (``save:MICRO``) or when there is none."""
+    kills = [k.split(":") for k in kill.split(",")] if kill else []
+    kill_rank, kill_at = (-1, -1)
+    if attempt < len(kills):
+        who, at = kills[attempt]
+        if who == "save":
+            rec.die_in_save_at = int(at)
+        else:
+            kill_rank, kill_at = int(who), int(at)
+    return kill_rank, kill_at
+
+
+def log_window(out: Path, accel: Accelerator, attempt: int, window: list[list[int]]) -> None:
+    """Append the window just applied to ``OUT/windows_rank{r}.jsonl`` (``--log-windows``)."""
+    line = {
+        "attempt": attempt,
+        "world": accel.world_size,
+        "step": accel.optimizer_steps,
+        "window": window,
+    }
+    with open(out / f"windows_rank{accel.rank}.jsonl", "a") as log:
+        log.write(json.dumps(line) + "\n")
+
+
+def reshard_done(args: argparse.Namespace, accel: Accelerator, rec: Recorder, out: Path) -> bool:
+    """At ``--reshard-at``: save the boundary checkpoint in ``OUT/reshard`` and end (True)."""
+    if args.reshard_at is None or rec.micro != args.reshard_at:
+        return False
+    assert accel.sync_gradients, "--reshard-at must be a boundary"
+    accel.save_state(out / "reshard")
+    (out / f"reshard_rank{accel.rank}.json").write_text(json.dumps(rec.state_dict()))
+    accel.end()
+    return True
+
+
+def save_if_due(args: argparse.Namespace, accel: Accelerator, rec: Recorder, root: Path) -> None:
+    """Every ``--save-every`` micro-steps (boundaries only with ``--boundary-only``) a save
+    into ``root``, every other one in the background."""
+    at_boundary = accel.sync_gradients
+    if rec.micro % args.save_every == 0 and (at_boundary or not args.boundary_only):
+        background = (rec.micro // args.save_every) % 2 == 1
+        accel.save_state(root / f"micro-{rec.micro:04d}", keep_last=2, background=background)
+
+
+def kill_if_planned(
+    args: argparse.Namespace,
+    accel: Accelerator,
+    rec: Recorder,
+    first_attempt: bool,
+    kill_rank: int,
+    kill_at: int,
+) -> None:
+    """``--kill-node`` (first attempt) and ``--kill``'s SIGKILL, each once every rank waited
+    for the checkpoint in flight; ``--sigterm-at``'s SIGTERM (first attempt)."""
+    if args.kill_node and first_attempt:
+        node_rank, node_at = (int(v) for v in args.kill_node.split(":"))
+        if rec.micro == node_at:
+            accel.wait_for_checkpoint()  # on every rank (collective)
+            if accel.rank == node_rank:  # the agent first: nothing restarts this node
+                os.kill(os.getppid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+    if rec.micro == kill_at:
+        accel.wait_for_checkpoint()  # on every rank (collective)
+        if accel.rank == kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+    if (
+        first_attempt
+        and args.sigterm_at is not None
+        and rec.micro == args.sigterm_at
+        and args.sigterm_rank in (None, accel.rank)
+    ):
+        os.kill(os.getpid(), signal.SIGTERM)  # saved and stopped at the next window
+
+
+def train(args: argparse.Namespace, mode: str) -> None:
+    out = Path(args.out)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    accel = make_accelerator(args, mode, out)
     model = DropNet(args.dropout)
     opt = make_optimizer(model.parameters(), "sgd", 0.05)
     sched = make_scheduler(opt)
@@ -168,14 +250,7 @@ def train(args: argparse.Namespace, mode: str) -> None:
         if ckpt is not None:
             accel.load_state(ckpt)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    kills = [k.split(":") for k in args.kill.split(",")] if args.kill else []
-    kill_rank, kill_at = (-1, -1)
-    if attempt < len(kills):
-        who, at = kills[attempt]
-        if who == "save":
-            rec.die_in_save_at = int(at)
-        else:
-            kill_rank, kill_at = int(who), int(at)
+    kill_rank, kill_at = planned_kill(args.kill, attempt, rec)
     for _epoch in range(loader.epoch, args.epochs):
         for x, y, idx in loader:
             with accel.accumulate(model):
@@ -189,47 +264,14 @@ def train(args: argparse.Namespace, mode: str) -> None:
             if accel.sync_gradients:
                 rec.windows.append(rec.current)
                 if args.log_windows and mode == "run":
-                    line = {
-                        "attempt": attempt,
-                        "world": accel.world_size,
-                        "step": accel.optimizer_steps,
-                        "window": rec.current,
-                    }
-                    with open(out / f"windows_rank{accel.rank}.jsonl", "a") as log:
-                        log.write(json.dumps(line) + "\n")
+                    log_window(out, accel, attempt, rec.current)
                 rec.current = []
             if mode != "run":
                 continue
-            if args.reshard_at is not None and rec.micro == args.reshard_at:
-                assert accel.sync_gradients, "--reshard-at must be a boundary"
-                accel.save_state(out / "reshard")
-                (out / f"reshard_rank{accel.rank}.json").write_text(json.dumps(rec.state_dict()))
-                accel.end()
+            if reshard_done(args, accel, rec, out):
                 return
-            at_boundary = accel.sync_gradients
-            if rec.micro % args.save_every == 0 and (at_boundary or not args.boundary_only):
-                background = (rec.micro // args.save_every) % 2 == 1
-                accel.save_state(
-                    root / f"micro-{rec.micro:04d}", keep_last=2, background=background
-                )
-            if args.kill_node and first_attempt:
-                node_rank, node_at = (int(v) for v in args.kill_node.split(":"))
-                if rec.micro == node_at:
-                    accel.wait_for_checkpoint()  # on every rank (collective)
-                    if accel.rank == node_rank:  # the agent first: nothing restarts this node
-                        os.kill(os.getppid(), signal.SIGKILL)
-                        os.kill(os.getpid(), signal.SIGKILL)
-            if rec.micro == kill_at:
-                accel.wait_for_checkpoint()  # on every rank (collective)
-                if accel.rank == kill_rank:
-                    os.kill(os.getpid(), signal.SIGKILL)
-            if (
-                first_attempt
-                and args.sigterm_at is not None
-                and rec.micro == args.sigterm_at
-                and args.sigterm_rank in (None, accel.rank)
-            ):
-                os.kill(os.getpid(), signal.SIGTERM)  # saved and stopped at the next window
+            save_if_due(args, accel, rec, root)
+            kill_if_planned(args, accel, rec, first_attempt, kill_rank, kill_at)
             if first_attempt and args.stop is not None and rec.micro == args.stop:
                 accel.end()
                 return

@@ -23,7 +23,7 @@ from gradsync import cli
 from gradsync.compat import accelerate as ac
 from gradsync.config import from_env, load_config, read_yaml
 from gradsync.errors import ConfigError
-from gradsync.launch.torchrun import LaunchConfig, Launcher
+from gradsync.launch import LaunchConfig, Launcher
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "accelerate"
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "report_rank.py")

@@ -18,9 +18,9 @@ import pytest
 from gradsync import _environment as environment
 from gradsync import cli
 from gradsync.errors import ConfigError
+from gradsync.launch import LaunchConfig, Launcher, signals
 from gradsync.launch import cluster as scheduler
-from gradsync.launch import signals
-from gradsync.launch.torchrun import LaunchConfig, Launcher, torchrun_namespace
+from gradsync.launch.config import torchrun_namespace
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "report_rank.py")
 

@@ -19,7 +19,7 @@ import pytest
 from gradsync._declaration import Setting, to_text
 from gradsync.cli import build_parser, launch_config
 from gradsync.config import Config, env_vars, from_env, from_yaml, load_config
-from gradsync.launch.torchrun import LaunchConfig, Launcher
+from gradsync.launch import LaunchConfig, Launcher
 from gradsync.settings import CORE_SETTINGS, LAUNCH_SETTINGS, SETTINGS, reference_markdown
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "report_rank.py")

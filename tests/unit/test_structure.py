@@ -265,3 +265,46 @@ def test_after_import_calls_back_at_once_for_an_imported_module_and_later_for_an
     assert seen == ["json", "gradsync_probe_module=3"]
     assert not any(type(f).__name__ == "_AfterImport" for f in sys.meta_path)
     monkeypatch.delitem(sys.modules, "gradsync_probe_module")
+
+
+#: The most code lines a module of the package may hold (docstrings, comments and blank
+#: lines not counted): a longer one is split by what it does.
+MODULE_CODE_LINES = 450
+
+
+def code_lines(source: str) -> int:
+    """Lines holding code: not blank, not only a comment, not part of a docstring."""
+    import io
+    import tokenize
+
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            first = body[0] if body else None
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                docstrings.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    lines: set[int] = set()
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in skip and tok.type != tokenize.ENDMARKER:
+            lines.update(n for n in range(tok.start[0], tok.end[0] + 1) if n not in docstrings)
+    return len(lines)
+
+
+def test_every_module_is_within_its_code_line_budget():
+    over = {
+        str(path.relative_to(SRC)): n
+        for path in SRC.rglob("*.py")
+        if (n := code_lines(path.read_text())) > MODULE_CODE_LINES
+    }
+    assert over == {}, f"modules over {MODULE_CODE_LINES} code lines (split them): {over}"
+
+
+def test_the_line_count_skips_docstrings_comments_and_blank_lines():
+    source = '"""Doc\nstring."""\n\n# a comment\nx = 1  # a comment after code\n\n\ndef f():\n    """Doc."""\n    return (\n        x\n    )\n'
+    assert code_lines(source) == 5  # x = 1; def f(); return (; x; )

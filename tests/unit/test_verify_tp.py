@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from gradsync.verify.recorder import batches_file, mismatched_readers, readers
+from gradsync.verify.records import batches_file, mismatched_readers, readers
 
 
 def _record(folder, rank, batches):

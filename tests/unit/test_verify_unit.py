@@ -11,7 +11,8 @@ import torch
 from gradsync.config import load_config
 from gradsync.errors import ConfigError
 from gradsync.verify.recorder import ReplayExhausted, ReplayLoader
-from gradsync.verify.runner import compare, param_difference, verify
+from gradsync.verify.runner import verify
+from gradsync.verify.verdict import compare, param_difference
 
 
 def _pass(rank, n, exhausted=True):
