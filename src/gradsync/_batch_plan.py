@@ -81,7 +81,7 @@ class BatchPlan:
                 raise ConfigError(
                     f"global_batch_size={g} is not divisible by micro_batch_size x world size "
                     f"= {m} x {world} = {per_step}; choose a global batch size that is a multiple "
-                    f"of {per_step} (e.g. {max(1, g // per_step) * per_step})"
+                    f"of {per_step} (e.g. {max(1, g // per_step) * per_step}){_worlds_that_keep(g, m)}"
                 )
             derived = g // per_step
             if k is not None and k != derived:
@@ -120,6 +120,16 @@ class BatchPlan:
             f"micro_batch_size={m} x gradient_accumulation_steps={self.gradient_accumulation_steps} "
             f"x data_parallel_size={self.data_parallel_size} = global_batch_size={g}"
         )
+
+
+def _worlds_that_keep(global_batch: int, micro: int) -> str:
+    """The data-parallel sizes on which ``global_batch`` stays whole with micro-batches of
+    ``micro`` (an elastic job resumed on another world: which sizes would keep it)."""
+    if global_batch % micro:
+        return ""
+    sizes = [w for w in range(1, global_batch // micro + 1) if (global_batch // micro) % w == 0]
+    shown = ", ".join(map(str, sizes[:8])) + (", ..." if len(sizes) > 8 else "")
+    return f", or run on {shown} data-parallel processes to keep it"
 
 
 def solve_with_schedule(

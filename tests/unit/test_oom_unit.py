@@ -243,3 +243,12 @@ def test_an_elastic_launch_leaves_k_to_the_world_that_joined(tmp_path, monkeypat
     for name, value in env.items():  # a worker of a restart on one process
         monkeypatch.setenv(name, value)
     assert Accelerator().gradient_accumulation_steps == 4
+
+
+def test_a_world_that_cannot_keep_the_global_batch_names_those_that_can():
+    """Resumed (or restarted by an elastic agent) on 3 processes, a global batch of 16 in
+    micro-batches of 2 cannot stay whole: one line names the world sizes that keep it."""
+    from gradsync._batch_plan import BatchPlan
+
+    with pytest.raises(ConfigError, match=r"or run on 1, 2, 4, 8 data-parallel processes"):
+        BatchPlan.solve(data_parallel_size=3, global_batch_size=16, micro_batch_size=2)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -108,28 +109,64 @@ def test_the_canary_runs_only_above_the_tested_range(tmp_path, monkeypatch):
     canary.refuse("a mid-window save", partial=True)  # nothing failed: nothing refused
 
 
-def test_a_failed_canary_refuses_mid_window_saves_and_dropped_windows_on_fsdp(
-    tmp_path, monkeypatch, clean_env
-):
-    """End to end on a one-rank FSDP2 Accelerator: the untested torch warns, the broken field
-    is found, a save inside a window and a dropped window are refused in one line, and a save
-    at a boundary still works."""
+def _one_rank_fsdp(tmp_path: Path) -> tuple[Any, Any, Any, Any]:
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    monkeypatch.setattr(_torch_range, "NEWEST", "2.0")
-    monkeypatch.setattr(_fsdp_compat, "put_window_grads", lambda *args: None)
     accel = gradsync.Accelerator(backend="fsdp", sync_policy="defer", gradient_accumulation_steps=2)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
-    with pytest.warns(UserWarning, match="unsharded gradients of a deferred window"):
+    with pytest.warns(UserWarning, match="newer than the releases gradsync was tested on"):
         model, opt, loader = accel.prepare(model, opt, DataLoader(data, batch_size=2))
+    return accel, model, opt, loader
+
+
+def test_a_failed_canary_refuses_mid_window_saves_and_dropped_windows_on_fsdp(
+    tmp_path, monkeypatch, clean_env
+):
+    """End to end on a one-rank FSDP2 Accelerator: the untested torch warns at prepare, which
+    runs no check; the first save inside a window runs it, finds the broken field, and that
+    save and a later dropped window are refused in one line; a save at a boundary still works."""
+    monkeypatch.setattr(_torch_range, "NEWEST", "2.0")
+    monkeypatch.setattr(_fsdp_compat, "put_window_grads", lambda *args: None)
+    accel, model, _opt, loader = _one_rank_fsdp(tmp_path)
+    assert accel._backend._canary.failed is None  # nothing checked at prepare
     batches = iter(loader)
     x, y = next(batches)
     with accel.accumulate(model):
         accel.backward(torch.nn.functional.mse_loss(model(x), y))
-    with pytest.raises(RuntimeError, match=r"a mid-window save is not available on torch") as err:
+    with (
+        pytest.warns(UserWarning, match="unsharded gradients of a deferred window"),
+        pytest.raises(RuntimeError, match=r"a mid-window save is not available on torch") as err,
+    ):
         accel.save_state(str(tmp_path / "ckpt"))
     assert "\n" not in str(err.value)
     with pytest.raises(RuntimeError, match=r"^dropping a window is not available on torch"):
         with accel.accumulate(model):
             raise ValueError("the user's block failed")
+    for x, y in batches:  # a window that closes saves as usual
+        with accel.accumulate(model):
+            accel.backward(torch.nn.functional.mse_loss(model(x), y))
+        if accel.sync_gradients:
+            accel.save_state(str(tmp_path / "boundary"))
+            break
+    assert (tmp_path / "boundary" / "gradsync_checkpoint.json").exists()
+
+
+def test_a_drop_before_any_check_is_refused_when_it_leaves_gradients(
+    tmp_path, monkeypatch, clean_env
+):
+    """A window dropped before any check ran (a drop need not be on every rank at once, so it
+    runs no collective): what gradsync cleared must read as empty on the untested torch."""
+    monkeypatch.setattr(_torch_range, "NEWEST", "2.0")
+    accel, model, _opt, loader = _one_rank_fsdp(tmp_path)
+    x, y = next(iter(loader))
+    with pytest.raises(ValueError, match="the block failed"):  # clearing works: dropped
+        with accel.accumulate(model):
+            accel.backward(torch.nn.functional.mse_loss(model(x), y))
+            raise ValueError("the block failed")
+    monkeypatch.setattr(_fsdp_compat, "clear_unsharded_grads", lambda model: None)
+    with pytest.raises(RuntimeError, match=r"^dropping a window is not available on torch"):
+        with accel.accumulate(model):
+            accel.backward(torch.nn.functional.mse_loss(model(x), y))
+            raise ValueError("the block failed")
+    assert accel._backend._canary.failed is None

@@ -1,7 +1,8 @@
 """A check, on a torch newer than the tested range, that FSDP2's private state still means
 what ``_fsdp_compat`` relies on, before a user's run depends on it.
 
-It runs once per process, at the first FSDP2 prepare, on a tiny module sharded over the same
+It runs once per process, when a save inside a window (or the load of one) first needs it,
+on every rank together (nothing at prepare), on a tiny module sharded over the same
 mesh as the user's model (every rank runs the same steps, so its collectives match): a
 deferred window's gradients are saved, cleared and given to a freshly sharded copy, and the
 boundary must reduce the whole window's gradients (known in closed form); on a 2-D mesh the same
@@ -114,12 +115,13 @@ def check(mesh: DeviceMesh, device: torch.device) -> list[str]:
 
 
 class Canary:
-    """Runs ``check`` once, on a torch newer than the tested range only, and says what it
-    found: one warning on the main process, and the refusal of a feature that needs what did
-    not hold."""
+    """Runs ``check`` once, on a torch newer than the tested range only, when a feature that
+    needs it is first used on every rank together (a save inside a window, or the load of
+    one): nothing at prepare. It says what it found: one warning on the main process, and
+    the refusal of a feature that needs what did not hold."""
 
     def __init__(self) -> None:
-        self.failed: list[str] | None = None  # None: not run (a tested torch)
+        self.failed: list[str] | None = None  # None: not run (a tested torch, or not yet)
         self.seconds = 0.0
 
     def run(self, mesh: DeviceMesh, device: torch.device) -> None:
@@ -141,8 +143,28 @@ class Canary:
         needed = [WINDOW_GRADS] + ([PARTIAL_BUFFERS] if partial else [])
         broken = [what for what in needed if what in (self.failed or [])]
         if broken:
-            raise RuntimeError(
-                f"{feature} is not available on torch {torch.__version__}: gradsync's check of "
-                f"{broken[0]} did not hold (gradsync supports torch {_torch_range.supported()}); "
-                f"install torch {_torch_range.NEWEST} or save at a window boundary"
-            )
+            raise _refusal(feature, broken[0])
+
+    def refuse_uncleared(self, models: list[nn.Module], *, partial: bool) -> None:
+        """After a dropped window was cleared, on a torch newer than the tested range whose
+        check has not run (a drop need not happen on every rank at once, so it runs no
+        collective): what gradsync cleared must read as empty, else the drop is refused."""
+        if self.failed is not None or not _torch_range.above(torch.__version__):
+            return
+        left = []
+        for model in models:
+            if isinstance(model, FSDPModule):
+                if any(g is not None for g in _fsdp_compat.window_grads(model)):
+                    left.append(WINDOW_GRADS)
+                if partial and any(b is not None for b in _fsdp_compat.partial_buffers(model)):
+                    left.append(PARTIAL_BUFFERS)
+        if left:
+            raise _refusal("dropping a window", left[0])
+
+
+def _refusal(feature: str, what: str) -> RuntimeError:
+    return RuntimeError(
+        f"{feature} is not available on torch {torch.__version__}: gradsync's check of "
+        f"{what} did not hold (gradsync supports torch {_torch_range.supported()}); "
+        f"install torch {_torch_range.NEWEST} or save at a window boundary"
+    )

@@ -103,7 +103,7 @@ class FSDPBackend(AdapterDefaults):
         self._world_mesh: DeviceMesh | None = None
         self._tp_plan: Any = None
         self._data: dist.DataParallel | None = None
-        self._canary = _fsdp_canary.Canary()  # runs on a torch newer than the tested range
+        self._canary = _fsdp_canary.Canary()  # on a torch newer than the tested range
 
     def setup(self, config: Config) -> None:
         refuse_native(config.sync_policy, self.name)
@@ -312,8 +312,6 @@ class FSDPBackend(AdapterDefaults):
                     ]
         else:
             _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
-        if not isinstance(model, FSDP1):  # FSDP2's private state: checked on an untested torch
-            self._canary.run(self._mesh, self._device)  # type: ignore[arg-type]
         if not is_frozen(model):  # a frozen model is sharded for its forward only
             self._decide(model)
         if isinstance(model, FSDPModule):  # its own state dict holds DTensor shards
@@ -439,6 +437,11 @@ class FSDPBackend(AdapterDefaults):
                 _fsdp_compat.clear_unsharded_grads(model)
                 if self.keep != "no":  # the window kept its parameters gathered: free them
                     _fsdp_compat.reshard(model)
+        if self.policy != "every_step":
+            self._canary.refuse_uncleared(
+                [_torch_compat.uncompiled(m) for m in models],
+                partial=self.policy == "defer_replicate",
+            )
 
     def clip_grad_norm_(
         self,
@@ -493,7 +496,8 @@ class FSDPBackend(AdapterDefaults):
         *,
         window_open: bool,
     ) -> None:
-        if window_open and self.policy != "every_step":
+        if window_open and self.policy != "every_step":  # every rank saves together
+            self._canary.run(self._mesh, self._device)  # type: ignore[arg-type]
             self._canary.refuse("a mid-window save", partial=self.policy == "defer_replicate")
         _fsdp_checkpoint.save(
             path, models, optimizers, window_open=window_open, device=self._device
@@ -508,6 +512,11 @@ class FSDPBackend(AdapterDefaults):
         window_open: bool,
         trusted: bool = False,
     ) -> None:
+        if window_open and self.policy != "every_step":  # every rank loads together
+            self._canary.run(self._mesh, self._device)  # type: ignore[arg-type]
+            self._canary.refuse(
+                "resuming inside a window", partial=self.policy == "defer_replicate"
+            )
         _fsdp_checkpoint.load(
             path,
             models,
