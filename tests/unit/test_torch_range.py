@@ -164,7 +164,8 @@ def test_a_drop_before_any_check_is_refused_when_it_leaves_gradients(
         with accel.accumulate(model):
             accel.backward(torch.nn.functional.mse_loss(model(x), y))
             raise ValueError("the block failed")
-    monkeypatch.setattr(_fsdp_compat, "clear_unsharded_grads", lambda model: None)
+    for clearing in ("reset_iter_state", "clear_unsharded_grads", "reshard"):  # none clears
+        monkeypatch.setattr(_fsdp_compat, clearing, lambda model: None)
     with pytest.raises(RuntimeError, match=r"^dropping a window is not available on torch"):
         with accel.accumulate(model):
             accel.backward(torch.nn.functional.mse_loss(model(x), y))
