@@ -39,6 +39,7 @@ from gradsync import mesh as nd_mesh
 from gradsync._batch_plan import BatchPlan
 from gradsync.backends import (
     _amp,
+    _compression,
     _fsdp_canary,
     _fsdp_checkpoint,
     _fsdp_compat,
@@ -92,6 +93,7 @@ class FSDPBackend(AdapterDefaults):
         # Copied from the Config at setup (the adapter keeps no reference to it).
         self._asked: RequestedPolicy = "auto"
         self._bf16 = False  # bf16 through FSDP2's MixedPrecisionPolicy
+        self._reduce: torch.dtype | None = None  # comm_hook's reduce dtype (None: as computed)
         self._wrap: Any = None
         self._budget: tuple[int | None, str] = (None, "sync_memory_budget")
         self._keep_option: bool | None = None  # fsdp_keep_params_in_window
@@ -148,6 +150,8 @@ class FSDPBackend(AdapterDefaults):
             timeout=config.timeout,
         )
         self._device = _group.local_device()
+        hook = _compression.supported(config, self.name, ("fp16", "bf16"), "reduce_dtype")
+        self._reduce = _compression.half_dtype(hook, self._device)
         if self._dims is not None:
             self._mesh = self._build_nd_mesh(self._dims)
         else:
@@ -311,7 +315,8 @@ class FSDPBackend(AdapterDefaults):
                         sharded[names[id(p)]] if id(p) in names else p for p in group["params"]
                     ]
         else:
-            _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
+            hooked = ("comm_hook",) if self._reduce is not None else ()
+            _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile, hooked)
         if not isinstance(model, FSDP1):  # FSDP2's private state: checked on an untested torch
             self._canary.run(self._mesh, self._device)  # type: ignore[arg-type]
         if not is_frozen(model):  # a frozen model is sharded for its forward only
@@ -332,10 +337,8 @@ class FSDPBackend(AdapterDefaults):
             assert self._world_mesh is not None
             _tensor_parallel.apply(model, plan, self._world_mesh["tp"])
         kwargs: dict[str, Any] = {"mesh": self._mesh}
-        if self._bf16:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-            )
+        if self._bf16 or self._reduce is not None:
+            kwargs["mp_policy"] = self._mp_policy(root=False)
         # Checkpointing, then compiling, happen to the blocks before they are sharded.
         _modules.checkpoint_modules(model, self._checkpointing)
         units = select_units(model, self._wrap)
@@ -343,11 +346,20 @@ class FSDPBackend(AdapterDefaults):
             _modules.compile_in_place(unit, self._compile)
         for unit in units:
             fully_shard(unit, **kwargs)
-        if "mp_policy" in kwargs:  # the user's loss sees fp32 outputs, as without bf16
-            kwargs["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
-            )
+        if "mp_policy" in kwargs:
+            kwargs["mp_policy"] = self._mp_policy(root=True)
         fully_shard(model, **kwargs)
+
+    def _mp_policy(self, *, root: bool) -> MixedPrecisionPolicy:
+        """bf16 compute (the root's outputs in fp32: the user's loss sees fp32, as without
+        bf16); the gradients reduced in comm_hook's dtype (the reduce-scatter and, on HSDP,
+        the all-reduce across the replicas), else in fp32."""
+        bf16 = torch.bfloat16 if self._bf16 else None
+        return MixedPrecisionPolicy(
+            param_dtype=bf16,
+            reduce_dtype=self._reduce or torch.float32,
+            output_dtype=torch.float32 if root and bf16 else None,
+        )
 
     def _decide(self, model: nn.Module) -> None:
         world = dist.world_size()
