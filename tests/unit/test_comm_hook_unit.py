@@ -52,7 +52,7 @@ def test_a_bad_value_is_one_line_naming_the_fix(clean_env, kwargs, words):
 
 
 def test_an_enum_member_and_any_case_are_the_hook_they_name(clean_env):
-    class HookType(str, enum.Enum):  # Accelerate's DDPCommunicationHookType is such an enum
+    class HookType(str, enum.Enum):  # as gradsync.accelerate's DDPCommunicationHookType
         POWER_SGD = "power_sgd"
 
     config = _config(comm_hook=HookType.POWER_SGD, comm_wrapper="FP16")
@@ -185,3 +185,70 @@ def test_a_dropped_window_puts_every_part_of_the_state_back():
     assert torch.equal(state.error_dict[0], torch.ones(3))
     assert torch.equal(state.p_memory_dict[0], torch.ones(2))
     assert state.rng.randint(1_000_000) == draw
+
+
+# -- gradsync.accelerate: Accelerate's DistributedDataParallelKwargs and hook names ---------
+def test_accelerates_hook_names_import_from_both_modules():
+    from gradsync.accelerate import DDPCommunicationHookType as top
+    from gradsync.accelerate.utils import DDPCommunicationHookType
+
+    assert top is DDPCommunicationHookType
+    assert DDPCommunicationHookType.list() == [
+        "no",
+        "fp16",
+        "bf16",
+        "power_sgd",
+        "batched_power_sgd",
+    ]
+    assert str(DDPCommunicationHookType("power_sgd")) == "power_sgd"
+
+
+@pytest.mark.parametrize(
+    "given, settings",
+    [
+        ({}, {}),
+        ({"comm_hook": "FP16"}, {"comm_hook": "fp16"}),
+        (  # Accelerate registers nothing for "no", whatever the wrapper and options say
+            {"comm_wrapper": "FP16", "comm_state_option": {"warm_start": False}},
+            {},
+        ),
+        (  # the options reach only PowerSGD (Accelerate builds its state for it alone)
+            {"comm_hook": "FP16", "comm_state_option": {"warm_start": False}},
+            {"comm_hook": "fp16"},
+        ),
+        (
+            {
+                "comm_hook": "POWER_SGD",
+                "comm_wrapper": "BF16",
+                "comm_state_option": {"matrix_approximation_rank": 2},
+            },
+            {
+                "comm_hook": "power_sgd",
+                "comm_wrapper": "bf16",
+                "comm_state_option": {"matrix_approximation_rank": 2},
+            },
+        ),
+    ],
+)
+def test_ddp_kwargs_hook_fields_become_the_settings(clean_env, given, settings):
+    from gradsync.accelerate.config import translate
+    from gradsync.accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+    fields = {
+        k: DDPCommunicationHookType[v] if k != "comm_state_option" else v for k, v in given.items()
+    }
+    handler = DistributedDataParallelKwargs(bucket_cap_mb=50, **fields)
+    out = translate(
+        split_batches=None,
+        cpu=False,
+        dataloader_config=None,
+        project_dir=None,
+        project_config=None,
+        gradient_accumulation_steps=1,
+        gradient_accumulation_plugin=None,
+        kwargs_handlers=[handler],
+        dynamo_backend=None,
+    ).settings
+    assert out.pop("ddp_kwargs") == {"bucket_cap_mb": 50}  # DDP's own arguments only
+    assert out == settings
+    load_config(environ={}, backend="ddp", **out)  # and gradsync takes them
