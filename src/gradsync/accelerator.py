@@ -39,6 +39,8 @@ from gradsync.errors import UsageError, naming_collective
 from gradsync.rules import GRADSYNC, Rules
 from gradsync.settings import (
     AccumulationSteps,
+    CommHook,
+    CommWrapper,
     CompileOption,
     ItemCounter,
     MixedPrecision,
@@ -116,6 +118,16 @@ class Accelerator:
             ``accumulate`` on any rank drops the window on every rank, halves the micro-batch,
             doubles k and runs the window again from its first sample (the global batch and
             the data order are kept). ddp, fsdp, fairscale and single; refused with deepspeed.
+        comm_hook: compress the gradient sync (Accelerate's values): ``"no"`` (default),
+            ``"fp16"`` or ``"bf16"`` (the gradients sent in that dtype: a DDP communication
+            hook, FSDP2's ``reduce_dtype``, DeepSpeed's ``communication_data_type``),
+            ``"power_sgd"`` or ``"batched_power_sgd"`` (DDP: a low-rank approximation with
+            error feedback, whose state is saved in checkpoints). Under ``sync_policy="defer"``
+            it runs at the boundary only. Refused in one line where a backend cannot run it.
+        comm_wrapper: with a PowerSGD ``comm_hook``: ``"fp16"`` or ``"bf16"`` sends its
+            matrices in that dtype (default ``"no"``).
+        comm_state_option: PowerSGD's options, e.g. ``{"matrix_approximation_rank": 2,
+            "start_powerSGD_iter": 10}`` (the keywords of torch's ``PowerSGDState``).
         config_file: a YAML (or JSON) file of settings (default: ``GRADSYNC_CONFIG``).
         **options: a backend's options: ``ddp_kwargs``, ``find_unused_parameters`` (ddp);
             ``fsdp_wrap``, ``fsdp_keep_params_in_window``, ``fsdp_reshard_after_backward``,
@@ -163,38 +175,16 @@ class Accelerator:
         project_dir: str | os.PathLike[str] | None = None,
         track_window_loss: bool | None = None,
         on_oom: OnOom | None = None,
+        comm_hook: CommHook | None = None,
+        comm_wrapper: CommWrapper | None = None,
+        comm_state_option: dict[str, Any] | None = None,
         config_file: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
-        self.config: Config = load_config(
-            config_file=config_file,
-            backend=backend,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            micro_batch_size=micro_batch_size,
-            global_batch_size=global_batch_size,
-            sync_policy=sync_policy,
-            mixed_precision=mixed_precision,
-            seed=seed,
-            audit=audit,
-            sync_with_dataloader=sync_with_dataloader,
-            count_items=count_items,
-            grad_scaler=grad_scaler,
-            activation_checkpointing=activation_checkpointing,
-            compile=compile,
-            self_check=self_check,
-            dataset_shards_itself=dataset_shards_itself,
-            sync_memory_budget=sync_memory_budget,
-            timeout=timeout,
-            save_on_sigterm=save_on_sigterm,
-            save_on_signal=save_on_signal,
-            save_signals=save_signals,
-            requeue=requeue,
-            log_with=log_with,
-            project_dir=project_dir,
-            track_window_loss=track_window_loss,
-            on_oom=on_oom,
-            **options,
-        )
+        # Every keyword above but config_file is a core setting (the settings' drift test
+        # checks the signature against the declarations): they go to load_config by name.
+        given = {k: v for k, v in locals().items() if k not in ("self", "config_file", "options")}
+        self.config: Config = load_config(config_file=config_file, **given, **options)
         self._p = assemble(self, self.config, self._rules)
         attach(self, self._p)  # the stop-on-signal check, and extensions (gradsync verify)
 

@@ -2,8 +2,9 @@
 
 Each setting is one dataclass field (name, type, default) whose metadata (``setting(...)``,
 see gradsync._declaration) holds its one-line doc, its ``gradsync launch`` flag and the backend
-it belongs to. The core settings are declared here; each backend's options next to its
-adapter (``gradsync/backends/<backend>_options.py``). ``Config`` joins them, and everything
+it belongs to. The core settings are declared here (the compression ones, which every backend
+maps onto its own mechanism, in ``gradsync/options/compression.py``); each backend's options
+next to its adapter (``gradsync/options/<backend>.py``). ``Config`` joins them, and everything
 else is derived from ``SETTINGS``: ``Config.validate``, the ``GRADSYNC_*`` variables and YAML
 keys (gradsync.config), the launcher's flags and ``LaunchConfig`` (gradsync.launch) and the
 reference table (``reference_markdown()``). No torch here.
@@ -29,6 +30,7 @@ from gradsync._declaration import (
 )
 from gradsync._util import check_positive_int
 from gradsync.errors import ConfigError
+from gradsync.options.compression import CommHook, CommWrapper, CompressionSettings
 from gradsync.options.ddp import DDPOptions
 from gradsync.options.deepspeed import DeepSpeedOptions
 from gradsync.options.fairscale import FairscaleOptions
@@ -46,6 +48,8 @@ __all__ = [
     "SETTINGS",
     "SYNC_POLICIES",
     "AccumulationSteps",
+    "CommHook",
+    "CommWrapper",
     "CompileOption",
     "Config",
     "CoreSettings",
@@ -471,7 +475,9 @@ class CoreSettings:
 
 # Core first: the backend options' checks may read the core settings.
 @dataclass
-class Config(FairscaleOptions, DeepSpeedOptions, FSDPOptions, DDPOptions, CoreSettings):
+class Config(
+    FairscaleOptions, DeepSpeedOptions, FSDPOptions, DDPOptions, CompressionSettings, CoreSettings
+):
     """Every gradsync setting (see ``SETTINGS``). Errors name the key, the value and the fix."""
 
     def validate(self) -> Config:

@@ -134,6 +134,42 @@ def test_a_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, backend):
     assert_bitwise(tmp_path)
 
 
+def test_power_sgd_resumes_bitwise_after_a_killed_rank(tmp_path):
+    """``--comm-hook power_sgd`` (compressing from the third optimizer step): each rank's
+    error feedback and warm-start matrices are in the checkpoint and follow the parameters
+    into the restarted workers' first DDP bucket layout. Killed after micro-steps 7 and 21;
+    both restarts resume mid-window (micro-steps 5 and 20)."""
+    proc = launch(
+        "--nproc_per_node",
+        "2",
+        "--standalone",
+        "--max_restarts",
+        "2",
+        *FORK,
+        "--comm-hook",
+        "power_sgd",
+        "--comm-state-option",
+        '{"start_powerSGD_iter": 2, "matrix_approximation_rank": 1}',
+        str(SCRIPT),
+        str(tmp_path),
+        "--backend",
+        "ddp",
+        "--with-reference",
+        "--kill",
+        "1:7,0:21",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
+    final = results(tmp_path, "final")
+    for r in final:
+        assert r["restarts"] == 2, r
+        assert Path(r["resumed_from"]).name == "micro-0020", r
+    kept = sorted((tmp_path / "ckpt").iterdir())  # the last two (keep_last=2)
+    assert kept and all(
+        {"comm_rank0.pt", "comm_rank1.pt"} <= {p.name for p in k.iterdir()} for k in kept
+    )
+    assert_bitwise(tmp_path)
+
+
 def test_sigterm_on_one_rank_saves_on_every_rank_and_the_job_resumes(tmp_path):
     """Only rank 1 gets SIGTERM (mid-window 2); both ranks agree, save step-2 when window 3
     starts and exit cleanly; a new launch resumes bitwise."""

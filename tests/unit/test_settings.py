@@ -31,6 +31,7 @@ VALID = {
     "fsdp_mesh": "node",
     "parallelism": {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "cp": 1},
     "tp_plan": "auto",
+    "comm_state_option": {"matrix_approximation_rank": 2},
 }
 
 
@@ -137,6 +138,8 @@ def test_every_flag_reaches_launch_config_and_the_workers(s, clean_env):
     companions = {
         "global_batch_size": ["--micro-batch-size", "1"],
         "fsdp_mesh": ["--backend", "fsdp"],
+        "comm_wrapper": ["--comm-hook", "power_sgd"],
+        "comm_state_option": ["--comm-hook", "power_sgd"],
         "parallelism": ["--backend", "fsdp", "--nproc-per-node", "4"],
     }.get(s.name, [])
     for spelling in sorted(spellings):

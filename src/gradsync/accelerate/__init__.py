@@ -17,6 +17,7 @@ from gradsync.accelerate.accelerator import GradientState as GradientState
 from gradsync.accelerate.config import (
     AutocastKwargs,
     DataLoaderConfiguration,
+    DDPCommunicationHookType,
     DistributedDataParallelKwargs,
     GradScalerKwargs,
     InitProcessGroupKwargs,
@@ -38,6 +39,7 @@ from gradsync.backends.kinds import DistributedType
 __all__ = [
     "Accelerator",
     "AutocastKwargs",
+    "DDPCommunicationHookType",
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",

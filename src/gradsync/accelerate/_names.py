@@ -14,7 +14,10 @@ SUPPORTED: dict[str, dict[str, str]] = {
         "DistributedType": "the same members, equal to Accelerate's (`TPU` kept as `XLA`'s old name)",
         "DataLoaderConfiguration": "`split_batches`, `even_batches`, `use_seedable_sampler`, "
         "`data_seed`; `dispatch_batches` and `use_stateful_dataloader` refused",
-        "DistributedDataParallelKwargs": "becomes `ddp_kwargs`",
+        "DistributedDataParallelKwargs": "becomes `ddp_kwargs`; its `comm_hook`, `comm_wrapper` and "
+        "`comm_state_option` become the settings of those names (fp16/bf16 also on FSDP2 and "
+        "DeepSpeed, PowerSGD on DDP only)",
+        "DDPCommunicationHookType": "the values of `comm_hook` and `comm_wrapper`",
         "InitProcessGroupKwargs": "its `timeout` becomes `timeout`",
         "GradScalerKwargs": "becomes `grad_scaler`",
         "AutocastKwargs": "accepted; autocast follows `mixed_precision`",
@@ -40,6 +43,7 @@ SUPPORTED: dict[str, dict[str, str]] = {
         "GradientAccumulationPlugin": "`num_steps`, `sync_with_dataloader`; `sync_each_batch` is "
         "`sync_policy='every_step'`",
         "DistributedDataParallelKwargs": "as above",
+        "DDPCommunicationHookType": "as above",
         "InitProcessGroupKwargs": "as above",
         "GradScalerKwargs": "as above",
         "AutocastKwargs": "as above",
@@ -102,7 +106,6 @@ REFUSED: dict[str, dict[str, str]] = {
         "FullyShardedDataParallelPlugin": "`Accelerator(backend='fsdp', fsdp_...=...)` or `gradsync launch --use_fsdp`",
         "ParallelismConfig": "`parallelism={'dp_replicate': R, 'dp_shard': S, 'tp': T}` on `backend='fsdp'` (gradsync.Accelerator also takes Accelerate's ParallelismConfig object there)",
         "ProfileKwargs": "`torch.profiler.profile(...)` around the loop",
-        "DDPCommunicationHookType": "register a communication hook on the prepared DDP model yourself",
     },
     "accelerate.utils": {
         "DummyOptim": "build the torch optimizer, or give DeepSpeed's optimizer in `deepspeed_config`",

@@ -3,13 +3,15 @@
 ``ProjectConfiguration``, ``DataLoaderConfiguration``, ``GradientAccumulationPlugin`` and the
 kwargs handlers (``DistributedDataParallelKwargs``, ``InitProcessGroupKwargs``,
 ``GradScalerKwargs``, ``AutocastKwargs``): the same fields and defaults, turned into
-gradsync settings by ``translate``.
+gradsync settings by ``translate``. ``DDPCommunicationHookType`` names the hooks of
+``DistributedDataParallelKwargs(comm_hook=...)``: gradsync's ``comm_hook`` setting.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,9 +74,30 @@ class KwargsHandler:
         }
 
 
+class DDPCommunicationHookType(str, enum.Enum):
+    """The values of ``comm_hook`` and ``comm_wrapper`` (gradsync's settings of those names)."""
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def list(cls) -> list[str]:
+        """Every value, as text."""
+        return [member.value for member in cls]
+
+
 @dataclass
 class DistributedDataParallelKwargs(KwargsHandler):
-    """DDP's constructor arguments (gradsync's ``ddp_kwargs``)."""
+    """DDP's constructor arguments (gradsync's ``ddp_kwargs``), and its communication hook:
+    ``comm_hook``, ``comm_wrapper`` and ``comm_state_option`` are gradsync's settings of those
+    names (a hook of "no" registers nothing, as in Accelerate, whatever the other two say;
+    the state options reach only a PowerSGD hook)."""
 
     dim: int = 0
     broadcast_buffers: bool = True
@@ -83,6 +106,22 @@ class DistributedDataParallelKwargs(KwargsHandler):
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    comm_hook: DDPCommunicationHookType | str = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType | str = DDPCommunicationHookType.NO
+    comm_state_option: dict[str, Any] = field(default_factory=dict)
+
+    def comm_settings(self) -> dict[str, Any]:
+        """The communication hook as gradsync settings (none for a hook of "no")."""
+        hook = str(getattr(self.comm_hook, "value", self.comm_hook))
+        if hook == "no":
+            return {}
+        out: dict[str, Any] = {"comm_hook": hook}
+        wrapper = str(getattr(self.comm_wrapper, "value", self.comm_wrapper))
+        if wrapper != "no":
+            out["comm_wrapper"] = wrapper
+        if self.comm_state_option and hook in ("power_sgd", "batched_power_sgd"):
+            out["comm_state_option"] = dict(self.comm_state_option)
+        return out
 
 
 @dataclass
@@ -125,7 +164,11 @@ class Translated:
 def _handlers(handlers: list[Any], out: dict[str, Any]) -> None:
     for handler in handlers:
         if isinstance(handler, DistributedDataParallelKwargs):
-            out["ddp_kwargs"] = handler.to_kwargs()
+            kwargs = handler.to_kwargs()
+            for name in ("comm_hook", "comm_wrapper", "comm_state_option"):
+                kwargs.pop(name, None)
+            out["ddp_kwargs"] = kwargs
+            out.update(handler.comm_settings())
         elif isinstance(handler, InitProcessGroupKwargs):
             if handler.timeout is not None:
                 out["timeout"] = handler.timeout.total_seconds()

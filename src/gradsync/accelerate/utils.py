@@ -20,6 +20,7 @@ from gradsync.accelerate._names import refuse
 from gradsync.accelerate.config import (
     AutocastKwargs,
     DataLoaderConfiguration,
+    DDPCommunicationHookType,
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
     GradScalerKwargs,
@@ -33,6 +34,7 @@ from gradsync.seeding import set_seed
 
 __all__ = [
     "AutocastKwargs",
+    "DDPCommunicationHookType",
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",

@@ -86,3 +86,15 @@ def start_window_again(model: torch.nn.parallel.DistributedDataParallel) -> None
     reset = getattr(model.reducer, "_reset_state", None)
     if callable(reset):
         reset()
+
+
+def bf16_hooks_run() -> bool:
+    """Whether torch's DDP takes its bf16 communication hooks here: it refuses them (a
+    TypeError when registered) unless NCCL 2.10+ on a CUDA or ROCm build, or XCCL on an
+    XPU, is available (``DistributedDataParallel._check_comm_hook``)."""
+    import torch.distributed as dist
+
+    gpu = torch.version.cuda is not None or torch.version.hip is not None
+    nccl = gpu and dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10)
+    xccl = getattr(dist, "is_xccl_available", lambda: False)() and torch.xpu.is_available()
+    return bool(nccl or xccl)

@@ -25,6 +25,7 @@ __all__ = [
     "check_removed_keys",
     "check_setup_batch",
     "fill_batch",
+    "fill_communication",
     "fill_precision",
     "load_ds_config",
 ]
@@ -198,6 +199,24 @@ def fill_precision(ds: dict[str, Any], mixed_precision: str) -> dict[str, Any]:
             f"{mixed_precision}.enabled=false; enable it or drop mixed_precision"
         )
     section["enabled"] = True
+    return ds
+
+
+def fill_communication(ds: dict[str, Any], comm_hook: str) -> dict[str, Any]:
+    """``communication_data_type`` from ``comm_hook`` ("fp16" or "bf16": DeepSpeed's gradient
+    reductions sent in that dtype) where the config leaves it absent or "auto"; a config
+    value that contradicts it is a ConfigError naming both, never overridden."""
+    if comm_hook not in ("fp16", "bf16"):
+        return ds
+    given = ds.get("communication_data_type")
+    if _is_auto(given):
+        return {**ds, "communication_data_type": comm_hook}
+    if str(given).lower() != comm_hook:
+        raise ConfigError(
+            f"comm_hook={comm_hook!r} contradicts deepspeed_config communication_data_type="
+            f"{given!r}; set one of them (drop communication_data_type, or comm_hook="
+            f"{str(given).lower()!r} or 'no')"
+        )
     return ds
 
 

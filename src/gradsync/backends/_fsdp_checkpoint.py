@@ -235,3 +235,22 @@ def load(
                     _fsdp_compat.put_partial_buffers(
                         model, saved["partial"], device, saved.get("partial_layout")
                     )
+
+
+def full_state_dict(model: nn.Module, device: torch.device) -> dict[str, Any]:
+    """``model``'s full state dict on the CPU, on every rank (each tensor gathered in turn;
+    FSDP1 through its full-state-dict mode)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    if isinstance(model, FSDP1):
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+
+        # offload_to_cpu frees the flat parameter when it already lives on the CPU
+        cfg = FullStateDictConfig(offload_to_cpu=device.type != "cpu", rank0_only=False)
+        with FSDP1.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+            return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    out: dict[str, Any] = {}
+    for key, value in model.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        out[key] = full.detach().cpu()
+    return out

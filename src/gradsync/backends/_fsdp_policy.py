@@ -244,3 +244,18 @@ def decide(
         0,
         f"auto -> every_step: {texts[level]}, which exceeds the budget {b}",
     )
+
+
+def mp_policy(bf16: bool, reduce: Any, *, root: bool) -> Any:
+    """FSDP2's MixedPrecisionPolicy: bf16 compute (the root's outputs in fp32: the user's
+    loss sees fp32, as without bf16); the gradients reduced in comm_hook's dtype (the
+    reduce-scatter and, on HSDP, the all-reduce across the replicas), else in fp32."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param = torch.bfloat16 if bf16 else None
+    return MixedPrecisionPolicy(
+        param_dtype=param,
+        reduce_dtype=reduce or torch.float32,
+        output_dtype=torch.float32 if root and param else None,
+    )

@@ -36,10 +36,15 @@ def compile_in_place(module: nn.Module, kwargs: dict[str, Any] | None) -> None:
 
 
 def refuse_wrapped(
-    model: nn.Module, backend: str, config_checkpointing: Any, compile_kwargs: dict[str, Any] | None
+    model: nn.Module,
+    backend: str,
+    config_checkpointing: Any,
+    compile_kwargs: dict[str, Any] | None,
+    also: tuple[str, ...] = (),
 ) -> None:
     """A model the user already wrapped for the backend is taken as it is; checkpointing or
-    compiling it would have to happen before that wrapping, so asking for either is an error."""
+    compiling it (or the settings named in ``also``) would have to happen before that
+    wrapping, so asking for any of them is an error."""
     asked = [
         name
         for name, value in (
@@ -47,7 +52,7 @@ def refuse_wrapped(
             ("compile", compile_kwargs),
         )
         if value is not None
-    ]
+    ] + list(also)
     if asked:
         raise ConfigError(
             f"{' and '.join(asked)} with a model already wrapped in {type(model).__name__}: "

@@ -13,10 +13,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradsync import _dist as dist
 from gradsync import _torch_compat
 from gradsync._batch_plan import BatchPlan
-from gradsync.backends import _amp, _ddp_compat, _group, _modules, _plain_state
+from gradsync.backends import _amp, _ddp_comm, _ddp_compat, _group, _modules, _plain_state
 from gradsync.backends.base import AdapterDefaults, Held, is_frozen, not_prepared, refuse_native
 from gradsync.config import Config
 from gradsync.errors import ConfigError
+from gradsync.storage.folder import load_file, save_file
 
 
 class DDPBackend(AdapterDefaults):
@@ -31,6 +32,8 @@ class DDPBackend(AdapterDefaults):
     def __init__(self) -> None:
         super().__init__()
         self.ddp_kwargs: dict[str, Any] = {}
+        self._hook: _ddp_comm.HookSettings | None = None  # comm_hook (None: none)
+        self._hooked: dict[int, _ddp_comm.Hooked] = {}  # id(prepared DDP model) -> its hook
 
     def setup(self, config: Config) -> None:
         refuse_native(config.sync_policy, self.name)
@@ -56,6 +59,7 @@ class DDPBackend(AdapterDefaults):
             timeout=config.timeout,
         )
         self._device = _group.local_device()
+        self._hook = _ddp_comm.settings(config, self._device)
         # At the boundary every rank holds the same all-reduced gradients, which carry any
         # rank's inf/NaN: each rank's own check sees the same overflow, no extra collective.
         self.scaler = _amp.make_scaler(config, self._device, sharded=False)
@@ -75,6 +79,8 @@ class DDPBackend(AdapterDefaults):
             return model, list(optimizers)
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         wrapped = DDP(model, device_ids=device_ids, **self.ddp_kwargs)
+        if self._hook is not None:  # DDP runs it where it would all-reduce: at the boundary
+            self._hooked[id(wrapped)] = _ddp_comm.Hooked(wrapped, self._hook)
         # Compiling the wrapped model lets torch split the graph at DDP's buckets.
         _modules.compile_in_place(wrapped, None if compiled else self._compile)
         return wrapped, list(optimizers)
@@ -124,11 +130,21 @@ class DDPBackend(AdapterDefaults):
         if isinstance(model, DDP) and self.policy != "every_step":
             _ddp_compat.expect_backward(model)
 
+    def end_window(self, models: Sequence[torch.nn.Module]) -> None:
+        for hooked in self._hooks_of(models):
+            hooked.window_ended()
+
     def abort_window(self, models: Sequence[torch.nn.Module]) -> None:
         super().abort_window(models)  # the window's gradients live on the parameters
         for model in map(_torch_compat.uncompiled, models):
             if isinstance(model, DDP):
                 _ddp_compat.start_window_again(model)
+        for hooked in self._hooks_of(models):
+            hooked.window_dropped()  # PowerSGD's state as the window found it
+
+    def _hooks_of(self, models: Sequence[torch.nn.Module]) -> list[_ddp_comm.Hooked]:
+        found = (self._hooked.get(id(_torch_compat.uncompiled(m))) for m in models)
+        return [h for h in found if h is not None]
 
     def gathering_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         model = _torch_compat.uncompiled(model)
@@ -153,6 +169,9 @@ class DDPBackend(AdapterDefaults):
         _plain_state.save(
             path, models, optimizers, self.unwrap, dist.rank(), window_open=window_open
         )
+        states = [h.state_dict() if h else None for h in map(self._hooked.get, _ids(models))]
+        if any(s is not None for s in states):  # each rank's own error feedback
+            save_file(states, _comm_file(path, dist.rank()))
 
     def load(
         self,
@@ -163,6 +182,10 @@ class DDPBackend(AdapterDefaults):
         window_open: bool,
         trusted: bool = False,
     ) -> None:
+        file = _comm_file(path, dist.rank())
+        hooks = [self._hooked.get(i) for i in _ids(models)]
+        wanted = any(h is not None and h.state is not None for h in hooks)
+        states = load_file(file, trusted=trusted) if wanted and file.is_file() else None
         _plain_state.load(
             path,
             models,
@@ -172,6 +195,18 @@ class DDPBackend(AdapterDefaults):
             window_open=window_open,
             trusted=trusted,
         )
+        for hooked, saved in zip(hooks, states or []):
+            if hooked is not None and hooked.state is not None and saved is not None:
+                _ddp_comm.load_saved(hooked, saved, file)
+
+
+def _ids(models: Sequence[torch.nn.Module]) -> list[int]:
+    return [id(_torch_compat.uncompiled(m)) for m in models]
+
+
+def _comm_file(path: Path, rank: int) -> Path:
+    """The rank's communication-hook state (PowerSGD's error feedback and matrices)."""
+    return path / f"comm_rank{rank}.pt"
 
 
 def _unused_message(model: DDP, torch_message: str) -> str:

@@ -23,6 +23,7 @@ from gradsync import _dist as dist
 from gradsync import _torch_compat
 from gradsync._batch_plan import BatchPlan
 from gradsync.backends import (
+    _compression,
     _deepspeed_checkpoint,
     _deepspeed_compat,
     _deepspeed_policy,
@@ -36,6 +37,7 @@ from gradsync.backends._deepspeed_config import (
     check_precision,
     check_removed_keys,
     check_setup_batch,
+    fill_communication,
     load_ds_config,
 )
 from gradsync.backends.base import (
@@ -100,7 +102,11 @@ class DeepSpeedBackend(AdapterDefaults):
         self._mixed_precision = check_precision(config.mixed_precision)
         self._checkpointing = config.activation_checkpointing
         self._compile = _modules.compile_kwargs(config)
-        self._ds = load_ds_config(config.deepspeed_config)
+        hook = _compression.supported(
+            config, self.name, ("fp16", "bf16"), "communication_data_type"
+        )
+        _compression.half_dtype(hook, _group.local_device())
+        self._ds = fill_communication(load_ds_config(config.deepspeed_config), hook)
         self.stage = int(self._ds.get("zero_optimization", {}).get("stage", 0))
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(

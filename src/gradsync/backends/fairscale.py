@@ -24,7 +24,7 @@ import torch
 
 from gradsync import _dist as dist
 from gradsync._batch_plan import BatchPlan
-from gradsync.backends import _amp, _fairscale_compat, _group, _plain_state
+from gradsync.backends import _amp, _compression, _fairscale_compat, _group, _plain_state
 from gradsync.backends._fairscale_compat import OSS, FullyShardedDataParallel, ShardedDataParallel
 from gradsync.backends.base import (
     AdapterDefaults,
@@ -92,6 +92,7 @@ class FairscaleBackend(AdapterDefaults):
                 "loss scaling is not driven by gradsync's window); use 'bf16' or 'no'"
             )
         self._dtype = _amp.autocast_dtype(config, _group.local_device())
+        _compression.supported(config, self.name, (), "ShardedDataParallel reduces in fp32")
         self.sdp_kwargs = dict(config.fairscale_kwargs or {})
         self.owns_group = _group.ensure_process_group(
             self.name,

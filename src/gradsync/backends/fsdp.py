@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.tensor import DTensor
 
@@ -39,6 +39,7 @@ from gradsync import mesh as nd_mesh
 from gradsync._batch_plan import BatchPlan
 from gradsync.backends import (
     _amp,
+    _compression,
     _fsdp_canary,
     _fsdp_checkpoint,
     _fsdp_compat,
@@ -54,6 +55,7 @@ from gradsync.backends._fsdp_policy import (
     decide,
     deferral_cost,
     mesh_shape,
+    mp_policy,
     partial_cost,
     select_units,
 )
@@ -92,6 +94,7 @@ class FSDPBackend(AdapterDefaults):
         # Copied from the Config at setup (the adapter keeps no reference to it).
         self._asked: RequestedPolicy = "auto"
         self._bf16 = False  # bf16 through FSDP2's MixedPrecisionPolicy
+        self._reduce: torch.dtype | None = None  # comm_hook's reduce dtype (None: as computed)
         self._wrap: Any = None
         self._budget: tuple[int | None, str] = (None, "sync_memory_budget")
         self._keep_option: bool | None = None  # fsdp_keep_params_in_window
@@ -148,6 +151,8 @@ class FSDPBackend(AdapterDefaults):
             timeout=config.timeout,
         )
         self._device = _group.local_device()
+        hook = _compression.supported(config, self.name, ("fp16", "bf16"), "reduce_dtype")
+        self._reduce = _compression.half_dtype(hook, self._device)
         if self._dims is not None:
             self._mesh = self._build_nd_mesh(self._dims)
         else:
@@ -311,7 +316,8 @@ class FSDPBackend(AdapterDefaults):
                         sharded[names[id(p)]] if id(p) in names else p for p in group["params"]
                     ]
         else:
-            _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile)
+            hooked = ("comm_hook",) if self._reduce is not None else ()
+            _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile, hooked)
         if not is_frozen(model):  # a frozen model is sharded for its forward only
             self._decide(model)
         if isinstance(model, FSDPModule):  # its own state dict holds DTensor shards
@@ -330,10 +336,8 @@ class FSDPBackend(AdapterDefaults):
             assert self._world_mesh is not None
             _tensor_parallel.apply(model, plan, self._world_mesh["tp"])
         kwargs: dict[str, Any] = {"mesh": self._mesh}
-        if self._bf16:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-            )
+        if self._bf16 or self._reduce is not None:
+            kwargs["mp_policy"] = mp_policy(self._bf16, self._reduce, root=False)
         # Checkpointing, then compiling, happen to the blocks before they are sharded.
         _modules.checkpoint_modules(model, self._checkpointing)
         units = select_units(model, self._wrap)
@@ -341,10 +345,8 @@ class FSDPBackend(AdapterDefaults):
             _modules.compile_in_place(unit, self._compile)
         for unit in units:
             fully_shard(unit, **kwargs)
-        if "mp_policy" in kwargs:  # the user's loss sees fp32 outputs, as without bf16
-            kwargs["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
-            )
+        if "mp_policy" in kwargs:
+            kwargs["mp_policy"] = mp_policy(self._bf16, self._reduce, root=True)
         fully_shard(model, **kwargs)
 
     def _decide(self, model: nn.Module) -> None:
@@ -483,19 +485,7 @@ class FSDPBackend(AdapterDefaults):
 
     def state_dict(self, model: nn.Module) -> dict[str, Any]:
         """The full state dict on CPU, on every rank (each tensor gathered in turn)."""
-        model = _torch_compat.uncompiled(model)
-        if isinstance(model, FSDP1):
-            from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-
-            # offload_to_cpu frees the flat parameter when it already lives on the CPU
-            cfg = FullStateDictConfig(offload_to_cpu=self._device.type != "cpu", rank0_only=False)
-            with FSDP1.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
-                return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        out: dict[str, Any] = {}
-        for key, value in model.state_dict().items():
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            out[key] = full.detach().cpu()
-        return out
+        return _fsdp_checkpoint.full_state_dict(_torch_compat.uncompiled(model), self._device)
 
     def save(
         self,

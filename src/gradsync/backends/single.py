@@ -12,7 +12,7 @@ import torch
 
 from gradsync import _torch_compat
 from gradsync._batch_plan import BatchPlan
-from gradsync.backends import _amp, _group, _modules, _plain_state
+from gradsync.backends import _amp, _compression, _group, _modules, _plain_state
 from gradsync.backends.base import AdapterDefaults, Held
 from gradsync.config import Config
 
@@ -33,6 +33,7 @@ class SingleBackend(AdapterDefaults):
         self.scaler = _amp.make_scaler(config, self._device, sharded=False)
         self._checkpointing = config.activation_checkpointing
         self._compile = _modules.compile_kwargs(config)
+        _compression.nothing_to_send(config)
 
     def prepare(
         self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], plan: BatchPlan

@@ -17,7 +17,14 @@ from gradsync.config import ENV_PREFIX, Config
 from gradsync.errors import ConfigError
 from gradsync.launch import cluster as scheduler
 from gradsync.options.fsdp import MeshSpec, ParallelismSpec
-from gradsync.settings import AccumulationSteps, MixedPrecision, OnOom, RequestedPolicy
+from gradsync.settings import (
+    AccumulationSteps,
+    CommHook,
+    CommWrapper,
+    MixedPrecision,
+    OnOom,
+    RequestedPolicy,
+)
 
 #: How the workers start: a fresh interpreter each (torchrun's way), or copies of the launcher.
 START_METHODS = ("exec", "fork")
@@ -71,6 +78,9 @@ class LaunchConfig:
     fsdp_mesh: MeshSpec | None = None
     parallelism: ParallelismSpec | None = None
     on_oom: OnOom | None = None
+    comm_hook: CommHook | None = None
+    comm_wrapper: CommWrapper | None = None
+    comm_state_option: dict[str, Any] | None = None
     #: A YAML (or JSON) file: gradsync's settings, or Accelerate's config file (``accelerate
     #: config``), told apart by its keys.
     config_file: str | None = None
