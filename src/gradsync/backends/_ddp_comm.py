@@ -55,7 +55,8 @@ def settings(config: Config, device: torch.device) -> HookSettings | None:
         return None
     _compression.half_dtype(hook, device)
     _compression.half_dtype(config.comm_wrapper, device)
-    if "bf16" in (hook, config.comm_wrapper) and not _ddp_compat.bf16_hooks_run():
+    gpu = device.type in ("cuda", "xpu") and _ddp_compat.bf16_hooks_run()
+    if "bf16" in (hook, config.comm_wrapper) and not gpu:  # a CUDA build on CPU cannot either
         what = "comm_hook" if hook == "bf16" else "comm_wrapper"
         raise ConfigError(
             f"{what}='bf16' on backend='ddp' needs bf16 collectives that torch's DDP hooks "
