@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from harness.cluster import free_port
 
 pytest.importorskip("accelerate")
 
@@ -70,12 +71,6 @@ GROUPS: dict[str, dict[str, tuple[str, list[str]]]] = {
     },
 }
 HOOKS = sorted(GROUPS["hooks"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(out: Path, runs: dict[str, tuple[str, list[str]]], gradsync: bool) -> Path:

@@ -16,16 +16,11 @@ from pathlib import Path
 
 import torch
 
+from harness.cluster import free_port
 from scenarios.common import reference_on
 
 pytestmark = __import__("pytest").mark.multiprocess
 SCRIPT = Path(__file__).parents[1] / "scripts" / "resume_train.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _listening(port: int) -> bool:
@@ -34,7 +29,7 @@ def _listening(port: int) -> bool:
 
 
 def test_a_lost_node_keeps_the_global_batch_and_every_sample(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])})
     cmd = [sys.executable, "-m", "gradsync", "launch", "--nnodes", "1:2"]
