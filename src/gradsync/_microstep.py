@@ -187,6 +187,18 @@ class MicroStepBlock:
                 observer.abort()
         self._runner.drop()
 
+    def _oom_exit(self, oom: OomSplit, err: BaseException | None, boundary: bool) -> bool | None:
+        """``on_oom="split"`` at the end of the micro-step: True when every rank dropped the
+        window to run it again, smaller; False when this rank's failure waits for the next
+        agreement point (``err`` is swallowed); None otherwise."""
+        failed = oom.at_exit(err, boundary)
+        if failed is not None:
+            feed = self._runner.window.feed
+            self._fail()
+            oom.replan(failed, feed)
+            return True
+        return False if oom.swallows(err) else None
+
     def __exit__(
         self, kind: type[BaseException] | None, err: BaseException | None, tb: Any
     ) -> bool:
@@ -207,14 +219,11 @@ class MicroStepBlock:
         except BaseException:
             self._fail()
             raise
-        oom = runner.oom
-        if oom is not None:
-            failed = oom.at_exit(None if swallowed else err)
-            if failed is not None:  # every rank drops the window and runs it again, smaller
-                feed = runner.window.feed
-                self._fail()
-                oom.replan(failed, feed)
+        if runner.oom is not None:
+            outcome = self._oom_exit(runner.oom, None if swallowed else err, step.boundary)
+            if outcome:
                 return True
+            swallowed = swallowed or outcome is False
         if err is not None and not swallowed:
             self._fail()
             return False

@@ -8,22 +8,23 @@ micro-batch cut in two): the global batch, the data order and the update stay th
 plan, within floating-point reassociation.
 
 Agreement points (one small all-reduce each, over every rank; counted apart from gradient
-traffic by the audit):
+traffic by the audit) go only where a collective follows:
 
-* at the end of every micro-step whose backward does not communicate (off the boundary
-  under ``defer``);
 * before a backward that communicates (the boundary's, or every one under ``every_step``),
   in ``accel.backward``;
-* before the forward of each module whose forward gathers parameters (FSDP2's units),
-  so that a rank that ran out of memory in one of them never leaves the others waiting in
-  the next one's all-gather.
+* before the forward of each module whose forward gathers parameters (FSDP2's units, when
+  they are sharded; DDP's forward when it broadcasts buffers), so that a rank that ran out
+  of memory in one of them never leaves the others waiting in the next one's all-gather.
 
-A rank that runs out of memory goes to the end of its micro-step and takes part in the
-next agreement point with "failed"; every other rank reaches that same point (no
-collective lies between) and learns of it there. An OOM *inside* a backward that
-communicates, after its agreement point, strands the other ranks in the gradient
-reduction: it is re-raised with a note, and the run ends as any collective failure does
-(the launcher's restart resumes from the last checkpoint).
+A micro-step with no collective (off the boundary under ``defer``) has no agreement point.
+A rank that runs out of memory in one remembers it, skips the compute of the window's
+remaining micro-steps (their forward stops at once) and says "failed" at the next
+agreement point the other ranks reach, at the latest the boundary's backward: every rank
+learns of it there, with no collective between. A window that does not run out of memory
+pays one agreement per collective-bearing point, not one per micro-step. An OOM *inside* a
+backward that communicates, after its agreement point, strands the other ranks in the
+gradient reduction: it is re-raised with a note, and the run ends as any collective
+failure does (the launcher's restart resumes from the last checkpoint).
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ def is_out_of_memory(err: BaseException | None) -> bool:
     if isinstance(err, torch.OutOfMemoryError | MemoryError):
         return True
     return isinstance(err, RuntimeError) and any(text in str(err) for text in _CPU_ALLOCATOR)
+
+
+class Skip(Exception):
+    """Raised in a forward on a rank that already ran out of memory in this window: the
+    micro-step's compute is not needed, the window runs again (``accumulate`` swallows it)."""
 
 
 class Replan(Exception):
@@ -108,13 +114,13 @@ class OomSplit:
         self._rank, self._world = dist.rank(), dist.world_size()
         self.active = False  # inside an accumulate block
         self._agreed = False  # this micro-step's backward had its agreement point
-        self._hooked: set[int] = set()
+        self._failed = False  # this rank ran out of memory; the others are not told yet
+        self._watched: list[nn.Module] = []  # the modules whose forward may gather
         self._loader: Any = (
             None  # the prepared training loader (its split: micro-batches per batch)
         )
         self._planned: BatchPlan | None = None  # the plan at prepare, before any split
         self.agreements = 0  # agreement all-reduces run (the benchmark reads it)
-        self._pending: tuple[Any, torch.Tensor] | None = None  # an agreement in flight
 
     def arm(self, loader: Any, models: Sequence[nn.Module]) -> None:
         """At prepare: ``loader`` (the training loader) keeps its window's batches; the
@@ -128,6 +134,7 @@ class OomSplit:
     def after_load(self) -> None:
         """A checkpoint was loaded: the plan is the one it was saved with (its loader's
         split of the micro-batch, its window's k)."""
+        self._failed = False
         if self._loader is None or self._planned is None:
             return
         m = self._planned.micro_batch_size
@@ -137,33 +144,17 @@ class OomSplit:
             self._set_plan(BatchPlan(m // split, k, self._planned.data_parallel_size))
 
     # -- the agreement points ----------------------------------------------------
-    def _agree(self, failed: bool, wait: bool = True) -> list[int]:
-        """One all-reduce over every rank: the ranks that ran out of memory (learned now,
-        with those of the agreement still in flight). ``wait=False``: the all-reduce runs
-        while the next micro-step computes, and the next agreement point reads it."""
-        earlier = self._settle()
-        if earlier:
-            return earlier
+    def _agree(self) -> list[int]:
+        """One all-reduce over every rank: the ranks that ran out of memory (this one
+        included when it did); the failure is told."""
+        failed, self._failed = self._failed, False
         self.agreements += 1
         if self._world == 1:
             return [self._rank] if failed else []
         flags = torch.zeros(self._world, dtype=torch.int32, device=self._backend.device)
         flags[self._rank] = int(failed)
         with self._own():
-            work = torch.distributed.all_reduce(flags, async_op=True)
-        if not wait:
-            self._pending = (work, flags)
-            return []
-        work.wait()
-        return [r for r, f in enumerate(flags.tolist()) if f]
-
-    def _settle(self) -> list[int]:
-        """The ranks that failed, of the agreement still in flight (none: [])."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return []
-        work, flags = pending
-        work.wait()
+            torch.distributed.all_reduce(flags)
         return [r for r, f in enumerate(flags.tolist()) if f]
 
     def begin(self) -> None:
@@ -171,41 +162,55 @@ class OomSplit:
 
     def watch(self, models: Sequence[nn.Module]) -> None:
         """Agree before the forward of every module whose forward gathers parameters."""
+        hooked = {id(m) for m in self._watched}
         for model in models:
             for module in self._backend.gathering_modules(model):
-                if id(module) not in self._hooked:
-                    self._hooked.add(id(module))
+                if id(module) not in hooked:
+                    hooked.add(id(module))
+                    self._watched.append(module)
                     module.register_forward_pre_hook(self._before_forward, prepend=True)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        if not self.active or self._agreed or not self._backend.forward_gathers(module):
-            return  # outside accumulate (evaluation), past the backward's agreement, or
-            # nothing to gather (the window keeps its parameters gathered)
-        ranks = self._agree(False)
-        if ranks:
-            raise Replan(ranks)
+        if not self.active or self._agreed:
+            return  # outside accumulate (evaluation), or past the backward's agreement
+        if self._backend.forward_gathers(module):
+            ranks = self._agree()
+            if ranks:
+                raise Replan(ranks)
+        elif self._failed:
+            raise Skip  # nothing to gather: this rank's compute is not needed
 
     def before_backward(self, step: MicroStep) -> None:
         """In ``accel.backward``: agree before a backward that communicates."""
-        if not self.active or not self._backend.backward_communicates(step.boundary):
+        if not self.active:
+            return
+        if not self._backend.backward_communicates(step.boundary):
+            if self._failed:
+                raise Skip
             return
         self._agreed = True
-        ranks = self._agree(False)
+        ranks = self._agree()
         if ranks:
             raise Replan(ranks)
 
-    def at_exit(self, err: BaseException | None) -> list[int] | None:
+    def _others_agree_in(self, boundary: bool) -> bool:
+        """Whether the other ranks meet an agreement point in the rest of this micro-step:
+        a backward that communicates, or a forward that gathers still ahead."""
+        if self._backend.backward_communicates(boundary):
+            return True
+        return any(self._backend.forward_gathers(m) for m in self._watched)
+
+    def at_exit(self, err: BaseException | None, boundary: bool) -> list[int] | None:
         """At the end of the micro-step (after the backend's context): the ranks that ran
-        out of memory when the window must be re-planned, else None (the micro-step ends
-        as usual, or ``err`` propagates)."""
+        out of memory when the window must be re-planned now, else None (the micro-step
+        ends as usual: ``err`` propagates, or this rank's failure waits for the next
+        agreement point and ``err`` is swallowed)."""
         self.active = False
         if isinstance(err, Replan):
             return err.ranks
         oom = is_out_of_memory(err)
-        if err is not None and not oom:
+        if err is not None and not oom and not isinstance(err, Skip):
             return None
-        if self._agreed and not oom:
-            return self._settle() or None
         if self._agreed:  # the backward that communicates already began
             if oom and err is not None and hasattr(err, "add_note"):
                 err.add_note(
@@ -215,9 +220,15 @@ class OomSplit:
                     "with a smaller micro_batch_size)"
                 )
             return None
-        # A micro-step that ran no collective: its agreement runs while the next one
-        # computes (read at the next agreement point); a failure is told at once.
-        return self._agree(oom, wait=oom) or None
+        if oom:
+            self._failed = True
+        if self._failed and self._others_agree_in(boundary):
+            return self._agree()
+        return None
+
+    def swallows(self, err: BaseException | None) -> bool:
+        """``err`` ended a micro-step whose failure waits for the next agreement point."""
+        return self._failed and (isinstance(err, Skip) or is_out_of_memory(err))
 
     # -- the re-plan -------------------------------------------------------------
     def replan(self, ranks: list[int], feed: Any) -> None:

@@ -95,6 +95,37 @@ def test_a_split_window_equals_the_smaller_plan_bitwise(caplog):
     assert len(said) == 1 and "micro_batch_size 8 -> 4" in said[0], said
 
 
+def test_off_the_boundary_a_failure_waits_for_the_boundary_agreement():
+    """One agreement per window when nothing fails; a micro-step that runs out of memory
+    off the boundary is told at the boundary, and the window's remaining micro-steps run no
+    backward in between."""
+
+    def run(fail_at: int | None) -> tuple[int, list[int], Accelerator]:
+        accel = Accelerator(gradient_accumulation_steps=4, on_oom="split")
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt, loader = accel.prepare(model, opt, DataLoader(_data(), batch_size=8))
+        backwards: list[int] = []  # the micro-step (counted from 0) of each backward run
+        for step, (x, y) in enumerate(loader):
+            with accel.accumulate(model):
+                if step == fail_at:
+                    raise torch.OutOfMemoryError("CUDA out of memory")
+                loss = F.mse_loss(model(x), y)
+                loss.register_hook(lambda g, s=step: backwards.append(s))
+                accel.backward(loss)
+                opt.step()
+                opt.zero_grad()
+        assert accel._p.runner.oom is not None
+        return accel._p.runner.oom.agreements, backwards, accel
+
+    agreements, backwards, _ = run(None)
+    assert agreements == 2 and backwards == list(range(8))  # 64 rows, 2 windows of 4 x 8
+    agreements, backwards, accel = run(1)
+    assert backwards[:1] == [0] and backwards[1] == 4, backwards  # 2 and 3 ran none
+    assert agreements == 3  # told at the first boundary, then one per window of 8 x 4
+    assert (accel.plan.micro_batch_size, accel.gradient_accumulation_steps) == (4, 8)
+
+
 def test_splits_repeat_down_to_what_fits():
     split, accel, _ = _train(8, 1, fits=2, on_oom="split")
     planned, _, _ = _train(2, 4)
