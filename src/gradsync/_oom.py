@@ -30,7 +30,9 @@ failure does (the launcher's restart resumes from the last checkpoint).
 from __future__ import annotations
 
 import gc
+import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +54,61 @@ log = logging.getLogger("gradsync")
 #: What torch's CPU allocator says when an allocation fails (a RuntimeError, not an
 #: OutOfMemoryError).
 _CPU_ALLOCATOR = ("DefaultCPUAllocator: can't allocate memory", "not enough memory")
+
+
+#: The launch's folder that outlives each attempt (``gradsync launch`` sets it: the name is
+#: ``gradsync.launch.failures.RESTART_STATE_ENV``), and the split left in it for the next.
+RESTART_STATE_ENV = "GRADSYNC_RESTART_STATE"
+_LEFT_SPLIT = "oom-split.json"
+
+
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def leave_split_for_restart(rank: int, micro_batch_size: int) -> bool:
+    """Tell the launch's next attempt to split its first window (this attempt ends with an
+    out-of-memory error it could not agree on). False where no launcher keeps a folder."""
+    folder = os.environ.get(RESTART_STATE_ENV)
+    if not folder or not os.path.isdir(folder):
+        return False
+    left = {"attempt": _attempt() + 1, "rank": rank, "micro_batch_size": micro_batch_size}
+    path = os.path.join(folder, _LEFT_SPLIT)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "w") as f:
+            json.dump(left, f)
+        os.replace(temporary, path)
+    except OSError:
+        return False
+    return True
+
+
+def split_left_for_this_attempt(rank: int, world: int) -> bool:
+    """The previous attempt ended with an out-of-memory error on this node that no agreement
+    point could catch, and left a split for this one: told by the rank that failed (or the
+    node's first, when the world shrank below it)."""
+    folder = os.environ.get(RESTART_STATE_ENV)
+    if not folder:
+        return False
+    try:
+        with open(os.path.join(folder, _LEFT_SPLIT)) as f:
+            left = json.load(f)
+        due = left["attempt"] == _attempt()
+        failed, micro = int(left["rank"]), int(left["micro_batch_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if not due or (
+        failed != rank and not (failed >= world and os.environ.get("LOCAL_RANK") == "0")
+    ):
+        return False
+    log.warning(
+        "gradsync: the last attempt ran out of memory on rank %d inside a backward that "
+        "synchronises; this one runs its first window again with micro_batch_size %d",
+        failed,
+        micro // 2,
+    )
+    return True
 
 
 def is_out_of_memory(err: BaseException | None) -> bool:
@@ -120,6 +177,7 @@ class OomSplit:
             None  # the prepared training loader (its split: micro-batches per batch)
         )
         self._planned: BatchPlan | None = None  # the plan at prepare, before any split
+        self._left = False  # the last attempt left a split, not yet applied
         self.agreements = 0  # agreement all-reduces run (the benchmark reads it)
 
     def arm(self, loader: Any, models: Sequence[nn.Module]) -> None:
@@ -129,12 +187,14 @@ class OomSplit:
         self._loader = loader
         if self._planned is None:
             self._planned = self._plan()
+            self._left = split_left_for_this_attempt(self._rank, self._world)
+        self._failed = self._failed or self._left
         self.watch(models)
 
     def after_load(self) -> None:
         """A checkpoint was loaded: the plan is the one it was saved with (its loader's
         split of the micro-batch, its window's k)."""
-        self._failed = False
+        self._failed = self._left  # a split the last attempt left applies to the resumed run
         if self._loader is None or self._planned is None:
             return
         m = self._planned.micro_batch_size
@@ -147,7 +207,7 @@ class OomSplit:
     def _agree(self) -> list[int]:
         """One all-reduce over every rank: the ranks that ran out of memory (this one
         included when it did); the failure is told."""
-        failed, self._failed = self._failed, False
+        failed, self._failed, self._left = self._failed, False, False
         self.agreements += 1
         if self._world == 1:
             return [self._rank] if failed else []
@@ -212,19 +272,33 @@ class OomSplit:
         if err is not None and not oom and not isinstance(err, Skip):
             return None
         if self._agreed:  # the backward that communicates already began
-            if oom and err is not None and hasattr(err, "add_note"):
-                err.add_note(
-                    "gradsync: this out-of-memory error struck inside a backward that "
-                    "synchronises gradients, where the other ranks already wait in the "
-                    "reduction; on_oom='split' cannot re-plan it (resume from a checkpoint "
-                    "with a smaller micro_batch_size)"
-                )
+            if oom and err is not None:
+                self._note_unagreed(err)
             return None
         if oom:
             self._failed = True
         if self._failed and self._others_agree_in(boundary):
             return self._agree()
         return None
+
+    def _note_unagreed(self, err: BaseException) -> None:
+        """An out-of-memory error inside a backward that synchronises ends this attempt; the
+        launcher's restart runs its first window again, split, when a split is possible."""
+        plan = self._plan()
+        m = plan.micro_batch_size
+        left = next_split(plan) is None and leave_split_for_restart(self._rank, m or 0)
+        then = (
+            f"gradsync launch's restart (--max-restarts) resumes from the last checkpoint and "
+            f"runs its first window again with micro_batch_size {(m or 0) // 2}"
+            if left
+            else "resume from a checkpoint with a smaller micro_batch_size"
+        )
+        if hasattr(err, "add_note"):
+            err.add_note(
+                "gradsync: this out-of-memory error struck inside a backward that synchronises "
+                "gradients, where the other ranks already wait in the reduction; on_oom='split' "
+                f"cannot re-plan it in this attempt: {then}"
+            )
 
     def swallows(self, err: BaseException | None) -> bool:
         """``err`` ended a micro-step whose failure waits for the next agreement point."""

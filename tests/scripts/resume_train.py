@@ -2,7 +2,7 @@
 
     resume_train.py OUT --backend B [--mode run|reference] [--dropout P] [--workers N]
                     [--save-every M] [--boundary-only] [--kill RANK:MICRO] [--stop MICRO]
-                    [--epochs E] [--reshard-at MICRO]
+                    [--epochs E] [--reshard-at MICRO] [--on-oom split --oom-in-sync R:M]
 
 k=4, SGD with momentum, an LR schedule, dropout, shuffled data whose shards end in partial
 windows. ``--mode reference`` (or first, with ``--with-reference``) trains without any checkpoint and writes ``reference.pt``.
@@ -119,6 +119,13 @@ def main() -> None:
         default=None,
         help="keep this global batch (micro-batch 2; k follows the world) instead of k = 4",
     )
+    ap.add_argument("--on-oom", default="raise")
+    ap.add_argument(
+        "--oom-in-sync",
+        default=None,
+        help="RANK:MICRO: on the first attempt that rank runs out of memory (a raised "
+        "torch.OutOfMemoryError) inside the synchronising backward of micro-step MICRO",
+    )
     ap.add_argument(
         "--with-reference",
         action="store_true",
@@ -149,6 +156,7 @@ def make_accelerator(args: argparse.Namespace, mode: str, out: Path) -> Accelera
         **sizes,
         seed=0,
         sync_policy=args.policy,
+        on_oom=args.on_oom if mode == "run" else "raise",
         **options,
     )
 
@@ -197,6 +205,18 @@ def save_if_due(args: argparse.Namespace, accel: Accelerator, rec: Recorder, roo
     if rec.micro % args.save_every == 0 and (at_boundary or not args.boundary_only):
         background = (rec.micro // args.save_every) % 2 == 1
         accel.save_state(root / f"micro-{rec.micro:04d}", keep_last=2, background=background)
+
+
+def oom_due(args: argparse.Namespace, accel: Accelerator, micro: int, first_attempt: bool) -> bool:
+    """``--oom-in-sync``: this rank's backward of micro-step ``micro`` runs out of memory."""
+    if args.oom_in_sync is None or not first_attempt:
+        return False
+    rank, at = (int(v) for v in args.oom_in_sync.split(":"))
+    return accel.rank == rank and micro == at
+
+
+def out_of_memory(grad: torch.Tensor) -> torch.Tensor:
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
 def kill_if_planned(
@@ -253,13 +273,19 @@ def train(args: argparse.Namespace, mode: str) -> None:
     kill_rank, kill_at = planned_kill(args.kill, attempt, rec)
     for _epoch in range(loader.epoch, args.epochs):
         for x, y, idx in loader:
+            k = accel.gradient_accumulation_steps
             with accel.accumulate(model):
                 loss = F.mse_loss(model(x), y)
+                if oom_due(args, accel, rec.micro + 1, first_attempt):
+                    loss.register_hook(out_of_memory)
                 accel.backward(loss)
                 opt.step()
                 sched.step()
                 opt.zero_grad()
             rec.micro += 1
+            if accel.gradient_accumulation_steps != k:  # on_oom="split": the window again
+                rec.current = []
+                continue
             rec.current.append([int(i) for i in idx])
             if accel.sync_gradients:
                 rec.windows.append(rec.current)

@@ -301,3 +301,45 @@ def test_tensor_parallel_is_refused_at_prepare(tmp_path, monkeypatch, clean_env)
 
     with pytest.raises(ConfigError, match=r"^on_oom='split' is not available: tensor parallel"):
         check_at_prepare(BatchPlan(8, 2, 1), backend, True, None)
+
+
+def test_a_window_resumed_mid_way_runs_again_from_its_first_sample(tmp_path):
+    """Saved in the middle of a window, resumed, then out of memory: the re-planned window
+    starts at its first sample (consumed before the save), as in the uninterrupted run."""
+
+    def prepared() -> tuple[Accelerator, torch.nn.Module, torch.optim.Optimizer, DataLoader]:
+        accel = Accelerator(gradient_accumulation_steps=2, on_oom="split")
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return accel, *accel.prepare(model, opt, DataLoader(_data(), batch_size=8))
+
+    accel, model, opt, loader = prepared()
+    for step, (x, y) in enumerate(loader):
+        with accel.accumulate(model):
+            accel.backward(F.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        if step == 2:  # window 2 is open: its first micro-batch is in its gradients
+            accel.save_state(tmp_path / "mid")
+            break
+    accel, model, opt, loader = prepared()
+    accel.load_state(tmp_path / "mid")
+    for _ in range(2 - loader.epoch):
+        for x, y in loader:
+            with accel.accumulate(model):
+                if len(x) > 4:
+                    raise torch.OutOfMemoryError("CUDA out of memory")
+                accel.backward(F.mse_loss(model(x), y))
+                opt.step()
+                opt.zero_grad()
+    planned, _, _ = _train(4, 4)  # window 1 ran in halves of 8 here: reassociation only
+    gap = max(float((a.detach() - b).abs().max()) for a, b in zip(model.parameters(), planned))
+    assert gap < 1e-6, gap
+    assert (accel.plan.micro_batch_size, accel.gradient_accumulation_steps) == (4, 4)
+
+
+def test_the_launcher_keeps_the_folder_the_split_is_left_in():
+    from gradsync._oom import RESTART_STATE_ENV
+    from gradsync.launch.failures import RESTART_STATE_ENV as LAUNCHER_S
+
+    assert RESTART_STATE_ENV == LAUNCHER_S

@@ -231,8 +231,13 @@ class LoaderIteration:
         """Resume mid-pass: read ``read`` batches, of which the first ``consumed`` were
         consumed before (dropped), the others were read ahead (kept), as when saved."""
         self._fill(max(read, consumed))
-        for _ in range(min(consumed, len(self.buffer))):
-            self.buffer.popleft()
+        kept = self._window_batches
+        # A window left open by the save re-runs from its first sample if it is re-planned.
+        keep_from = consumed - (self._window.index if kept is not None else 0)
+        for n in range(min(consumed, len(self.buffer))):
+            batch = self.buffer.popleft()
+            if kept is not None and n >= keep_from:
+                kept.append(batch)
         self.yielded = consumed
 
     def __next__(self) -> Any:

@@ -30,6 +30,10 @@ _AGENT = "torch.distributed.elastic.agent.server.api"
 #: (``gradsync.launch.worker.ERRORS_ENV``, the same name: the wrapper imports nothing of
 #: gradsync's).
 ERRORS_ENV = "GRADSYNC_ERRORS"
+#: A folder of the launch that outlives each attempt of its workers: what one attempt
+#: leaves for the next (``on_oom="split"``'s split after an out-of-memory error that ended
+#: an attempt, see ``gradsync._oom``).
+RESTART_STATE_ENV = "GRADSYNC_RESTART_STATE"
 
 
 class _Quiet(logging.Filter):

@@ -39,7 +39,7 @@ from gradsync.launch.config import (
     launch_env,
     torchrun_namespace,
 )
-from gradsync.launch.failures import ERRORS_ENV
+from gradsync.launch.failures import ERRORS_ENV, RESTART_STATE_ENV
 from gradsync.settings import (
     BY_NAME,
     LAUNCH_SETTINGS,
@@ -497,6 +497,8 @@ class Launcher:
                 # handlers, and a TemporaryDirectory's would remove it in each.)
                 env[ERRORS_ENV] = tempfile.mkdtemp(prefix="gradsync-errors-")
                 cleanup.callback(shutil.rmtree, env[ERRORS_ENV], ignore_errors=True)
+            env[RESTART_STATE_ENV] = tempfile.mkdtemp(prefix="gradsync-restart-")
+            cleanup.callback(shutil.rmtree, env[RESTART_STATE_ENV], ignore_errors=True)
             for line in self.warnings:
                 print(f"gradsync: warning: {line}", file=sys.stderr, flush=True)
             own, tail = self._torchrun_parts()
