@@ -189,8 +189,8 @@ def _options_entry() -> str:
 
 
 def _docstring_args(text: str, core: tuple[Setting, ...], where: str) -> str:
-    """The class docstring's ``Args:`` section: the entries it has that are no setting, then
-    one per core setting (its doc), then ``**options``."""
+    """The class docstring's ``Args:`` section, in the signature's order: one entry per core
+    setting (its doc), the entries it has that are no setting (as written), ``**options``."""
     head = "\n    Args:\n"
     start = text.find(head)
     if start < 0:
@@ -200,9 +200,8 @@ def _docstring_args(text: str, core: tuple[Setting, ...], where: str) -> str:
     entries = re.split(r"\n(?=        \S)", text[start:end])
     generated = {s.name for s in core} | {"**options"}
     kept = [e for e in entries if e.split(":", 1)[0].strip() not in generated]
-    lines = [line for e in kept for line in e.split("\n")]
-    for s in core:
-        lines += _wrap(f"{s.name}:", s.doc, " " * 8)
+    lines = [line for s in core for line in _wrap(f"{s.name}:", s.doc, " " * 8)]
+    lines += [line for e in kept for line in e.split("\n")]
     lines += _wrap("**options:", _options_entry(), " " * 8)
     return text[:start] + "\n".join(lines) + text[end:]
 

@@ -79,7 +79,6 @@ class Accelerator:
     then a YAML file; ``Accelerator()`` with no arguments runs what the launcher asked for.
 
     Args:
-        config_file: a YAML (or JSON) file of settings (default: ``GRADSYNC_CONFIG``).
         backend: auto (ddp when the world size is above 1, else single), single, ddp, fsdp,
             deepspeed or fairscale (legacy).
         gradient_accumulation_steps: micro-batches per optimizer step (None: 1, or derived from the
@@ -136,6 +135,7 @@ class Accelerator:
         comm_state_option: PowerSGD's options: matrix_approximation_rank, start_powerSGD_iter,
             min_compression_rate, use_error_feedback, warm_start, ... (torch's PowerSGDState; from
             text: a JSON object).
+        config_file: a YAML (or JSON) file of settings (default: ``GRADSYNC_CONFIG``).
         **options: a backend's options: ``ddp_kwargs``, ``find_unused_parameters`` (ddp);
             ``fsdp_wrap``, ``fsdp_keep_params_in_window``, ``fsdp_reshard_after_backward``,
             ``fsdp_mesh``, ``parallelism``, ``tp_plan``, ``fsdp_memory_budget`` (fsdp);
