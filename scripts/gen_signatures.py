@@ -45,7 +45,6 @@ import textwrap
 import types
 import typing
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -62,8 +61,7 @@ WIDTH = 100  # ruff's line length
 ACCELERATOR = ROOT / "src" / "gradsync" / "accelerator.py"
 ACCELERATE = ROOT / "src" / "gradsync" / "accelerate" / "accelerator.py"
 LAUNCH_CONFIG = ROOT / "src" / "gradsync" / "launch" / "config.py"
-#: The parameters of gradsync.accelerate.Accelerator.__init__ that are Accelerate's own (its
-#: signature, not gradsync's declarations): read from the file, outside the generated block.
+#: A parameter's line in a signature (its name).
 _PARAM = re.compile(r"^\s+(\w+)\s*:", re.M)
 _IDENT = re.compile(r"(?<![\w.'\"])([A-Za-z_]\w*)")
 
@@ -220,7 +218,8 @@ def _fields(group: Iterable[Setting]) -> list[str]:
 def accelerate_own(text: str) -> set[str]:
     """Accelerate's parameters of gradsync.accelerate.Accelerator.__init__: those written
     before the generated block."""
-    signature = text[text.index("    def __init__(") : text.index(MARK)]
+    mark = text.index(MARK)
+    signature = text[text.rindex("def __init__(", 0, mark) : mark]
     return set(_PARAM.findall(signature))
 
 
@@ -228,12 +227,6 @@ def accelerate_settings(text: str) -> tuple[Setting, ...]:
     """The core settings gradsync.accelerate.Accelerator takes besides Accelerate's own."""
     own = accelerate_own(text)
     return tuple(s for s in settings.CORE_SETTINGS if s.name not in own)
-
-
-@dataclass(frozen=True)
-class Target:
-    path: Path
-    write: Callable[[str], str]
 
 
 def _accelerator(text: str) -> str:
@@ -255,21 +248,22 @@ def _launch_config(text: str) -> str:
     return _replace_block(text, _fields(group), "launch/config.py")
 
 
-TARGETS = (
-    Target(ACCELERATOR, _accelerator),
-    Target(ACCELERATE, _accelerate),
-    Target(LAUNCH_CONFIG, _launch_config),
+#: Each file, and what it is with its generated parts written.
+TARGETS: tuple[tuple[Path, Callable[[str], str]], ...] = (
+    (ACCELERATOR, _accelerator),
+    (ACCELERATE, _accelerate),
+    (LAUNCH_CONFIG, _launch_config),
 )
 
 
 def stale() -> dict[Path, tuple[str, str]]:
     """The files whose generated parts differ: path -> (as it is, as written)."""
     out = {}
-    for target in TARGETS:
-        text = target.path.read_text()
-        new = target.write(text)
+    for path, write in TARGETS:
+        text = path.read_text()
+        new = write(text)
         if new != text:
-            out[target.path] = (text, new)
+            out[path] = (text, new)
     return out
 
 

@@ -184,7 +184,6 @@ def _generator():
     spec = importlib.util.spec_from_file_location("gen_signatures", GENERATOR)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks itself up there
     spec.loader.exec_module(module)
     return module
 
