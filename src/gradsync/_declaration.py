@@ -5,7 +5,8 @@ is the setting's only declaration: its name, type and default are the field's; t
 ``gradsync launch`` flag, the backend it belongs to and how its text is read and its value
 checked are in the metadata. ``declared(cls)`` reads the fields back as ``Setting`` objects,
 from which gradsync.settings derives ``Config``'s validation, the ``GRADSYNC_*`` parsing, the
-YAML keys, the launcher's flags and the reference table.
+YAML keys, the launcher's flags and the reference table, and scripts/gen_signatures.py writes
+the signatures that take settings as keywords.
 
 This module is the machinery only (the core settings are declared in gradsync.settings, each
 backend's options next to its adapter); it imports no torch.

@@ -1,5 +1,15 @@
 """The Accelerator: a facade over the window, the backend, the registry of prepared objects,
-the micro-step runner and the checkpoint state. It wires them together and forwards."""
+the micro-step runner and the checkpoint state. It wires them together and forwards.
+
+Its keywords are the core settings (gradsync.settings), each declared once. The keyword list
+of ``__init__`` and the setting entries of the class docstring's ``Args`` are nevertheless
+plain source, written from the declarations by ``python scripts/gen_signatures.py --write``
+(between its two comments; the docstring entries by their names): editors complete the
+keywords, mypy checks their names and types, and ``inspect.signature``, ``help()`` and the
+reference (mkdocstrings reads the source, not the running class) show them. A signature built
+at import time, or ``**options: Unpack[...]``, would leave the editors, the reference and
+``inspect.signature`` with no keywords to show. The unit tests run the script's ``--check``.
+"""
 
 from __future__ import annotations
 
@@ -69,71 +79,68 @@ class Accelerator:
     then a YAML file; ``Accelerator()`` with no arguments runs what the launcher asked for.
 
     Args:
-        backend: "auto" (ddp when the world size is above 1, else single), "single",
-            "ddp", "fsdp", "deepspeed" or "fairscale" (legacy).
-        gradient_accumulation_steps: micro-batches per optimizer step (default 1, or derived
-            from the batch sizes), or a schedule: ``"0:2 100:4"`` (k by optimizer step), a
-            ramp-up ``{"start": 64, "increment": 64, "samples": N}``, or a callable
-            ``optimizer_step -> k``.
-        micro_batch_size: samples per micro-batch and process; give two of the three sizes
-            to derive the third.
-        global_batch_size: samples per optimizer step over all processes
-            (micro x k x processes).
-        sync_policy: "auto", "defer", "every_step", "native" (DeepSpeed) or "defer_replicate"
-            (FSDP2 on a 2-D ``fsdp_mesh``: one all-reduce across replicas per window) (see the docs).
-        mixed_precision: "no", "bf16" or "fp16" (autocast plus a loss scaler, see ``scaler``).
+        backend: auto (ddp when the world size is above 1, else single), single, ddp, fsdp,
+            deepspeed or fairscale (legacy).
+        gradient_accumulation_steps: micro-batches per optimizer step (None: 1, or derived from the
+            batch sizes), or a schedule: '0:2 100:4', a ramp-up dict, a callable optimizer_step ->
+            k.
+        micro_batch_size: samples per micro-batch and process (give two of the three sizes to derive
+            the third).
+        global_batch_size: samples per optimizer step over all processes: micro x k x processes.
+        sync_policy: when gradients are reduced: auto (the backend decides), defer (only at the
+            window's boundary), every_step, native, defer_replicate (fsdp on a 2-D mesh: across
+            replicas only at the boundary).
+        mixed_precision: no, bf16 or fp16 (autocast, and a window-aware loss scaler for fp16).
         seed: seeds torch on every rank and the sharded sampler.
         audit: count collectives per micro-step and print a summary per optimizer step.
-        sync_with_dataloader: a window ends with the dataloader's pass (default True; False:
-            windows run on across passes, with no end-of-data flush).
-        count_items: ``fn(batch) -> int``, the items (e.g. tokens) a batch holds, for
-            ``backward(reduction="sum")`` and ``"normalized"``; or ``"module:function"``.
-        grad_scaler: fp16 loss-scaler settings: a dict with keys from ``init_scale``,
-            ``growth_factor``, ``backoff_factor``, ``growth_interval``.
-        activation_checkpointing: module class names, classes or a callable ``module -> bool``
-            picking the modules whose forward is recomputed in backward.
-        compile: True or a dict of ``torch.compile`` arguments: compile where the backend wants it.
-        self_check: with a deferring policy, check the first optimizer steps' collectives and
-            warn when a micro-step off the boundary reduced gradients (default True).
-        dataset_shards_itself: an ``IterableDataset`` yields each rank's own shard itself:
-            gradsync leaves it alone.
+        sync_with_dataloader: a window ends with the dataloader's pass (False: windows run on across
+            passes).
+        count_items: fn(batch) -> items (e.g. tokens) it holds, for backward(reduction='sum' or
+            'normalized'); from text: 'module:function'.
+        grad_scaler: fp16 loss-scaler settings: init_scale, growth_factor, backoff_factor,
+            growth_interval.
+        activation_checkpointing: modules whose forward is recomputed in backward: class names,
+            classes or a callable module -> bool.
+        compile: torch.compile the model where the backend wants it: True, or a dict of its
+            arguments.
+        self_check: with a deferring policy, check the first optimizer steps' collectives and warn
+            when a micro-step off the boundary reduced gradients.
+        dataset_shards_itself: an IterableDataset yields each rank's own shard itself: gradsync
+            leaves it alone.
         sync_memory_budget: bytes per rank that deferring may hold on FSDP2 and ZeRO 2/3 under
-            ``sync_policy="auto"`` (default: a share of the free memory).
-        timeout: seconds a collective waits for the other ranks before it fails with an
-            error naming the operation (``GRADSYNC_TIMEOUT``; torch's default is 30 min).
-        save_on_sigterm: the old name of ``save_on_signal``.
-        save_on_signal: a folder; on one of ``save_signals`` (a scheduler's notice of
-            preemption) every rank saves a checkpoint there (``step-N``) when the next window
-            starts, then exits with status 0.
-        save_signals: the signals ``save_on_signal`` saves on (default SIGTERM and SIGUSR1,
-            which SLURM sends with ``--signal=USR1@90``).
-        requeue: on SLURM, requeue the job (``scontrol requeue``) after that checkpoint, so
-            that it starts again and resumes from it (a warning and no requeue elsewhere).
-        log_with: experiment trackers for ``log``: "tensorboard", "wandb", "mlflow", "csv",
-            "jsonl", "all" (every one installed), a list of them, or tracker objects.
-        project_dir: the folder the trackers write into.
-        track_window_loss: keep ``window_loss``, the global mean of each window's losses
-            weighted as the update (default True; one small all-reduce per optimizer step).
-        on_oom: ``"raise"`` (default) or ``"split"``: an out-of-memory error inside
-            ``accumulate`` on any rank drops the window on every rank, halves the micro-batch,
-            doubles k and runs the window again from its first sample (the global batch and
-            the data order are kept). ddp, fsdp, fairscale and single; refused with deepspeed.
-        comm_hook: compress the gradient sync (Accelerate's values): ``"no"`` (default),
-            ``"fp16"`` or ``"bf16"`` (the gradients sent in that dtype: a DDP communication
-            hook, FSDP2's ``reduce_dtype``, DeepSpeed's ``communication_data_type``),
-            ``"power_sgd"`` or ``"batched_power_sgd"`` (DDP: a low-rank approximation with
-            error feedback, whose state is saved in checkpoints). Under ``sync_policy="defer"``
-            it runs at the boundary only. Refused in one line where a backend cannot run it.
-        comm_wrapper: with a PowerSGD ``comm_hook``: ``"fp16"`` or ``"bf16"`` sends its
-            matrices in that dtype (default ``"no"``).
-        comm_state_option: PowerSGD's options, e.g. ``{"matrix_approximation_rank": 2,
-            "start_powerSGD_iter": 10}`` (the keywords of torch's ``PowerSGDState``).
+            sync_policy=auto (None: a share of the free memory).
+        timeout: seconds a collective waits for the other ranks before it fails, naming the
+            operation (None: torch's default, 30 min).
+        save_on_sigterm: the old name of save_on_signal.
+        save_on_signal: a folder: on one of save_signals (a scheduler's notice of preemption), every
+            rank saves a checkpoint there (step-N) when the next window starts, then exits 0.
+        save_signals: the signals save_on_signal saves on (SLURM sends SIGUSR1 with
+            --signal=USR1@90).
+        requeue: on SLURM, requeue the job (scontrol requeue) after the save_on_signal checkpoint,
+            so that it starts again and resumes from it.
+        log_with: experiment trackers for accel.log: tensorboard, wandb, mlflow, csv, jsonl, all, or
+            tracker objects (comma-separated from text).
+        project_dir: the folder trackers write into (their logging_dir), created by the main
+            process.
+        track_window_loss: keep accel.window_loss: the global mean of a window's losses, weighted as
+            the update (one small all-reduce per optimizer step).
+        on_oom: an out-of-memory error inside accumulate: raise it, or split (every rank drops the
+            window, halves the micro-batch, doubles k and runs the window again from its first
+            sample: the global batch is kept); split is refused with deepspeed.
+        comm_hook: compress the gradient sync: no, fp16 or bf16 (sent in that dtype: ddp hook, fsdp
+            reduce dtype, deepspeed communication_data_type), power_sgd or batched_power_sgd (ddp
+            only); runs at the boundary only under defer.
+        comm_wrapper: with a PowerSGD comm_hook: send its matrices as fp16 or bf16 (no: as the
+            gradients).
+        comm_state_option: PowerSGD's options: matrix_approximation_rank, start_powerSGD_iter,
+            min_compression_rate, use_error_feedback, warm_start, ... (torch's PowerSGDState; from
+            text: a JSON object).
         config_file: a YAML (or JSON) file of settings (default: ``GRADSYNC_CONFIG``).
         **options: a backend's options: ``ddp_kwargs``, ``find_unused_parameters`` (ddp);
             ``fsdp_wrap``, ``fsdp_keep_params_in_window``, ``fsdp_reshard_after_backward``,
-            ``fsdp_memory_budget``, ``fsdp_mesh``, ``parallelism`` (the N-D mesh: dp_replicate
-            x dp_shard x tp), ``tp_plan`` (fsdp); ``deepspeed_config`` (deepspeed);
-            ``fairscale_kwargs`` (fairscale). The settings reference lists every setting.
+            ``fsdp_mesh``, ``parallelism``, ``tp_plan``, ``fsdp_memory_budget`` (fsdp);
+            ``deepspeed_config`` (deepspeed); ``fairscale_kwargs`` (fairscale). The settings
+            reference lists every setting.
 
     Attributes:
         config: every setting after the sources were merged and checked (a ``Config``).
@@ -150,6 +157,7 @@ class Accelerator:
     def __init__(
         self,
         *,
+        # -- generated by scripts/gen_signatures.py from gradsync.settings: do not edit --
         backend: str | None = None,
         gradient_accumulation_steps: AccumulationSteps | None = None,
         micro_batch_size: int | None = None,
@@ -178,11 +186,12 @@ class Accelerator:
         comm_hook: CommHook | None = None,
         comm_wrapper: CommWrapper | None = None,
         comm_state_option: dict[str, Any] | None = None,
+        # -- end of the generated part --
         config_file: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
-        # Every keyword above but config_file is a core setting (the settings' drift test
-        # checks the signature against the declarations): they go to load_config by name.
+        # Every keyword above but config_file is a core setting (the generated block): they go
+        # to load_config by name.
         given = {k: v for k, v in locals().items() if k not in ("self", "config_file", "options")}
         self.config: Config = load_config(config_file=config_file, **given, **options)
         self._p = assemble(self, self.config, self._rules)

@@ -6,8 +6,9 @@ it belongs to. The core settings are declared here (the compression ones, which 
 maps onto its own mechanism, in ``gradsync/options/compression.py``); each backend's options
 next to its adapter (``gradsync/options/<backend>.py``). ``Config`` joins them, and everything
 else is derived from ``SETTINGS``: ``Config.validate``, the ``GRADSYNC_*`` variables and YAML
-keys (gradsync.config), the launcher's flags and ``LaunchConfig`` (gradsync.launch) and the
-reference table (``reference_markdown()``). No torch here.
+keys (gradsync.config), the launcher's flags (gradsync.launch) and the reference table
+(``reference_markdown()``); ``scripts/gen_signatures.py --write`` writes from it the keywords
+of both Accelerators, their docstring entries and ``LaunchConfig``'s fields. No torch here.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from gradsync.options.compression import CommHook, CommWrapper, CompressionSetti
 from gradsync.options.ddp import DDPOptions
 from gradsync.options.deepspeed import DeepSpeedOptions
 from gradsync.options.fairscale import FairscaleOptions
-from gradsync.options.fsdp import FSDPOptions, check_replicate_policy
+from gradsync.options.fsdp import FSDPOptions, MeshSpec, ParallelismSpec, check_replicate_policy
 from gradsync.tracking._names import check_log_with
 
 __all__ = [
@@ -54,9 +55,11 @@ __all__ = [
     "Config",
     "CoreSettings",
     "ItemCounter",
+    "MeshSpec",
     "MixedPrecision",
     "ModuleSelector",
     "OnOom",
+    "ParallelismSpec",
     "RequestedPolicy",
     "Setting",
     "SyncPolicy",
@@ -466,7 +469,7 @@ class CoreSettings:
         metadata=setting(
             "an out-of-memory error inside accumulate: raise it, or split (every rank drops the "
             "window, halves the micro-batch, doubles k and runs the window again from its first "
-            "sample: the global batch is kept)",
+            "sample: the global batch is kept); split is refused with deepspeed",
             flag=True,
             metavar="MODE",
         ),
@@ -519,7 +522,7 @@ class Config(
 
 #: Every setting, core first, then each backend's options.
 SETTINGS: tuple[Setting, ...] = declared(Config)
-#: The core settings (no backend): written out in ``Accelerator.__init__``'s signature.
+#: The core settings (no backend): the keywords of ``Accelerator.__init__``.
 CORE_SETTINGS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.backend is None)
 #: The settings ``gradsync launch`` has a flag for.
 LAUNCH_SETTINGS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.flag)

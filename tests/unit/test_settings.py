@@ -1,13 +1,17 @@
-"""Drift: every declared setting (gradsync.settings.SETTINGS) appears with the same name, type
-and default in Config, the GRADSYNC_* variables, YAML, the launcher's flags and LaunchConfig,
-the reference table and Accelerator.__init__. No process group here."""
+"""Every declared setting (gradsync.settings.SETTINGS) appears with the same name, type and
+default in Config, the GRADSYNC_* variables, YAML, the launcher's flags and the reference
+table; the signatures that take settings as keywords are written from the declarations
+(scripts/gen_signatures.py). No process group here."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 import json
 import re
+import subprocess
+import sys
 import types
 import typing
 from collections.abc import Sequence
@@ -23,6 +27,7 @@ from gradsync.launch import LaunchConfig, Launcher
 from gradsync.settings import CORE_SETTINGS, LAUNCH_SETTINGS, SETTINGS, reference_markdown
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "report_rank.py")
+GENERATOR = Path(__file__).resolve().parents[2] / "scripts" / "gen_signatures.py"
 NONE = type(None)
 # Values a setting's type allows but its check refuses are replaced here (a backend must exist).
 VALID = {
@@ -159,27 +164,6 @@ def test_every_flag_reaches_launch_config_and_the_workers(s, clean_env):
             )
 
 
-def test_launch_config_lists_every_flagged_setting_with_its_type():
-    hints = typing.get_type_hints(LaunchConfig)
-    fields = {f.name: f for f in dataclasses.fields(LaunchConfig)}
-    for s in LAUNCH_SETTINGS:
-        assert s.name in fields, f"LaunchConfig has no field {s.name} for {s.flag}"
-        if s.switch:
-            assert hints[s.name] is bool and fields[s.name].default is False, (
-                f"LaunchConfig.{s.name}: bool = False"
-            )
-        else:
-            assert norm(hints[s.name]) == norm(s.type) | {NONE}, (
-                f"LaunchConfig.{s.name}: {hints[s.name]}, declared {optional(s)}"
-            )
-            assert fields[s.name].default is None, (
-                f"LaunchConfig.{s.name} must default to None (not given)"
-            )
-    declared = {s.name for s in SETTINGS}
-    extra = sorted(set(fields) & declared - {s.name for s in LAUNCH_SETTINGS})
-    assert not extra, f"LaunchConfig has settings without a flag: {extra}"
-
-
 def test_every_setting_is_a_row_of_the_reference():
     rows = {}
     for line in reference_markdown().splitlines():
@@ -195,37 +179,51 @@ def test_every_setting_is_a_row_of_the_reference():
             assert part in row, f"{s.name}: the reference row lacks {part!r}"
 
 
-def test_accelerator_signature_and_docstring_list_every_core_setting():
+def _generator():
+    """scripts/gen_signatures.py, loaded as a module."""
+    spec = importlib.util.spec_from_file_location("gen_signatures", GENERATOR)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_signatures_are_written_from_the_declarations():
+    """The Accelerators' setting keywords, the docstring's setting entries and LaunchConfig's
+    setting fields are written by ``python scripts/gen_signatures.py --write``; its check
+    fails while a file differs from what it writes."""
+    done = subprocess.run(
+        [sys.executable, str(GENERATOR), "--check"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_written_types_are_the_declared_ones():
     from gradsync import settings
+
+    generator = _generator()
+    for s in (*CORE_SETTINGS, *LAUNCH_SETTINGS):
+        text = generator.keyword_type(s)
+        written = eval(text, dict(vars(settings)))
+        assert norm(written) == norm(s.type) | {NONE}, (
+            f"{s.name}: written {text}, declared {optional(s)}"
+        )
+
+
+def test_every_setting_keyword_shows_in_the_signatures():
+    """What the reference and ``help()`` show: every core setting a keyword of both
+    Accelerators (None: not given), every flagged setting a field of LaunchConfig."""
+    from gradsync.accelerate import Accelerator as AccelerateAccelerator
     from gradsync.accelerator import Accelerator
 
-    parameters = inspect.signature(Accelerator.__init__).parameters
-    hints = typing.get_type_hints(Accelerator.__init__, localns=vars(settings))
-    keywords = {n for n, p in parameters.items() if p.kind is p.KEYWORD_ONLY}
-    core = {s.name for s in CORE_SETTINGS}
-    assert not core - keywords, (
-        f"Accelerator.__init__ lacks the core settings {sorted(core - keywords)}"
-    )
-    assert keywords - core == {"config_file"}, (
-        f"Accelerator.__init__ has keywords that are no core setting: {sorted(keywords - core - {'config_file'})}"
-    )
-    assert any(p.kind is p.VAR_KEYWORD for p in parameters.values()), (
-        "the backend options need **options"
-    )
-    for s in CORE_SETTINGS:
-        assert parameters[s.name].default is None, (
-            f"Accelerator(..., {s.name}=) must default to None (not given)"
-        )
-        assert norm(hints[s.name]) == norm(s.type) | {NONE}, (
-            f"Accelerator(..., {s.name}: {hints[s.name]}) differs from the declared {optional(s)}"
-        )
-    doc = inspect.getdoc(Accelerator) or ""
-    args = doc.split("Args:", 1)[1]
-    named = set(re.findall(r"^    (\w+):", args, flags=re.M))
-    assert not core - named, f"Accelerator's docstring Args lacks {sorted(core - named)}"
-    options = args.split("**options:", 1)[1]
-    for s in SETTINGS:
-        if s.backend is not None:
-            assert f"``{s.name}``" in options, (
-                f"Accelerator's docstring does not name the {s.backend} option {s.name} under **options"
-            )
+    core = [s.name for s in CORE_SETTINGS]
+    parameters = inspect.signature(Accelerator).parameters
+    keywords = [n for n, p in parameters.items() if p.kind is p.KEYWORD_ONLY]
+    assert keywords == [*core, "config_file"]
+    assert all(parameters[n].default is None for n in core)
+    assert set(core) <= set(inspect.signature(AccelerateAccelerator).parameters)
+    fields = {f.name: f.default for f in dataclasses.fields(LaunchConfig)}
+    for s in LAUNCH_SETTINGS:
+        assert fields[s.name] is (False if s.switch else None), s.name
+    doc = (inspect.getdoc(Accelerator) or "").split("Args:", 1)[1]
+    assert set(core) <= set(re.findall(r"^    (\w+):", doc, flags=re.M))
