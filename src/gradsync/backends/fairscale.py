@@ -39,7 +39,7 @@ from gradsync.config import Config
 from gradsync.errors import ConfigError
 
 
-class ConsolidatingOSS(OSS):  # type: ignore[valid-type,misc]  # fairscale ships no types
+class ConsolidatingOSS(OSS):  # type: ignore[valid-type,misc,unused-ignore]  # untyped
     """OSS whose ``state_dict()`` is the full optimizer state on every rank (a collective:
     call it on all ranks), and whose ``load_state_dict`` leaves the caller's dict intact."""
 
