@@ -41,7 +41,16 @@ class GradientState:
 
     @property
     def sync_gradients(self) -> bool:
-        return self._accel.sync_gradients
+        declared = self._accel._declared
+        return self._accel.sync_gradients if declared is None else declared
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """The caller accumulates by itself (Transformers' Trainer) and declares whether its
+        next micro-batch closes the window: the micro-batches it runs inside ``no_sync`` are
+        micro-steps off the boundary; the next backward outside ``no_sync`` after a
+        declared ``True`` is the window's last micro-step (a window of its own when none
+        came before it), seen by the audit and the self-check like any other."""
+        self._accel._declared = bool(sync_gradients)
 
     @property
     def num_steps(self) -> int:
@@ -120,11 +129,6 @@ class Accelerator(_Core):
             ),
             ("torch_tp_plugin", torch_tp_plugin, "FSDP2 (backend='fsdp')"),
             ("megatron_lm_plugin", megatron_lm_plugin, "FSDP2 (backend='fsdp') or DeepSpeed"),
-            (
-                "dynamo_plugin",
-                dynamo_plugin,
-                "compile=True or compile={...torch.compile arguments}",
-            ),
         ):
             if value is not None:
                 raise ConfigError(
@@ -161,6 +165,7 @@ class Accelerator(_Core):
             gradient_accumulation_plugin=gradient_accumulation_plugin,
             kwargs_handlers=kwargs_handlers,
             dynamo_backend=dynamo_backend,
+            dynamo_plugin=dynamo_plugin,
         )
         if found.settings.pop("device", None) == "cpu":
             os.environ["GRADSYNC_DEVICE"] = "cpu"
@@ -177,6 +182,7 @@ class Accelerator(_Core):
             **options,
         )
         self.gradient_state = GradientState(self)
+        self._declared: bool | None = None  # gradient_state._set_sync_gradients, not yet used
         self._trigger = False
         self.dataloader_config = dataloader_config or DataLoaderConfiguration(
             split_batches=bool(split_batches)
@@ -206,6 +212,22 @@ class Accelerator(_Core):
     @property
     def save_iteration(self) -> int:
         return self.project_configuration.iteration
+
+    @property
+    def _models(self) -> list[torch.nn.Module]:
+        """The prepared models (Accelerate's list; Transformers' Trainer reads its length)."""
+        return list(self._prepared.models)
+
+    def backward(self, loss: torch.Tensor, reduction: str = "mean", **kwargs: Any) -> None:
+        """``gradsync.Accelerator.backward``; after ``gradient_state._set_sync_gradients(True)``
+        a backward outside any micro-step runs as the window's last one (see
+        ``GradientState._set_sync_gradients``)."""
+        declared, self._declared = self._declared, None
+        if declared and self.micro_step is None and self._prepared.trained:
+            with self._p.runner.run(tuple(self._prepared.trained), force=True):
+                super().backward(loss, reduction, **kwargs)
+            return
+        super().backward(loss, reduction, **kwargs)
 
     @property
     def step(self) -> int:
