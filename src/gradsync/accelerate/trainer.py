@@ -72,8 +72,17 @@ def _form_group() -> None:
 
 
 class _OnGradsync:
-    """What ``on_gradsync`` adds to a Trainer class: gradsync's Accelerator and loader, and
-    the model saved whole from every rank (a sharded model's weights are gathered)."""
+    """What ``on_gradsync`` adds to a Trainer class: gradsync's Accelerator and loader; a
+    sharded model's weights and optimizer state gathered on every rank when the Trainer
+    saves them, and its optimizer state sharded again when it resumes."""
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        with _whole_optimizer(self, gather=True):
+            super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        with _whole_optimizer(self, gather=False):
+            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
 
     def create_accelerator_and_postprocess(self) -> None:
         with _names_in(_trainer_module(), Accelerator=Accelerator):
@@ -90,6 +99,58 @@ class _OnGradsync:
         if state_dict is None and accelerator._models:  # every rank takes part in the gather
             state_dict = accelerator.get_state_dict(self.model)  # type: ignore[attr-defined]
         super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
+
+
+class _WholeOptimizer:
+    """The prepared optimizer as the Trainer's checkpoint sees it where the model is sharded:
+    ``state_dict`` gives the whole state (gathered on every rank when built, so the writer
+    alone may ask), ``load_state_dict`` takes a whole state and keeps this rank's shards.
+    The state is keyed by parameter name (``torch.distributed.checkpoint``'s full state)."""
+
+    def __init__(self, model: Any, optimizer: Any, gather: bool) -> None:
+        self._model, self._optimizer = model, optimizer
+        self._whole = self._read() if gather else None
+
+    def _options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def _read(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self._model, self._optimizer, options=self._options())
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self._whole is not None
+        return self._whole
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        set_optimizer_state_dict(
+            self._model, self._optimizer, state, options=StateDictOptions(full_state_dict=True)
+        )
+
+
+@contextlib.contextmanager
+def _whole_optimizer(trainer: Any, gather: bool) -> Iterator[None]:
+    """``trainer.optimizer`` seen whole while the block runs, where the model is sharded."""
+    from torch.distributed.tensor import DTensor
+
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    prepared = trainer.optimizer
+    if prepared is None or not any(isinstance(p, DTensor) for p in model.parameters()):
+        yield
+        return
+    trainer.optimizer = _WholeOptimizer(model, getattr(prepared, "optimizer", prepared), gather)
+    try:
+        yield
+    finally:
+        trainer.optimizer = prepared
 
 
 class _ArgumentsOnGradsync:
