@@ -8,7 +8,8 @@ Each launch trains the whole run, then resumes from its own mid-epoch ``checkpoi
 second run. Compared with Accelerate's: the final parameters, every logged loss, grad norm,
 learning rate and evaluation loss, the final evaluation; each resume with its uninterrupted
 run. On the CPU Accelerate's FSDP trains with DDP, so gradsync's FSDP2 is compared with that.
-gradsync's audit shows the Trainer's windows: one gradient sync each, at its last micro-step.
+gradsync's audit shows the Trainer's windows: one gradient sync each, at its last micro-step;
+``gradsync verify`` replays them in one process (k x N micro-batches a window).
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ BIN = Path(sys.executable).parent
 FSDP = ["--use_fsdp", "--fsdp_version", "2"]
 #: 52 samples on 2 ranks, 2 a batch: 13 micro-batches an epoch, windows of 4, 4, 4 and 1
 STEPS = 8
-RESUMED_STEPS = STEPS - 3
 #: how far gradsync's FSDP2 may end from Accelerate's DDP (the reduce-scatter sums in
 #: another order); DDP must be exact
 FSDP_TOL = 1e-5
 sys.path.insert(0, str(SCRIPTS))
 
 from run_all import respell_trainer  # noqa: E402
+
+from harness.verify import table  # noqa: E402
 
 
 def launch(tmp: Path, name: str, extra: list[str], gradsync: bool) -> Path:
@@ -172,3 +174,20 @@ def test_the_audit_sees_one_gradient_sync_per_trainer_window(
     assert [len(w) for w in windows] == sizes
     assert all(w[-1] > 0 and not any(w[:-1]) for w in windows), windows
     assert {(b, policy) for b, policy, _ in lines} == {(backend, "defer")}
+
+
+def test_gradsync_verify_replays_the_trainers_windows(
+    run_verify: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GRADSYNC_DEVICE", "cpu")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")
+    script = tmp_path / "trainer_clm.py"
+    script.write_text(respell_trainer(SCRIPT.read_text()))
+    words = ["--nproc-per-node", "2", "--backend", "fsdp", "--start-method", "fork"]
+    code, out = run_verify(*words, "--steps", "3", script, "--out", tmp_path / "out")
+    assert code == 0, out
+    assert "k=4 per process, 8 micro-batches per window" in out
+    rows = table(out)
+    assert [r[0] for r in rows] == ["1", "2", "3"], out
+    assert all(r[-1] == "ok" and r[5] == "0" for r in rows), out  # nothing reduced off it

@@ -183,6 +183,9 @@ class Accelerator(_Core):
         )
         self.gradient_state = GradientState(self)
         self._declared: bool | None = None  # gradient_state._set_sync_gradients, not yet used
+        #: The window size of a loop that accumulates by itself (Transformers' Trainer: its
+        #: ``gradient_accumulation_steps``, while this Accelerator's is 1); None otherwise.
+        self.declared_steps: int | None = None
         self._trigger = False
         self.dataloader_config = dataloader_config or DataLoaderConfiguration(
             split_batches=bool(split_batches)

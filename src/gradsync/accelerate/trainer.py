@@ -18,6 +18,7 @@ A trainer built on Transformers' (TRL's ``SFTTrainer``, ...) runs on gradsync as
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -71,6 +72,15 @@ def _form_group() -> None:
         )
 
 
+def _launched_world() -> int | None:
+    """In ``gradsync verify``'s one-process reference, the launched run's data-parallel size
+    (its Trainer's windows held that many times the micro-batches); None otherwise."""
+    from gradsync.verify.records import ENV_REPLAY, read_meta
+
+    folder = os.environ.get(ENV_REPLAY)
+    return None if folder is None else int(read_meta(folder).get("world", 1))
+
+
 class _OnGradsync:
     """What ``on_gradsync`` adds to a Trainer class: gradsync's Accelerator and loader; a
     sharded model's weights and optimizer state gathered on every rank when the Trainer
@@ -87,6 +97,12 @@ class _OnGradsync:
     def create_accelerator_and_postprocess(self) -> None:
         with _names_in(_trainer_module(), Accelerator=Accelerator):
             super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        accelerator: Accelerator = self.accelerator  # type: ignore[attr-defined]
+        accelerator.declared_steps = int(self.args.gradient_accumulation_steps)  # type: ignore[attr-defined]
+        if _launched_world() is not None:
+            # gradsync verify's reference: the Trainer's window holds the N ranks' micro-batches
+            # (see _ArgumentsOnGradsync) and the Trainer scales the loss itself, as launched
+            accelerator.gradient_accumulation_steps = 1
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         with _names_in(_trainer_module(), skip_first_batches=skip_first_batches):
@@ -160,6 +176,9 @@ class _ArgumentsOnGradsync:
     def __post_init__(self) -> None:
         _form_group()
         super().__post_init__()  # type: ignore[misc]
+        world = _launched_world()
+        if world is not None:  # gradsync verify's reference: one window of the N ranks' batches
+            self.gradient_accumulation_steps: int = self.gradient_accumulation_steps * world
 
 
 def on_gradsync(trainer_class: T) -> T:
