@@ -99,3 +99,16 @@ def test_the_trainers_declared_windows_are_gradsyncs(clean_env):
     # window, also a window of one
     assert found == [[False, False, False, True], [True], [False, False, True]]
     assert steps == 3
+
+
+def test_a_model_evaluated_before_training_is_prepared_when_training_starts(clean_env):
+    accel = Accelerator(backend="single")
+    model = nn.Linear(3, 1)
+    try:
+        assert accel.prepare_model(model, evaluation_mode=True) is model  # placed only
+        assert accel._models == []
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = accel.prepare(model, optimizer)  # what Trainer.train() then does
+        assert accel._models == [model]
+    finally:
+        accel.end()

@@ -243,6 +243,11 @@ class Accelerator(_Core):
         device_placement: bool | None = None,
         evaluation_mode: bool = False,
     ) -> Any:
+        """``prepare(model)``; with ``evaluation_mode=True`` (Transformers' Trainer evaluating
+        before it trains) the model is only placed on ``accel.device``, not prepared for
+        training, so that a later ``prepare(model, optimizer)`` prepares it."""
+        if evaluation_mode:
+            return model.to(self.device)
         return self.prepare(model)
 
     def prepare_optimizer(
