@@ -5,7 +5,7 @@ DDP and FSDP2, with ``Trainer`` and ``TrainingArguments`` imported from
 ``gradsync.accelerate.trainer`` (run_all.py's ``respell_trainer``), nothing else changed.
 
 Each launch trains the whole run, then resumes from its own mid-epoch ``checkpoint-3`` in a
-second run. Compared with Accelerate's: the final parameters, every logged loss, grad norm,
+second run; on DDP each library also resumes the other's ``checkpoint-3``. Compared with Accelerate's: the final parameters, every logged loss, grad norm,
 learning rate and evaluation loss, the final evaluation; each resume with its uninterrupted
 run. On the CPU Accelerate's FSDP trains with DDP, so gradsync's FSDP2 is compared with that.
 gradsync's audit shows the Trainer's windows: one gradient sync each, at its last micro-step;
@@ -42,19 +42,24 @@ sys.path.insert(0, str(SCRIPTS))
 
 from run_all import respell_trainer  # noqa: E402
 
+from harness.cluster import free_port  # noqa: E402
 from harness.verify import table  # noqa: E402
 
 
-def launch(tmp: Path, name: str, extra: list[str], gradsync: bool) -> Path:
+def resume(out: Path, checkpoint: Path) -> list[object]:
+    return [str(SCRIPT), ["--out", str(out), "--resume_from_checkpoint", str(checkpoint)]]
+
+
+def launch(
+    tmp: Path, name: str, extra: list[str], gradsync: bool, crossed: Path | None = None
+) -> Path:
+    """The whole run and its resume from ``checkpoint-3``; with ``crossed``, only a resume
+    from that (the other library's) checkpoint."""
     out = tmp / name
-    full, resumed = out / "full", out / "resumed"
-    plan = [
-        [str(SCRIPT), ["--out", str(full)]],
-        [
-            str(SCRIPT),
-            ["--out", str(resumed), "--resume_from_checkpoint", str(full / "checkpoint-3")],
-        ],
-    ]
+    full = out / "full"
+    plan = [[str(SCRIPT), ["--out", str(full)]], resume(out / "resumed", full / "checkpoint-3")]
+    if crossed is not None:
+        plan = [resume(out / "crossed", crossed)]
     out.mkdir(parents=True)
     (out / "plan.json").write_text(json.dumps(plan))
     env = {
@@ -64,11 +69,16 @@ def launch(tmp: Path, name: str, extra: list[str], gradsync: bool) -> Path:
         "GRADSYNC_DEVICE": "cpu",
         "TRANSFORMERS_VERBOSITY": "error",
         "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])
+        ),
     }
     cli = [str(BIN / "gradsync")] if gradsync else [str(BIN / "accelerate")]
     cmd = [
         *cli,
         "launch",
+        "--main_process_port",
+        str(free_port()),
         "--num_processes",
         "2",
         *(extra or ["--multi_gpu"]),
@@ -85,10 +95,18 @@ def launch(tmp: Path, name: str, extra: list[str], gradsync: bool) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("trainer")
+    accelerate = launch(tmp, "accelerate", [], gradsync=False)
+    ddp = launch(tmp, "ddp", ["--multi_gpu", "--audit"], gradsync=True)
+    crossed = accelerate / "full" / "checkpoint-3"
     return {
-        "accelerate": launch(tmp, "accelerate", [], gradsync=False),
-        "ddp": launch(tmp, "ddp", ["--multi_gpu", "--audit"], gradsync=True),
+        "accelerate": accelerate,
+        "ddp": ddp,
         "fsdp": launch(tmp, "fsdp", [*FSDP, "--audit"], gradsync=True),
+        # each library resumes the other's DDP checkpoint
+        "ddp-from-accelerate": launch(tmp, "ddp-x", [], gradsync=True, crossed=crossed),
+        "accelerate-from-ddp": launch(
+            tmp, "accelerate-x", [], gradsync=False, crossed=ddp / "full" / "checkpoint-3"
+        ),
     }
 
 
@@ -138,8 +156,17 @@ def test_fsdp2_equals_accelerate(runs: dict[str, Path], part: str) -> None:
         assert a == pytest.approx(b, rel=FSDP_TOL), (a, b)
 
 
+@pytest.mark.parametrize("run", ["ddp-from-accelerate", "accelerate-from-ddp"])
+def test_a_ddp_checkpoint_resumes_under_the_other_library_exactly(
+    runs: dict[str, Path], run: str
+) -> None:
+    ours, theirs = runs[run] / "crossed", runs["accelerate"] / "resumed"
+    assert worst(params(theirs), params(ours)) == 0.0
+    assert logged(theirs) == logged(ours)
+
+
 def test_every_run_logs_every_step_and_evaluates(runs: dict[str, Path]) -> None:
-    for run in runs.values():
+    for run in (runs[name] for name in ("accelerate", "ddp", "fsdp")):
         history, final = logged(run / "full")
         assert [e["step"] for e in history if "loss" in e] == list(range(1, STEPS + 1))
         # every 3 steps, at the end of training, and the script's own evaluate()
