@@ -51,13 +51,20 @@ def resume(out: Path, checkpoint: Path) -> list[object]:
 
 
 def launch(
-    tmp: Path, name: str, extra: list[str], gradsync: bool, crossed: Path | None = None
+    tmp: Path,
+    name: str,
+    extra: list[str],
+    gradsync: bool,
+    crossed: Path | None = None,
+    processes: int = 2,
+    plan: list[list[object]] | None = None,
 ) -> Path:
     """The whole run and its resume from ``checkpoint-3``; with ``crossed``, only a resume
-    from that (the other library's) checkpoint."""
+    from that (the other library's) checkpoint; or the ``plan`` given."""
     out = tmp / name
     full = out / "full"
-    plan = [[str(SCRIPT), ["--out", str(full)]], resume(out / "resumed", full / "checkpoint-3")]
+    if plan is None:
+        plan = [[str(SCRIPT), ["--out", str(full)]], resume(out / "resumed", full / "checkpoint-3")]
     if crossed is not None:
         plan = [resume(out / "crossed", crossed)]
     out.mkdir(parents=True)
@@ -80,7 +87,7 @@ def launch(
         "--main_process_port",
         str(free_port()),
         "--num_processes",
-        "2",
+        str(processes),
         *(extra or ["--multi_gpu"]),
         str(SCRIPTS / "run_all.py"),
         str(out / "plan.json"),
@@ -218,3 +225,23 @@ def test_gradsync_verify_replays_the_trainers_windows(
     rows = table(out)
     assert [r[0] for r in rows] == ["1", "2", "3"], out
     assert all(r[-1] == "ok" and r[5] == "0" for r in rows), out  # nothing reduced off it
+
+
+BY_GROUP = re.compile(r"by group: shard \[([\d,]+)\] .*replicate \[([\d,]+)\]")
+
+
+def test_hsdp_defers_only_the_replica_all_reduce_of_a_trainer_window(tmp_path: Path) -> None:
+    """4 ranks, 2 replicas x 2 shards, ``defer_replicate``: the Trainer's micro-batches
+    reduce-scatter inside their shard group every micro-step, and the replicas all-reduce
+    once per window, at its last micro-step."""
+    out = tmp_path / "hsdp"
+    plan: list[list[object]] = [[str(SCRIPT), ["--out", str(out / "run"), "--max_steps", "2"]]]
+    policy = ["--fsdp-mesh", "2,2", "--sync-policy", "defer_replicate", "--audit"]
+    run = launch(tmp_path, "hsdp", [*FSDP, *policy], gradsync=True, processes=4, plan=plan)
+    windows = [
+        ([int(n) for n in shard.split(",")], [int(n) for n in replicate.split(",")])
+        for shard, replicate in BY_GROUP.findall((run / "log.txt").read_text())
+    ]
+    assert [len(shard) for shard, _ in windows] == [4, 3], windows  # 7 micro-batches a rank
+    for shard, replicate in windows:
+        assert all(shard) and replicate[-1] > 0 and not any(replicate[:-1]), windows
