@@ -1,5 +1,6 @@
-"""Transformers' ``Trainer`` on gradsync: ``from gradsync.accelerate.trainer import Trainer``
-in place of ``from transformers import Trainer``, and nothing else changes.
+"""Transformers' ``Trainer`` on gradsync: ``from gradsync.accelerate.trainer import Trainer,
+TrainingArguments`` in place of ``from transformers import Trainer, TrainingArguments``, and
+nothing else changes.
 
 The Trainer builds ``gradsync.accelerate.Accelerator`` where it would build Accelerate's, and
 resumes mid-epoch through gradsync's ``skip_first_batches``; everything else is the Trainer's
@@ -12,7 +13,10 @@ last backward), so the sync policy (FSDP2's ``auto``, HSDP's ``defer_replicate``
 (one gradient sync per window) and the self-check apply to the Trainer's windows.
 
 A trainer built on Transformers' (TRL's ``SFTTrainer``, ...) runs on gradsync as
-``on_gradsync(SFTTrainer)``.
+``on_gradsync(SFTTrainer)``, its arguments class as ``on_gradsync(SFTConfig)``. In
+``gradsync verify``'s one-process reference the Trainer's window holds the N launched ranks'
+micro-batches. Where the model is sharded (FSDP2), the Trainer's checkpoint holds the whole
+weights and optimizer state, gathered on every rank.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def _form_group() -> None:
     if dist.rank_info()[1] > 1 and not dist.is_distributed():
         settings = from_env()
         ensure_process_group(
-            "trainer",
+            str(settings.get("backend") or "ddp"),
             want_audit=bool(settings.get("audit")),
             self_check=bool(settings.get("self_check", True)),
             timeout=settings.get("timeout"),
