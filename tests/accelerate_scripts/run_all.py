@@ -4,9 +4,10 @@
     gradsync launch ...   run_all.py PLAN.json --gradsync  # each with its import lines respelled
 
 PLAN.json: a list of [script, [args...]] (or [script, [args...], "core"]). With ``--gradsync``
-every import line from ``accelerate`` is respelled ``gradsync.accelerate`` (``respell``) and
-nothing else changes; a "core" entry takes its ``Accelerator`` from ``gradsync`` itself
-(gradsync's rule book) instead.
+every import line from ``accelerate`` is respelled ``gradsync.accelerate`` (``respell``), and
+``Trainer`` / ``TrainingArguments`` imported from ``transformers`` are taken from
+``gradsync.accelerate.trainer`` (``respell_trainer``); nothing else changes. A "core" entry
+takes its ``Accelerator`` from ``gradsync`` itself (gradsync's rule book) instead.
 Between two scripts under Accelerate its shared state is reset, as a fresh process would
 have it. The process group outlives every script but the last: a script's ``end_training()``
 destroys it (Accelerate's always, gradsync's when it created it), and under torchrun a second
@@ -34,6 +35,27 @@ def respell(source: str) -> str:
     return IMPORT.sub(lambda m: f"{m.group(1)}{m.group(2)} gradsync.accelerate{m.group(3)}", source)
 
 
+TRAINER = re.compile(r"^(\s*)from transformers import ([^(\n]*)$", re.MULTILINE)
+TRAINER_NAMES = ("Trainer", "TrainingArguments")
+
+
+def respell_trainer(source: str) -> str:
+    """``source`` with ``Trainer`` and ``TrainingArguments``, where a ``from transformers
+    import ...`` line imports them, taken from ``gradsync.accelerate.trainer`` instead."""
+
+    def take(m: re.Match[str]) -> str:
+        names = [n.strip() for n in m.group(2).split(",")]
+        kept = [n for n in names if n not in TRAINER_NAMES]
+        ours = [n for n in names if n in TRAINER_NAMES]
+        if not ours:
+            return m.group(0)
+        lines = [f"{m.group(1)}from transformers import {', '.join(kept)}"] if kept else []
+        lines.append(f"{m.group(1)}from gradsync.accelerate.trainer import {', '.join(ours)}")
+        return "\n".join(lines)
+
+    return TRAINER.sub(take, source)
+
+
 def run(script: Path, args: list[str], gradsync: bool, core: bool = False) -> None:
     source = script.read_text()
     if core:
@@ -41,7 +63,7 @@ def run(script: Path, args: list[str], gradsync: bool, core: bool = False) -> No
             "from accelerate import Accelerator\n", "from gradsync import Accelerator\n"
         )
     if gradsync:
-        source = respell(source)
+        source = respell_trainer(respell(source))
     sys.argv = [str(script), *args]
     code = compile(source, str(script), "exec")
     exec(code, {"__name__": "__main__", "__file__": str(script)})

@@ -16,7 +16,7 @@ SUPPORTED: dict[str, dict[str, str]] = {
         "`data_seed`; `dispatch_batches` and `use_stateful_dataloader` refused",
         "DistributedDataParallelKwargs": "becomes `ddp_kwargs`; its `comm_hook`, `comm_wrapper` and "
         "`comm_state_option` become the settings of those names (fp16/bf16 also on FSDP2 and "
-        "DeepSpeed, PowerSGD on DDP only)",
+        "DeepSpeed, PowerSGD on DDP only); Accelerate's own kwargs handler classes are read too",
         "DDPCommunicationHookType": "the values of `comm_hook` and `comm_wrapper`",
         "InitProcessGroupKwargs": "its `timeout` becomes `timeout`",
         "GradScalerKwargs": "becomes `grad_scaler`",
@@ -80,7 +80,8 @@ MEMBERS: dict[str, str] = {
     "save_state": "with automatic checkpoint naming, `checkpoints/checkpoint_{i}` and `total_limit`",
     "load_state": "also puts every prepared loader where the checkpoint was saved",
     "skip_first_batches": "after `load_state`: the restored count is a no-op, another is one warning",
-    "gradient_state": "read-only view of the window",
+    "gradient_state": "a view of the window; `_set_sync_gradients(flag)` declares whether the "
+    "next micro-batch closes it (Transformers' Trainer, which accumulates by itself)",
     "set_trigger / check_trigger": "one small all-reduce in `check_trigger`",
     "prepare_model / prepare_optimizer / prepare_data_loader / prepare_scheduler": "`prepare(obj)`",
     "clip_grad_norm_": "a no-op (None) off the boundary, as in `gradsync.Accelerator`",

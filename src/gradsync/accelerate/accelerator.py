@@ -56,7 +56,16 @@ class GradientState:
 
     @property
     def sync_gradients(self) -> bool:
-        return self._accel.sync_gradients
+        declared = self._accel._declared
+        return self._accel.sync_gradients if declared is None else declared
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """The caller accumulates by itself (Transformers' Trainer) and declares whether its
+        next micro-batch closes the window: the micro-batches it runs inside ``no_sync`` are
+        micro-steps off the boundary; the next backward outside ``no_sync`` after a
+        declared ``True`` is the window's last micro-step (a window of its own when none
+        came before it), seen by the audit and the self-check like any other."""
+        self._accel._declared = bool(sync_gradients)
 
     @property
     def num_steps(self) -> int:
@@ -165,11 +174,6 @@ class Accelerator(_Core):
             ),
             ("torch_tp_plugin", torch_tp_plugin, "FSDP2 (backend='fsdp')"),
             ("megatron_lm_plugin", megatron_lm_plugin, "FSDP2 (backend='fsdp') or DeepSpeed"),
-            (
-                "dynamo_plugin",
-                dynamo_plugin,
-                "compile=True or compile={...torch.compile arguments}",
-            ),
         ):
             if value is not None:
                 raise ConfigError(
@@ -206,6 +210,7 @@ class Accelerator(_Core):
             gradient_accumulation_plugin=gradient_accumulation_plugin,
             kwargs_handlers=kwargs_handlers,
             dynamo_backend=dynamo_backend,
+            dynamo_plugin=dynamo_plugin,
         )
         if found.settings.pop("device", None) == "cpu":
             os.environ["GRADSYNC_DEVICE"] = "cpu"
@@ -222,6 +227,10 @@ class Accelerator(_Core):
             **options,
         )
         self.gradient_state = GradientState(self)
+        self._declared: bool | None = None  # gradient_state._set_sync_gradients, not yet used
+        #: The window size of a loop that accumulates by itself (Transformers' Trainer: its
+        #: ``gradient_accumulation_steps``, while this Accelerator's is 1); None otherwise.
+        self.declared_steps: int | None = None
         self._trigger = False
         self.dataloader_config = dataloader_config or DataLoaderConfiguration(
             split_batches=bool(split_batches)
@@ -253,6 +262,22 @@ class Accelerator(_Core):
         return self.project_configuration.iteration
 
     @property
+    def _models(self) -> list[torch.nn.Module]:
+        """The prepared models (Accelerate's list; Transformers' Trainer reads its length)."""
+        return list(self._prepared.models)
+
+    def backward(self, loss: torch.Tensor, reduction: str = "mean", **kwargs: Any) -> None:
+        """``gradsync.Accelerator.backward``; after ``gradient_state._set_sync_gradients(True)``
+        a backward outside any micro-step runs as the window's last one (see
+        ``GradientState._set_sync_gradients``)."""
+        declared, self._declared = self._declared, None
+        if declared and self.micro_step is None and self._prepared.trained:
+            with self._p.runner.run(tuple(self._prepared.trained), force=True):
+                super().backward(loss, reduction, **kwargs)
+            return
+        super().backward(loss, reduction, **kwargs)
+
+    @property
     def step(self) -> int:
         """Micro-steps of the window in progress (Accelerate's counter)."""
         return self._window.index
@@ -263,6 +288,11 @@ class Accelerator(_Core):
         device_placement: bool | None = None,
         evaluation_mode: bool = False,
     ) -> Any:
+        """``prepare(model)``; with ``evaluation_mode=True`` (Transformers' Trainer evaluating
+        before it trains) the model is only placed on ``accel.device``, not prepared for
+        training, so that a later ``prepare(model, optimizer)`` prepares it."""
+        if evaluation_mode:
+            return model.to(self.device)
         return self.prepare(model)
 
     def prepare_optimizer(

@@ -161,8 +161,38 @@ class Translated:
     project: ProjectConfiguration = field(default_factory=ProjectConfiguration)
 
 
+HANDLERS: tuple[type[KwargsHandler], ...] = (
+    DistributedDataParallelKwargs,
+    InitProcessGroupKwargs,
+    GradScalerKwargs,
+    AutocastKwargs,
+)
+
+
+def own_handler(handler: Any) -> Any:
+    """``handler`` as gradsync's kwargs handler of its name: Accelerate's own
+    (``accelerate.utils.DistributedDataParallelKwargs``, ...), which Transformers' Trainer
+    passes, is read field by field; a field gradsync does not know, set to something other
+    than its default, is refused in one line."""
+    if isinstance(handler, HANDLERS) or not dataclasses.is_dataclass(handler):
+        return handler
+    ours = next((c for c in HANDLERS if c.__name__ == type(handler).__name__), None)
+    if ours is None:
+        return handler
+    known = {f.name for f in dataclasses.fields(ours)}  # type: ignore[arg-type]
+    theirs = {f.name: f for f in dataclasses.fields(handler)}
+    for name, f in theirs.items():
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if name not in known and getattr(handler, name) != default:
+            raise ConfigError(
+                f"kwargs_handlers: {ours.__name__}({name}=...) is not taken by gradsync; "
+                f"it reads {', '.join(sorted(known))}"
+            )
+    return ours(**{name: getattr(handler, name) for name in known if name in theirs})
+
+
 def _handlers(handlers: list[Any], out: dict[str, Any]) -> None:
-    for handler in handlers:
+    for handler in map(own_handler, handlers):
         if isinstance(handler, DistributedDataParallelKwargs):
             kwargs = handler.to_kwargs()
             for name in ("comm_hook", "comm_wrapper", "comm_state_option"):
@@ -187,11 +217,41 @@ def _handlers(handlers: list[Any], out: dict[str, Any]) -> None:
                     "run without autocast"
                 )
         else:
+            kind = type(handler)
             raise ConfigError(
-                f"kwargs_handlers got a {type(handler).__name__}, which gradsync does not take; "
-                "it takes DistributedDataParallelKwargs, InitProcessGroupKwargs, "
-                "GradScalerKwargs and AutocastKwargs from gradsync.accelerate.utils"
+                f"kwargs_handlers got a {kind.__module__}.{kind.__qualname__}, which gradsync "
+                "does not take; it takes DistributedDataParallelKwargs, InitProcessGroupKwargs, "
+                "GradScalerKwargs and AutocastKwargs (gradsync.accelerate.utils' or Accelerate's)"
             )
+
+
+def _dynamo(dynamo_backend: Any, dynamo_plugin: Any) -> dict[str, Any] | None:
+    """``dynamo_backend`` / ``dynamo_plugin`` (Accelerate's ``TorchDynamoPlugin``: backend,
+    mode, fullgraph, dynamic, options) as the ``compile`` setting; None when the backend is
+    ``NO`` (Transformers' Trainer passes such a plugin when nothing is compiled)."""
+
+    def name(backend: Any) -> str:
+        return str(getattr(backend, "value", backend) or "no").lower()
+
+    if dynamo_plugin is None:
+        return None if name(dynamo_backend) == "no" else {"backend": name(dynamo_backend)}
+    if name(dynamo_backend) != "no":
+        raise ConfigError("Accelerator got dynamo_backend and dynamo_plugin; give one of them")
+    if name(getattr(dynamo_plugin, "backend", None)) == "no" or getattr(
+        dynamo_plugin, "disable", False
+    ):
+        return None
+    if getattr(dynamo_plugin, "use_regional_compilation", False):
+        raise ConfigError(
+            "TorchDynamoPlugin(use_regional_compilation=True) is not taken by gradsync; "
+            "compile the whole model (leave it False)"
+        )
+    found = {"backend": name(dynamo_plugin.backend)}
+    for key in ("mode", "fullgraph", "dynamic", "options"):
+        value = getattr(dynamo_plugin, key, None)
+        if value is not None:
+            found[key] = value
+    return found
 
 
 def translate(
@@ -205,6 +265,7 @@ def translate(
     gradient_accumulation_plugin: GradientAccumulationPlugin | None,
     kwargs_handlers: list[Any] | None,
     dynamo_backend: Any,
+    dynamo_plugin: Any = None,
 ) -> Translated:
     """Accelerate's ``Accelerator`` keywords as gradsync settings (one ConfigError line
     for a contradiction or for what gradsync does not take)."""
@@ -241,8 +302,9 @@ def translate(
     elif gradient_accumulation_steps != 1:
         out["gradient_accumulation_steps"] = gradient_accumulation_steps
     _handlers(list(kwargs_handlers or []), out)
-    if dynamo_backend not in (None, "no", "NO"):
-        out["compile"] = {"backend": str(getattr(dynamo_backend, "value", dynamo_backend)).lower()}
+    compiled = _dynamo(dynamo_backend, dynamo_plugin)
+    if compiled is not None:
+        out["compile"] = compiled
     if cpu:
         out["device"] = "cpu"
     rules = Rules.accelerate(

@@ -395,7 +395,9 @@ class Verifier:
             self._snapshot()
         if self.meta["unverifiable"] is not None or self.snapshots >= self.steps:
             self._stop()
-        self.meta["k"].append(int(self.accel.gradient_accumulation_steps))
+        # a loop that accumulates by itself (Transformers' Trainer) declares its window's k
+        declared = getattr(self.accel, "declared_steps", None)
+        self.meta["k"].append(int(declared or self.accel.gradient_accumulation_steps))
         self.windows += 1
         self._steps_at_start = self.prepared.steps_applied()
         self.pending = False
