@@ -63,7 +63,7 @@ OTHER_LAYOUTS = (
 UNREAD = re.compile(r"^(sampler|dl_state_dict)(_\d+)?\.bin$")
 #: Names of Accelerate's layout: a file so named that gradsync does not know is refused.
 FAMILY = re.compile(
-    r"^(model|pytorch_model|optimizer|scheduler|random_states|custom_checkpoint|scaler)\b.*"
+    r"^(model|pytorch_model|optimizer|scheduler|random_states|custom_checkpoint|scaler)([._].*)?$"
 )
 READS = (
     "gradsync.accelerate reads Accelerate's one-process and DDP layout (model.safetensors or "

@@ -1,0 +1,131 @@
+"""Checkpoints cross between Accelerate and ``gradsync.accelerate`` in both directions, on
+DDP over 2 gloo ranks (tests/accelerate_scripts/crossing.py: a shuffled loader, dropout, a
+linear schedule, k=2 and a registered object; folders saved mid-epoch after batch 4 of
+epoch 0 and batch 4 of epoch 1, resumed through load_state and skip_first_batches).
+
+Three launches, each running several scripts in one process group (run_all.py): Accelerate
+trains the whole run and resumes its own folders; gradsync trains the whole run, resumes
+Accelerate's folders and its own; Accelerate resumes gradsync's folders. Every resume
+trains as many batches as Accelerate's own resume and ends no farther from the
+uninterrupted run than it: gradsync from Accelerate's folder, and Accelerate from
+gradsync's, end exactly where Accelerate's own resume ends (their losses too); gradsync
+from its own folder ends exactly where the uninterrupted run ends.
+
+Accelerate runs FSDP only on accelerators (``accelerate launch --use_fsdp`` trains with DDP
+on the CPU), so only the DDP layout crosses here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "tests" / "accelerate_scripts"
+SCRIPT = SCRIPTS / "crossing.py"
+BIN = Path(sys.executable).parent
+SAVED = (4, 9)  # batches trained when saved: epoch 0 batch 4, epoch 1 batch 4 (of 5)
+
+
+def entry(out: Path, name: str, resume: Path | None = None) -> list[object]:
+    (out / name).mkdir(parents=True, exist_ok=True)
+    args = ["--out", str(out / name)]
+    if resume is None:
+        args += ["--save_at", *map(str, SAVED)]
+    else:
+        args += ["--resume_from_checkpoint", str(resume)]
+    return [str(SCRIPT), args]
+
+
+def launch(out: Path, name: str, plan: list[list[object]], gradsync: bool) -> None:
+    (out / f"{name}.json").write_text(json.dumps(plan))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "ACCELERATE_USE_CPU": "1",
+        "GRADSYNC_DEVICE": "cpu",
+        "TRANSFORMERS_VERBOSITY": "error",
+    }
+    cli = str(BIN / ("gradsync" if gradsync else "accelerate"))
+    cmd = [cli, "launch", "--num_processes", "2", "--multi_gpu", str(SCRIPTS / "run_all.py")]
+    cmd += [str(out / f"{name}.json"), *(["--gradsync"] if gradsync else [])]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    (out / f"{name}.log").write_text(done.stdout + done.stderr)
+    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{(done.stdout + done.stderr)[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("crossing")
+    acc, gs = out / "acc-full", out / "gs-full"
+    plan = [entry(out, "acc-full")]
+    plan += [entry(out, f"acc-from-acc{s}", acc / f"step_{s}") for s in SAVED]
+    launch(out, "accelerate", plan, gradsync=False)
+    plan = [entry(out, "gs-full")]
+    plan += [entry(out, f"gs-from-acc{s}", acc / f"step_{s}") for s in SAVED]
+    plan += [entry(out, f"gs-from-gs{s}", gs / f"step_{s}") for s in SAVED]
+    launch(out, "gradsync", plan, gradsync=True)
+    plan = [entry(out, f"acc-from-gs{s}", gs / f"step_{s}") for s in SAVED]
+    launch(out, "accelerate-again", plan, gradsync=False)
+    return out
+
+
+def params(runs: Path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(runs / name / "final.pt")
+
+
+def distance(runs: Path, a: str, b: str) -> float:
+    x, y = params(runs, a), params(runs, b)
+    assert x.keys() == y.keys()
+    return max((x[k] - y[k]).abs().max().item() for k in x)
+
+
+def final(runs: Path, name: str) -> list[dict[str, Any]]:
+    return [json.loads((runs / name / f"final_{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_the_uninterrupted_runs_are_the_same(runs: Path) -> None:
+    assert distance(runs, "acc-full", "gs-full") <= 1e-6
+    assert [f["trained"] for f in final(runs, "gs-full")] == [15, 15]
+
+
+def test_gradsyncs_folder_holds_accelerates_files_beside_its_own(runs: Path) -> None:
+    names = {p.name for p in (runs / "gs-full" / "step_4").iterdir()}
+    accelerates = {p.name for p in (runs / "acc-full" / "step_4").iterdir()}
+    assert accelerates <= names
+    assert "gradsync_checkpoint.json" in names
+
+
+@pytest.mark.parametrize("saved", SAVED)
+@pytest.mark.parametrize("resumed", ["gs-from-acc", "acc-from-gs"])
+def test_a_crossed_resume_ends_where_accelerates_own_resume_ends(
+    runs: Path, resumed: str, saved: int
+) -> None:
+    own = f"acc-from-acc{saved}"
+    crossed = f"{resumed}{saved}"
+    # as many batches, the same losses, the registered object and the schedule restored
+    assert final(runs, crossed) == final(runs, own)
+    assert [f["trained"] for f in final(runs, crossed)] == [15 - saved] * 2
+    assert distance(runs, crossed, "acc-full") <= distance(runs, own, "acc-full")
+    assert distance(runs, crossed, own) == 0.0
+
+
+@pytest.mark.parametrize("saved", SAVED)
+def test_gradsync_resumes_its_own_folder_exactly(runs: Path, saved: int) -> None:
+    assert distance(runs, f"gs-from-gs{saved}", "gs-full") == 0.0
+    whole, resumed = final(runs, "gs-full"), final(runs, f"gs-from-gs{saved}")
+    for w, r in zip(whole, resumed):
+        assert r["losses"] == w["losses"][saved:]
+        assert (r["seen"], r["lr"]) == (w["seen"], w["lr"])
+    # a registered object is saved from the main process (as Accelerate saves it)
+    assert resumed[0]["total"] == whole[0]["total"]
