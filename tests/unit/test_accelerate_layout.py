@@ -176,7 +176,7 @@ def test_a_trusted_load_skips_the_scan(accelerate_folder, tmp_path, clean_env):
 
 
 def test_gradsyncs_own_files_win_in_a_folder_with_both(tmp_path, clean_env):
-    accel, model, opt, sched, loader, counter = build(0)
+    accel, model, opt, sched, loader, _counter = build(0)
     it = iter(loader)
     for _ in range(3):  # mid-window, mid-epoch: only gradsync's files hold that
         with accel.accumulate(model):
