@@ -7,6 +7,7 @@ multiprocess/test_accelerate_checkpoints.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
@@ -188,3 +189,46 @@ def test_gradsyncs_own_files_win_in_a_folder_with_both(tmp_path, clean_env):
     again, *_ = build(1)
     again.load_state(path)
     assert again.step == accel.step == 1  # the open window came back
+
+
+def test_gradsyncs_own_accelerator_loads_a_folder_with_both(tmp_path, clean_env):
+    import gradsync
+
+    accel, model, opt, sched, loader, counter = build(0)
+    train(accel, model, opt, sched, loader, counter)
+    path = accel.save_state(tmp_path / "both")  # holds random_states_0.pkl (numpy arrays)
+    torch.manual_seed(0)
+    core = gradsync.Accelerator(gradient_accumulation_steps=2)
+    other = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 1))
+    o2 = torch.optim.Adam(other.parameters(), lr=0.1)
+    s2 = torch.optim.lr_scheduler.StepLR(o2, step_size=1, gamma=0.5)
+    other, o2, _l2, s2 = core.prepare(other, o2, DataLoader(torch.randn(8, 3), batch_size=2), s2)
+    core.register_for_checkpointing(Counter())
+    core.load_state(path)
+    mine = accel.unwrap_model(model).state_dict()
+    assert all(torch.equal(v, mine[k]) for k, v in core.unwrap_model(other).state_dict().items())
+
+
+def test_to_accelerate_converts_gradsyncs_own_format(accelerate_folder, tmp_path, clean_env):
+    from gradsync.accelerate.convert import to_accelerate
+
+    _only, expected = accelerate_folder
+    both = tmp_path / "both"  # the fixture's save: gradsync's files are converted alone
+    mine = tmp_path / "gradsync-only"
+    mine.mkdir()
+    for name in json.loads((both / "gradsync_checkpoint.json").read_text())["files"]:
+        shutil.copy(both / name, mine / name)
+    shutil.copy(both / "gradsync_checkpoint.json", mine / "gradsync_checkpoint.json")
+    out = Path(to_accelerate(mine, tmp_path / "converted"))
+    assert {p.name for p in out.iterdir()} == ACCELERATE_FILES
+    accel, model, opt, sched, _loader, counter = build(1)
+    torch.manual_seed(123)
+    accel.load_state(out)
+    weights = accel.unwrap_model(model).state_dict()
+    assert all(torch.equal(v, weights[k]) for k, v in expected["weights"].items())
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], expected["adam"])
+    assert sched.get_last_lr() == expected["lr"] and counter.seen == expected["seen"]
+    rng = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(rng[0], expected["rng"][0]) and rng[1:] == expected["rng"][1:]
+    with pytest.raises(CheckpointError, match="exists; name a new folder"):
+        to_accelerate(mine, out)

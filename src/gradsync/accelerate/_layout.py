@@ -39,19 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gradsync")
 
-#: What an Accelerate RNG file holds besides torch's ``weights_only`` set: numpy's state
-#: array (numpy 1 and 2 spell its module differently) and the bytes of its dtype.
-RNG_GLOBALS = frozenset(
-    {
-        "numpy.core.multiarray._reconstruct",
-        "numpy._core.multiarray._reconstruct",
-        "numpy.ndarray",
-        "numpy.dtype",
-        "numpy.dtypes.UInt32DType",
-        "_codecs.encode",
-    }
-)
-
 #: The layouts of Accelerate's other backends, by a file or folder each one writes.
 OTHER_LAYOUTS = (
     (re.compile(r"^pytorch_model_fsdp(_\d+)?(\.bin)?$"), "FSDP"),
@@ -309,7 +296,7 @@ def check(parts: Parts, folder: Path, trusted: bool) -> None:
                 names = [*(n for files in layout.values() for n in files), *_rng_files(folder)]
                 if (folder / "scaler.pt").is_file():
                     names.append("scaler.pt")
-                allowed = allow_list(RNG_GLOBALS)
+                allowed = allow_list()
                 scan_folder(folder, names, allowed.__contains__)
         except CheckpointError as err:
             answer = str(err)

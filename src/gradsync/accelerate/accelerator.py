@@ -185,9 +185,7 @@ class Accelerator(_Core):
         # Every checkpoint holds Accelerate's files too (``_layout``), so that Accelerate
         # resumes it; gradsync resumes it from its own files, exactly.
         self._safe_serialization = True
-        state = self._p.state
-        state.extra_globals = _layout.RNG_GLOBALS
-        state.save_hooks[id(_layout)] = lambda folder: _layout.write(
+        self._p.state.save_hooks[id(_layout)] = lambda folder: _layout.write(
             self._p, folder, self._safe_serialization
         )
 

@@ -58,8 +58,6 @@ class CheckpointState:
         self._loaders = loaders
         self._committer = Committer()
         self._allowed: frozenset[str] | None = None
-        #: Globals the folders may name besides the backend's (another layout written beside).
-        self.extra_globals: frozenset[str] = frozenset()
         #: Called with the folder being written, after the models and optimizers (every rank).
         self.save_hooks: dict[int, Callable[[Path], None]] = collections.OrderedDict()
         #: Called with the folder, once it is verified and before anything is loaded.
@@ -239,7 +237,7 @@ class CheckpointState:
         """The globals this backend's checkpoints may name: torch's ``weights_only`` set and
         the backend's own."""
         if self._allowed is None:
-            self._allowed = allow_list(self._backend.checkpoint_globals | self.extra_globals)
+            self._allowed = allow_list(self._backend.checkpoint_globals)
         return self._allowed
 
     def load(self, path: str | os.PathLike[str], trusted: bool = False) -> None:
