@@ -8,8 +8,9 @@ trains the whole run and resumes its own folders; gradsync trains the whole run,
 Accelerate's folders and its own; Accelerate resumes gradsync's folders. Every resume
 trains as many batches as Accelerate's own resume and ends no farther from the
 uninterrupted run than it: gradsync from Accelerate's folder, and Accelerate from
-gradsync's, end exactly where Accelerate's own resume ends (their losses too); gradsync
-from its own folder ends exactly where the uninterrupted run ends.
+gradsync's (or from gradsync's own files converted by ``to_accelerate``), end exactly where
+Accelerate's own resume ends (their losses too); gradsync from its own folder ends exactly
+where the uninterrupted run ends.
 
 Accelerate runs FSDP only on accelerators (``accelerate launch --use_fsdp`` trains with DDP
 on the CPU), so only the DDP layout crosses here.
@@ -75,7 +76,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     plan += [entry(out, f"gs-from-acc{s}", acc / f"step_{s}") for s in SAVED]
     plan += [entry(out, f"gs-from-gs{s}", gs / f"step_{s}") for s in SAVED]
     launch(out, "gradsync", plan, gradsync=True)
+    from gradsync.accelerate.convert import to_accelerate
+
+    for s in SAVED:  # gradsync's own files alone, turned into Accelerate's layout
+        to_accelerate(gs / f"step_{s}", out / "converted" / f"step_{s}")
     plan = [entry(out, f"acc-from-gs{s}", gs / f"step_{s}") for s in SAVED]
+    plan += [entry(out, f"acc-from-conv{s}", out / "converted" / f"step_{s}") for s in SAVED]
     launch(out, "accelerate-again", plan, gradsync=False)
     return out
 
@@ -107,7 +113,7 @@ def test_gradsyncs_folder_holds_accelerates_files_beside_its_own(runs: Path) -> 
 
 
 @pytest.mark.parametrize("saved", SAVED)
-@pytest.mark.parametrize("resumed", ["gs-from-acc", "acc-from-gs"])
+@pytest.mark.parametrize("resumed", ["gs-from-acc", "acc-from-gs", "acc-from-conv"])
 def test_a_crossed_resume_ends_where_accelerates_own_resume_ends(
     runs: Path, resumed: str, saved: int
 ) -> None:
