@@ -232,3 +232,19 @@ def test_to_accelerate_converts_gradsyncs_own_format(accelerate_folder, tmp_path
     assert torch.equal(rng[0], expected["rng"][0]) and rng[1:] == expected["rng"][1:]
     with pytest.raises(CheckpointError, match="exists; name a new folder"):
         to_accelerate(mine, out)
+
+
+def test_safe_serialization_false_writes_and_reads_pytorch_model_bin(tmp_path, clean_env):
+    accel, model, opt, sched, loader, counter = build(0)
+    train(accel, model, opt, sched, loader, counter)
+    path = Path(accel.save_state(tmp_path / "both", safe_serialization=False))
+    names = {p.name for p in path.iterdir()}
+    assert "pytorch_model.bin" in names and "model.safetensors" not in names
+    only = tmp_path / "accelerate"
+    only.mkdir()
+    for name in ACCELERATE_FILES - {"model.safetensors"} | {"pytorch_model.bin"}:
+        shutil.copy(path / name, only / name)
+    again, other, *_ = build(1)
+    again.load_state(only)
+    mine = accel.unwrap_model(model).state_dict()
+    assert all(torch.equal(v, mine[k]) for k, v in again.unwrap_model(other).state_dict().items())
