@@ -143,8 +143,9 @@ def test_a_plain_pickle_of_a_tampered_rng_file_is_refused(accelerate_folder, cle
     "change, said",
     [
         ("random_states_1.pkl", r"saved by 2 process\(es\) .* has 1: resume it on 2 process"),
-        ("pytorch_model_fsdp_0/", r"Accelerate's FSDP layout \(pytorch_model_fsdp_0\)"),
-        ("pytorch_model/", r"Accelerate's DeepSpeed layout \(pytorch_model\)"),
+        ("pytorch_model_fsdp_0/", r"Accelerate's sharded FSDP layout \(pytorch_model_fsdp_0\)"),
+        ("pytorch_model_fsdp.bin", r"Accelerate's full-state FSDP layout \(pytorch_model_fsdp"),
+        ("pytorch_model/", r"Accelerate's DeepSpeed layout \(pytorch_model\) .*backend='single'"),
         ("dl_state_dict.bin", r"holds dl_state_dict\.bin .* newer Accelerate"),
         ("optimizer_3.bin", r"holds optimizer_3\.bin, which is not in the Accelerate 1\.x layout"),
         ("custom_checkpoint_1.pkl", r"objects 2 saved vs 1 here"),

@@ -39,13 +39,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gradsync")
 
-#: The layouts of Accelerate's other backends, by a file or folder each one writes.
-OTHER_LAYOUTS = (
-    (re.compile(r"^pytorch_model_fsdp(_\d+)?(\.bin)?$"), "FSDP"),
-    (re.compile(r"^optimizer_\d+$"), "FSDP (sharded optimizer state)"),
-    (re.compile(r"^pytorch_model(_\d+)?$"), "DeepSpeed"),
-    (re.compile(r"^latest$"), "DeepSpeed"),
+#: Accelerate's layouts, each known by a file or folder only it writes (else: "plain").
+LAYOUTS = (
+    (re.compile(r"^pytorch_model_fsdp_\d+$"), "fsdp_sharded"),
+    (re.compile(r"^optimizer_\d+$"), "fsdp_sharded"),
+    (re.compile(r"^pytorch_model_fsdp(_\d+)?\.bin$"), "fsdp_full"),
+    (re.compile(r"^pytorch_model(_\d+)?$"), "deepspeed"),
+    (re.compile(r"^latest$"), "deepspeed"),
 )
+KINDS = {
+    "plain": "one-process/DDP layout",
+    "fsdp_sharded": "sharded FSDP layout",
+    "fsdp_full": "full-state FSDP layout",
+    "deepspeed": "DeepSpeed layout",
+}
 #: Files of newer or other Accelerate loaders' state that gradsync does not read.
 UNREAD = re.compile(r"^(sampler|dl_state_dict)(_\d+)?\.bin$")
 #: Names of Accelerate's layout: a file so named that gradsync does not know is refused.
@@ -55,7 +62,8 @@ FAMILY = re.compile(
 READS = (
     "gradsync.accelerate reads Accelerate's one-process and DDP layout (model.safetensors or "
     "pytorch_model.bin, optimizer.bin, scheduler.bin, custom_checkpoint_N.pkl, "
-    "random_states_N.pkl) on backend single or ddp"
+    "random_states_N.pkl) on backend single or ddp, and its FSDP2 SHARDED_STATE_DICT layout "
+    "(pytorch_model_fsdp_N/, optimizer_N/) on backend fsdp"
 )
 
 
@@ -117,27 +125,23 @@ def rng_file_state(step: int) -> dict[str, Any]:
 
 
 def write(parts: Parts, folder: Path, safe_serialization: bool = True) -> None:
-    """Accelerate's files of a one-process or DDP checkpoint into ``folder`` (every rank:
-    each writes its RNG file, rank 0 the rest). Nothing for a sharded backend's format."""
+    """Accelerate's files of this backend's layout into ``folder`` (every rank: each writes
+    its RNG file, rank 0 the plain files; a sharded layout is written by every rank).
+    Nothing for a backend without one (``accelerate_layout``)."""
     backend, p = parts.backend, parts.prepared
-    if backend.checkpoint_format != "plain":
+    layout = backend.accelerate_layout
+    if not layout:
         return
     rank = dist.rank()
-    weights = [backend.state_dict(m) for m in p.models]  # may gather: every rank
+    if layout == "plain":
+        weights = [backend.state_dict(m) for m in p.models]  # may gather: every rank
+        if rank == 0:
+            _write_plain(
+                folder, weights, [o.state_dict() for o in p.optimizers], safe_serialization
+            )
+    else:
+        backend.save_accelerate(folder, p.models, p.held())
     if rank == 0:
-        for i, state in enumerate(weights):  # the unwrapped model's keys, as Accelerate's
-            if safe_serialization:
-                from safetensors.torch import save_file as save_safetensors
-
-                save_safetensors(
-                    _unshared(state),
-                    str(folder / numbered("model", i, ".safetensors")),
-                    metadata={"format": "pt"},
-                )
-            else:
-                save_file(dict(state), folder / numbered("pytorch_model", i, ".bin"))
-        for i, opt in enumerate(p.optimizers):
-            save_file(opt.state_dict(), folder / numbered("optimizer", i, ".bin"))
         for i, sched in enumerate(p.schedulers):
             save_file(sched.state_dict(), folder / numbered("scheduler", i, ".bin"))
         for i, obj in enumerate(p.objects):
@@ -145,6 +149,24 @@ def write(parts: Parts, folder: Path, safe_serialization: bool = True) -> None:
         if backend.scaler is not None:
             save_file(backend.scaler.state_dict(), folder / "scaler.pt")
     save_file(rng_file_state(parts.window.index), folder / f"random_states_{rank}.pkl")
+
+
+def _write_plain(
+    folder: Path, weights: list[dict[str, Any]], optimizers: list[Any], safe: bool
+) -> None:
+    for i, state in enumerate(weights):  # the unwrapped model's keys, as Accelerate's
+        if safe:
+            from safetensors.torch import save_file as save_safetensors
+
+            save_safetensors(
+                _unshared(state),
+                str(folder / numbered("model", i, ".safetensors")),
+                metadata={"format": "pt"},
+            )
+        else:
+            save_file(dict(state), folder / numbered("pytorch_model", i, ".bin"))
+    for i, state in enumerate(optimizers):
+        save_file(state, folder / numbered("optimizer", i, ".bin"))
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -168,10 +190,31 @@ def _model_files(folder: Path) -> list[str]:
         i += 1
 
 
-def _layout(folder: Path) -> dict[str, list[str]]:
+def _dirs(folder: Path, stem: str) -> list[str]:
+    found, i = [], 0
+    while (folder / f"{stem}_{i}").is_dir():
+        found.append(f"{stem}_{i}")
+        i += 1
+    return found
+
+
+def kind_of(folder: Path) -> tuple[str, str | None]:
+    """The layout of an Accelerate folder, and the name that shows it (None: plain)."""
+    names = sorted(p.name for p in folder.iterdir())
+    for pattern, kind in LAYOUTS:
+        hit = next((n for n in names if pattern.match(n)), None)
+        if hit is not None:
+            return kind, hit
+    return "plain", None
+
+
+def _layout(folder: Path, kind: str) -> dict[str, list[str]]:
+    sharded = kind == "fsdp_sharded"
     return {
-        "models": _model_files(folder),
-        "optimizers": _files(folder, "optimizer", ".bin"),
+        "models": _dirs(folder, "pytorch_model_fsdp") if sharded else _model_files(folder),
+        "optimizers": _dirs(folder, "optimizer")
+        if sharded
+        else _files(folder, "optimizer", ".bin"),
         "schedulers": _files(folder, "scheduler", ".bin"),
         "objects": sorted(
             (p.name for p in folder.glob("custom_checkpoint_*.pkl")),
@@ -191,18 +234,22 @@ def _rng_files(folder: Path) -> list[str]:
 def problem(parts: Parts, folder: Path) -> str | None:
     """Why this training cannot resume ``folder`` (one line), or None."""
     where = repr(str(folder))
+    backend = parts.backend
+    kind, hit = kind_of(folder)
+    layout = _layout(folder, kind)
+    if kind != backend.accelerate_layout:
+        shown = hit or next(iter(layout["models"]), "model.safetensors")
+        return (
+            f"{where} holds Accelerate's {KINDS[kind]} ({shown}) and this run uses "
+            f"backend={backend.name!r}; {READS}"
+        )
     names = sorted(p.name for p in folder.iterdir())
-    for pattern, kind in OTHER_LAYOUTS:
-        hit = next((n for n in names if pattern.match(n)), None)
-        if hit is not None:
-            return f"{where} holds Accelerate's {kind} layout ({hit}); {READS}"
     unread = [n for n in names if UNREAD.match(n)]
     if unread:
         return (
             f"{where} holds {', '.join(unread)} (a seedable sampler's or a stateful "
             f"loader's state, written by another or a newer Accelerate); {READS}"
         )
-    layout = _layout(folder)
     rng = _rng_files(folder)
     known = {*rng, *(n for files in layout.values() for n in files), "scaler.pt"}
     strange = [n for n in names if FAMILY.match(n) and n not in known]
@@ -210,11 +257,6 @@ def problem(parts: Parts, folder: Path) -> str | None:
         return (
             f"{where} holds {', '.join(strange)}, which is not in the Accelerate 1.x layout "
             f"gradsync knows (a newer Accelerate?); {READS}"
-        )
-    if parts.backend.checkpoint_format != "plain":
-        return (
-            f"{where} is Accelerate's one-process/DDP layout and this run uses "
-            f"backend={parts.backend.name!r}; {READS}"
         )
     world = dist.world_size()
     if len(rng) != world:
@@ -284,6 +326,22 @@ def _load_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], name:
         )
 
 
+def _scanned(folder: Path) -> list[str]:
+    """Every file the load reads (those inside a sharded layout's DCP folders too)."""
+    kind, _ = kind_of(folder)
+    names = []
+    for name in (n for files in _layout(folder, kind).values() for n in files):
+        path = folder / name
+        if path.is_dir():
+            names += [str(f.relative_to(folder)) for f in sorted(path.rglob("*")) if f.is_file()]
+        else:
+            names.append(name)
+    names += _rng_files(folder)
+    if (folder / "scaler.pt").is_file():
+        names.append("scaler.pt")
+    return names
+
+
 def check(parts: Parts, folder: Path, trusted: bool) -> None:
     """Rank 0 checks the folder (its layout, then every pickle against the allow-list unless
     ``trusted``); every rank raises the same one-line CheckpointError, before anything loads."""
@@ -292,12 +350,7 @@ def check(parts: Parts, folder: Path, trusted: bool) -> None:
         try:
             answer = problem(parts, folder)
             if answer is None and not trusted:
-                layout = _layout(folder)
-                names = [*(n for files in layout.values() for n in files), *_rng_files(folder)]
-                if (folder / "scaler.pt").is_file():
-                    names.append("scaler.pt")
-                allowed = allow_list()
-                scan_folder(folder, names, allowed.__contains__)
+                scan_folder(folder, _scanned(folder), allow_list().__contains__)
         except CheckpointError as err:
             answer = str(err)
     answer = dist.broadcast_object(answer)
@@ -319,9 +372,10 @@ def load(
     check(parts, folder, trusted)
     before()
     p, backend, window = parts.prepared, parts.backend, parts.window
-    layout = _layout(folder)
-    weights = [_weights(folder / n, trusted) for n in layout["models"]]
-    optimizers = [_read(folder / n, trusted) for n in layout["optimizers"]]
+    plain = backend.accelerate_layout == "plain"
+    layout = _layout(folder, backend.accelerate_layout)
+    weights = [_weights(folder / n, trusted) for n in layout["models"]] if plain else []
+    optimizers = [_read(folder / n, trusted) for n in layout["optimizers"]] if plain else []
     schedulers = [_read(folder / n, trusted) for n in layout["schedulers"]]
     objects = [_read(folder / n, trusted) for n in layout["objects"]]
     rng = _read(folder / f"random_states_{dist.rank()}.pkl", trusted)
@@ -332,6 +386,8 @@ def load(
     )
     if window.is_open:
         drop_window(window, backend, p)
+    if not plain:  # the backend reads its sharded files, then sets (collective)
+        backend.load_accelerate(folder, p.models, p.held(), trusted=trusted)
     for model, state, name in zip(p.models, weights, layout["models"]):
         _load_weights(backend.unwrap(model), state, name)
     for opt, state in zip(p.optimizers, optimizers):
