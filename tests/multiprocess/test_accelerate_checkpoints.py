@@ -13,13 +13,15 @@ Accelerate's own resume ends (their losses too); gradsync from its own folder en
 where the uninterrupted run ends.
 
 Accelerate runs FSDP only on accelerators (``accelerate launch --use_fsdp`` trains with DDP
-on the CPU), so only the DDP layout crosses here.
+on the CPU), so on FSDP2 only gradsync's side is checked: it writes Accelerate's sharded
+FSDP2 layout, and resuming those files alone equals Accelerate's own (DDP) resume.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +50,9 @@ def entry(out: Path, name: str, resume: Path | None = None) -> list[object]:
     return [str(SCRIPT), args]
 
 
-def launch(out: Path, name: str, plan: list[list[object]], gradsync: bool) -> None:
+def launch(
+    out: Path, name: str, plan: list[list[object]], gradsync: bool, flags: tuple[str, ...] = ()
+) -> None:
     (out / f"{name}.json").write_text(json.dumps(plan))
     env = {
         **os.environ,
@@ -58,7 +62,8 @@ def launch(out: Path, name: str, plan: list[list[object]], gradsync: bool) -> No
         "TRANSFORMERS_VERBOSITY": "error",
     }
     cli = str(BIN / ("gradsync" if gradsync else "accelerate"))
-    cmd = [cli, "launch", "--num_processes", "2", "--multi_gpu", str(SCRIPTS / "run_all.py")]
+    cmd = [cli, "launch", "--num_processes", "2", *(flags or ["--multi_gpu"])]
+    cmd += [str(SCRIPTS / "run_all.py")]
     cmd += [str(out / f"{name}.json"), *(["--gradsync"] if gradsync else [])]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     (out / f"{name}.log").write_text(done.stdout + done.stderr)
@@ -83,6 +88,40 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     plan = [entry(out, f"acc-from-gs{s}", gs / f"step_{s}") for s in SAVED]
     plan += [entry(out, f"acc-from-conv{s}", out / "converted" / f"step_{s}") for s in SAVED]
     launch(out, "accelerate-again", plan, gradsync=False)
+    return out
+
+
+FSDP = ("--use_fsdp", "--fsdp_version", "2")
+#: What Accelerate's FSDP2 save_state writes with SHARDED_STATE_DICT (this script's objects).
+FSDP_FILES = (
+    "pytorch_model_fsdp_0",
+    "optimizer_0",
+    "scheduler.bin",
+    "custom_checkpoint_0.pkl",
+    "random_states_0.pkl",
+    "random_states_1.pkl",
+)
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(runs: Path) -> Path:
+    """gradsync on FSDP2: the whole run, then resumes of its own folders and of the
+    Accelerate-layout files of them alone (Accelerate trains FSDP only on accelerators)."""
+    out = runs / "fsdp"
+    gs = out / "gs-fsdp-full"
+    launch(out, "fsdp", [entry(out, "gs-fsdp-full")], gradsync=True, flags=FSDP)
+    plan = []
+    for s in SAVED:
+        alone = out / "accelerate-layout" / f"step_{s}"
+        alone.mkdir(parents=True)
+        for name in FSDP_FILES:
+            src = gs / f"step_{s}" / name
+            (shutil.copytree if src.is_dir() else shutil.copy)(src, alone / name)
+        plan += [
+            entry(out, f"fsdp-from-layout{s}", alone),
+            entry(out, f"fsdp-from-own{s}", gs / f"step_{s}"),
+        ]
+    launch(out, "fsdp-resumes", plan, gradsync=True, flags=FSDP)
     return out
 
 
@@ -135,3 +174,16 @@ def test_gradsync_resumes_its_own_folder_exactly(runs: Path, saved: int) -> None
         assert (r["seen"], r["lr"]) == (w["seen"], w["lr"])
     # a registered object is saved from the main process (as Accelerate saves it)
     assert resumed[0]["total"] == whole[0]["total"]
+
+
+@pytest.mark.parametrize("saved", SAVED)
+def test_fsdp2_resumes_accelerates_sharded_layout(runs: Path, fsdp_runs: Path, saved: int) -> None:
+    assert distance(runs, "fsdp/gs-fsdp-full", "acc-full") <= 1e-6
+    alone = {p.name for p in (fsdp_runs / "accelerate-layout" / f"step_{saved}").iterdir()}
+    assert alone == set(FSDP_FILES)  # no file of gradsync's own format
+    resumed, own = f"fsdp/fsdp-from-layout{saved}", f"acc-from-acc{saved}"
+    assert [f["trained"] for f in final(runs, resumed)] == [15 - saved] * 2
+    assert distance(runs, resumed, "acc-full") <= distance(runs, own, "acc-full") + 1e-6
+    assert distance(runs, resumed, own) <= 1e-6
+    assert final(runs, resumed)[0]["seen"] == final(runs, own)[0]["seen"]
+    assert distance(runs, f"fsdp/fsdp-from-own{saved}", "fsdp/gs-fsdp-full") == 0.0

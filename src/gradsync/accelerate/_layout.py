@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -130,9 +131,17 @@ def write(parts: Parts, folder: Path, safe_serialization: bool = True) -> None:
     Nothing for a backend without one (``accelerate_layout``)."""
     backend, p = parts.backend, parts.prepared
     layout = backend.accelerate_layout
-    if not layout:
-        return
     rank = dist.rank()
+    if not layout:
+        if rank == 0:  # once per run (the warnings filter keeps one per message)
+            warnings.warn(
+                f"gradsync.accelerate: backend={backend.name!r} writes gradsync's checkpoint "
+                "format only, which Accelerate cannot resume; Accelerate's layout is written "
+                "on backend single, ddp and fsdp",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return
     if layout == "plain":
         weights = [backend.state_dict(m) for m in p.models]  # may gather: every rank
         if rank == 0:
