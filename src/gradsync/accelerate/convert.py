@@ -59,9 +59,9 @@ def to_accelerate(
     manifest = read_manifest(source, None if trusted else allow_list().__contains__)
     if manifest.get("format") != "plain":
         raise CheckpointError(
-            f"checkpoint {str(source)!r} was saved with backend={manifest.get('backend')!r}, "
-            "whose sharded format has no Accelerate counterpart here; to_accelerate converts "
-            "checkpoints saved on one process or on DDP"
+            f"checkpoint {str(source)!r} was saved with backend={manifest.get('backend')!r}; "
+            "to_accelerate converts checkpoints saved on one process or on DDP (on FSDP2, "
+            "gradsync.accelerate.Accelerator's save_state writes Accelerate's layout itself)"
         )
     if target.exists():
         raise CheckpointError(f"to_accelerate(): {str(target)!r} exists; name a new folder")
