@@ -1,7 +1,8 @@
 """Checkpoints cross between Accelerate and ``gradsync.accelerate`` in both directions, on
 DDP over 2 gloo ranks (tests/accelerate_scripts/crossing.py: a shuffled loader, dropout, a
-linear schedule, k=2 and a registered object; folders saved mid-epoch after batch 4 of
-epoch 0 and batch 4 of epoch 1, resumed through load_state and skip_first_batches).
+linear schedule, k=2 and a registered object; folders saved mid-epoch after batch 3 of
+epoch 0 (inside a window), batch 4 of epoch 0 and batch 4 of epoch 1, resumed through
+load_state and skip_first_batches).
 
 Three launches, each running several scripts in one process group (run_all.py): Accelerate
 trains the whole run and resumes its own folders; gradsync trains the whole run, resumes
@@ -37,14 +38,19 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "accelerate_scripts"
 SCRIPT = SCRIPTS / "crossing.py"
 BIN = Path(sys.executable).parent
-SAVED = (4, 9)  # batches trained when saved: epoch 0 batch 4, epoch 1 batch 4 (of 5)
+#: Batches trained when saved (of 5 per epoch, windows of 2, 2, 1): epoch 0 batch 3 (inside
+#: a window), epoch 0 batch 4, epoch 1 batch 4.
+SAVED = (3, 4, 9)
+FSDP_SAVED = (4, 9)
 
 
-def entry(out: Path, name: str, resume: Path | None = None) -> list[object]:
+def entry(
+    out: Path, name: str, resume: Path | None = None, saved: tuple[int, ...] = SAVED
+) -> list[object]:
     (out / name).mkdir(parents=True, exist_ok=True)
     args = ["--out", str(out / name)]
     if resume is None:
-        args += ["--save_at", *map(str, SAVED)]
+        args += ["--save_at", *map(str, saved)]
     else:
         args += ["--resume_from_checkpoint", str(resume)]
     return [str(SCRIPT), args]
@@ -109,9 +115,9 @@ def fsdp_runs(runs: Path) -> Path:
     Accelerate-layout files of them alone (Accelerate trains FSDP only on accelerators)."""
     out = runs / "fsdp"
     gs = out / "gs-fsdp-full"
-    launch(out, "fsdp", [entry(out, "gs-fsdp-full")], gradsync=True, flags=FSDP)
+    launch(out, "fsdp", [entry(out, "gs-fsdp-full", saved=FSDP_SAVED)], gradsync=True, flags=FSDP)
     plan = []
-    for s in SAVED:
+    for s in FSDP_SAVED:
         alone = out / "accelerate-layout" / f"step_{s}"
         alone.mkdir(parents=True)
         for name in FSDP_FILES:
@@ -176,7 +182,7 @@ def test_gradsync_resumes_its_own_folder_exactly(runs: Path, saved: int) -> None
     assert resumed[0]["total"] == whole[0]["total"]
 
 
-@pytest.mark.parametrize("saved", SAVED)
+@pytest.mark.parametrize("saved", FSDP_SAVED)
 def test_fsdp2_resumes_accelerates_sharded_layout(runs: Path, fsdp_runs: Path, saved: int) -> None:
     assert distance(runs, "fsdp/gs-fsdp-full", "acc-full") <= 1e-6
     alone = {p.name for p in (fsdp_runs / "accelerate-layout" / f"step_{saved}").iterdir()}

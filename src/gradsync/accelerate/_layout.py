@@ -37,6 +37,7 @@ from gradsync.storage.safety import allow_list, scan_folder
 
 if TYPE_CHECKING:
     from gradsync._assembly import Parts
+    from gradsync._window import Window
 
 log = logging.getLogger("gradsync")
 
@@ -408,15 +409,27 @@ def load(
     if scaler is not None and scaler_state is not None:
         scaler.load_state_dict(scaler_state)
     _restore_rng(rng)
-    step = int(rng.get("step", 0))
-    if step % window.steps and dist.rank() == 0:
-        log.warning(
-            "gradsync: %s was saved in the middle of an accumulation window (micro-step %d); "
-            "Accelerate's layout holds no gradients of it: the next window starts afresh",
-            folder,
-            step,
-        )
+    _resume_window(window, int(rng.get("step", 0)))
     then()
+
+
+def _resume_window(window: Window, step: int) -> None:
+    """Accelerate's micro-step count: saved inside a window, the window goes on from that
+    micro-step, without the gradients of its first ones (Accelerate's layout holds none),
+    as Accelerate's own resume does."""
+    index = step % window.steps
+    if index:
+        state = window.state_dict()
+        state.update(index=index, size=window.steps, boundary=False)
+        window.load_state_dict(state)
+        if dist.rank() == 0:
+            log.warning(
+                "gradsync: the checkpoint was saved at micro-step %d of a window of %d; "
+                "Accelerate's layout holds no gradients of it: the window goes on without "
+                "them, as under Accelerate",
+                index,
+                window.steps,
+            )
 
 
 def _restore_rng(state: dict[str, Any]) -> None:
