@@ -64,8 +64,9 @@ FAMILY = re.compile(
 READS = (
     "gradsync.accelerate reads Accelerate's one-process and DDP layout (model.safetensors or "
     "pytorch_model.bin, optimizer.bin, scheduler.bin, custom_checkpoint_N.pkl, "
-    "random_states_N.pkl) on backend single or ddp, and its FSDP2 SHARDED_STATE_DICT layout "
-    "(pytorch_model_fsdp_N/, optimizer_N/) on backend fsdp"
+    "random_states_N.pkl) on backend single or ddp, its FSDP2 SHARDED_STATE_DICT layout "
+    "(pytorch_model_fsdp_N/, optimizer_N/) on backend fsdp, and its DeepSpeed layout "
+    "(pytorch_model/) on backend deepspeed"
 )
 
 
@@ -138,7 +139,7 @@ def write(parts: Parts, folder: Path, safe_serialization: bool = True) -> None:
             warnings.warn(
                 f"gradsync.accelerate: backend={backend.name!r} writes gradsync's checkpoint "
                 "format only, which Accelerate cannot resume; Accelerate's layout is written "
-                "on backend single, ddp and fsdp",
+                "on backend single, ddp, fsdp and deepspeed",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -218,13 +219,21 @@ def kind_of(folder: Path) -> tuple[str, str | None]:
     return "plain", None
 
 
+def _engines(folder: Path) -> list[str]:
+    """DeepSpeed's tag folders: ``pytorch_model``, ``pytorch_model_1``, ..."""
+    return [n for n in _files(folder, "pytorch_model", "") if (folder / n).is_dir()]
+
+
 def _layout(folder: Path, kind: str) -> dict[str, list[str]]:
-    sharded = kind == "fsdp_sharded"
+    if kind == "fsdp_sharded":
+        models, optimizers = _dirs(folder, "pytorch_model_fsdp"), _dirs(folder, "optimizer")
+    elif kind == "deepspeed":  # an engine holds its optimizer
+        models = optimizers = _engines(folder)
+    else:
+        models, optimizers = _model_files(folder), _files(folder, "optimizer", ".bin")
     return {
-        "models": _dirs(folder, "pytorch_model_fsdp") if sharded else _model_files(folder),
-        "optimizers": _dirs(folder, "optimizer")
-        if sharded
-        else _files(folder, "optimizer", ".bin"),
+        "models": models,
+        "optimizers": optimizers,
         "schedulers": _files(folder, "scheduler", ".bin"),
         "objects": sorted(
             (p.name for p in folder.glob("custom_checkpoint_*.pkl")),
@@ -360,7 +369,8 @@ def check(parts: Parts, folder: Path, trusted: bool) -> None:
         try:
             answer = problem(parts, folder)
             if answer is None and not trusted:
-                scan_folder(folder, _scanned(folder), allow_list().__contains__)
+                allowed = allow_list(parts.backend.checkpoint_globals)
+                scan_folder(folder, _scanned(folder), allowed.__contains__)
         except CheckpointError as err:
             answer = str(err)
     answer = dist.broadcast_object(answer)
@@ -396,7 +406,7 @@ def load(
     )
     if window.is_open:
         drop_window(window, backend, p)
-    if not plain:  # the backend reads its sharded files, then sets (collective)
+    if not plain:  # the backend reads its own files, then sets (collective)
         backend.load_accelerate(folder, p.models, p.held(), trusted=trusted)
     for model, state, name in zip(p.models, weights, layout["models"]):
         _load_weights(backend.unwrap(model), state, name)
