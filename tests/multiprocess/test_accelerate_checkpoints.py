@@ -13,9 +13,10 @@ gradsync's (or from gradsync's own files converted by ``to_accelerate``), end ex
 Accelerate's own resume ends (their losses too); gradsync from its own folder ends exactly
 where the uninterrupted run ends.
 
-Accelerate runs FSDP only on accelerators (``accelerate launch --use_fsdp`` trains with DDP
-on the CPU), so on FSDP2 only gradsync's side is checked: it writes Accelerate's sharded
-FSDP2 layout, and resuming those files alone equals Accelerate's own (DDP) resume.
+Accelerate runs FSDP and DeepSpeed only on accelerators (``accelerate launch --use_fsdp`` or
+``--use_deepspeed`` trains with DDP on the CPU), so on FSDP2 and DeepSpeed ZeRO 2 only
+gradsync's side is checked: it writes Accelerate's layout of that backend, and resuming
+those files alone equals Accelerate's own (DDP) resume.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ BIN = Path(sys.executable).parent
 #: Batches trained when saved (of 5 per epoch, windows of 2, 2, 1): epoch 0 batch 3 (inside
 #: a window), epoch 0 batch 4, epoch 1 batch 4.
 SAVED = (3, 4, 9)
-FSDP_SAVED = (4, 9)
+SHARDED_SAVED = (4, 9)
 
 
 def entry(
@@ -62,6 +63,7 @@ def launch(
     (out / f"{name}.json").write_text(json.dumps(plan))
     env = {
         **os.environ,
+        "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
         "ACCELERATE_USE_CPU": "1",
         "GRADSYNC_DEVICE": "cpu",
@@ -98,37 +100,39 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 FSDP = ("--use_fsdp", "--fsdp_version", "2")
-#: What Accelerate's FSDP2 save_state writes with SHARDED_STATE_DICT (this script's objects).
-FSDP_FILES = (
-    "pytorch_model_fsdp_0",
-    "optimizer_0",
-    "scheduler.bin",
-    "custom_checkpoint_0.pkl",
-    "random_states_0.pkl",
-    "random_states_1.pkl",
-)
+ZERO2 = ("--use_deepspeed", "--zero_stage", "2")
+#: What Accelerate's save_state writes on each backend (this script's objects): FSDP2 with
+#: SHARDED_STATE_DICT, DeepSpeed through the engine's save_checkpoint.
+COMMON = ("scheduler.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl", "random_states_1.pkl")
+LAYOUT = {
+    "fsdp": (FSDP, ("pytorch_model_fsdp_0", "optimizer_0", *COMMON)),
+    "deepspeed": (ZERO2, ("pytorch_model", "latest", *COMMON)),
+}
 
 
-@pytest.fixture(scope="module")
-def fsdp_runs(runs: Path) -> Path:
-    """gradsync on FSDP2: the whole run, then resumes of its own folders and of the
-    Accelerate-layout files of them alone (Accelerate trains FSDP only on accelerators)."""
-    out = runs / "fsdp"
-    gs = out / "gs-fsdp-full"
-    launch(out, "fsdp", [entry(out, "gs-fsdp-full", saved=FSDP_SAVED)], gradsync=True, flags=FSDP)
+@pytest.fixture(scope="module", params=sorted(LAYOUT))
+def sharded_runs(runs: Path, request: pytest.FixtureRequest) -> tuple[str, Path]:
+    """gradsync on FSDP2 / DeepSpeed ZeRO 2: the whole run, then resumes of its own folders
+    and of the Accelerate-layout files of them alone (Accelerate trains neither on the
+    CPU)."""
+    backend = request.param
+    flags, files = LAYOUT[backend]
+    out = runs / backend
+    full = out / "full"
+    launch(out, backend, [entry(out, "full", saved=SHARDED_SAVED)], gradsync=True, flags=flags)
     plan = []
-    for s in FSDP_SAVED:
+    for s in SHARDED_SAVED:
         alone = out / "accelerate-layout" / f"step_{s}"
         alone.mkdir(parents=True)
-        for name in FSDP_FILES:
-            src = gs / f"step_{s}" / name
+        for name in files:
+            src = full / f"step_{s}" / name
             (shutil.copytree if src.is_dir() else shutil.copy)(src, alone / name)
         plan += [
-            entry(out, f"fsdp-from-layout{s}", alone),
-            entry(out, f"fsdp-from-own{s}", gs / f"step_{s}"),
+            entry(out, f"from-layout{s}", alone),
+            entry(out, f"from-own{s}", full / f"step_{s}"),
         ]
-    launch(out, "fsdp-resumes", plan, gradsync=True, flags=FSDP)
-    return out
+    launch(out, f"{backend}-resumes", plan, gradsync=True, flags=flags)
+    return backend, out
 
 
 def params(runs: Path, name: str) -> dict[str, torch.Tensor]:
@@ -182,14 +186,17 @@ def test_gradsync_resumes_its_own_folder_exactly(runs: Path, saved: int) -> None
     assert resumed[0]["total"] == whole[0]["total"]
 
 
-@pytest.mark.parametrize("saved", FSDP_SAVED)
-def test_fsdp2_resumes_accelerates_sharded_layout(runs: Path, fsdp_runs: Path, saved: int) -> None:
-    assert distance(runs, "fsdp/gs-fsdp-full", "acc-full") <= 1e-6
-    alone = {p.name for p in (fsdp_runs / "accelerate-layout" / f"step_{saved}").iterdir()}
-    assert alone == set(FSDP_FILES)  # no file of gradsync's own format
-    resumed, own = f"fsdp/fsdp-from-layout{saved}", f"acc-from-acc{saved}"
-    assert [f["trained"] for f in final(runs, resumed)] == [15 - saved] * 2
-    assert distance(runs, resumed, "acc-full") <= distance(runs, own, "acc-full") + 1e-6
-    assert distance(runs, resumed, own) <= 1e-6
-    assert final(runs, resumed)[0]["seen"] == final(runs, own)[0]["seen"]
-    assert distance(runs, f"fsdp/fsdp-from-own{saved}", "fsdp/gs-fsdp-full") == 0.0
+def test_sharded_backends_resume_accelerates_layout(
+    runs: Path, sharded_runs: tuple[str, Path]
+) -> None:
+    backend, out = sharded_runs
+    assert distance(runs, f"{backend}/full", "acc-full") <= 1e-6
+    for saved in SHARDED_SAVED:
+        alone = {p.name for p in (out / "accelerate-layout" / f"step_{saved}").iterdir()}
+        assert alone == set(LAYOUT[backend][1])  # no file of gradsync's own format
+        resumed, own = f"{backend}/from-layout{saved}", f"acc-from-acc{saved}"
+        assert [f["trained"] for f in final(runs, resumed)] == [15 - saved] * 2
+        assert distance(runs, resumed, "acc-full") <= distance(runs, own, "acc-full") + 1e-6
+        assert distance(runs, resumed, own) <= 1e-6
+        assert final(runs, resumed)[0]["seen"] == final(runs, own)[0]["seen"]
+        assert distance(runs, f"{backend}/from-own{saved}", f"{backend}/full") == 0.0
