@@ -43,17 +43,17 @@ log = logging.getLogger("gradsync")
 
 #: Accelerate's layouts, each known by a file or folder only it writes (else: "plain").
 LAYOUTS = (
-    (re.compile(r"^pytorch_model_fsdp_\d+$"), "fsdp_sharded"),
-    (re.compile(r"^optimizer_\d+$"), "fsdp_sharded"),
-    (re.compile(r"^pytorch_model_fsdp(_\d+)?\.bin$"), "fsdp_full"),
-    (re.compile(r"^pytorch_model(_\d+)?$"), "deepspeed"),
-    (re.compile(r"^latest$"), "deepspeed"),
+    (re.compile(r"^pytorch_model_fsdp_\d+$"), "sharded_dcp"),
+    (re.compile(r"^optimizer_\d+$"), "sharded_dcp"),
+    (re.compile(r"^pytorch_model_fsdp(_\d+)?\.bin$"), "full_state"),
+    (re.compile(r"^pytorch_model(_\d+)?$"), "engine_tag"),
+    (re.compile(r"^latest$"), "engine_tag"),
 )
 KINDS = {
     "plain": "one-process/DDP layout",
-    "fsdp_sharded": "sharded FSDP layout",
-    "fsdp_full": "full-state FSDP layout",
-    "deepspeed": "DeepSpeed layout",
+    "sharded_dcp": "sharded FSDP layout",
+    "full_state": "full-state FSDP layout",
+    "engine_tag": "DeepSpeed layout",
 }
 #: Files of newer or other Accelerate loaders' state that gradsync does not read.
 UNREAD = re.compile(r"^(sampler|dl_state_dict)(_\d+)?\.bin$")
@@ -225,9 +225,9 @@ def _engines(folder: Path) -> list[str]:
 
 
 def _layout(folder: Path, kind: str) -> dict[str, list[str]]:
-    if kind == "fsdp_sharded":
+    if kind == "sharded_dcp":
         models, optimizers = _dirs(folder, "pytorch_model_fsdp"), _dirs(folder, "optimizer")
-    elif kind == "deepspeed":  # an engine holds its optimizer
+    elif kind == "engine_tag":  # an engine holds its optimizer
         models = optimizers = _engines(folder)
     else:
         models, optimizers = _model_files(folder), _files(folder, "optimizer", ".bin")

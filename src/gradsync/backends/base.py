@@ -101,9 +101,10 @@ class Backend(Protocol):
     #: ``weights_only`` set: a checkpoint naming any other is refused before loading.
     checkpoint_globals: ClassVar[frozenset[str]]
     #: Accelerate's checkpoint layout it writes and reads beside its own: "plain" (the full
-    #: weights and optimizer state of one process or DDP), "fsdp_sharded" (Accelerate's
-    #: FSDP2 ``SHARDED_STATE_DICT`` folders, through ``save_accelerate`` /
-    #: ``load_accelerate``), or "" (none).
+    #: weights and optimizer state of one process or DDP), "sharded_dcp" (Accelerate's
+    #: FSDP2 ``SHARDED_STATE_DICT`` folders) or "engine_tag" (a DeepSpeed engine's own
+    #: checkpoint under Accelerate's tag), both through ``save_accelerate`` /
+    #: ``load_accelerate``; or "" (none).
     accelerate_layout: ClassVar[str]
     policy: SyncPolicy
     policy_reason: str  # why the adapter resolved that policy, with its numbers ("" if nothing)
@@ -255,7 +256,7 @@ class Backend(Protocol):
         self, path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Held]
     ) -> None:
         """Write the models and optimizers in Accelerate's layout of this backend
-        (``accelerate_layout`` "fsdp_sharded"; collective)."""
+        (``accelerate_layout`` other than "plain"; collective)."""
 
     def load_accelerate(
         self,

@@ -84,7 +84,7 @@ class FSDPBackend(AdapterDefaults):
 
     name: ClassVar[str] = "fsdp"
     checkpoint_format: ClassVar[str] = "dcp"  # torch.distributed.checkpoint, sharded
-    accelerate_layout: ClassVar[str] = "fsdp_sharded"
+    accelerate_layout: ClassVar[str] = "sharded_dcp"
     save_accelerate = staticmethod(_fsdp_checkpoint.save_accelerate)
     load_accelerate = staticmethod(_fsdp_checkpoint.load_accelerate)
     reshardable: ClassVar[bool] = True
