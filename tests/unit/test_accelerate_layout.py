@@ -249,3 +249,35 @@ def test_safe_serialization_false_writes_and_reads_pytorch_model_bin(tmp_path, c
     again.load_state(only)
     mine = accel.unwrap_model(model).state_dict()
     assert all(torch.equal(v, mine[k]) for k, v in again.unwrap_model(other).state_dict().items())
+
+
+def test_two_models_and_optimizers_take_accelerates_numbered_names(tmp_path, clean_env):
+    def two(seed: int) -> tuple[Any, ...]:
+        torch.manual_seed(seed)
+        accel = Accelerator(cpu=True)
+        a, b = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
+        oa = torch.optim.Adam(a.parameters(), lr=0.1)
+        ob = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+        return (accel, *accel.prepare(a, b, oa, ob))
+
+    accel, a, b, oa, ob = two(0)
+    with accel.accumulate(a, b):
+        accel.backward(b(a(torch.randn(4, 3))).square().mean())
+        oa.step()
+        ob.step()
+    path = Path(accel.save_state(tmp_path / "both"))
+    names = {"model.safetensors", "model_1.safetensors", "optimizer.bin", "optimizer_1.bin"}
+    assert names <= {p.name for p in path.iterdir()}
+    only = tmp_path / "accelerate"
+    only.mkdir()
+    for name in names | {"random_states_0.pkl"}:
+        shutil.copy(path / name, only / name)
+    again, a2, b2, oa2, ob2 = two(1)
+    again.load_state(only)
+    for mine, theirs in ((a, a2), (b, b2)):
+        assert all(torch.equal(x, y) for x, y in zip(mine.parameters(), theirs.parameters()))
+    assert torch.equal(
+        ob2.state_dict()["state"][0]["momentum_buffer"],
+        ob.state_dict()["state"][0]["momentum_buffer"],
+    )
+    assert oa2.state_dict()["state"][0]["step"] == oa.state_dict()["state"][0]["step"]
