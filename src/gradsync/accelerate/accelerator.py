@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from gradsync import _dist as dist
+from gradsync.accelerate import _layout
 from gradsync.accelerate._names import refuse_member
 from gradsync.accelerate.config import (
     DataLoaderConfiguration,
@@ -32,7 +33,7 @@ from gradsync.accelerate.config import (
     translate,
 )
 from gradsync.accelerator import Accelerator as _Core
-from gradsync.errors import ConfigError
+from gradsync.errors import ConfigError, UsageError, naming_collective
 from gradsync.settings import (
     CommHook,
     CommWrapper,
@@ -235,6 +236,12 @@ class Accelerator(_Core):
         self.dataloader_config = dataloader_config or DataLoaderConfiguration(
             split_batches=bool(split_batches)
         )
+        # Every checkpoint holds Accelerate's files too (``_layout``), so that Accelerate
+        # resumes it; gradsync resumes it from its own files, exactly.
+        self._safe_serialization = True
+        self._p.state.save_hooks[id(_layout)] = lambda folder: _layout.write(
+            self._p, folder, self._safe_serialization
+        )
 
     # -- Accelerate's names for what the core has --------------------------
     @property
@@ -360,6 +367,7 @@ class Accelerator(_Core):
                     project.project_dir, "checkpoints", f"checkpoint_{project.iteration}"
                 )
             keep_last = keep_last if keep_last is not None else project.total_limit
+        self._safe_serialization = bool(safe_serialization)
         folder = super().save_state(output_dir, keep_last=keep_last, background=background)
         if project.automatic_checkpoint_naming:
             project.iteration += 1
@@ -385,10 +393,34 @@ class Accelerator(_Core):
             if not numbered:
                 raise ConfigError(f"load_state(): no checkpoint_N folder under {root}")
             input_dir = numbered[-1][1]
-        super().load_state(input_dir, trusted=trusted)
+        folder = Path(os.fspath(input_dir)) if input_dir is not None else None
+        if folder is not None and _layout.is_accelerate_folder(folder):
+            self._load_accelerate_layout(folder, trusted)
+        else:
+            super().load_state(input_dir, trusted=trusted)
         name = Path(os.fspath(input_dir)).name if input_dir is not None else ""
         if project.automatic_checkpoint_naming and (m := re.fullmatch(r"checkpoint_(\d+)", name)):
             project.iteration = int(m.group(1)) + 1
+
+    def _load_accelerate_layout(self, folder: Path, trusted: bool) -> None:
+        """A folder Accelerate's ``save_state`` wrote (see ``_layout``)."""
+        if self._window.current is not None:
+            raise UsageError(
+                "load_state() was called inside `with accel.accumulate(model):`; call it before the loop"
+            )
+        self.wait_for_checkpoint()
+        state = self._p.state
+
+        def before() -> None:
+            for hook in list(state.load_hooks.values()):
+                hook(folder)
+
+        def then() -> None:
+            for after in state.after_load:
+                after()
+
+        with naming_collective(f"load_state({str(folder)!r})", self.config.timeout):
+            _layout.load(self._p, folder, trusted, before, then)
 
     def __getattr__(self, name: str) -> Any:
         refuse_member(name)

@@ -69,6 +69,35 @@ def load(
         models[i].load_state_dict(state)
 
 
+#: Accelerate's DeepSpeed layout: the engine's checkpoint under the tag ``pytorch_model``
+#: (``pytorch_model/``, with ``latest`` naming it), beside Accelerate's other files.
+ACCELERATE_TAG = "pytorch_model"
+
+
+def save_accelerate(path: Path, engine: Any) -> None:
+    with _deepspeed_compat.deferred_write_errors(engine, save_file) as failed:
+        engine.save_checkpoint(str(path), tag=ACCELERATE_TAG)
+    if failed:
+        raise failed[0]
+
+
+def load_accelerate(path: Path, engine: Any, *, trusted: bool = False) -> None:
+    checked = (
+        contextlib.nullcontext() if trusted else _deepspeed_compat.checked_loads(engine, _check)
+    )
+    with checked:
+        loaded, _ = engine.load_checkpoint(
+            str(path),
+            tag=ACCELERATE_TAG,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
+    if loaded is None:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: DeepSpeed could not load it (see its log)"
+        )
+
+
 def _check(file: str) -> None:
     """Refuse a DeepSpeed file naming a global outside its format's allow-list."""
     refused = safety.refused_in_file(

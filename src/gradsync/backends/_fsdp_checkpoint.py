@@ -217,15 +217,7 @@ def load(
         state = _optim_state(models, held)
         _read(_folder(path, held), state, "optimizer", trusted=trusted, allowed=allowed)
         optim_states.append(state)
-    for model, state in zip(models, model_states):
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-    for held, state in zip(optimizers, optim_states):
-        set_state_dict(
-            _holder(models, held),
-            [held.optimizer],
-            model_state_dict={},
-            optim_state_dict=state["optim"],
-        )
+    _set(models, optimizers, model_states, [state["optim"] for state in optim_states])
     if window is not None:
         for model, saved in zip(models, window):
             _put_sharded_grads(model, saved["sharded"])
@@ -235,6 +227,53 @@ def load(
                     _fsdp_compat.put_partial_buffers(
                         model, saved["partial"], device, saved.get("partial_layout")
                     )
+
+
+def _set(
+    models: Sequence[nn.Module],
+    optimizers: Sequence[Held],
+    model_states: list[dict[str, Any]],
+    optim_states: list[Any],
+) -> None:
+    for model, state in zip(models, model_states):
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+    for held, optim in zip(optimizers, optim_states):
+        set_state_dict(
+            _holder(models, held), [held.optimizer], model_state_dict={}, optim_state_dict=optim
+        )
+
+
+# -- Accelerate's SHARDED_STATE_DICT layout of FSDP2: model ``i`` in ``pytorch_model_fsdp_{i}``
+# under "model", optimizer ``j`` in ``optimizer_{j}`` under "optimizer", both DCP folders.
+def save_accelerate(path: Path, models: Sequence[nn.Module], optimizers: Sequence[Held]) -> None:
+    for i, model in enumerate(models):
+        _write(_model_state(model), path / f"pytorch_model_fsdp_{i}")
+    for held in optimizers:
+        optim = _optim_state(models, held)["optim"]
+        _write({"optimizer": optim}, path / f"optimizer_{held.index}")
+
+
+def load_accelerate(
+    path: Path,
+    models: Sequence[nn.Module],
+    optimizers: Sequence[Held],
+    *,
+    trusted: bool = False,
+) -> None:
+    allowed = safety.allow_list().__contains__  # FSDP2's checkpoints name no global of its own
+    model_states = []
+    for i, model in enumerate(models):
+        state = _model_state(model)
+        folder = path / f"pytorch_model_fsdp_{i}"
+        _read(folder, state, "model", trusted=trusted, allowed=allowed)
+        model_states.append(state)
+    optim_states = []
+    for held in optimizers:
+        state = {"optimizer": _optim_state(models, held)["optim"]}
+        folder = path / f"optimizer_{held.index}"
+        _read(folder, state, "optimizer", trusted=trusted, allowed=allowed)
+        optim_states.append(state["optimizer"])
+    _set(models, optimizers, model_states, optim_states)
 
 
 def full_state_dict(model: nn.Module, device: torch.device) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from gradsync import _dist as dist
 from gradsync import _torch_compat
 from gradsync.backends import _amp
 from gradsync.config import RequestedPolicy, SyncPolicy
-from gradsync.errors import ConfigError, UsageError
+from gradsync.errors import CheckpointError, ConfigError, UsageError
 
 if TYPE_CHECKING:
     from gradsync._batch_plan import BatchPlan
@@ -100,6 +100,12 @@ class Backend(Protocol):
     #: Globals (``module.name``) its checkpoint files may name besides torch's
     #: ``weights_only`` set: a checkpoint naming any other is refused before loading.
     checkpoint_globals: ClassVar[frozenset[str]]
+    #: Accelerate's checkpoint layout it writes and reads beside its own: "plain" (the full
+    #: weights and optimizer state of one process or DDP), "sharded_dcp" (Accelerate's
+    #: FSDP2 ``SHARDED_STATE_DICT`` folders) or "engine_tag" (a DeepSpeed engine's own
+    #: checkpoint under Accelerate's tag), both through ``save_accelerate`` /
+    #: ``load_accelerate``; or "" (none).
+    accelerate_layout: ClassVar[str]
     policy: SyncPolicy
     policy_reason: str  # why the adapter resolved that policy, with its numbers ("" if nothing)
     owns_group: bool  # gradsync created the process group (and releases it)
@@ -246,6 +252,23 @@ class Backend(Protocol):
         are read without running code from them unless ``trusted``. A ``Held`` with
         ``legacy`` set was written by gradsync 0.1 (one optimizer per model, stored with it)."""
 
+    def save_accelerate(
+        self, path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Held]
+    ) -> None:
+        """Write the models and optimizers in Accelerate's layout of this backend
+        (``accelerate_layout`` other than "plain"; collective)."""
+
+    def load_accelerate(
+        self,
+        path: Path,
+        models: Sequence[torch.nn.Module],
+        optimizers: Sequence[Held],
+        *,
+        trusted: bool = False,
+    ) -> None:
+        """Read back what ``save_accelerate`` (or Accelerate) wrote (collective); check
+        before changing anything."""
+
 
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 
@@ -273,6 +296,7 @@ class AdapterDefaults:
     """
 
     checkpoint_globals: ClassVar[frozenset[str]] = frozenset()
+    accelerate_layout: ClassVar[str] = ""
     policy: SyncPolicy
     policy_reason: str  # why the adapter resolved that policy, with its numbers ("" if nothing)
     owns_group: bool  # gradsync created the process group (and releases it)
@@ -395,6 +419,21 @@ class AdapterDefaults:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def save_accelerate(
+        self, path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Held]
+    ) -> None:
+        raise CheckpointError(f"{type(self).__name__} writes no Accelerate layout of its own")
+
+    def load_accelerate(
+        self,
+        path: Path,
+        models: Sequence[torch.nn.Module],
+        optimizers: Sequence[Held],
+        *,
+        trusted: bool = False,
+    ) -> None:
+        raise CheckpointError(f"{type(self).__name__} reads no Accelerate layout of its own")
 
 
 def not_prepared(

@@ -50,7 +50,7 @@ from gradsync.backends.base import (
     single_optimizer,
 )
 from gradsync.config import Config
-from gradsync.errors import ConfigError
+from gradsync.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("gradsync")
 
@@ -73,6 +73,7 @@ class DeepSpeedBackend(AdapterDefaults):
 
     name: ClassVar[str] = "deepspeed"
     checkpoint_format: ClassVar[str] = "deepspeed"  # the engine's own checkpoints
+    accelerate_layout: ClassVar[str] = "engine_tag"  # the engine's own, tagged pytorch_model
     reshardable: ClassVar[bool] = False
     checkpoint_globals: ClassVar[frozenset[str]] = _deepspeed_compat.CHECKPOINT_GLOBALS
 
@@ -326,3 +327,23 @@ class DeepSpeedBackend(AdapterDefaults):
         trusted: bool = False,
     ) -> None:
         _deepspeed_checkpoint.load(path, self.engine, models, trusted=trusted)
+
+    def save_accelerate(
+        self, path: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Held]
+    ) -> None:
+        if any(model is not self.engine for model in models):
+            raise CheckpointError(
+                "Accelerate's DeepSpeed layout holds the engine's model only; this run "
+                "prepared a model outside it"
+            )
+        _deepspeed_checkpoint.save_accelerate(path, self.engine)
+
+    def load_accelerate(
+        self,
+        path: Path,
+        models: Sequence[torch.nn.Module],
+        optimizers: Sequence[Held],
+        *,
+        trusted: bool = False,
+    ) -> None:
+        _deepspeed_checkpoint.load_accelerate(path, self.engine, trusted=trusted)

@@ -84,6 +84,9 @@ class FSDPBackend(AdapterDefaults):
 
     name: ClassVar[str] = "fsdp"
     checkpoint_format: ClassVar[str] = "dcp"  # torch.distributed.checkpoint, sharded
+    accelerate_layout: ClassVar[str] = "sharded_dcp"
+    save_accelerate = staticmethod(_fsdp_checkpoint.save_accelerate)
+    load_accelerate = staticmethod(_fsdp_checkpoint.load_accelerate)
     reshardable: ClassVar[bool] = True
 
     def __init__(self) -> None:

@@ -45,9 +45,26 @@ DCP_METADATA_GLOBALS = frozenset(
 )
 
 
+#: A numpy array of numbers, as an RNG state holds one (Accelerate's ``random_states_N.pkl``,
+#: which gradsync.accelerate writes beside its own files): the array, its dtype and the bytes
+#: of the dtype (numpy 1 and 2 spell the module of ``_reconstruct`` differently). An array of
+#: objects would name its objects' globals, which the scan checks like any other.
+NUMPY_ARRAY_GLOBALS = frozenset(
+    {
+        "numpy.core.multiarray._reconstruct",
+        "numpy._core.multiarray._reconstruct",
+        "numpy.ndarray",
+        "numpy.dtype",
+        "numpy.dtypes.UInt32DType",
+        "_codecs.encode",
+    }
+)
+
+
 def allow_list(extra: frozenset[str] = frozenset()) -> frozenset[str]:
-    """torch's ``weights_only`` globals and ``extra`` (a backend's own)."""
-    return weights_only_globals() | extra
+    """torch's ``weights_only`` globals, numpy arrays of numbers and ``extra`` (a backend's
+    own)."""
+    return weights_only_globals() | NUMPY_ARRAY_GLOBALS | extra
 
 
 class _Inert:

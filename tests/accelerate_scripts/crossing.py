@@ -1,0 +1,107 @@
+"""A checkpointed run the way Accelerate's by_feature/checkpointing.py writes one: folders
+named ``step_{N}`` after N batches, resumed through load_state and skip_first_batches with
+the script's own arithmetic; a shuffled loader, dropout (the RNG matters), a linear LR
+schedule, gradient accumulation and a registered object. ``--save_at`` takes batch counts
+that end a window (mid-epoch); ``--resume_from_checkpoint`` may name a folder the other
+library wrote."""
+
+import argparse
+import json
+import os
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+from transformers import get_linear_schedule_with_warmup
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--save_at", type=int, nargs="*", default=[])
+parser.add_argument("--resume_from_checkpoint", default=None)
+args = parser.parse_args()
+
+
+class Seen:
+    """A registered object: the samples this run and its predecessors trained on."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.total = torch.zeros(())
+
+    def state_dict(self) -> dict:
+        return {"samples": self.samples, "total": self.total.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.samples = int(state["samples"])
+        self.total = state["total"].clone()
+
+
+accelerator = Accelerator(gradient_accumulation_steps=2)
+set_seed(11)
+g = torch.Generator().manual_seed(3)
+x = torch.randn(40, 6, generator=g)
+y = (x.sum(1, keepdim=True) > 0).float()
+data = [{"x": a, "y": b} for a, b in zip(x, y)]
+model = torch.nn.Sequential(
+    torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1)
+)
+loader = DataLoader(data, batch_size=4, shuffle=True)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scheduler = get_linear_schedule_with_warmup(optimizer, 2, 40)
+seen = Seen()
+model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+accelerator.register_for_checkpointing(seen)
+
+overall_step = 0
+starting_epoch = 0
+resume_step = None
+if args.resume_from_checkpoint:
+    accelerator.load_state(args.resume_from_checkpoint)
+    name = os.path.basename(args.resume_from_checkpoint.rstrip("/"))
+    resume_step = int(name.replace("step_", ""))
+    starting_epoch = resume_step // len(loader)
+    overall_step = resume_step
+    resume_step -= starting_epoch * len(loader)
+
+trained = 0
+losses = []
+for epoch in range(starting_epoch, args.epochs):
+    model.train()
+    if args.resume_from_checkpoint and epoch == starting_epoch and resume_step:
+        active = accelerator.skip_first_batches(loader, resume_step)
+    else:
+        active = loader
+    for batch in active:
+        with accelerator.accumulate(model):
+            out = model(batch["x"])
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(out, batch["y"])
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        seen.samples += len(batch["x"])
+        seen.total += batch["x"].sum().detach()
+        losses.append(loss.item())
+        trained += 1
+        overall_step += 1
+        if overall_step in args.save_at:
+            accelerator.save_state(os.path.join(args.out, f"step_{overall_step}"))
+
+accelerator.wait_for_everyone()
+state = {k: v.detach().cpu().clone() for k, v in accelerator.get_state_dict(model).items()}
+if accelerator.is_main_process:
+    torch.save(state, os.path.join(args.out, "final.pt"))
+with open(os.path.join(args.out, f"final_{accelerator.process_index}.json"), "w") as f:
+    json.dump(
+        {
+            "trained": trained,
+            "lr": scheduler.get_last_lr()[0],
+            "seen": seen.samples,
+            "total": seen.total.item(),
+            "losses": losses,
+        },
+        f,
+    )
+accelerator.end_training()
