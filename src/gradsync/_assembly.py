@@ -198,6 +198,13 @@ def assemble(owner: Any, config: Config, rules: Rules) -> Parts:
             "will not be requeued"
         )
     state = CheckpointState(prepared, window, backend, loaders)
+    if not rules.resume_mid_epoch:  # Accelerate's rules: the script skips what it consumed
+
+        def rewind() -> None:
+            for loader in prepared.loaders:
+                loader.rewind_to_pass_start()
+
+        state.after_load.append(rewind)
     if oom is not None:
         state.after_load.append(oom.after_load)
     parts = Parts(

@@ -38,6 +38,10 @@ class Rules:
         even_batches: pad the last round so every rank gets the same number of batches.
         seedable_sampler: a random sampler reseeds each epoch from ``data_seed`` + epoch.
         data_seed: the seed of that sampler (default: torch's initial seed).
+        resume_mid_epoch: ``load_state`` puts each prepared loader where it stood, so the
+            next pass goes on at the first batch not yet consumed; else at the start of
+            the pass it stood in (the same order), and the script skips the batches it
+            consumed itself, with ``skip_first_batches`` or a ``continue`` in its loop.
     """
 
     name: str = "gradsync"
@@ -48,6 +52,7 @@ class Rules:
     even_batches: bool = True
     seedable_sampler: bool = False
     data_seed: int | None = None
+    resume_mid_epoch: bool = True
 
     @classmethod
     def accelerate(
@@ -68,6 +73,7 @@ class Rules:
             even_batches=even_batches,
             seedable_sampler=seedable_sampler,
             data_seed=data_seed,
+            resume_mid_epoch=False,
         )
 
     def scheduler_steps(self, processes: int) -> int:

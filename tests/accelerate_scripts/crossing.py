@@ -20,6 +20,12 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--save_at", type=int, nargs="*", default=[])
 parser.add_argument("--resume_from_checkpoint", default=None)
+parser.add_argument(
+    "--skip_by",
+    choices=("skip_first_batches", "continue"),
+    default="skip_first_batches",
+    help="how the resumed epoch skips the batches consumed before the save",
+)
 args = parser.parse_args()
 
 
@@ -69,11 +75,14 @@ trained = 0
 losses = []
 for epoch in range(starting_epoch, args.epochs):
     model.train()
-    if args.resume_from_checkpoint and epoch == starting_epoch and resume_step:
+    skipping = bool(args.resume_from_checkpoint and epoch == starting_epoch and resume_step)
+    if skipping and args.skip_by == "skip_first_batches":
         active = accelerator.skip_first_batches(loader, resume_step)
     else:
         active = loader
-    for batch in active:
+    for step, batch in enumerate(active):
+        if skipping and args.skip_by == "continue" and step < resume_step:
+            continue  # the idiom of older scripts: skip inside the loop
         with accelerator.accumulate(model):
             out = model(batch["x"])
             loss = torch.nn.functional.binary_cross_entropy_with_logits(out, batch["y"])

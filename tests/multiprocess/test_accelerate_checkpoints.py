@@ -46,10 +46,14 @@ SHARDED_SAVED = (4, 9)
 
 
 def entry(
-    out: Path, name: str, resume: Path | None = None, saved: tuple[int, ...] = SAVED
+    out: Path,
+    name: str,
+    resume: Path | None = None,
+    saved: tuple[int, ...] = SAVED,
+    skip_by: str = "skip_first_batches",
 ) -> list[object]:
     (out / name).mkdir(parents=True, exist_ok=True)
-    args = ["--out", str(out / name)]
+    args = ["--out", str(out / name), "--skip_by", skip_by]
     if resume is None:
         args += ["--save_at", *map(str, saved)]
     else:
@@ -88,6 +92,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     plan = [entry(out, "gs-full")]
     plan += [entry(out, f"gs-from-acc{s}", acc / f"step_{s}") for s in SAVED]
     plan += [entry(out, f"gs-from-gs{s}", gs / f"step_{s}") for s in SAVED]
+    plan += [entry(out, f"gs-continue{s}", gs / f"step_{s}", skip_by="continue") for s in SAVED]
     launch(out, "gradsync", plan, gradsync=True)
     from gradsync.accelerate.convert import to_accelerate
 
@@ -184,6 +189,17 @@ def test_gradsync_resumes_its_own_folder_exactly(runs: Path, saved: int) -> None
         assert (r["seen"], r["lr"]) == (w["seen"], w["lr"])
     # a registered object is saved from the main process (as Accelerate saves it)
     assert resumed[0]["total"] == whole[0]["total"]
+
+
+@pytest.mark.parametrize("saved", SAVED)
+def test_a_script_that_skips_in_its_own_loop_resumes_its_folder_exactly(
+    runs: Path, saved: int
+) -> None:
+    """Under Accelerate's rules ``load_state`` leaves the loader at the start of the saved
+    pass: a script that skips the consumed batches with ``continue`` (older examples) skips
+    them once, not twice."""
+    assert final(runs, f"gs-continue{saved}") == final(runs, f"gs-from-gs{saved}")
+    assert distance(runs, f"gs-continue{saved}", "gs-full") == 0.0
 
 
 def test_sharded_backends_resume_accelerates_layout(

@@ -292,6 +292,8 @@ class PreparedDataLoader:
         self.split = 1
         self.replannable = False
         self._restored: int | None = None  # batches of its pass load_state skipped, until it starts
+        #: Accelerate's rule book: the saved (consumed, read) held back until skip_first_batches.
+        self._rewound: tuple[int, int] | None = None
 
     @property
     def epoch(self) -> int:
@@ -359,12 +361,24 @@ class PreparedDataLoader:
         self._resume = dict(position, rng_now=now) if started else None
         self._restored = int(position["consumed"])
 
+    def rewind_to_pass_start(self) -> None:
+        """After ``resume`` (Accelerate's rule book): the pass starts at its first batch, in
+        the saved order, unless ``skip_first_batches`` asks for the saved position. A
+        script that skips the consumed batches in its own loop (``continue``) or not at all
+        reads the pass as under Accelerate."""
+        if self._resume is not None:
+            self._rewound = (int(self._resume["consumed"]), int(self._resume["read"]))
+            self._resume.update(consumed=0, read=0)
+
     def skip_next(self, batches: int) -> None:
         """The next pass starts after its first ``batches`` batches. After ``load_state``,
         which already put the pass where the checkpoint was saved, nothing more is skipped:
         the restored count is a no-op (a debug line), and another count is said in one
         warning line and left out (the checkpoint knows where the run stood)."""
         restored, self._restored = self._restored, None
+        rewound, self._rewound = self._rewound, None
+        if rewound is not None and self._resume is not None:  # the saved position, after all
+            self._resume.update(consumed=rewound[0], read=rewound[1])
         if restored is not None:
             if batches == restored:
                 log.debug(
@@ -445,7 +459,7 @@ class PreparedDataLoader:
             batches.set_epoch(epoch)
         self._context.on_epoch_start(self)
         resume, self._resume = self._resume, None
-        self._restored = None
+        self._restored = self._rewound = None
         if resume is not None and resume["rng"] is not None:
             set_rng(resume["rng"], self.loader)
         rng = get_rng(self.loader)
