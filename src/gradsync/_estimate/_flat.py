@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
+from gradsync._estimate.compression import RUNS_ON, Compression
 from gradsync.errors import ConfigError
 
 #: The backends the estimate knows, in output order.
@@ -25,6 +26,10 @@ class Cluster:
     optimizer_ms: float = 0.0  # one optimizer step (+ zero_grad)
     bucket_bytes: float = 25 * 2**20  # DDP's bucket size: one all-reduce call per bucket
     sync_ms: float | None = None  # measured time of one gradient sync (replaces the model)
+    dtype_bytes: float = 4.0  # bytes of one gradient element (what comm_hook compresses)
+    compression: Compression = field(
+        default_factory=Compression
+    )  # comm_hook: what each gradient reduction sends
 
     def check(self) -> Cluster:
         for name in ("grad_bytes", "param_bytes", "bandwidth_gbs", "bucket_bytes"):
@@ -37,7 +42,13 @@ class Cluster:
             raise ConfigError(f"sync_ms={self.sync_ms!r} must be >= 0")
         if self.world < 1 or self.k < 1:
             raise ConfigError(f"world={self.world} and k={self.k} must be >= 1")
+        self.compression.check()
         return self
+
+    @property
+    def grad_factor(self) -> float:
+        """What one gradient reduction sends under ``compression``, over its plain bytes."""
+        return self.compression.factor(self.grad_bytes, self.dtype_bytes, self.bucket_bytes)
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,7 @@ class Row:
     comm_ms: float  # communication time per optimizer step
     step_ms: float  # k * compute + optimizer + communication
     speedup: float  # naive step time / this step time
+    payload_bytes: float = 0.0  # gradient reductions handed to the process group per step
 
 
 def _ring(c: Cluster) -> float:
@@ -68,9 +80,11 @@ def _time_ms(c: Cluster, sent: float, calls: int) -> float:
 def _ops(c: Cluster) -> dict[str, list[tuple[str, float, float, int]]]:
     """(backend/mode) -> [(collective, bytes sent per call-group, times per step, calls)]."""
     r, k, g, p = _ring(c), c.k, c.grad_bytes, c.param_bytes
+    f = c.grad_factor  # comm_hook's share of the gradient bytes
+    hook_calls = {"power_sgd": 3, "batched_power_sgd": 2}.get(c.compression.hook, 1)
     ar, rs, ag = (
-        ("all-reduce", 2 * r * g, _calls(c, g)),
-        ("reduce-scatter", r * g, _calls(c, g)),
+        ("all-reduce", 2 * r * g * f, _calls(c, g) * hook_calls),
+        ("reduce-scatter", r * g * f, _calls(c, g)),
         ("all-gather", r * p, _calls(c, p)),
     )
 
@@ -98,12 +112,15 @@ def estimate(cluster: Cluster, backends: tuple[str, ...] = BACKENDS) -> list[Row
         raise ConfigError(
             f"backend {unknown[0]!r} is unknown to the estimate; use {', '.join(BACKENDS)}"
         )
+    runs = RUNS_ON.get(c.compression.hook, BACKENDS)
+    payload = c.grad_bytes * c.grad_factor
     rows: list[Row] = []
     for key, ops in _ops(c).items():
         backend, mode = key.split("/")
-        if backend not in backends:
+        if backend not in backends or backend not in runs:
             continue
         sent = sum(nbytes * n for _, nbytes, n, _ in ops)
+        reductions = sum(n for name, _, n, _ in ops if name != "all-gather")
         comm = sum(_time_ms(c, nbytes, calls) * n for _, nbytes, n, calls in ops)
         if c.sync_ms is not None:
             # A measured sync: scale it by how many gradient syncs the mode issues per step.
@@ -115,12 +132,9 @@ def estimate(cluster: Cluster, backends: tuple[str, ...] = BACKENDS) -> list[Row
             )
             comm = grad_syncs * c.sync_ms + gathers
         step = c.k * c.compute_ms + c.optimizer_ms + comm
-        rows.append(Row(backend, mode, sent, comm, step, 1.0))
+        rows.append(Row(backend, mode, sent, comm, step, 1.0, reductions * payload))
     naive = {row.backend: row.step_ms for row in rows if row.mode.startswith("naive")}
-    return [
-        Row(r.backend, r.mode, r.sent_bytes, r.comm_ms, r.step_ms, naive[r.backend] / r.step_ms)
-        for r in rows
-    ]
+    return [replace(r, speedup=naive[r.backend] / r.step_ms) for r in rows]
 
 
 def _size(n: float) -> str:
@@ -142,11 +156,42 @@ def format_table(cluster: Cluster, rows: list[Row], *, nodes: int, per_node: int
         "(ring: all-reduce sends 2(N-1)/N x bytes per rank, reduce-scatter and all-gather (N-1)/N x "
         "bytes; time = calls x latency + bytes sent / bandwidth; no overlap with compute)",
         "",
-        f"{'backend':<8} {'mode':<20} {'sent/rank':>11} {'comm ms':>10} {'step ms':>10} {'speed-up':>9}",
+        f"{'backend':<8} {'mode':<20} {'sent/rank':>11} {'comm ms':>10} {'step ms':>10} "
+        f"{'speed-up':>9} {'reduced':>11}",
     ]
+    if c.compression.hook != "no":
+        lines[2:2] = [
+            hook_line(
+                c.compression,
+                c.grad_factor,
+                c.grad_bytes,
+                sync=c.sync_ms,
+                column="; 'reduced': that per optimizer step, the bytes gradsync's audit counts",
+            )
+        ]
     for r in rows:
         lines.append(
             f"{r.backend:<8} {r.mode:<20} {_size(r.sent_bytes):>11} {r.comm_ms:>10.1f} "
-            f"{r.step_ms:>10.1f} {r.speedup:>8.2f}x"
+            f"{r.step_ms:>10.1f} {r.speedup:>8.2f}x {_size(r.payload_bytes):>11}"
         )
     return "\n".join(lines)
+
+
+def hook_line(
+    compression: Compression,
+    factor: float,
+    grad_bytes: float,
+    sync: float | None = None,
+    column: str = "",
+) -> str:
+    """The header line that says what ``compression`` sends per gradient reduction."""
+    runs = RUNS_ON[compression.hook]
+    where = "" if len(runs) == len(BACKENDS) else f"; it runs on {', '.join(runs)} only"
+    measured = "; the measured --sync-ms is taken as it is" if sync is not None else ""
+    if compression.hook in ("power_sgd", "batched_power_sgd"):
+        where += "; after its first start_powerSGD_iter steps, which send the plain gradients"
+    return (
+        f"{compression.describe()}: one gradient reduction hands {_size(grad_bytes * factor)} "
+        f"to the process group instead of {_size(grad_bytes)} ({factor:.3f}x{column}){where}"
+        f"{measured}"
+    )

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from gradsync._estimate._flat import _size
+from gradsync._estimate._flat import _size, hook_line
+from gradsync._estimate.compression import Compression, fsdp_hook
 from gradsync.errors import ConfigError
 
 #: The policies the HSDP estimate compares, in output order.
@@ -74,6 +75,10 @@ class HybridCluster:
     optimizer_ms: float = 0.0  # one optimizer step
     bucket_bytes: float = 25 * 2**20  # one collective call per this many bytes
     per_node: int | None = None  # processes per node (None: S); S must divide it to stay in a node
+    dtype_bytes: float = 4.0  # bytes of one gradient element (what comm_hook compresses)
+    compression: Compression = field(
+        default_factory=Compression
+    )  # comm_hook fp16 / bf16: the reductions' dtype
 
     def check(self) -> HybridCluster:
         for name in ("grad_bytes", "param_bytes", "intra_gbs", "inter_gbs", "bucket_bytes"):
@@ -86,6 +91,7 @@ class HybridCluster:
             raise ConfigError(
                 f"replicas={self.replicas}, shards={self.shards} and k={self.k} must be >= 1"
             )
+        fsdp_hook(self.compression)
         return self
 
     @property
@@ -120,9 +126,10 @@ def estimate_hybrid(cluster: HybridCluster) -> list[HybridRow]:
     c = cluster.check()
     g, p, r, s, k = c.grad_bytes, c.param_bytes, c.replicas, c.shards, c.k
     shard = g / s
-    rs = (s - 1) / s * g if s > 1 else 0.0  # reduce-scatter in the shard group
+    f = c.compression.factor(g, c.dtype_bytes, c.bucket_bytes)  # the reduce dtype's share
+    rs = (s - 1) / s * g * f if s > 1 else 0.0  # reduce-scatter in the shard group
     ag = (s - 1) / s * p if s > 1 else 0.0  # all-gather in the shard group
-    ar = 2 * (r - 1) / r * shard if r > 1 else 0.0  # all-reduce of the shard across replicas
+    ar = 2 * (r - 1) / r * shard * f if r > 1 else 0.0  # the shard all-reduced across replicas
     calls_g, calls_p, calls_ar = (max(1, math.ceil(n / c.bucket_bytes)) for n in (g, p, shard))
     # (reduce-scatters, all-gathers, all-reduces) per step; gradient bytes held
     plan = {
@@ -188,6 +195,9 @@ def format_hybrid(cluster: HybridCluster, rows: list[HybridRow]) -> str:
         "through the window; extra: memory beyond every_step's (gradients above G/S, parameters kept "
         "gathered)",
     ]
+    if c.compression.hook != "no":
+        f = c.compression.factor(c.grad_bytes, c.dtype_bytes, c.bucket_bytes)
+        lines.append(hook_line(c.compression, f, c.grad_bytes))
     if c.shard_crosses_nodes:
         lines.append(
             f"warning: S={c.shards} does not divide the {c.per_node} processes per node: shard "

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from gradsync._estimate._flat import _size
+from gradsync._estimate._flat import _size, hook_line
 from gradsync._estimate._hybrid import INTER_GBS, INTRA_GBS, HybridCluster, estimate_hybrid
+from gradsync._estimate.compression import Compression, fsdp_hook
 from gradsync.errors import ConfigError
 
 
@@ -39,6 +40,10 @@ class MeshCluster:
     optimizer_ms: float = 0.0
     bucket_bytes: float = 25 * 2**20
     per_node: int | None = None  # processes per node (None: the dp_shard x tp block fits in one)
+    dtype_bytes: float = 4.0  # bytes of one gradient element (what comm_hook compresses)
+    compression: Compression = field(
+        default_factory=Compression
+    )  # comm_hook fp16 / bf16: the reductions' dtype
 
     def check(self) -> MeshCluster:
         for name in ("dp_replicate", "dp_shard", "tp", "k"):
@@ -59,6 +64,7 @@ class MeshCluster:
                 f"tp={self.tp} does not divide the {self.per_node} processes per node: a TP "
                 "group would span nodes; pick tp dividing the processes per node"
             )
+        fsdp_hook(self.compression)
         return self
 
     @property
@@ -132,6 +138,8 @@ def estimate_mesh(cluster: MeshCluster) -> list[MeshRow]:
         compute_ms=c.compute_ms,
         optimizer_ms=c.optimizer_ms,
         bucket_bytes=c.bucket_bytes,
+        dtype_bytes=c.dtype_bytes,
+        compression=c.compression,
     )
     per_dim = estimate_hybrid(flat)
     timed = estimate_hybrid(
@@ -202,6 +210,9 @@ def format_mesh(cluster: MeshCluster, rows: list[MeshRow]) -> str:
         f"all-reduced, 2(R-1)/R x G/S per rank; {tp}; grads / params: what a rank holds through the "
         "window; auto weighs: the bytes auto compares with its budget)",
     ]
+    if c.compression.hook != "no":
+        f = c.compression.factor(g_t, c.dtype_bytes, c.bucket_bytes)
+        lines.append(hook_line(c.compression, f, g_t))
     budget = ""
     if c.budget_bytes is not None:
         chosen = auto_policy(rows, c.budget_bytes, c.dp_replicate)
