@@ -306,6 +306,12 @@ class Verifier:
             "reference": self.replay_from is not None,
             "backend": accel.backend,
             "mixed_precision": accel.mixed_precision,
+            "comm": {
+                "hook": accel.config.comm_hook,
+                "wrapper": accel.config.comm_wrapper,
+                "options": dict(accel.config.comm_state_option or {}),
+            },
+            "sync_policy": None,
             "steps_wanted": steps,
             "k": [],
             "rows": [],
@@ -396,6 +402,7 @@ class Verifier:
         if self.meta["unverifiable"] is not None or self.snapshots >= self.steps:
             self._stop()
         self.meta["k"].append(int(self.accel.gradient_accumulation_steps))
+        self.meta["sync_policy"] = str(self.accel.sync_policy)
         self.windows += 1
         self._steps_at_start = self.prepared.steps_applied()
         self.pending = False
