@@ -11,9 +11,8 @@ fifth in the run) on a learnable target (a
 fixed random linear teacher plus noise). Cells: ddp under ``defer`` and ``every_step`` with
 comm_hook no, fp16, bf16, power_sgd rank 1 and rank 4 (``start_powerSGD_iter`` 2: plain
 all-reduces for the first two optimizer steps), fsdp under ``defer`` with no, fp16, bf16.
-DDP runs with one bucket (``bucket_cap_mb=64``) in every cell: with two or more, torch's
-PowerSGD hook aborts on gloo (its per-bucket all-reduces, chained by callbacks, may be
-issued in another order on each rank).
+DDP keeps its default buckets (more than one here: torch's PowerSGD hook alone hangs or aborts on gloo
+with two or more; gradsync ends each bucket's reduction before the next bucket's hook there).
 
 Per cell: the gradient bytes handed to the process group per optimizer step (gradsync's
 audit; the median over the steps after the first two), the step time (median over the same
@@ -96,10 +95,6 @@ def _cell(
     sizes = Sizes(**spec["sizes"])
     k, steps = spec["k"], spec["steps"]
     out: dict[str, Any] = {"backend": backend, "policy": policy, "hook": hook}
-    # One DDP bucket for the whole model: torch's PowerSGD hook chains each bucket's
-    # all-reduces by callbacks, which gloo may run in another order on each rank (an abort:
-    # "Received data size doesn't match expected size") once there are two buckets.
-    extra = {"ddp_kwargs": {"bucket_cap_mb": 64}} if backend == "ddp" else {}
     try:
         accel = Accelerator(
             backend=backend,
@@ -107,7 +102,6 @@ def _cell(
             sync_policy=policy,
             audit=True,
             **HOOKS[hook],
-            **extra,
         )
     except ConfigError as err:
         return {**out, "refused": str(err)}
