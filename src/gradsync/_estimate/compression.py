@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gradsync._util import unknown
 from gradsync.errors import ConfigError
 from gradsync.options.compression import COMM_HOOKS, COMM_WRAPPERS, POWER_SGD
 
@@ -71,7 +72,7 @@ class Compression:
 
     def check(self) -> Compression:
         if self.hook not in COMM_HOOKS:
-            raise ConfigError(f"comm_hook={self.hook!r} is unknown; use one of {COMM_HOOKS}")
+            raise ConfigError(unknown("comm_hook", self.hook, COMM_HOOKS))
         if self.wrapper not in COMM_WRAPPERS or (
             self.wrapper != "no" and self.hook not in POWER_SGD
         ):
