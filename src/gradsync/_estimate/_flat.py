@@ -27,9 +27,8 @@ class Cluster:
     bucket_bytes: float = 25 * 2**20  # DDP's bucket size: one all-reduce call per bucket
     sync_ms: float | None = None  # measured time of one gradient sync (replaces the model)
     dtype_bytes: float = 4.0  # bytes of one gradient element (what comm_hook compresses)
-    compression: Compression = field(
-        default_factory=Compression
-    )  # comm_hook: what each gradient reduction sends
+    # comm_hook: what each gradient reduction sends
+    compression: Compression = field(default_factory=Compression)
 
     def check(self) -> Cluster:
         for name in ("grad_bytes", "param_bytes", "bandwidth_gbs", "bucket_bytes"):
@@ -124,13 +123,12 @@ def estimate(cluster: Cluster, backends: tuple[str, ...] = BACKENDS) -> list[Row
         comm = sum(_time_ms(c, nbytes, calls) * n for _, nbytes, n, calls in ops)
         if c.sync_ms is not None:
             # A measured sync: scale it by how many gradient syncs the mode issues per step.
-            grad_syncs = sum(n for name, _, n, _ in ops if name != "all-gather")
             gathers = sum(
                 _time_ms(c, nbytes, calls) * n
                 for name, nbytes, n, calls in ops
                 if name == "all-gather"
             )
-            comm = grad_syncs * c.sync_ms + gathers
+            comm = reductions * c.sync_ms + gathers
         step = c.k * c.compute_ms + c.optimizer_ms + comm
         rows.append(Row(backend, mode, sent, comm, step, 1.0, reductions * payload))
     naive = {row.backend: row.step_ms for row in rows if row.mode.startswith("naive")}

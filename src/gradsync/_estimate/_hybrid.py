@@ -76,9 +76,8 @@ class HybridCluster:
     bucket_bytes: float = 25 * 2**20  # one collective call per this many bytes
     per_node: int | None = None  # processes per node (None: S); S must divide it to stay in a node
     dtype_bytes: float = 4.0  # bytes of one gradient element (what comm_hook compresses)
-    compression: Compression = field(
-        default_factory=Compression
-    )  # comm_hook fp16 / bf16: the reductions' dtype
+    # comm_hook fp16 / bf16: the reductions' dtype
+    compression: Compression = field(default_factory=Compression)
 
     def check(self) -> HybridCluster:
         for name in ("grad_bytes", "param_bytes", "intra_gbs", "inter_gbs", "bucket_bytes"):

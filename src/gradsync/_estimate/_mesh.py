@@ -41,9 +41,8 @@ class MeshCluster:
     bucket_bytes: float = 25 * 2**20
     per_node: int | None = None  # processes per node (None: the dp_shard x tp block fits in one)
     dtype_bytes: float = 4.0  # bytes of one gradient element (what comm_hook compresses)
-    compression: Compression = field(
-        default_factory=Compression
-    )  # comm_hook fp16 / bf16: the reductions' dtype
+    # comm_hook fp16 / bf16: the reductions' dtype
+    compression: Compression = field(default_factory=Compression)
 
     def check(self) -> MeshCluster:
         for name in ("dp_replicate", "dp_shard", "tp", "k"):
