@@ -1,6 +1,7 @@
 """The sync-overhead benchmark: what deferral saves, what gradsync costs, against Accelerate.
 
     python benchmarks/sync_overhead.py [--quick] [--out DIR]       (or: gradsync bench ...)
+    python benchmarks/sync_overhead.py --compression [--quick]     (the comm_hook axis)
 
 Starts its own worker group (2 ranks, gloo on CPU / nccl on GPUs; this process is their
 torchrun agent, ``elastic_launch``; on CPU the ranks are forks of it) and measures, per backend (ddp, fsdp, deepspeed
@@ -12,7 +13,9 @@ ZeRO 0 and 2, fairscale) and per accumulation k, five modes of the same training
 * manual      the loop by hand against the backend's own API (the floor for the wrapper)
 * accelerate  Hugging Face Accelerate's ``accumulate`` (DDP path, where installed)
 
-Then a one-process micro-benchmark of the wrapper alone. Writes a Markdown table to
+Then a one-process micro-benchmark of the wrapper alone. ``--compression`` runs the
+compression axis instead (benchmarks/compression_bench.py: bytes per optimizer step, step
+time, memory and final loss per backend x policy x comm_hook). Writes a Markdown table to
 stdout and ``sync_overhead.{json,md,png}`` to the output folder. Run it under the shared
 lock on a busy machine: ``flock /tmp/gradsync-mp.lock python benchmarks/sync_overhead.py``.
 """
@@ -549,12 +552,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--timeout", type=float, default=None, help="seconds before the worker group is stopped"
     )
+    p.add_argument(
+        "--compression",
+        action="store_true",
+        help="the comm_hook axis instead: ddp defer/every_step x no/fp16/bf16/power_sgd rank 1 "
+        "and 4, fsdp defer x no/fp16/bf16 (compression.{json,md,png})",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     t_start = time.perf_counter()
+    if args.compression:
+        sys.path.insert(0, str(HERE))
+        import compression_bench
+
+        words = argv if argv is not None else sys.argv[1:]
+        command = shlex.join(["python", "benchmarks/sync_overhead.py", *words])
+        return compression_bench.main(args.quick, Path(args.out), command, args.device)
     preset = dict(QUICK if args.quick else FULL)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from typing import Any, Literal, get_args, get_origin
 
-from gradsync._util import check_positive_int
+from gradsync._util import check_positive_int, unknown
 from gradsync.errors import ConfigError
 
 ENV_PREFIX = "GRADSYNC_"
@@ -220,9 +220,7 @@ class Setting:
                 raise ConfigError(f"{name}={value!r} must be {either}")
         elif choices is not None:
             if value not in choices:
-                raise ConfigError(
-                    f"{name}={value!r} is unknown; use one of {', '.join(map(str, choices))}"
-                )
+                raise ConfigError(unknown(name, value, choices))
         elif members == (int,):
             if self.minimum == 1:
                 return check_positive_int(name, value)

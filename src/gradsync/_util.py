@@ -45,6 +45,16 @@ def did_you_mean(name: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
     return f" (did you mean {close}?)" if close else ""
 
 
+def unknown(name: str, value: object, choices: Iterable[object]) -> str:
+    """``"name=value is unknown (did you mean X?); use one of a, b"``: the one line for a
+    value out of a fixed set, with the closest choice when one is close."""
+    names = [str(choice) for choice in choices]
+    return (
+        f"{name}={value!r} is unknown{did_you_mean(str(value), names)}; use one of "
+        f"{', '.join(names)}"
+    )
+
+
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB'."""
     value = float(n)

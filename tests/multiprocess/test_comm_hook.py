@@ -58,6 +58,10 @@ SCENARIOS = {
     "ddp_power_sgd_fp16": _hooked("power_sgd", options=POWER, wrapper="fp16"),
     "ddp_power_sgd_every_step": _hooked("power_sgd", options=POWER, policy="every_step"),
     "ddp_batched_power_sgd": _hooked("batched_power_sgd", options=POWER),
+    # a bucket per weight: torch's PowerSGD hook alone hangs on gloo with two or more
+    "ddp_power_sgd_buckets": _hooked(
+        "power_sgd", options=POWER, extra={"ddp_kwargs": {"bucket_cap_mb": 0.0005}}
+    ),
     "drops": Scenario(compression.dropped_windows, hook="power_sgd"),
     "resume_power_sgd": Scenario(compression.resume_mid_window, hook="power_sgd", stop_at=14),
     "resume_power_sgd_fp16": Scenario(
@@ -178,3 +182,74 @@ def test_what_a_backend_cannot_run_is_one_line(results):
         assert "communication_data_type='bf16'" in r["deepspeed_contradiction"]
         assert "backend='fairscale' has no compressed gradient sync" in r["fairscale_fp16"]
         assert "start_powerSGD_iter" in r["ddp_bad_option"]
+
+
+def _estimated(ranks: list[dict], policy: str, **hook) -> tuple[float, float]:
+    """``gradsync plan --estimate``'s DDP row for this run's model, world and k: the gradient
+    bytes handed to the process group per optimizer step and those each rank sends."""
+    import torch
+
+    from gradsync._estimate import Cluster, estimate
+    from gradsync._estimate.compression import Compression
+
+    shapes = tuple(tuple(torch.tensor(v).shape) for v in ranks[0]["state"].values())
+    compression = Compression(shapes=shapes, **hook)
+    numel = compression.numel
+    cluster = Cluster(4.0 * numel, 4.0 * numel, 2, 4, 1.0, 0.0, 1.0, compression=compression)
+    mode = "defer" if policy == "defer" else "naive (every_step)"
+    (row,) = [r for r in estimate(cluster, ("ddp",)) if r.mode == mode]
+    return row.payload_bytes, row.sent_bytes
+
+
+@pytest.mark.parametrize(
+    ("name", "hook"),
+    [
+        ("ddp_no", {}),
+        ("ddp_fp16", {"hook": "fp16"}),
+        ("ddp_power_sgd", {"hook": "power_sgd", "rank": 1}),
+        ("ddp_power_sgd_fp16", {"hook": "power_sgd", "rank": 1, "wrapper": "fp16"}),
+    ],
+)
+def test_the_estimate_predicts_the_bytes_the_audit_counts(results, name, hook):
+    """Per optimizer step of k = 4 on 2 ranks, the estimate's payload is the audit's boundary
+    bytes exactly (PowerSGD: the P and Q of each weight worth compressing, the 1-D tensors and
+    the 1 x 16 head whole), and a ring all-reduce on 2 ranks sends what it is handed."""
+    payload, sent = _estimated(results[name], "defer", **hook)
+    for r in results[name]:
+        assert _boundary_bytes(r["audit"]) == [payload] * 4
+    assert sent == payload
+
+
+def test_the_estimate_predicts_power_sgd_every_step(results):
+    """every_step: the hook runs on each micro-step, k reductions per optimizer step."""
+    payload, _ = _estimated(results["ddp_power_sgd_every_step"], "every_step", hook="power_sgd")
+    for r in results["ddp_power_sgd_every_step"]:
+        per_micro = [rec["reduction_bytes"] for rec in _after(r["audit"], 3)]
+        assert per_micro and all(4 * b == payload for b in per_micro)
+
+
+@pytest.mark.parametrize("name", ["fsdp_fp16", "fsdp_bf16", "hsdp_bf16"])
+def test_the_estimate_predicts_the_share_a_reduce_dtype_sends(results, name):
+    """FSDP2 pads each parameter's first dimension to a multiple of the shards, so its bytes
+    are the padded gradients': the share the estimate gives (0.5 of fp32) is the audit's, to
+    the byte. (ZeRO aligns its buckets by bytes, so its fp16 payload is not half of fp32's to
+    the byte: 1414 of 2824 here.)"""
+    from gradsync._estimate.compression import Compression
+
+    factor = Compression(name.split("_")[1]).factor(4000.0, 4.0, 2**20)
+    for r, p in zip(results[name], results[HALF[name][1]]):
+        assert [factor * f for f in _boundary_bytes(p["audit"])] == _boundary_bytes(r["audit"])
+
+
+def test_power_sgd_runs_on_gloo_with_several_buckets(results):
+    """A bucket per weight matrix: each bucket's P and Q all-reduces end before the next
+    bucket's hook starts, so both ranks issue them in one order and train alike."""
+    ranks = results["ddp_power_sgd_buckets"]
+    ref = reference(ranks, samples=SAMPLES)
+    assert max_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
+    assert max_diff(ranks[0]["state"], ref["state"]) < 5e-3
+    assert all(r["hook_iter"] == r["optimizer_steps"] == 6 for r in ranks)
+    plain = _boundary_bytes(results["ddp_no"][0]["audit"])
+    for r in ranks:  # the same P, Q and whole tensors as in one bucket
+        assert _boundary_bytes(r["audit"]) == _boundary_bytes(results["ddp_power_sgd"][0]["audit"])
+        assert all(s <= 0.25 * f for s, f in zip(_boundary_bytes(r["audit"]), plain))

@@ -307,6 +307,16 @@ def test_no_batch_size_given_exports_no_accumulation_steps():
             ["--mixed-precision", "fp8"],
             "--mixed-precision='fp8' is unknown; use one of no, bf16",
         ),
+        (
+            "backend: ddp\n",
+            ["--comm-hook", "powersgd"],
+            "--comm-hook='powersgd' is unknown (did you mean power_sgd?); use one of no, fp16,",
+        ),
+        (
+            "comm_hook: fp61\n",
+            [],
+            "config file '{cfg}': comm_hook='fp61' is unknown (did you mean fp16?)",
+        ),
         ("backend: ddp\n", ["--micro-batch-size", "0"], "micro_batch_size=0 must be >= 1"),
         (
             "",

@@ -118,3 +118,47 @@ def test_canary_cost(tmp_path, mesh):
     result = json.loads((tmp_path / "canary_cost.json").read_text())
     assert result["mesh"] == mesh and result["canary_ms_median"] > 0
     assert len(result["canary_ms"]) == len(result["prepare_ms"]) == 2
+
+
+def test_the_compression_axis_through_gradsync_bench(tmp_path):
+    """`gradsync bench --compression --quick`: every cell's bytes per optimizer step from the
+    audit, fp16/bf16 half the uncompressed run's, PowerSGD's P and Q far fewer, nothing
+    reduced off the boundary under defer, fp16/bf16 ending at the uncompressed loss, and
+    DDP's bf16 hook refused in one line on gloo."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradsync",
+            "bench",
+            "--compression",
+            "--quick",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "compression.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads((tmp_path / "compression.json").read_text())
+    cells = {(c["backend"], c["policy"], c["hook"]): c for c in result["cells"]}
+    assert len(cells) == 13
+    refused = cells[("ddp", "defer", "bf16")]["refused"]
+    assert "needs bf16 collectives" in refused and "\n" not in refused
+    for (backend, policy, hook), c in cells.items():
+        if "refused" in c:
+            continue
+        assert c["bytes_per_step"] > 0 and c["step_ms"] > 0, (backend, policy, hook)
+        if policy == "defer":
+            assert c["off_boundary_bytes"] == 0, (backend, hook)
+        if hook in ("fp16", "bf16"):
+            assert c["bytes_vs_plain"] == 0.5, (backend, policy, hook)
+            assert abs(c["loss_vs_plain"]) < 1e-3, (backend, policy, hook)
+        if hook.startswith("power_sgd"):  # 64-wide layers: rank r sends (64 + 64) r per weight
+            assert c["bytes_vs_plain"] < 0.2, (policy, hook)
+    every = cells[("ddp", "every_step", "no")]["bytes_per_step"]
+    assert every == 4 * cells[("ddp", "defer", "no")]["bytes_per_step"]  # quick: k = 4
+    assert "| ddp | defer | fp16 |" in (tmp_path / "compression.md").read_text()

@@ -230,3 +230,36 @@ def test_a_multi_node_launch_is_refused_before_anything_starts():
         env={**os.environ, "DS_ACCELERATOR": "cpu"},
     )
     assert proc.returncode == 2 and "one node" in proc.stderr, proc.stdout + proc.stderr
+
+
+def test_a_compressed_run_is_verified_at_the_tolerance_its_compression_implies(run_verify):
+    """fp16 on 2 DDP ranks: compared with one process at fp16's tolerance, said in the report
+    and the verdict, with the exact check to run."""
+    code, out = run_verify(
+        "--nproc-per-node", "2", "--backend", "ddp", *FORK, "--gradient-accumulation-steps", "4",
+        "--comm-hook", "fp16", TRAIN, "--epochs", "1",
+    )  # fmt: skip
+    assert code == 0, out
+    assert [r[-1] for r in table(out)] == ["ok", "ok", "ok"], out
+    assert "tolerance: 0.002 relative (fp16, comm_hook=fp16)" in out
+    assert "note: comm_hook='fp16': each window's gradients are reduced once" in out
+    assert "with comm_hook='fp16', the launched run equals one process" in out
+    assert "run with --comm-hook no for an exact check" in out
+    # measured 2.7e-5: beyond fp32's 1e-5, so only the compression's tolerance passes it
+    assert 1e-5 < max(rel_diffs(out)) < 2e-3, out
+
+
+def test_power_sgd_is_verified_until_it_compresses_and_shown_after(run_verify):
+    """PowerSGD from the third optimizer step: steps 1-2 (plain all-reduces) are compared at
+    fp32's tolerance, step 3 is shown as the approximation it is, not judged."""
+    options = '{"start_powerSGD_iter": 2, "matrix_approximation_rank": 1}'
+    code, out = run_verify(
+        "--nproc-per-node", "2", "--backend", "ddp", *FORK, "--gradient-accumulation-steps", "4",
+        "--comm-hook", "power_sgd", "--comm-state-option", options, TRAIN, "--epochs", "1",
+    )  # fmt: skip
+    assert code == 0, out
+    rows = table(out)
+    assert [r[-1] for r in rows] == ["ok", "ok", "approx."], out
+    assert max(rel_diffs(out)[:2]) < 1e-5 < rel_diffs(out)[2], out
+    assert "from step 3 on each reduction is a low-rank approximation" in out
+    assert "for 2 optimizer step(s) within 1e-05" in out and "step 3 is PowerSGD's" in out

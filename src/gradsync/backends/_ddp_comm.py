@@ -98,6 +98,11 @@ class Hooked:
         )
         self._inner = _WRAPPERS[chosen.wrapper](inner) if chosen.wrapper != "no" else inner
         self.state = compat.make_state(chosen.options)
+        # torch's PowerSGD hook chains a bucket's all-reduces by callbacks, which gloo may run
+        # after the next bucket's hook on one rank and before it on the other: a hang or an
+        # abort ("Received data size doesn't match") once there are two buckets. On gloo each
+        # bucket's reduction ends before the next bucket's hook starts.
+        self._serial = "gloo" in str(dist.get_backend(model.process_group))
         self._layouts: dict[int, compat.Layout] = {}
         self._pending: list[dict[str, Any]] = []
         self._copy: tuple[dict[str, Any], dict[int, compat.Layout], list[Any]] | None = None
@@ -126,6 +131,8 @@ class Hooked:
         if bucket.is_last():  # every bucket of this backward has its state
             self._pending = []
         future: torch.futures.Future[torch.Tensor] = self._inner(state, bucket)
+        if self._serial:
+            future.wait()
         return future
 
     def window_ended(self) -> None:

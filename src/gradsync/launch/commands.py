@@ -15,6 +15,7 @@ from gradsync.launch.parser import BATCH
 from gradsync.settings import BY_NAME, LAUNCH_SETTINGS
 
 if TYPE_CHECKING:
+    from gradsync._estimate.compression import Compression
     from gradsync.launch.config import LaunchConfig
 
 
@@ -139,6 +140,9 @@ def _estimate(args: argparse.Namespace, row: dict[str, str], mesh: str | None = 
         )
     world, k = int(row["world"]), int(row["k"])
 
+    compression = _compression(args)
+    if compression.shapes and args.params is None and args.grad_bytes is None:
+        args.params = compression.numel
     if (args.params is None) == (args.grad_bytes is None):
         raise ConfigError(
             "--estimate needs the model size: give --params N (e.g. 7e9) or --grad-bytes B, not both"
@@ -178,6 +182,8 @@ def _estimate(args: argparse.Namespace, row: dict[str, str], mesh: str | None = 
             optimizer_ms=args.optimizer_ms,
             bucket_bytes=args.bucket_mib * 2**20,
             sync_ms=args.sync_ms,
+            dtype_bytes=args.dtype_bytes,
+            compression=compression,
         )
         rows = estimate(cluster, backends)
         print()
@@ -186,6 +192,26 @@ def _estimate(args: argparse.Namespace, row: dict[str, str], mesh: str | None = 
         _estimate_hybrid(args, row, mesh or "node", grad_bytes, numel * param_dtype, k)
     if args.parallelism is not None:
         _estimate_mesh(args, row, grad_bytes, numel * param_dtype, k)
+
+
+def _compression(args: argparse.Namespace) -> Compression:
+    """``--comm-hook``, ``--comm-wrapper``, ``--comm-state-option`` and ``--shapes``, checked
+    as the settings are (an unknown name answers with the closest one)."""
+    from types import SimpleNamespace
+
+    from gradsync._estimate.compression import Compression, parse_shapes
+
+    hook = BY_NAME["comm_hook"].validate(args.comm_hook or "no", None)
+    config = SimpleNamespace(comm_hook=hook)
+    wrapper = BY_NAME["comm_wrapper"].validate(args.comm_wrapper or "no", config)
+    options = BY_NAME["comm_state_option"].validate(args.comm_state_option or {}, config)
+    return Compression(
+        hook=hook,
+        wrapper=wrapper,
+        rank=int(options.get("matrix_approximation_rank", 1)),
+        min_compression_rate=float(options.get("min_compression_rate", 2.0)),
+        shapes=parse_shapes(args.shapes) if args.shapes else (),
+    ).check()
 
 
 def _estimate_mesh(
@@ -220,6 +246,8 @@ def _estimate_mesh(
         optimizer_ms=args.optimizer_ms,
         bucket_bytes=args.bucket_mib * 2**20,
         per_node=int(row["per_node"]),
+        dtype_bytes=args.dtype_bytes,
+        compression=_compression(args),
     )
     print()
     print(format_mesh(cluster, estimate_mesh(cluster)))
@@ -257,6 +285,8 @@ def _estimate_hybrid(
         optimizer_ms=args.optimizer_ms,
         bucket_bytes=args.bucket_mib * 2**20,
         per_node=per_node,
+        dtype_bytes=args.dtype_bytes,
+        compression=_compression(args),
     )
     print()
     print(format_hybrid(cluster, estimate_hybrid(cluster)))

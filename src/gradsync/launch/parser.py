@@ -189,6 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MIB",
         help="gradient bucket size: one collective call per bucket (default 25, DDP's)",
     )
+    add_setting_flags(plan, [BY_NAME[name] for name in ("comm_hook", "comm_wrapper")])
+    add_setting_flags(plan, [BY_NAME["comm_state_option"]])
+    est.add_argument(
+        "--shapes",
+        default=None,
+        metavar="AxB*N,...",
+        help="the gradients' shapes, e.g. 4096x4096*32,4096*65 (32 matrices, 65 vectors): "
+        "PowerSGD compresses by shape; they give the model size when --params is not given",
+    )
     est.add_argument(
         "--estimate-backends",
         default="ddp,fsdp,zero2,zero3",

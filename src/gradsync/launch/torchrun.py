@@ -26,6 +26,7 @@ from typing import Any
 from gradsync import backends, mesh
 from gradsync._accumulation_schedule import Schedule, is_schedule
 from gradsync._batch_plan import BatchPlan, solve_with_schedule
+from gradsync._util import unknown
 from gradsync.compat import accelerate
 from gradsync.config import ENV_PREFIX, env_vars, from_yaml, read_yaml
 from gradsync.errors import ConfigError
@@ -278,9 +279,7 @@ class Launcher:
         for s in LAUNCH_SETTINGS:  # a value out of a fixed set is named by its flag
             value = getattr(c, s.name)
             if s.choices is not None and value is not None and value not in s.choices:
-                raise ConfigError(
-                    f"{s.flag}={value!r} is unknown; use one of {', '.join(map(str, s.choices))}"
-                )
+                raise ConfigError(unknown(str(s.flag), value, s.choices))
         if c.master_port is not None and not 0 < c.master_port < 65536:
             raise ConfigError(f"--master-port={c.master_port} must be a TCP port (1-65535)")
         if c.rdzv_endpoint is not None:

@@ -306,6 +306,12 @@ class Verifier:
             "reference": self.replay_from is not None,
             "backend": accel.backend,
             "mixed_precision": accel.mixed_precision,
+            "comm": {
+                "hook": accel.config.comm_hook,
+                "wrapper": accel.config.comm_wrapper,
+                "options": dict(accel.config.comm_state_option or {}),
+            },
+            "sync_policy": None,
             "steps_wanted": steps,
             "k": [],
             "rows": [],
@@ -398,6 +404,7 @@ class Verifier:
         # a loop that accumulates by itself (Transformers' Trainer) declares its window's k
         declared = getattr(self.accel, "declared_steps", None)
         self.meta["k"].append(int(declared or self.accel.gradient_accumulation_steps))
+        self.meta["sync_policy"] = str(self.accel.sync_policy)
         self.windows += 1
         self._steps_at_start = self.prepared.steps_applied()
         self.pending = False

@@ -12,6 +12,7 @@ from typing import Any
 
 from gradsync._util import human_bytes
 from gradsync.errors import ConfigError
+from gradsync.verify import compression as comm
 from gradsync.verify.records import params_file, read_meta
 
 #: Relative tolerance by the lowest precision in play (the parameters' dtype, or the mixed
@@ -36,8 +37,10 @@ class Step:
         max_rel: ``||a - b||_2 / ||b||_2`` over every parameter (see ``param_difference``).
         off_boundary_bytes: the launched run's gradient reduction bytes (rank 0) off the
             boundary in the window (None: no audit).
-        ok: within the tolerance.
+        ok: within the tolerance (a step not judged: its window loss is finite).
         worst: the parameter that differs most relative to its own size.
+        judged: compared with one process (False: a compressed update one process does
+            not compute, PowerSGD's; shown, not judged).
     """
 
     step: int
@@ -48,6 +51,7 @@ class Step:
     off_boundary_bytes: int | None
     ok: bool
     worst: str = ""
+    judged: bool = True
 
 
 @dataclass
@@ -99,7 +103,9 @@ class Report:
                     f"{s.max_abs:.2e}",
                     f"{s.max_rel:.2e}",
                     "-" if s.off_boundary_bytes is None else human_bytes(s.off_boundary_bytes),
-                    "ok" if s.ok else "DIFFERS",
+                    ("ok" if s.ok else "DIFFERS")
+                    if s.judged
+                    else ("approx." if s.ok else "NOT FINITE"),
                 )
                 for s in self.steps
             ]
@@ -217,9 +223,13 @@ def compare(
     import torch
 
     run, ref = read_meta(launched), read_meta(reference)
-    precision = _precision(run)
+    precision = comm.precision(run, _precision(run))
     tol = rtol if rtol is not None else TOLERANCE[precision]
-    report = Report(UNVERIFIABLE, "", tolerance=tol, precision=precision)
+    hook = comm.hook(run)
+    shown = precision if hook == "no" else f"{precision}, comm_hook={hook}"
+    report = Report(UNVERIFIABLE, "", tolerance=tol, precision=shown)
+    if (hook_note := comm.note(run, tol)) is not None:
+        report.notes.append(hook_note)
     for meta in (run, ref):
         if meta.get("unverifiable"):
             report.verdict = f"cannot verify: {meta['unverifiable']}"
@@ -238,9 +248,20 @@ def compare(
         theirs = torch.load(Path(reference) / params_file(n), weights_only=False)
         max_abs, max_rel, worst = param_difference(ours, theirs, names)
         loss, ref_loss = row.get("loss"), rows_ref[n].get("loss")
-        ok = max_rel <= tol and _close(loss, ref_loss, tol)
+        judged = comm.judged(run, n)
+        ok = max_rel <= tol and _close(loss, ref_loss, tol) if judged else comm.finite(loss)
         report.steps.append(
-            Step(n, loss, ref_loss, max_abs, max_rel, row.get("off_boundary_bytes"), ok, worst)
+            Step(
+                n,
+                loss,
+                ref_loss,
+                max_abs,
+                max_rel,
+                row.get("off_boundary_bytes"),
+                ok,
+                worst,
+                judged,
+            )
         )
         if not ok and first_bad is None:
             first_bad = n
@@ -254,6 +275,11 @@ def compare(
             "optimizer steps asked for (its data ran out): those are compared"
         )
     drawn = ref.get("rng_drawn") or []
+    other_cause = first_bad is not None and (
+        bool(drawn) or _first_lr_difference(run["rows"], rows_ref, first_bad) is not None
+    )
+    if hook != "no" and not other_cause:
+        return _compressed_verdict(report, hook, first_bad)
     if first_bad is None:
         report.exit_code = EXACT
         report.verdict = (
@@ -284,6 +310,53 @@ def compare(
             "gradient that depends on the rank or the world size, or a model changed outside "
             "gradsync (exit 1)"
         )
+    return report
+
+
+def _compressed_verdict(report: Report, hook: str, first_bad: int | None) -> Report:
+    """The verdict of a run with a comm_hook (unless the random draws or the schedule
+    explain a difference): what was judged, at which tolerance, and the exact check."""
+    judged = [s for s in report.steps if s.judged]
+    exact = "run with --comm-hook no for an exact check"
+    if first_bad is not None and not report.steps[first_bad - 1].judged:
+        report.exit_code = DIFFERS
+        report.verdict = (
+            f"the launched run's window loss is not finite at step {first_bad} under "
+            f"comm_hook={hook!r} (a low-rank approximation there, not compared with one "
+            f"process); {exact} of the synchronisation (exit 1)"
+        )
+        return report
+    if first_bad is not None:
+        report.exit_code = DIFFERS
+        report.verdict = (
+            f"with comm_hook={hook!r}, the launched run differs from one process from step "
+            f"{first_bad} on, beyond {report.tolerance:g} (the compression's tolerance; most "
+            f"in {report.steps[first_bad - 1].worst or 'the window loss'}); {exact}: it says "
+            "whether the synchronisation itself or the compression departs (exit 1)"
+        )
+        return report
+    if not judged:
+        report.exit_code = UNVERIFIABLE
+        report.verdict = (
+            f"cannot verify: comm_hook={hook!r} approximates the reduction of every compared "
+            f"step (from step 1 on), which one process does not compute; {exact}, or a "
+            "start_powerSGD_iter past --steps (exit 2)"
+        )
+        return report
+    report.exit_code = EXACT
+    rest = len(report.steps) - len(judged)
+    first, last = len(judged) + 1, len(report.steps)
+    span = f"step {first} is" if first == last else f"steps {first}-{last} are"
+    after = (
+        f"; {span} PowerSGD's approximation: the window loss is finite, not compared bitwise"
+        if rest
+        else ""
+    )
+    report.verdict = (
+        f"with comm_hook={hook!r}, the launched run equals one process on the same global "
+        f"windows for {len(judged)} optimizer step(s) within {report.tolerance:g}, the "
+        f"tolerance the compression implies{after}; {exact} (exit 0)"
+    )
     return report
 
 
