@@ -8,7 +8,7 @@ The Accelerator forwards ``backward``, ``window_items``, ``clip_grad_norm_`` and
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -136,6 +136,30 @@ class Gradients:
             )
         with naming_collective(self._name, self._timeout):
             self._run(loss, factor, kwargs)
+
+    def pipeline_step(
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[..., torch.Tensor],
+    ) -> torch.Tensor | None:
+        """One schedule step of a pipelined model (see ``Accelerator.pipeline_step``)."""
+        from gradsync.backends import _pipeline
+
+        pipeline = _pipeline.of(model)
+        step = self._window.current
+        if step is None:
+            raise UsageError(
+                "accel.pipeline_step() runs one micro-step: call it inside `with "
+                "accel.accumulate(model):`, which decides when gradients sync"
+            )
+        scale = step.size if self._rules.loss_divisor == "window" else self._window.steps
+        with naming_collective(self._name, self._timeout):
+            loss = pipeline.step(inputs, targets, loss_fn, 1.0 / scale)
+        if self.self_check is not None:
+            self.self_check.check.saw_backward()
+        return loss
 
     def _name(self) -> str:
         step = self._window.current

@@ -131,8 +131,9 @@ class Accelerator:
         config_file: a YAML (or JSON) file of settings (default: ``GRADSYNC_CONFIG``).
         **options: a backend's options: ``ddp_kwargs``, ``find_unused_parameters`` (ddp);
             ``fsdp_wrap``, ``fsdp_keep_params_in_window``, ``fsdp_reshard_after_backward``,
-            ``fsdp_memory_budget``, ``fsdp_mesh``, ``parallelism`` (the N-D mesh: dp_replicate
-            x dp_shard x tp), ``tp_plan`` (fsdp); ``deepspeed_config`` (deepspeed);
+            ``fsdp_memory_budget``, ``fsdp_mesh``, ``parallelism`` (the N-D mesh: pp x
+            dp_replicate x dp_shard x tp), ``tp_plan``, ``pp_split``, ``pp_schedule``,
+            ``pp_microbatches`` (fsdp); ``deepspeed_config`` (deepspeed);
             ``fairscale_kwargs`` (fairscale). The settings reference lists every setting.
 
     Attributes:
@@ -553,6 +554,37 @@ class Accelerator:
             CollectiveError: another rank stopped answering during the gradient reduction.
         """
         self._p.gradients.backward(loss, reduction, kwargs)
+
+    def pipeline_step(
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[..., torch.Tensor],
+    ) -> torch.Tensor | None:
+        """One micro-step of a pipelined model: one schedule step (``pp_schedule``) that runs
+        the forward and the backward of ``pp_microbatches`` parts of the micro-batch through
+        every stage. It takes the place of ``model(inputs)`` and ``accel.backward(loss)``
+        inside ``accumulate``; the optimizer step, clipping, the scheduler and ``zero_grad``
+        stay as they are.
+
+        Args:
+            model: the stage ``prepare`` returned (``parallelism`` with pp > 1).
+            inputs: the micro-batch's inputs (read by the first stage; every stage of one
+                pipeline is given the same micro-batch).
+            targets: the micro-batch's targets (read by the last stage).
+            loss_fn: ``loss_fn(outputs, targets)`` of one part, its mean; gradsync scales it
+                so that the update is the window's mean, as ``backward`` does.
+
+        Returns:
+            On the last stage the micro-batch's loss (the mean of its parts, detached); None
+            on the other stages (no collective is spent to send it there).
+
+        Raises:
+            UsageError: called outside ``accumulate``, or with a model that is not a stage.
+            ConfigError: ``pp_microbatches`` does not divide this micro-batch.
+        """
+        return self._p.gradients.pipeline_step(model, inputs, targets, loss_fn)
 
     @property
     def window_loss(self) -> float:

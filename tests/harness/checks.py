@@ -238,3 +238,50 @@ def assert_one_gradient_reduction(ops: list[list[Any]], grad_bytes: int) -> None
         grad_bytes,
     )
     assert sum(sizes) <= grad_bytes + SCALAR_SLACK, (sizes, grad_bytes)
+
+
+def pipeline_reference(
+    rank_results: list[dict[str, Any]], *, samples: int, clip: float | None = None
+) -> dict[str, Any]:
+    """One process training the whole ``scenarios.pp`` model on the same global windows as a
+    pipelined run: each window's loss is the mean of its micro-batch mean losses over the
+    data-parallel ranks (read from the first stage's ranks)."""
+    from scenarios.pp import make_seq
+
+    data = Indexed(samples)
+    firsts = sorted((r for r in rank_results if r["stage"] == 0), key=lambda r: r["data_rank"])
+    assert [r["data_rank"] for r in firsts] == list(range(rank_results[0]["data_size"]))
+    model = make_seq()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    norms: list[float] = []
+    first_losses: list[float] = []
+    for w in range(len(firsts[0]["windows"])):
+        micro = [mb for r in firsts for mb in r["windows"][w]]
+        losses = [F.mse_loss(model(data.x[mb]), data.y[mb]) for mb in micro]
+        first_losses.append(float(losses[0].detach()))
+        opt.zero_grad()
+        (sum(losses) / len(micro)).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+    return {"state": to_lists(model.state_dict()), "norms": norms, "first_losses": first_losses}
+
+
+def assert_pipeline_matches_one_process(
+    rank_results: list[dict[str, Any]], *, samples: int, tolerance: float = 1e-5, **kwargs: Any
+) -> dict[str, Any]:
+    """Every stage's parameters equal the same parameters of one process on the same global
+    windows; the stages hold the whole model between them; the loss comes back on the last
+    stage only."""
+    ref = pipeline_reference(rank_results, samples=samples, **kwargs)
+    held: set[str] = set()
+    for r in rank_results:
+        assert r["optimizer_steps"] == len(r["windows"]) > 0
+        assert set(r["state"]) <= set(ref["state"]), sorted(r["state"])
+        held |= set(r["state"])
+        diff = max_diff(r["state"], {k: ref["state"][k] for k in r["state"]})
+        assert diff < tolerance, (r["stage"], r["data_rank"], diff)
+        last = r["stage"] == max(q["stage"] for q in rank_results)
+        assert all((loss is not None) == last for loss in r["losses"])
+    assert held == set(ref["state"])
+    return ref

@@ -14,7 +14,9 @@ does not fit the budget.
 On an N-D mesh (``parallelism``: dp_replicate x dp_shard x tp) the model is first split over
 the "tp" dim by ``tp_plan`` (``parallelize_module``), then sharded by FSDP2 over the
 data-parallel dims, as above: only their reduce-scatter and all-reduce wait for the
-boundary; tensor parallel's collectives are the forward and backward themselves.
+boundary; tensor parallel's collectives are the forward and backward themselves. With a
+"pp" dim the model is first cut into pipeline stages (``_pipeline``), each rank keeping its own
+stage, and each stage is split and sharded as above over its pipeline coordinate's ranks.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from gradsync.backends import (
     _fsdp_compat,
     _group,
     _modules,
+    _pipeline,
     _save_pretrained,
     _tensor_parallel,
 )
@@ -106,6 +109,7 @@ class FSDPBackend(AdapterDefaults):
         self._world_mesh: DeviceMesh | None = None
         self._tp_plan: Any = None
         self._data: dist.DataParallel | None = None
+        self._pp: _pipeline.Settings | None = None  # pp > 1: the pipeline's settings
         self._canary = _fsdp_canary.Canary()  # on a torch newer than the tested range
 
     def setup(self, config: Config) -> None:
@@ -203,6 +207,7 @@ class FSDPBackend(AdapterDefaults):
                 f"{dims.text()!r} has tp=1; give tp > 1, or drop tp_plan"
             )
         self._tp_plan = config.tp_plan
+        self._pp = _pipeline.Settings.of(config, dims)
         return dims
 
     def _build_nd_mesh(self, dims: nd_mesh.Parallelism) -> DeviceMesh:
@@ -212,15 +217,12 @@ class FSDPBackend(AdapterDefaults):
         world_mesh = nd_mesh.build(dims, self._device.type)
         self._world_mesh = world_mesh
         audit.label_group(world_mesh.get_group("tp"), "tp")
-        if dims.tp > 1:  # the R x S ranks of each tp coordinate (every rank makes every group)
-            groups = [
-                torch.distributed.new_group(list(range(t, dims.data_parallel * dims.tp, dims.tp)))
-                for t in range(dims.tp)
-            ]
-            me = dist.rank()
-            group = groups[me % dims.tp]
+        if self._pp is not None:  # the pipeline's group, labelled for the audit
+            self._pp.bind(world_mesh)
+        if dims.tp > 1 or dims.pp > 1:  # the R x S ranks of this (pp, tp) coordinate
+            data_rank, group = nd_mesh.data_group(dims, dist.rank())
             audit.label_group(group, "dp")
-            self._data = dist.DataParallel(me // dims.tp, dims.data_parallel, group)
+            self._data = dist.DataParallel(data_rank, dims.data_parallel, group)
         if dims.dp_replicate == 1:
             shard_mesh = world_mesh["dp_shard"]
             audit.label_group(shard_mesh.get_group(), "shard")
@@ -301,6 +303,9 @@ class FSDPBackend(AdapterDefaults):
                     "parameters; backend='fsdp' re-points the optimizer at the sharded parameters, "
                     "which would orphan that state: prepare before the first optimizer step"
                 )
+        whole = {id(p) for p in model.parameters()}  # another stage's are dropped below
+        if self._pp is not None and not isinstance(model, FSDPModule | FSDP1):
+            given = model = self._pp.stage(model, plan, self._device)
         split = None  # the tensor-parallel plan for this model
         if self._tp_plan is not None and not isinstance(model, FSDPModule | FSDP1):
             assert self._dims is not None
@@ -309,17 +314,16 @@ class FSDPBackend(AdapterDefaults):
         if not isinstance(model, FSDPModule | FSDP1):
             names = {id(p): n for n, p in model.named_parameters()}
             self._shard(model, compile_units=given is model, plan=split)
-            sharded = dict(model.named_parameters())
-            for optimizer in optimizers:  # another model's parameters stay as they are
-                for group in optimizer.param_groups:
-                    group["params"] = [
-                        sharded[names[id(p)]] if id(p) in names else p for p in group["params"]
-                    ]
+            _modules.repoint(optimizers, names, dict(model.named_parameters()), whole)
+            if self._pp is not None:
+                self._pp.start(model, self._device)
         else:
             hooked = ("comm_hook",) if self._reduce is not None else ()
             _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile, hooked)
         if not is_frozen(model):  # a frozen model is sharded for its forward only
             self._decide(model)
+        if self._pp is not None:  # torch's schedule reshards after each schedule step's backward
+            self.keep = "no"
         if isinstance(model, FSDPModule):  # its own state dict holds DTensor shards
             _save_pretrained.gather_in_save_pretrained(
                 model, lambda: self.state_dict(model), self.barrier
@@ -328,7 +332,7 @@ class FSDPBackend(AdapterDefaults):
 
     def _shard(self, model: nn.Module, *, compile_units: bool, plan: Any = None) -> None:
         assert self._mesh is not None, "setup() first"
-        if not any(p.is_meta for p in model.parameters()):
+        if self._pp is None and not any(p.is_meta for p in model.parameters()):
             # Every rank shards its own copy: start them all from rank 0's weights.
             model.to(self._device)
             _group.broadcast_from_rank0(model)
@@ -465,8 +469,9 @@ class FSDPBackend(AdapterDefaults):
         if isinstance(model, FSDP1):
             return model.clip_grad_norm_(max_norm, norm_type).detach()
         params = list(parameters)
-        if self._dims is not None and self._dims.tp > 1:  # gradients on several meshes
-            return _tensor_parallel.clip_grad_norm_(params, max_norm, norm_type).detach()
+        stages = self._pp.group if self._pp is not None else None  # every stage's gradients
+        if stages is not None or (self._dims is not None and self._dims.tp > 1):  # several meshes
+            return _tensor_parallel.clip_grad_norm_(params, max_norm, norm_type, stages).detach()
         # Over DTensor gradients the norm is a DTensor of the global norm; make it plain.
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
