@@ -1,0 +1,102 @@
+"""Pipeline parallelism x FSDP2 on a real 4-rank gloo group: pp=2 x dp_shard=2 (each stage
+sharded over the two data-parallel ranks of its pipeline coordinate), GPipe and 1F1B, k = 1
+and 4, under defer and every_step, each against one process on the same global windows; the
+data-parallel ranks read distinct micro-batches and both stages of a pipeline the same ones;
+under defer no gradient byte moves between data-parallel ranks off the boundary.
+
+Every scenario runs in the 4-rank group shared with the other 4-rank modules.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import Scenario, Shared
+from harness.checks import assert_pipeline_matches_one_process
+from scenarios import pp
+
+SAMPLES = 56  # 7 micro-batches of 4 per data-parallel rank: windows of 4 and a partial 3
+DIMS = {"pp": 2, "dp_shard": 2}
+CLIP = 0.1
+
+
+def _train(schedule: str, k: int, policy: str, **kw) -> Scenario:
+    return Scenario(
+        pp.train_pp,
+        dims=DIMS,
+        steps=k,
+        policy=policy,
+        schedule=schedule,
+        microbatches=2,
+        samples=SAMPLES,
+        micro_batch=4,
+        **kw,
+    )
+
+
+SCENARIOS = {
+    "pp2s2_1F1B_k4_defer": _train("1F1B", 4, "defer"),
+    "pp2s2_GPipe_k4_defer": _train("GPipe", 4, "defer"),
+    "pp2s2_1F1B_k4_every_step": _train("1F1B", 4, "every_step"),
+    "pp2s2_GPipe_k1_defer": _train("GPipe", 1, "defer"),
+    "pp2s2_clip": _train("1F1B", 4, "defer", clip=CLIP),
+}
+TRAINED = [n for n in SCENARIOS if n != "pp2s2_clip"]
+
+SHARED = Shared("gloo4", SCENARIOS, nproc=4)
+
+
+@pytest.fixture(scope="module")
+def results(shared):
+    return shared(SHARED)
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_equivalence_with_one_process(results, name):
+    assert_pipeline_matches_one_process(results[name], samples=SAMPLES)
+
+
+def test_the_mesh_puts_the_pipeline_outermost(results):
+    ranks = results["pp2s2_1F1B_k4_defer"]
+    assert [(r["stage"], r["data_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["data_size"] == 2 for r in ranks)
+
+
+def test_data_ranks_read_distinct_batches_and_a_pipeline_the_same(results):
+    ranks = results["pp2s2_1F1B_k4_defer"]
+    for d in (0, 1):
+        stages = [r["windows"] for r in ranks if r["data_rank"] == d]
+        assert len(stages) == 2 and stages[0] == stages[1]
+    seen = [i for r in ranks if r["stage"] == 0 for w in r["windows"] for mb in w for i in mb]
+    assert sorted(seen) == list(range(SAMPLES))
+    assert ranks[0]["windows"] != ranks[1]["windows"]
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_no_gradient_bytes_between_data_ranks_off_the_boundary(results, schedule):
+    for r in results[f"pp2s2_{schedule}_k4_defer"]:
+        records = r["audit"]
+        assert sum(not rec["boundary"] for rec in records) == 3 + 2  # windows of 4 and 3
+        for rec in records:
+            shard = rec["groups"].get("shard", {})
+            assert rec["groups"]["pp"]["bytes"] > 0  # activations every micro-step
+            if rec["boundary"]:
+                assert rec["reductions"] >= 1 and rec["reduction_bytes"] > 0, rec
+                assert shard["reduction_bytes"] > 0
+            else:
+                assert rec["reductions"] == 0 and rec["reduction_bytes"] == 0, rec
+                assert shard.get("reduction_bytes", 0) == 0
+        assert all(" pp [" in s for s in r["summaries"]), r["summaries"]
+
+
+def test_every_step_reduces_after_every_schedule_step(results):
+    for r in results["pp2s2_1F1B_k4_every_step"]:
+        assert all(rec["reduction_bytes"] > 0 for rec in r["audit"])
+
+
+def test_clipping_uses_the_global_norm_across_stages_and_shards(results):
+    ranks = results["pp2s2_clip"]
+    ref = assert_pipeline_matches_one_process(ranks, samples=SAMPLES, clip=CLIP)
+    assert any(n > CLIP for n in ref["norms"]), "the test must actually clip"
+    for r in ranks:
+        assert max(abs(a - b) for a, b in zip(r["norms"], ref["norms"], strict=True)) < 1e-5
