@@ -143,6 +143,7 @@ class Gradients:
         inputs: Any,
         targets: Any,
         loss_fn: Callable[..., torch.Tensor],
+        reduction: str,
     ) -> torch.Tensor | None:
         """One schedule step of a pipelined model (see ``Accelerator.pipeline_step``)."""
         from gradsync.backends import _pipeline
@@ -154,9 +155,18 @@ class Gradients:
                 "accel.pipeline_step() runs one micro-step: call it inside `with "
                 "accel.accumulate(model):`, which decides when gradients sync"
             )
-        scale = step.size if self._rules.loss_divisor == "window" else self._window.steps
+        if reduction not in ("mean", "sum"):
+            raise ConfigError(
+                f"pipeline_step(reduction={reduction!r}) is unknown; use 'mean' or 'sum'"
+            )
+        if reduction == "sum":  # each part's summed loss, over the global window's items
+            items = self.window_items
+            factor = self._world / items if items else 0.0
+        else:  # each part's mean, a micro-batch the mean of its parts
+            scale = step.size if self._rules.loss_divisor == "window" else self._window.steps
+            factor = 1.0 / (scale * pipeline.microbatches)
         with naming_collective(self._name, self._timeout):
-            loss = pipeline.step(inputs, targets, loss_fn, 1.0 / scale)
+            loss = pipeline.step(inputs, targets, loss_fn, factor, mean=reduction == "mean")
         if self.self_check is not None:
             self.self_check.check.saw_backward()
         return loss

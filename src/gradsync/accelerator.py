@@ -561,6 +561,7 @@ class Accelerator:
         inputs: Any,
         targets: Any,
         loss_fn: Callable[..., torch.Tensor],
+        reduction: str = "mean",
     ) -> torch.Tensor | None:
         """One micro-step of a pipelined model: one schedule step (``pp_schedule``) that runs
         the forward and the backward of ``pp_microbatches`` parts of the micro-batch through
@@ -573,18 +574,24 @@ class Accelerator:
             inputs: the micro-batch's inputs (read by the first stage; every stage of one
                 pipeline is given the same micro-batch).
             targets: the micro-batch's targets (read by the last stage).
-            loss_fn: ``loss_fn(outputs, targets)`` of one part, its mean; gradsync scales it
-                so that the update is the window's mean, as ``backward`` does.
+            loss_fn: ``loss_fn(outputs, targets)`` of one part; gradsync scales it so that
+                the update is the window's mean, as ``backward`` does.
+            reduction: ``"mean"``: ``loss_fn`` gives the part's mean, and the update is the
+                mean of micro-batch means. ``"sum"``: ``loss_fn`` sums over the part's items
+                (tokens), and the update is the mean over every item of the global window
+                (needs ``count_items``).
 
         Returns:
-            On the last stage the micro-batch's loss (the mean of its parts, detached); None
-            on the other stages (no collective is spent to send it there).
+            On the last stage the micro-batch's loss (detached: the mean of its parts'
+                losses, or with ``"sum"`` their sum); None on the other stages (no
+                collective is spent to send it there).
 
         Raises:
             UsageError: called outside ``accumulate``, or with a model that is not a stage.
-            ConfigError: ``pp_microbatches`` does not divide this micro-batch.
+            ConfigError: ``pp_microbatches`` does not divide this micro-batch; an unknown
+                ``reduction``, or ``"sum"`` without ``count_items``.
         """
-        return self._p.gradients.pipeline_step(model, inputs, targets, loss_fn)
+        return self._p.gradients.pipeline_step(model, inputs, targets, loss_fn, reduction)
 
     @property
     def window_loss(self) -> float:

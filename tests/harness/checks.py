@@ -241,12 +241,17 @@ def assert_one_gradient_reduction(ops: list[list[Any]], grad_bytes: int) -> None
 
 
 def pipeline_reference(
-    rank_results: list[dict[str, Any]], *, samples: int, clip: float | None = None
+    rank_results: list[dict[str, Any]],
+    *,
+    samples: int,
+    clip: float | None = None,
+    tokens: bool = False,
 ) -> dict[str, Any]:
     """One process training the whole ``scenarios.pp`` model on the same global windows as a
     pipelined run: each window's loss is the mean of its micro-batch mean losses over the
-    data-parallel ranks (read from the first stage's ranks)."""
-    from scenarios.pp import make_seq
+    data-parallel ranks (read from the first stage's ranks); with ``tokens`` the summed
+    masked loss over the window's counted items."""
+    from scenarios.pp import make_seq, masked_sse
 
     data = Indexed(samples)
     firsts = sorted((r for r in rank_results if r["stage"] == 0), key=lambda r: r["data_rank"])
@@ -257,10 +262,12 @@ def pipeline_reference(
     first_losses: list[float] = []
     for w in range(len(firsts[0]["windows"])):
         micro = [mb for r in firsts for mb in r["windows"][w]]
-        losses = [F.mse_loss(model(data.x[mb]), data.y[mb]) for mb in micro]
+        loss_fn = masked_sse if tokens else F.mse_loss
+        losses = [loss_fn(model(data.x[mb]), data.y[mb]) for mb in micro]
         first_losses.append(float(losses[0].detach()))
         opt.zero_grad()
-        (sum(losses) / len(micro)).backward()
+        items = sum(int((data.y[mb] > 0).sum()) for mb in micro) if tokens else len(micro)
+        (sum(losses) / items).backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()

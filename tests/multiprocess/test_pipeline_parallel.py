@@ -40,6 +40,7 @@ SCENARIOS = {
     **{f"pp2_{s}_k{k}_{p}": _train(s, k, p) for s in SCHEDULES for k in (1, 4) for p in POLICIES},
     "pp2_1F1B_k4_defer_m4": _train("1F1B", 4, "defer", microbatches=4),
     "pp2_clip": _train("1F1B", 4, "defer", clip=CLIP),
+    **{f"pp2_tokens_{s}": _train(s, 4, "defer", tokens=True) for s in SCHEDULES},
     "misuse": Scenario(pp.misuse),
     "no_module": Scenario(pp.refused, split=["9"]),
     "not_in_order": Scenario(pp.refused, split=["0"]),
@@ -52,7 +53,7 @@ SCENARIOS = {
     "fairscale": Scenario(pp.refused, backend="fairscale"),
     "ddp": Scenario(pp.refused, backend="ddp"),
 }
-TRAINED = [n for n in SCENARIOS if n.startswith("pp2_") and n != "pp2_clip"]
+TRAINED = [n for n in SCENARIOS if n.startswith("pp2_") and n != "pp2_clip" and "tokens" not in n]
 
 SHARED = Shared("gloo2", SCENARIOS)
 
@@ -76,6 +77,14 @@ def test_equivalence_with_one_process(results, name):
         for i in range(len(ref["first_losses"]))
     ]
     assert max(abs(a - b) for a, b in zip(firsts, ref["first_losses"], strict=True)) < 1e-5
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_token_weighted_loss_equals_one_process(results, schedule):
+    ranks = results[f"pp2_tokens_{schedule}"]
+    ref = assert_pipeline_matches_one_process(ranks, samples=SAMPLES, tokens=True)
+    last = next(r for r in ranks if r["stage"] == 1)
+    assert abs(last["losses"][0] - ref["first_losses"][0]) < 1e-5  # the micro-batch's sum
 
 
 def test_each_stage_optimizes_only_its_own_parameters(results):

@@ -17,13 +17,14 @@ from scenarios import pp
 
 SAMPLES = 56  # 7 micro-batches of 4 per data-parallel rank: windows of 4 and a partial 3
 DIMS = {"pp": 2, "dp_shard": 2}
+REPLICATE = {"pp": 2, "dp_replicate": 2}
 CLIP = 0.1
 
 
-def _train(schedule: str, k: int, policy: str, **kw) -> Scenario:
+def _train(schedule: str, k: int, policy: str, dims=DIMS, **kw) -> Scenario:
     return Scenario(
         pp.train_pp,
-        dims=DIMS,
+        dims=dims,
         steps=k,
         policy=policy,
         schedule=schedule,
@@ -40,8 +41,15 @@ SCENARIOS = {
     "pp2s2_1F1B_k4_every_step": _train("1F1B", 4, "every_step"),
     "pp2s2_GPipe_k1_defer": _train("GPipe", 1, "defer"),
     "pp2s2_clip": _train("1F1B", 4, "defer", clip=CLIP),
+    "pp2s2_tokens": _train("1F1B", 4, "defer", tokens=True),
+    "pp2s2_auto_fits": _train("1F1B", 4, "auto", budget=10**9),
+    "pp2s2_auto_small": _train("1F1B", 4, "auto", budget=100),
+    **{
+        f"pp2r2_1F1B_k4_{p}": _train("1F1B", 4, p, dims=REPLICATE)
+        for p in ("defer", "defer_replicate")
+    },
 }
-TRAINED = [n for n in SCENARIOS if n != "pp2s2_clip"]
+TRAINED = [n for n in SCENARIOS if n not in ("pp2s2_clip", "pp2s2_tokens")]
 
 SHARED = Shared("gloo4", SCENARIOS, nproc=4)
 
@@ -54,6 +62,10 @@ def results(shared):
 @pytest.mark.parametrize("name", TRAINED)
 def test_equivalence_with_one_process(results, name):
     assert_pipeline_matches_one_process(results[name], samples=SAMPLES)
+
+
+def test_a_token_weighted_loss_over_the_data_ranks_equals_one_process(results):
+    assert_pipeline_matches_one_process(results["pp2s2_tokens"], samples=SAMPLES, tokens=True)
 
 
 def test_the_mesh_puts_the_pipeline_outermost(results):
@@ -100,3 +112,16 @@ def test_clipping_uses_the_global_norm_across_stages_and_shards(results):
     assert any(n > CLIP for n in ref["norms"]), "the test must actually clip"
     for r in ranks:
         assert max(abs(a - b) for a, b in zip(r["norms"], ref["norms"], strict=True)) < 1e-5
+
+
+def test_auto_weighs_each_stages_gradients_against_the_budget(results):
+    assert {r["policy"] for r in results["pp2s2_auto_fits"]} == {"defer"}
+    assert {r["policy"] for r in results["pp2s2_auto_small"]} == {"every_step"}
+
+
+def test_replicas_all_reduce_once_per_window(results):
+    for policy in ("defer", "defer_replicate"):
+        for r in results[f"pp2r2_1F1B_k4_{policy}"]:
+            for rec in r["audit"]:
+                across = rec["groups"].get("replicate", {}).get("reduction_bytes", 0)
+                assert (across > 0) == rec["boundary"], (policy, rec)

@@ -32,6 +32,16 @@ def make_seq(seed: int = 0) -> nn.Sequential:
     )
 
 
+def positive_targets(batch: Any) -> int:
+    """The items of a batch: its samples with a positive target (a stand-in for tokens)."""
+    return int((batch[1] > 0).sum())
+
+
+def masked_sse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The summed squared error over the samples with a positive target."""
+    return ((out - y).pow(2) * (y > 0)).sum()
+
+
 def _accel(dims: dict[str, int], steps: int, policy: str, **options: Any) -> Accelerator:
     return Accelerator(
         backend=options.pop("backend", "fsdp"),
@@ -55,9 +65,21 @@ def train_pp(
     samples: int,
     micro_batch: int,
     clip: float | None = None,
+    budget: int | None = None,
+    tokens: bool = False,
 ) -> dict[str, Any]:
-    """The loop a user writes: one pipeline_step per micro-step inside accumulate."""
-    accel = _accel(dims, steps, policy, pp_schedule=schedule, pp_microbatches=microbatches)
+    """The loop a user writes: one pipeline_step per micro-step inside accumulate (with
+    ``tokens``, a summed loss over the window's counted items)."""
+    accel = _accel(
+        dims,
+        steps,
+        policy,
+        pp_schedule=schedule,
+        pp_microbatches=microbatches,
+        sync_memory_budget=budget,
+        **({"count_items": positive_targets} if tokens else {}),
+    )
+    loss_fn, reduction = (masked_sse, "sum") if tokens else (F.mse_loss, "mean")
     model = make_seq()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = DataLoader(Indexed(samples), batch_size=micro_batch)
@@ -68,7 +90,7 @@ def train_pp(
     norms: list[float] = []
     for x, y, idx in loader:
         with accel.accumulate(model):
-            loss = accel.pipeline_step(model, x, y, F.mse_loss)
+            loss = accel.pipeline_step(model, x, y, loss_fn, reduction)
             losses.append(None if loss is None else float(loss))
             current.append(idx.tolist())
             if clip is not None and accel.sync_gradients:

@@ -243,13 +243,15 @@ class Pipeline:
         targets: Any,
         loss_fn: Callable[..., torch.Tensor],
         factor: float,
+        *,
+        mean: bool = True,
     ) -> torch.Tensor | None:
         """One schedule step over one micro-batch: forward and backward of its
-        ``microbatches`` parts, each part's loss times ``factor / microbatches``.
+        ``microbatches`` parts, each part's loss times ``factor``.
 
         Returns:
-            On the last stage the mean of the parts' losses (unscaled, detached); None on
-            the other stages.
+            On the last stage the micro-batch's loss, unscaled and detached: the mean of the
+            parts' losses (``mean``), else their sum; None on the other stages.
         """
         size = _rows(targets if self.is_last else inputs)
         if size is not None and size % self.microbatches:
@@ -258,7 +260,7 @@ class Pipeline:
                 "samples; give a loader whose batches it divides (drop_last=True for the last)"
             )
         self.flags = _fsdp_compat.save_flags(self.module)
-        self._factor = factor / self.microbatches
+        self._factor = factor
         self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []  # each part's, as scaled (torch's schedule fills it)
         self._running = True
@@ -271,7 +273,10 @@ class Pipeline:
             _fsdp_compat.restore_flags(self.flags)
         if not self.is_last:
             return None
-        return torch.stack([loss.detach() for loss in losses]).mean() / self._factor
+        parts = torch.stack([loss.detach() for loss in losses])
+        if factor == 0:  # a window without items: nothing was learned, nothing to unscale
+            return parts.sum()
+        return (parts.mean() if mean else parts.sum()) / factor
 
 
 def _rows(value: Any) -> int | None:
