@@ -2,23 +2,29 @@
 sharded over the two data-parallel ranks of its pipeline coordinate), GPipe and 1F1B, k = 1
 and 4, under defer and every_step, each against one process on the same global windows; the
 data-parallel ranks read distinct micro-batches and both stages of a pipeline the same ones;
-under defer no gradient byte moves between data-parallel ranks off the boundary.
+under defer no gradient byte moves between data-parallel ranks off the boundary. Checkpoints:
+a mid-window save resumes bitwise, and a boundary save loads into the whole model in one
+process (a second, 1-rank launch), which trains on as the pipeline did.
 
 Every scenario runs in the 4-rank group shared with the other 4-rank modules.
 """
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
-from harness import Scenario, Shared
-from harness.checks import assert_pipeline_matches_one_process
+from harness import Scenario, Shared, run_scenarios
+from harness.checks import assert_pipeline_matches_one_process, max_diff
 from scenarios import pp
 
 SAMPLES = 56  # 7 micro-batches of 4 per data-parallel rank: windows of 4 and a partial 3
 DIMS = {"pp": 2, "dp_shard": 2}
 REPLICATE = {"pp": 2, "dp_replicate": 2}
 CLIP = 0.1
+FOLDER = Path(tempfile.mkdtemp(prefix="gradsync-pp-"))
 
 
 def _train(schedule: str, k: int, policy: str, dims=DIMS, **kw) -> Scenario:
@@ -48,8 +54,15 @@ SCENARIOS = {
         f"pp2r2_1F1B_k4_{p}": _train("1F1B", 4, p, dims=REPLICATE)
         for p in ("defer", "defer_replicate")
     },
+    **{
+        f"resume_{p}": Scenario(
+            pp.resume_mid_window, dims=DIMS, policy=p, folder=str(FOLDER / f"mid-{p}")
+        )
+        for p in ("defer", "every_step")
+    },
+    "save": Scenario(pp.save_at_boundary, dims=DIMS, folder=str(FOLDER / "boundary")),
 }
-TRAINED = [n for n in SCENARIOS if n not in ("pp2s2_clip", "pp2s2_tokens")]
+TRAINED = [n for n in SCENARIOS if n.startswith("pp2") and n not in ("pp2s2_clip", "pp2s2_tokens")]
 
 SHARED = Shared("gloo4", SCENARIOS, nproc=4)
 
@@ -125,3 +138,22 @@ def test_replicas_all_reduce_once_per_window(results):
             for rec in r["audit"]:
                 across = rec["groups"].get("replicate", {}).get("reduction_bytes", 0)
                 assert (across > 0) == rec["boundary"], (policy, rec)
+
+
+@pytest.mark.parametrize("policy", ["defer", "every_step"])
+def test_a_mid_window_save_resumes_bitwise(results, policy):
+    for r in results[f"resume_{policy}"]:
+        assert r["steps"] == [2, 2]
+        assert max_diff(r["went_on"], r["resumed"]) == 0.0
+
+
+def test_a_pipeline_checkpoint_loads_into_the_whole_model_in_one_process(results):
+    ranks = results["save"]  # saved (raises with the worker's error otherwise)
+    load = {"load": Scenario(pp.load_whole, folder=str(FOLDER / "boundary"), data_size=2)}
+    one = run_scenarios(load, nproc=1)["load"][0]
+    assert one["steps"] == 4 and sorted(one["state"]) == sorted(
+        {k for r in ranks for k in r["state"]}
+    )
+    for r in ranks:  # the momentum came back too: the next two windows agree
+        assert r["steps"] == 4
+        assert max_diff(r["state"], {k: one["state"][k] for k in r["state"]}) < 1e-5

@@ -153,3 +153,80 @@ def refused(**options: Any) -> dict[str, Any]:
     except ConfigError as e:
         return {"error": str(e)}
     return {"error": None}
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+def _prepared(dims: dict[str, int] | None, policy: str) -> tuple[Accelerator, Any, Any]:
+    if dims is None:  # the whole model in one process
+        accel = Accelerator(backend="fsdp", gradient_accumulation_steps=4, seed=0)
+    else:
+        accel = _accel(dims, 4, policy, pp_microbatches=2)
+    raw = make_seq()
+    model, opt = accel.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.05, momentum=0.9))
+    return accel, model, opt
+
+
+def _batches(accel: Accelerator, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` micro-batches of 4 for this rank's data-parallel position (each its own)."""
+    data = accel._backend.data_parallel  # type: ignore[attr-defined]
+    x, y = _data(n, data.size)
+    return [(x[i, data.rank], y[i, data.rank]) for i in range(n)]
+
+
+def _data(n: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, size, 4, FEATURES, generator=g)
+    return x, torch.randn(n, size, 4, 1, generator=g)
+
+
+def _step(accel: Accelerator, model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    with accel.accumulate(model):
+        accel.pipeline_step(model, x, y, F.mse_loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def resume_mid_window(*, dims: dict[str, int], policy: str, folder: str) -> dict[str, Any]:
+    """A window of 4 saved after 2 micro-steps, finished in the same run and in a fresh one
+    that loads the checkpoint: both end with the same parameters (bitwise)."""
+    accel, model, opt = _prepared(dims, policy)
+    data = _batches(accel, 8)
+    for x, y in data[:6]:
+        _step(accel, model, opt, x, y)
+    accel.save_state(folder)
+    for x, y in data[6:]:
+        _step(accel, model, opt, x, y)
+    seen: dict[str, Any] = {"went_on": to_lists(accel.get_state_dict(model))}
+    accel2, model2, opt2 = _prepared(dims, policy)
+    accel2.load_state(folder)
+    for x, y in data[6:]:
+        _step(accel2, model2, opt2, x, y)
+    seen["resumed"] = to_lists(accel2.get_state_dict(model2))
+    seen["steps"] = [accel.optimizer_steps, accel2.optimizer_steps]
+    return seen
+
+
+def save_at_boundary(*, dims: dict[str, int], folder: str) -> dict[str, Any]:
+    """Two windows, saved at the boundary (each stage its part), then two more."""
+    accel, model, opt = _prepared(dims, "defer")
+    data = _batches(accel, 16)
+    for x, y in data[:8]:
+        _step(accel, model, opt, x, y)
+    accel.save_state(folder)
+    for x, y in data[8:]:
+        _step(accel, model, opt, x, y)
+    return {"state": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps}
+
+
+def load_whole(*, folder: str, data_size: int) -> dict[str, Any]:
+    """That checkpoint loaded into the whole model in one process (parameters and the
+    optimizer's momentum), which then trains the same two windows on the global batches."""
+    accel, model, opt = _prepared(None, "defer")
+    accel.load_state(folder)
+    x, y = _data(16, data_size)
+    for i in range(8, 16):
+        with accel.accumulate(model):
+            accel.backward(F.mse_loss(model(x[i].flatten(0, 1)), y[i].flatten(0, 1)))
+            opt.step()
+            opt.zero_grad()
+    return {"state": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps}

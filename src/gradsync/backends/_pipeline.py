@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from gradsync.config import Config
 
-__all__ = ["Cut", "Pipeline", "Settings", "check_microbatches", "of"]
+__all__ = ["Cut", "Pipeline", "Settings", "check_microbatches", "is_stage", "of"]
 
 #: The pipeline of each prepared stage module (a stage is not kept alive by it).
 _PIPELINES: weakref.WeakKeyDictionary[nn.Module, Pipeline] = weakref.WeakKeyDictionary()
@@ -61,6 +61,11 @@ def of(model: nn.Module) -> Pipeline:
             "the model prepare() returned"
         )
     return pipeline
+
+
+def is_stage(model: nn.Module) -> bool:
+    """Whether ``model`` is a prepared pipeline stage."""
+    return model in _PIPELINES
 
 
 def check_microbatches(microbatches: int, micro_batch_size: int | None, stages: int) -> None:
@@ -193,6 +198,16 @@ class _Stage(PipelineStage):
         assert pipeline is not None and grad_scale_factor == 1
         _fsdp_compat.end_pipeline_backward(self.submod, pipeline.flags)
 
+    def _post_metadata_inference_cleanup(self) -> None:
+        # The first schedule step infers the shapes with a real forward and backward and
+        # then drops every gradient; a window's gradients from before it (a resumed window)
+        # are put back.
+        super()._post_metadata_inference_cleanup()
+        pipeline = self._pipeline()
+        assert pipeline is not None
+        for param, grad in pipeline.grads.items():
+            param.grad = grad
+
 
 class Pipeline:
     """One rank's stage of a pipelined model and the schedule that runs it."""
@@ -216,6 +231,8 @@ class Pipeline:
         self.is_last = index == stages - 1
         #: the FSDP2 sync flags the micro-step chose, captured when a schedule step starts
         self.flags: list[_fsdp_compat.GroupFlags] = []
+        #: the stage's gradients when a schedule step starts
+        self.grads: dict[nn.Parameter, torch.Tensor | None] = {}
         self._running = False
         self._factor = 1.0
         self._loss_fn: Callable[..., torch.Tensor] | None = None
@@ -260,6 +277,7 @@ class Pipeline:
                 "samples; give a loader whose batches it divides (drop_last=True for the last)"
             )
         self.flags = _fsdp_compat.save_flags(self.module)
+        self.grads = {p: p.grad for p in self.module.parameters()}  # see _Stage
         self._factor = factor
         self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []  # each part's, as scaled (torch's schedule fills it)
@@ -270,6 +288,7 @@ class Pipeline:
             self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
         finally:
             self._running = False
+            self.grads = {}
             _fsdp_compat.restore_flags(self.flags)
         if not self.is_last:
             return None
