@@ -254,8 +254,9 @@ def pipeline_reference(
     from scenarios.pp import make_seq, masked_sse
 
     data = Indexed(samples)
-    firsts = sorted((r for r in rank_results if r["stage"] == 0), key=lambda r: r["data_rank"])
-    assert [r["data_rank"] for r in firsts] == list(range(rank_results[0]["data_size"]))
+    by_data = {r["data_rank"]: r for r in rank_results if r["stage"] == 0}  # one per tp group
+    firsts = [by_data[d] for d in sorted(by_data)]
+    assert sorted(by_data) == list(range(rank_results[0]["data_size"]))
     model = make_seq()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     norms: list[float] = []

@@ -16,6 +16,9 @@ from scenarios.common import FEATURES, Indexed, to_lists
 
 #: Where the second stage begins: Linear-Tanh-Linear-Tanh | Linear-Tanh-Linear.
 SPLIT = ["4"]
+#: Every Linear split over tp, a colwise-rowwise pair in each stage (the activations sent
+#: between the stages are whole).
+TP_PLAN = {"0": "colwise", "2": "rowwise", "4": "colwise", "6": "rowwise"}
 WIDTH = 16
 
 
@@ -67,6 +70,7 @@ def train_pp(
     clip: float | None = None,
     budget: int | None = None,
     tokens: bool = False,
+    tp_plan: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The loop a user writes: one pipeline_step per micro-step inside accumulate (with
     ``tokens``, a summed loss over the window's counted items)."""
@@ -78,6 +82,7 @@ def train_pp(
         pp_microbatches=microbatches,
         sync_memory_budget=budget,
         **({"count_items": positive_targets} if tokens else {}),
+        **({"tp_plan": tp_plan} if tp_plan else {}),
     )
     loss_fn, reduction = (masked_sse, "sum") if tokens else (F.mse_loss, "mean")
     model = make_seq()

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from gradsync.config import Config
 
-__all__ = ["Cut", "Pipeline", "Settings", "check_microbatches", "is_stage", "of"]
+__all__ = ["Cut", "Pipeline", "Settings", "check_microbatches", "is_stage", "of", "stage_plan"]
 
 #: The pipeline of each prepared stage module (a stage is not kept alive by it).
 _PIPELINES: weakref.WeakKeyDictionary[nn.Module, Pipeline] = weakref.WeakKeyDictionary()
@@ -61,6 +61,15 @@ def of(model: nn.Module) -> Pipeline:
             "the model prepare() returned"
         )
     return pipeline
+
+
+def stage_plan(stage: nn.Module, plan: Any) -> Any:
+    """A tensor-parallel plan resolved on the whole model, kept to ``stage``'s modules (a
+    callable plan is given the stage itself)."""
+    if not isinstance(plan, dict):
+        return plan
+    held = {name for name, _ in stage.named_modules()}
+    return {name: style for name, style in plan.items() if name in held}
 
 
 def is_stage(model: nn.Module) -> bool:
@@ -311,6 +320,8 @@ class Settings:
         self.schedule = schedule
         self.microbatches = microbatches
         self._mesh: Any = None  # the named mesh (bind)
+        #: ids of the parameters of the other stages (``stage``): they leave the optimizer
+        self.dropped: set[int] = set()
         self.group: Any = None  # the pipeline's process group (bind)
 
     @classmethod
@@ -344,7 +355,10 @@ class Settings:
         cut = Cut(model, self.split, self.stages)
         model.to(device)
         _group.broadcast_from_rank0(model)
-        return cut.stage(self._mesh.get_local_rank("pp"))
+        every = {id(p) for p in model.parameters()}
+        stage = cut.stage(self._mesh.get_local_rank("pp"))
+        self.dropped = every - {id(p) for p in stage.parameters()}
+        return stage
 
     def start(self, stage: nn.Module, device: torch.device) -> None:
         """The pipeline of the sharded ``stage`` (``of(stage)`` finds it)."""

@@ -303,18 +303,19 @@ class FSDPBackend(AdapterDefaults):
                     "parameters; backend='fsdp' re-points the optimizer at the sharded parameters, "
                     "which would orphan that state: prepare before the first optimizer step"
                 )
-        whole = {id(p) for p in model.parameters()}  # another stage's are dropped below
-        if self._pp is not None and not isinstance(model, FSDPModule | FSDP1):
-            given = model = self._pp.stage(model, plan, self._device)
-        split = None  # the tensor-parallel plan for this model
+        split = None  # the tensor-parallel plan for this model (with pp: the whole model)
         if self._tp_plan is not None and not isinstance(model, FSDPModule | FSDP1):
             assert self._dims is not None
             split = _tensor_parallel.resolve(model, self._tp_plan)
             _tensor_parallel.check(model, split, self._dims.tp)
+        if self._pp is not None and not isinstance(model, FSDPModule | FSDP1):
+            given = model = self._pp.stage(model, plan, self._device)
+            split = _pipeline.stage_plan(model, split)
         if not isinstance(model, FSDPModule | FSDP1):
             names = {id(p): n for n, p in model.named_parameters()}
             self._shard(model, compile_units=given is model, plan=split)
-            _modules.repoint(optimizers, names, dict(model.named_parameters()), whole)
+            dropped = self._pp.dropped if self._pp is not None else set()  # another stage's
+            _modules.repoint(optimizers, names, dict(model.named_parameters()), dropped)
             if self._pp is not None:
                 self._pp.start(model, self._device)
         else:
@@ -322,8 +323,6 @@ class FSDPBackend(AdapterDefaults):
             _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile, hooked)
         if not is_frozen(model):  # a frozen model is sharded for its forward only
             self._decide(model)
-        if self._pp is not None:  # torch's schedule reshards after each schedule step's backward
-            self.keep = "no"
         if isinstance(model, FSDPModule):  # its own state dict holds DTensor shards
             _save_pretrained.gather_in_save_pretrained(
                 model, lambda: self.state_dict(model), self.barrier
@@ -366,7 +365,8 @@ class FSDPBackend(AdapterDefaults):
         full = deferral_cost(model, shards, grad_bytes=grad_bytes, keep_params=True)
         partial = partial_cost(model, shards, grad_bytes=grad_bytes) if replicas > 1 else 0
         budget = agreed_budget(*self._budget, self._device) if self._asked == "auto" else None
-        keep = False if isinstance(model, FSDP1) else self._keep_option  # FSDP1: no_sync only
+        # FSDP1: no_sync only; a pipeline stage reshards after each schedule step's backward
+        keep = False if isinstance(model, FSDP1) or self._pp else self._keep_option
         self.policy, self.keep, extra, self.policy_reason = decide(
             self._asked,
             keep,
