@@ -48,6 +48,7 @@ SCENARIOS = {
     "pp2s2_GPipe_k1_defer": _train("GPipe", 1, "defer"),
     "pp2s2_clip": _train("1F1B", 4, "defer", clip=CLIP),
     "pp2s2_tokens": _train("1F1B", 4, "defer", tokens=True),
+    **{f"pp2s2_drop_{p}": _train("1F1B", 4, p, raise_at=(1, 1)) for p in ("defer", "every_step")},
     "pp2s2_auto_fits": _train("1F1B", 4, "auto", budget=10**9),
     "pp2s2_auto_small": _train("1F1B", 4, "auto", budget=100),
     **{
@@ -157,3 +158,11 @@ def test_a_pipeline_checkpoint_loads_into_the_whole_model_in_one_process(results
     for r in ranks:  # the momentum came back too: the next two windows agree
         assert r["steps"] == 4
         assert max_diff(r["state"], {k: one["state"][k] for k in r["state"]}) < 1e-5
+
+
+@pytest.mark.parametrize("policy", ["defer", "every_step"])
+def test_a_dropped_window_leaks_nothing(results, policy):
+    ranks = results[f"pp2s2_drop_{policy}"]
+    for r in ranks:
+        assert [len(w) for w in r["dropped"]] == [2]
+    assert_pipeline_matches_one_process(ranks, samples=SAMPLES)

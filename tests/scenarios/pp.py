@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from gradsync import Accelerator, ConfigError
 
-from scenarios.common import FEATURES, Indexed, to_lists
+from scenarios.common import FEATURES, Dropped, Indexed, to_lists
 
 #: Where the second stage begins: Linear-Tanh-Linear-Tanh | Linear-Tanh-Linear.
 SPLIT = ["4"]
@@ -71,6 +71,7 @@ def train_pp(
     budget: int | None = None,
     tokens: bool = False,
     tp_plan: dict[str, str] | None = None,
+    raise_at: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """The loop a user writes: one pipeline_step per micro-step inside accumulate (with
     ``tokens``, a summed loss over the window's counted items)."""
@@ -93,15 +94,24 @@ def train_pp(
     current: list[list[int]] = []
     losses: list[float | None] = []
     norms: list[float] = []
+    dropped: list[list[list[int]]] = []
     for x, y, idx in loader:
-        with accel.accumulate(model):
-            loss = accel.pipeline_step(model, x, y, loss_fn, reduction)
-            losses.append(None if loss is None else float(loss))
-            current.append(idx.tolist())
-            if clip is not None and accel.sync_gradients:
-                norms.append(float(accel.clip_grad_norm_(model.parameters(), clip)))
-            opt.step()
-            opt.zero_grad()
+        try:
+            with accel.accumulate(model):
+                loss = accel.pipeline_step(model, x, y, loss_fn, reduction)
+                losses.append(None if loss is None else float(loss))
+                current.append(idx.tolist())
+                if raise_at == (len(windows), len(current) - 1):
+                    raise Dropped  # on every rank: the window is dropped
+                if clip is not None and accel.sync_gradients:
+                    norms.append(float(accel.clip_grad_norm_(model.parameters(), clip)))
+                opt.step()
+                opt.zero_grad()
+        except Dropped:
+            opt.step()  # a stray step after the error must apply nothing
+            dropped.append(current)
+            current = []
+            continue
         if accel.sync_gradients:
             windows.append(current)
             current = []
@@ -110,6 +120,7 @@ def train_pp(
     assert accel.audit is not None
     return {
         "windows": windows,
+        "dropped": dropped,
         "losses": losses,
         "norms": norms,
         "optimizer_steps": accel.optimizer_steps,
