@@ -161,12 +161,14 @@ class Gradients:
             )
         if reduction == "sum":  # each part's summed loss, over the global window's items
             items = self.window_items
-            factor = self._world / items if items else 0.0
+            factor, weight = (self._world / items, 1.0 / items) if items else (0.0, 0.0)
         else:  # each part's mean, a micro-batch the mean of its parts
             scale = step.size if self._rules.loss_divisor == "window" else self._window.steps
-            factor = 1.0 / (scale * pipeline.microbatches)
+            factor, weight = 1.0 / (scale * pipeline.microbatches), 1.0 / (scale * self._world)
         with naming_collective(self._name, self._timeout):
             loss = pipeline.step(inputs, targets, loss_fn, factor, mean=reduction == "mean")
+        if loss is not None and self.loss is not None:  # the last stage's ranks
+            self.loss.add(loss, weight, step)
         if self.self_check is not None:
             self.self_check.check.saw_backward()
         return loss

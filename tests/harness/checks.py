@@ -6,6 +6,7 @@ Nothing here runs in a worker: the scenarios (``scenarios.*``) record, this modu
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -261,6 +262,7 @@ def pipeline_reference(
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     norms: list[float] = []
     first_losses: list[float] = []
+    window_losses: list[float] = []
     for w in range(len(firsts[0]["windows"])):
         micro = [mb for r in firsts for mb in r["windows"][w]]
         loss_fn = masked_sse if tokens else F.mse_loss
@@ -268,11 +270,18 @@ def pipeline_reference(
         first_losses.append(float(losses[0].detach()))
         opt.zero_grad()
         items = sum(int((data.y[mb] > 0).sum()) for mb in micro) if tokens else len(micro)
-        (sum(losses) / items).backward()
+        total = sum(losses) / items
+        window_losses.append(float(total.detach()))
+        total.backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
-    return {"state": to_lists(model.state_dict()), "norms": norms, "first_losses": first_losses}
+    return {
+        "state": to_lists(model.state_dict()),
+        "norms": norms,
+        "first_losses": first_losses,
+        "window_losses": window_losses,
+    }
 
 
 def assert_pipeline_matches_one_process(
@@ -291,5 +300,8 @@ def assert_pipeline_matches_one_process(
         assert diff < tolerance, (r["stage"], r["data_rank"], diff)
         last = r["stage"] == max(q["stage"] for q in rank_results)
         assert all((loss is not None) == last for loss in r["losses"])
+        # the window loss on the last stage's ranks (NaN on the others: they saw no loss)
+        for got, want in zip(r["window_losses"], ref["window_losses"], strict=True):
+            assert abs(got - want) < 1e-5 if last else math.isnan(got), (got, want)
     assert held == set(ref["state"])
     return ref

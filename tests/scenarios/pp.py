@@ -95,6 +95,7 @@ def train_pp(
     losses: list[float | None] = []
     norms: list[float] = []
     dropped: list[list[list[int]]] = []
+    window_losses: list[float] = []
     for x, y, idx in loader:
         try:
             with accel.accumulate(model):
@@ -114,6 +115,7 @@ def train_pp(
             continue
         if accel.sync_gradients:
             windows.append(current)
+            window_losses.append(accel.window_loss)
             current = []
     backend = accel._backend  # type: ignore[attr-defined]
     mesh = accel.mesh
@@ -121,6 +123,7 @@ def train_pp(
     return {
         "windows": windows,
         "dropped": dropped,
+        "window_losses": window_losses,
         "losses": losses,
         "norms": norms,
         "optimizer_steps": accel.optimizer_steps,
