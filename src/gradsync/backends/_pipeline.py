@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Cut", "Pipeline", "Settings", "check_microbatches", "is_stage", "of", "stage_plan"]
 
-#: The pipeline of each prepared stage module (a stage is not kept alive by it).
-_PIPELINES: weakref.WeakKeyDictionary[nn.Module, Pipeline] = weakref.WeakKeyDictionary()
+#: The attribute of a prepared stage module that holds its pipeline (a reference cycle, freed
+#: with the stage).
+_ATTRIBUTE = "_gradsync_pipeline"
 _SCHEDULES: dict[str, Any] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 _CALL = "loss = accel.pipeline_step(model, inputs, targets, loss_fn)"
 
@@ -53,8 +54,8 @@ def of(model: nn.Module) -> Pipeline:
     Raises:
         UsageError: ``model`` is not a pipelined model.
     """
-    pipeline = _PIPELINES.get(model)
-    if pipeline is None:
+    pipeline = getattr(model, _ATTRIBUTE, None)
+    if not isinstance(pipeline, Pipeline):
         raise UsageError(
             f"accel.pipeline_step() got a {type(model).__name__} that is no pipeline stage; "
             "prepare the model with parallelism={'pp': P, ...} and pp_split=..., and pass "
@@ -74,7 +75,7 @@ def stage_plan(stage: nn.Module, plan: Any) -> Any:
 
 def is_stage(model: nn.Module) -> bool:
     """Whether ``model`` is a prepared pipeline stage."""
-    return model in _PIPELINES
+    return isinstance(getattr(model, _ATTRIBUTE, None), Pipeline)
 
 
 def check_microbatches(microbatches: int, micro_batch_size: int | None, stages: int) -> None:
@@ -250,7 +251,7 @@ class Pipeline:
             stage, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False
         )
         module.register_forward_pre_hook(self._guard, prepend=True)
-        _PIPELINES[module] = self
+        object.__setattr__(module, _ATTRIBUTE, self)
 
     def _guard(self, module: nn.Module, args: Any) -> None:
         if not self._running:
