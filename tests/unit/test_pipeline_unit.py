@@ -123,3 +123,36 @@ def test_microbatches_against_the_micro_batch():
         check_microbatches(3, 4, 2)
     with pytest.raises(ConfigError, match="fewer than the pp=2 stages"):
         check_microbatches(1, 4, 2)
+
+
+def test_the_environment_the_launcher_and_yaml_carry_pp(tmp_path):
+    from gradsync.cli import build_parser, launch_config
+    from gradsync.config import from_env, load_config
+
+    env = from_env(
+        {
+            "GRADSYNC_PARALLELISM": "pp=2,dp_shard=-1",
+            "GRADSYNC_PP_SPLIT": "4,blocks.2",
+            "GRADSYNC_PP_SCHEDULE": "gpipe",
+            "GRADSYNC_PP_MICROBATCHES": "4",
+        }
+    )
+    assert env["parallelism"]["pp"] == 2 and env["pp_split"] == ["4", "blocks.2"]
+    args = build_parser().parse_args(
+        ["launch", "--backend", "fsdp", "--parallelism", "pp=2,dp_shard=2", "x.py"]
+    )
+    assert launch_config(args).parallelism == {
+        "pp": 2,
+        "dp_replicate": 1,
+        "dp_shard": 2,
+        "tp": 1,
+        "cp": 1,
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "backend: fsdp\nparallelism: {pp: 2, dp_shard: 2}\npp_split: ['4']\n"
+        "pp_schedule: GPipe\npp_microbatches: 4\n"
+    )
+    config = load_config(config_file=path)
+    assert config.parallelism["pp"] == 2 and config.pp_split == ["4"]
+    assert (config.pp_schedule, config.pp_microbatches) == ("GPipe", 4)
