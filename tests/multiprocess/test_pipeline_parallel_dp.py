@@ -42,10 +42,12 @@ def _train(schedule: str, k: int, policy: str, dims=DIMS, **kw) -> Scenario:
 
 
 SCENARIOS = {
-    "pp2s2_1F1B_k4_defer": _train("1F1B", 4, "defer"),
-    "pp2s2_GPipe_k4_defer": _train("GPipe", 4, "defer"),
-    "pp2s2_1F1B_k4_every_step": _train("1F1B", 4, "every_step"),
-    "pp2s2_GPipe_k1_defer": _train("GPipe", 1, "defer"),
+    **{
+        f"pp2s2_{s}_k{k}_{p}": _train(s, k, p)
+        for s in ("GPipe", "1F1B")
+        for k in (1, 4)
+        for p in ("every_step", "defer")
+    },
     "pp2s2_clip": _train("1F1B", 4, "defer", clip=CLIP),
     "pp2s2_tokens": _train("1F1B", 4, "defer", tokens=True),
     **{f"pp2s2_drop_{p}": _train("1F1B", 4, p, raise_at=(1, 1)) for p in ("defer", "every_step")},
