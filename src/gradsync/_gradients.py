@@ -145,9 +145,14 @@ class Gradients:
         loss_fn: Callable[..., torch.Tensor],
         reduction: str,
     ) -> torch.Tensor | None:
-        """One schedule step of a pipelined model (see ``Accelerator.pipeline_step``)."""
+        """One schedule step of a pipelined model (see ``Accelerator.pipeline_step``); on a
+        model without a pipeline, the forward and ``backward`` of the whole micro-batch."""
         from gradsync.backends import _pipeline
 
+        if not _pipeline.is_stage(model):  # the same loop in one process, or without pp
+            loss = loss_fn(model(inputs), targets)
+            self.backward(loss, reduction, {})
+            return loss.detach()
         pipeline = _pipeline.of(model)
         step = self._window.current
         if step is None:

@@ -567,7 +567,9 @@ class Accelerator:
         the forward and the backward of ``pp_microbatches`` parts of the micro-batch through
         every stage. It takes the place of ``model(inputs)`` and ``accel.backward(loss)``
         inside ``accumulate``; the optimizer step, clipping, the scheduler and ``zero_grad``
-        stay as they are.
+        stay as they are. On a model without a pipeline it runs
+        ``accel.backward(loss_fn(model(inputs), targets), reduction)`` and returns that loss,
+        so the same loop runs in one process (the reference a pipeline must equal).
 
         Args:
             model: the stage ``prepare`` returned (``parallelism`` with pp > 1).
@@ -587,7 +589,7 @@ class Accelerator:
                 collective is spent to send it there).
 
         Raises:
-            UsageError: called outside ``accumulate``, or with a model that is not a stage.
+            UsageError: called outside ``accumulate``.
             ConfigError: ``pp_microbatches`` does not divide this micro-batch; an unknown
                 ``reduction``, or ``"sum"`` without ``count_items``.
         """

@@ -41,6 +41,20 @@ SCENARIOS = {
     "pp2_1F1B_k4_defer_m4": _train("1F1B", 4, "defer", microbatches=4),
     "pp2_clip": _train("1F1B", 4, "defer", clip=CLIP),
     **{f"pp2_tokens_{s}": _train(s, 4, "defer", tokens=True) for s in SCHEDULES},
+    **{
+        f"no_pipeline_{b}": Scenario(
+            pp.train_pp,
+            dims={},
+            steps=4,
+            policy="defer",
+            schedule="1F1B",
+            microbatches=2,
+            samples=SAMPLES * 2,
+            micro_batch=MICRO,
+            backend=b,
+        )
+        for b in ("ddp", "fsdp")
+    },
     "misuse": Scenario(pp.misuse),
     "no_module": Scenario(pp.refused, split=["9"]),
     "not_in_order": Scenario(pp.refused, split=["0"]),
@@ -85,6 +99,14 @@ def test_a_token_weighted_loss_equals_one_process(results, schedule):
     ref = assert_pipeline_matches_one_process(ranks, samples=SAMPLES, tokens=True)
     last = next(r for r in ranks if r["stage"] == 1)
     assert abs(last["losses"][0] - ref["first_losses"][0]) < 1e-5  # the micro-batch's sum
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_the_same_loop_without_a_pipeline_equals_one_process(results, backend):
+    ranks = results[f"no_pipeline_{backend}"]  # two data-parallel ranks, the whole model each
+    assert [r["data_rank"] for r in ranks] == [0, 1]
+    assert len(ranks[0]["windows"]) == 2  # windows of 4 and 3 micro-steps
+    assert_pipeline_matches_one_process(ranks, samples=SAMPLES * 2)
 
 
 def test_each_stage_optimizes_only_its_own_parameters(results):

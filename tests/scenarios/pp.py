@@ -46,10 +46,13 @@ def masked_sse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _accel(dims: dict[str, int], steps: int, policy: str, **options: Any) -> Accelerator:
+    """An Accelerator for ``dims`` (with a pipeline: cut at ``SPLIT`` unless ``split`` says
+    otherwise); no dims: the same loop without a pipeline."""
+    backend = options.pop("backend", "fsdp")
+    if dims:
+        options = {"parallelism": dims, "pp_split": options.pop("split", SPLIT), **options}
     return Accelerator(
-        backend=options.pop("backend", "fsdp"),
-        parallelism=dims,
-        pp_split=options.pop("split", SPLIT),
+        backend=backend,
         gradient_accumulation_steps=steps,
         sync_policy=policy,
         seed=0,
@@ -72,19 +75,20 @@ def train_pp(
     tokens: bool = False,
     tp_plan: dict[str, str] | None = None,
     raise_at: tuple[int, int] | None = None,
+    backend: str = "fsdp",
 ) -> dict[str, Any]:
     """The loop a user writes: one pipeline_step per micro-step inside accumulate (with
     ``tokens``, a summed loss over the window's counted items)."""
-    accel = _accel(
-        dims,
-        steps,
-        policy,
-        pp_schedule=schedule,
-        pp_microbatches=microbatches,
-        sync_memory_budget=budget,
-        **({"count_items": positive_targets} if tokens else {}),
-        **({"tp_plan": tp_plan} if tp_plan else {}),
-    )
+    options: dict[str, Any] = {"backend": backend}
+    if dims:
+        options.update(pp_schedule=schedule, pp_microbatches=microbatches)
+    if budget is not None:
+        options["sync_memory_budget"] = budget
+    if tokens:
+        options["count_items"] = positive_targets
+    if tp_plan:
+        options["tp_plan"] = tp_plan
+    accel = _accel(dims, steps, policy, **options)
     loss_fn, reduction = (masked_sse, "sum") if tokens else (F.mse_loss, "mean")
     model = make_seq()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -128,7 +132,7 @@ def train_pp(
         "norms": norms,
         "optimizer_steps": accel.optimizer_steps,
         "state": to_lists(accel.get_state_dict(model)),
-        "stage": mesh.get_local_rank("pp"),
+        "stage": mesh.get_local_rank("pp") if dims else 0,
         "data_rank": backend.data_parallel.rank,
         "data_size": backend.data_parallel.size,
         "policy": accel.sync_policy,
