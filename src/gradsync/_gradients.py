@@ -150,9 +150,9 @@ class Gradients:
         from gradsync.backends import _pipeline
 
         if not _pipeline.is_stage(model):  # the same loop in one process, or without pp
-            loss = loss_fn(model(inputs), targets)
-            self.backward(loss, reduction, {})
-            return loss.detach()
+            whole = loss_fn(model(inputs), targets)
+            self.backward(whole, reduction, {})
+            return whole.detach()
         pipeline = _pipeline.of(model)
         step = self._window.current
         if step is None:
