@@ -346,8 +346,12 @@ class Settings:
     def bind(self, mesh: DeviceMesh) -> None:
         """The named mesh with its "pp" dim; its pipeline group labelled for the audit."""
         self._mesh = mesh
-        self.group = mesh.get_group("pp")
-        audit.label_group(self.group, "pp")
+        group = mesh.get_group("pp")
+        if group.size() == torch.distributed.get_world_size():
+            # The mesh hands out the world group itself: label a copy, not the world.
+            group = torch.distributed.new_group(list(range(group.size())))
+        self.group = group
+        audit.label_group(group, "pp")
 
     def stage(self, model: nn.Module, plan: BatchPlan, device: torch.device) -> nn.Module:
         """This rank's stage of ``model``, every rank starting from rank 0's weights; the
