@@ -66,6 +66,7 @@ SCENARIOS = {
     "deepspeed": Scenario(pp.refused, backend="deepspeed"),
     "fairscale": Scenario(pp.refused, backend="fairscale"),
     "ddp": Scenario(pp.refused, backend="ddp"),
+    "world_label": Scenario(pp.world_label),  # after every pipeline above
 }
 TRAINED = [n for n in SCENARIOS if n.startswith("pp2_") and n != "pp2_clip" and "tokens" not in n]
 
@@ -161,3 +162,7 @@ def test_bad_settings_are_one_config_error_line(results, name):
     for r in results[name]:
         assert r["error"] is not None and REFUSALS[name] in r["error"], r["error"]
         assert "\n" not in r["error"]
+
+
+def test_a_pipeline_over_the_whole_world_leaves_the_world_groups_label(results):
+    assert [r["label"] for r in results["world_label"]] == ["world", "world"]

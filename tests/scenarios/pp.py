@@ -253,3 +253,12 @@ def load_whole(*, folder: str, data_size: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
     return {"state": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps}
+
+
+
+def world_label() -> dict[str, Any]:
+    """The world group's audit label, after pipelines spanning the world ran in this group."""
+    import torch.distributed as dist
+
+    group = dist.distributed_c10d._get_default_group()
+    return {"label": group.label() if hasattr(group, "label") else None}
