@@ -255,7 +255,6 @@ def load_whole(*, folder: str, data_size: int) -> dict[str, Any]:
     return {"state": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps}
 
 
-
 def world_label() -> dict[str, Any]:
     """The world group's audit label, after pipelines spanning the world ran in this group."""
     import torch.distributed as dist
