@@ -163,7 +163,7 @@ def assemble(owner: Any, config: Config, rules: Rules) -> Parts:
         audit=recorder,
         policy=lambda: backend.policy,
         rank=rank,
-        world_size=world,
+        world_size=plan.data_parallel_size,  # the ranks whose gradients are averaged
         backend=backend.name,
         paused=lambda: any(backend.user_paused_sync(m) for m in prepared.models),
     )

@@ -8,7 +8,7 @@ The Accelerator forwards ``backward``, ``window_items``, ``clip_grad_norm_`` and
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -136,6 +136,47 @@ class Gradients:
             )
         with naming_collective(self._name, self._timeout):
             self._run(loss, factor, kwargs)
+
+    def pipeline_step(
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[..., torch.Tensor],
+        reduction: str,
+    ) -> torch.Tensor | None:
+        """One schedule step of a pipelined model (see ``Accelerator.pipeline_step``); on a
+        model without a pipeline, the forward and ``backward`` of the whole micro-batch."""
+        from gradsync.backends import _pipeline
+
+        if not _pipeline.is_stage(model):  # the same loop in one process, or without pp
+            whole = loss_fn(model(inputs), targets)
+            self.backward(whole, reduction, {})
+            return whole.detach()
+        pipeline = _pipeline.of(model)
+        step = self._window.current
+        if step is None:
+            raise UsageError(
+                "accel.pipeline_step() runs one micro-step: call it inside `with "
+                "accel.accumulate(model):`, which decides when gradients sync"
+            )
+        if reduction not in ("mean", "sum"):
+            raise ConfigError(
+                f"pipeline_step(reduction={reduction!r}) is unknown; use 'mean' or 'sum'"
+            )
+        if reduction == "sum":  # each part's summed loss, over the global window's items
+            items = self.window_items
+            factor, weight = (self._world / items, 1.0 / items) if items else (0.0, 0.0)
+        else:  # each part's mean, a micro-batch the mean of its parts
+            scale = step.size if self._rules.loss_divisor == "window" else self._window.steps
+            factor, weight = 1.0 / (scale * pipeline.microbatches), 1.0 / (scale * self._world)
+        with naming_collective(self._name, self._timeout):
+            loss = pipeline.step(inputs, targets, loss_fn, factor, mean=reduction == "mean")
+        if loss is not None and self.loss is not None:  # the last stage's ranks
+            self.loss.add(loss, weight, step)
+        if self.self_check is not None:
+            self.self_check.check.saw_backward()
+        return loss
 
     def _name(self) -> str:
         step = self._window.current

@@ -210,7 +210,8 @@ def start(
     paused: Callable[[], bool] = lambda: False,
 ) -> SelfCheck | None:
     """The self-check for a new Accelerator, or None when it is off or has nothing to count
-    (one process, or a process group created outside gradsync). ``paused``: the user turned
+    (one data-parallel rank, e.g. one process or a lone pipeline, or a process group created
+    outside gradsync). ``world_size``: the data-parallel ranks. ``paused``: the user turned
     the models' own gradient sync off (a LocalSGD, a ``no_sync()`` of their own), so a
     boundary that reduces nothing is what they asked for."""
     if not enabled or world_size < 2 or policy() not in (*DEFERRING, "every_step"):

@@ -138,9 +138,9 @@ class Accelerator:
         config_file: a YAML (or JSON) file of settings (default: ``GRADSYNC_CONFIG``).
         **options: a backend's options: ``ddp_kwargs``, ``find_unused_parameters`` (ddp);
             ``fsdp_wrap``, ``fsdp_keep_params_in_window``, ``fsdp_reshard_after_backward``,
-            ``fsdp_mesh``, ``parallelism``, ``tp_plan``, ``fsdp_memory_budget`` (fsdp);
-            ``deepspeed_config`` (deepspeed); ``fairscale_kwargs`` (fairscale). The settings
-            reference lists every setting.
+            ``fsdp_mesh``, ``parallelism``, ``tp_plan``, ``pp_split``, ``pp_schedule``,
+            ``pp_microbatches``, ``fsdp_memory_budget`` (fsdp); ``deepspeed_config`` (deepspeed);
+            ``fairscale_kwargs`` (fairscale). The settings reference lists every setting.
 
     Attributes:
         config: every setting after the sources were merged and checked (a ``Config``).
@@ -562,6 +562,46 @@ class Accelerator:
             CollectiveError: another rank stopped answering during the gradient reduction.
         """
         self._p.gradients.backward(loss, reduction, kwargs)
+
+    def pipeline_step(
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[..., torch.Tensor],
+        reduction: str = "mean",
+    ) -> torch.Tensor | None:
+        """One micro-step of a pipelined model: one schedule step (``pp_schedule``) that runs
+        the forward and the backward of ``pp_microbatches`` parts of the micro-batch through
+        every stage. It takes the place of ``model(inputs)`` and ``accel.backward(loss)``
+        inside ``accumulate``; the optimizer step, clipping, the scheduler and ``zero_grad``
+        stay as they are. On a model without a pipeline it runs
+        ``accel.backward(loss_fn(model(inputs), targets), reduction)`` and returns that loss,
+        so the same loop runs in one process (the reference a pipeline must equal).
+
+        Args:
+            model: the stage ``prepare`` returned (``parallelism`` with pp > 1).
+            inputs: the micro-batch's inputs (read by the first stage; every stage of one
+                pipeline is given the same micro-batch).
+            targets: the micro-batch's targets (read by the last stage).
+            loss_fn: ``loss_fn(outputs, targets)`` of one part; gradsync scales it so that
+                the update is the window's mean, as ``backward`` does.
+            reduction: ``"mean"``: ``loss_fn`` gives the part's mean, and the update is the
+                mean of micro-batch means. ``"sum"``: ``loss_fn`` sums over the part's items
+                (tokens), and the update is the mean over every item of the global window
+                (needs ``count_items``).
+
+        Returns:
+            On the last stage the micro-batch's loss (detached: the mean of its parts'
+                losses, or with ``"sum"`` their sum); None on the other stages (no
+                collective is spent to send it there).
+
+        Raises:
+            UsageError: called outside ``accumulate``.
+            ConfigError: ``pp_microbatches`` does not divide this micro-batch; an unknown
+                ``reduction``, or ``"sum"`` without ``count_items``.
+        """
+        return self._p.gradients.pipeline_step(model, inputs, targets, loss_fn, reduction)
 
     @property
     def window_loss(self) -> float:

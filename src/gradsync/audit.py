@@ -37,17 +37,22 @@ from gradsync._dist import is_distributed
 from gradsync._util import after_import, human_bytes
 from gradsync.errors import ConfigError
 
-GROUP_LABELS = ("world", "shard", "replicate", "tp", "dp", "other")
+GROUP_LABELS = ("world", "shard", "replicate", "tp", "pp", "dp", "other")
 """The labels a recorded collective's group can carry: ``"shard"`` and ``"replicate"`` for the
-groups of a 2-D (HSDP) device mesh, ``"tp"`` for a tensor-parallel group and ``"dp"`` for the
+groups of a 2-D (HSDP) device mesh, ``"tp"`` for a tensor-parallel group, ``"pp"`` for the
+ranks of one pipeline (the stages' activations sent and received) and ``"dp"`` for the
 data-parallel ranks of an N-D mesh, labelled by ``label_group``; an unlabelled group is
 ``"world"`` when it spans every rank (the world group, or a copy of it such as a 1-D mesh's),
 else ``"other"``."""
 
-COMPUTE_LABELS = frozenset({"tp"})
+COMPUTE_LABELS = frozenset({"tp", "pp"})
 """Groups whose collectives are the model's computation (tensor parallel: forward and
-backward, every micro-step), not gradient sync: ``MicroStepRecord.reductions`` leaves them
-out; ``count`` / ``nbytes`` with ``group="tp"`` and the summary's per-group part show them."""
+backward, every micro-step; the pipeline's activations and their gradients between stages),
+not gradient sync: ``MicroStepRecord.reductions`` leaves them out; ``count`` / ``nbytes`` with
+``group="tp"`` (or ``"pp"``) and the summary's per-group part show them."""
+
+P2P = ("send", "recv")
+"""The point-to-point ops: the pipeline's traffic, shown per micro-step on the ``pp`` line."""
 
 REDUCTIONS = frozenset({"allreduce", "reduce_scatter", "reduce"})
 """Ops that reduce data (the gradient synchronisation of every backend is one of these)."""
@@ -296,7 +301,8 @@ class Recorder:
                 window's collectives ran in more than one group (a 2-D mesh), the reductions
                 per micro-step and their bytes of each group follow, e.g. ``; by group:
                 shard [1,1,1,1] (40.0 KiB), replicate [0,0,0,1] (10.0 KiB)``; tensor
-                parallel's reductions (``tp``) are only in that part.
+                parallel's reductions (``tp``) are only in that part, and the pipeline's
+                sends and receives per micro-step (``pp``) only there.
         """
         per = ",".join(str(r.reductions) for r in window)
         red_bytes = sum(r.reduction_bytes for r in window)
@@ -304,10 +310,11 @@ class Recorder:
         own = sum(len(r.own) for r in window)
         labels = list(dict.fromkeys(g for r in window for g in r.group_labels()))
         by_group = ""
-        if len(labels) > 1:
+        if len(labels) > 1 or COMPUTE_LABELS.intersection(labels):
+            ops = {label: P2P if label == "pp" else tuple(REDUCTIONS) for label in labels}
             by_group = "; by group: " + ", ".join(
-                f"{label} [{','.join(str(r.count(*REDUCTIONS, group=label)) for r in window)}] "
-                f"({human_bytes(sum(r.nbytes(*REDUCTIONS, group=label) for r in window))})"
+                f"{label} [{','.join(str(r.count(*ops[label], group=label)) for r in window)}] "
+                f"({human_bytes(sum(r.nbytes(*ops[label], group=label) for r in window))})"
                 for label in labels
             )
         return (

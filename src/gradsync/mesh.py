@@ -1,9 +1,11 @@
-"""The N-D mesh: ``parallelism={"dp_replicate": R, "dp_shard": S, "tp": T}`` as named dims.
+"""The N-D mesh: ``parallelism={"pp": P, "dp_replicate": R, "dp_shard": S, "tp": T}`` as named
+dims.
 
-R replicas x S shards x T tensor-parallel ranks = the world. The data-parallel ranks are the
-R x S ranks of one tensor-parallel coordinate: they read distinct micro-batches, and the T
-ranks of a tensor-parallel group read the same ones. The global batch is
-micro x k x (R x S).
+P pipeline stages x R replicas x S shards x T tensor-parallel ranks = the world, the pipeline
+outermost. The data-parallel ranks are the R x S ranks of one (pipeline, tensor-parallel)
+coordinate: they read distinct micro-batches, and the P x T ranks of one pipeline and its
+tensor-parallel groups read the same ones. The global batch is micro x k x (R x S).
+Accelerate's ``ParallelismConfig`` has no pipeline dim: pp is given as a mapping or as text.
 
 The spelling is read here (a mapping, text such as ``"dp_shard=2,tp=2"``, JSON, or
 Accelerate's ``ParallelismConfig``), with one entry that may be -1 (inferred from the world
@@ -31,6 +33,7 @@ __all__ = [
     "MESH_DIMS",
     "Parallelism",
     "build",
+    "data_group",
     "data_parallel_size",
     "from_text",
     "parse",
@@ -38,17 +41,20 @@ __all__ = [
 
 #: The dims a ``parallelism`` mapping names, in the mesh's order (outermost first) and "cp",
 #: recognised and refused above 1 (context parallel needs a GPU).
-DIMS = ("dp_replicate", "dp_shard", "tp", "cp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp", "cp")
 #: The data-parallel dims: their ranks read distinct micro-batches, and their gradient
 #: collectives (reduce-scatter over dp_shard, all-reduce over dp_replicate) may wait for the
 #: boundary.
 DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
-#: The dims whose collectives are the computation (forward and backward of split layers):
-#: they run on every micro-step, and their ranks read the same micro-batches.
-COMPUTE_DIMS = ("tp", "cp")
+#: The dims whose collectives are the computation (forward and backward of split layers, the
+#: pipeline's activations): they run on every micro-step, and their ranks read the same
+#: micro-batches.
+COMPUTE_DIMS = ("pp", "tp", "cp")
 #: The dims of the DeviceMesh :func:`build` makes (size-1 dims included, so the names always
-#: exist): replicas outermost, tensor parallel innermost (neighbouring ranks).
+#: exist): replicas outermost, tensor parallel innermost (neighbouring ranks). With pp > 1 a
+#: "pp" dim comes first (outermost): ``PIPELINE_MESH_DIMS``.
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+PIPELINE_MESH_DIMS = ("pp", *MESH_DIMS)
 #: Accelerate's names: ``ParallelismConfig``'s attributes and its config file's keys.
 ACCELERATE_ATTRIBUTES = {
     "dp_replicate_size": "dp_replicate",
@@ -57,8 +63,8 @@ ACCELERATE_ATTRIBUTES = {
     "cp_size": "cp",
 }
 _FIX = (
-    "give the sizes of dp_replicate, dp_shard and tp (one may be -1: inferred), whose "
-    "product is the world size, e.g. {'dp_shard': 2, 'tp': 2} or 'dp_shard=2,tp=2'"
+    "give the sizes of pp, dp_replicate, dp_shard and tp (one may be -1: inferred), whose "
+    "product is the world size, e.g. {'dp_shard': 2, 'tp': 2} or 'pp=2,dp_shard=2'"
 )
 
 
@@ -70,11 +76,12 @@ class Parallelism:
     dp_shard: int = 1
     tp: int = 1
     cp: int = 1
+    pp: int = 1  # last here (positional forms stay (R, S, T)); outermost in the mesh
 
     @property
     def sizes(self) -> dict[str, int]:
-        """dim -> size, in ``DIMS`` order."""
-        return {d: getattr(self, d) for d in DIMS}
+        """dim -> size, in ``DIMS`` order (pp left out when it is 1: no pipeline)."""
+        return {d: getattr(self, d) for d in DIMS if d != "pp" or self.pp != 1}
 
     @property
     def data_parallel(self) -> int:
@@ -82,9 +89,16 @@ class Parallelism:
         return math.prod(getattr(self, d) for d in DATA_PARALLEL_DIMS)
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """(R, S, T), the shape of the DeviceMesh over ``MESH_DIMS``."""
-        return self.dp_replicate, self.dp_shard, self.tp
+    def shape(self) -> tuple[int, ...]:
+        """(R, S, T), the shape of the DeviceMesh over ``MESH_DIMS``; (P, R, S, T) over
+        ``PIPELINE_MESH_DIMS`` when pp > 1."""
+        inner = (self.dp_replicate, self.dp_shard, self.tp)
+        return (self.pp, *inner) if self.pp > 1 else inner
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The DeviceMesh's dim names, in the order of :attr:`shape`."""
+        return PIPELINE_MESH_DIMS if self.pp > 1 else MESH_DIMS
 
     def text(self) -> str:
         """The text form, e.g. ``dp_replicate=2,dp_shard=2,tp=2`` (dims of size 1 left out)."""
@@ -138,7 +152,8 @@ def _from_mapping(value: Mapping[Any, Any], name: str) -> Parallelism:
                 continue  # Accelerate's options of a dim (cp_comm_strategy ...): not a size
             raise ConfigError(
                 f"{name} names {key!r}, which is no dim; use {', '.join(DIMS)} "
-                "(or Accelerate's dp_replicate_size, dp_shard_size, tp_size, cp_size)"
+                "(or Accelerate's dp_replicate_size, dp_shard_size, tp_size, cp_size; its "
+                "ParallelismConfig has no pipeline dim: give pp as {'pp': P, ...} or 'pp=P,...')"
             )
         if raw is None:
             continue
@@ -181,7 +196,8 @@ def parse(value: Any, name: str = "parallelism") -> Parallelism:
     Args:
         value: a mapping dim -> size, text (``"dp_shard=2,tp=2"`` or JSON), a
             :class:`Parallelism`, or Accelerate's ``ParallelismConfig`` (read by its
-            attributes ``dp_replicate_size``, ``dp_shard_size``, ``tp_size``, ``cp_size``).
+            attributes ``dp_replicate_size``, ``dp_shard_size``, ``tp_size``, ``cp_size``;
+            it has no pipeline dim, so pp is given as a mapping or text).
         name: the setting's name, for messages.
 
     Returns:
@@ -210,9 +226,23 @@ def data_parallel_size(value: Any, world: int) -> int:
     return parse(value).resolve(world).data_parallel
 
 
+def data_group(dims: Parallelism, rank: int) -> tuple[int, Any]:
+    """``rank``'s data-parallel rank and group: the R x S ranks of its (pp, tp) coordinate
+    (collective: every rank makes every group, in the same order)."""
+    import torch.distributed
+
+    inner = dims.data_parallel * dims.tp
+    groups = [
+        torch.distributed.new_group(list(range(p * inner + t, (p + 1) * inner, dims.tp)))
+        for p in range(dims.pp)
+        for t in range(dims.tp)
+    ]
+    return rank % inner // dims.tp, groups[rank // inner * dims.tp + rank % dims.tp]
+
+
 def build(dims: Parallelism, device_type: str) -> DeviceMesh:
-    """The DeviceMesh over ``MESH_DIMS`` (R, S, T) on every rank (collective: every rank
-    builds it, in the same order)."""
+    """The DeviceMesh over ``MESH_DIMS`` (R, S, T), or (P, R, S, T) with pp > 1, on every rank
+    (collective: every rank builds it, in the same order)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device_type, dims.shape, mesh_dim_names=dims.names)

@@ -6,6 +6,7 @@ Nothing here runs in a worker: the scenarios (``scenarios.*``) record, this modu
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -238,3 +239,69 @@ def assert_one_gradient_reduction(ops: list[list[Any]], grad_bytes: int) -> None
         grad_bytes,
     )
     assert sum(sizes) <= grad_bytes + SCALAR_SLACK, (sizes, grad_bytes)
+
+
+def pipeline_reference(
+    rank_results: list[dict[str, Any]],
+    *,
+    samples: int,
+    clip: float | None = None,
+    tokens: bool = False,
+) -> dict[str, Any]:
+    """One process training the whole ``scenarios.pp`` model on the same global windows as a
+    pipelined run: each window's loss is the mean of its micro-batch mean losses over the
+    data-parallel ranks (read from the first stage's ranks); with ``tokens`` the summed
+    masked loss over the window's counted items."""
+    from scenarios.pp import make_seq, masked_sse
+
+    data = Indexed(samples)
+    by_data = {r["data_rank"]: r for r in rank_results if r["stage"] == 0}  # one per tp group
+    firsts = [by_data[d] for d in sorted(by_data)]
+    assert sorted(by_data) == list(range(rank_results[0]["data_size"]))
+    model = make_seq()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    norms: list[float] = []
+    first_losses: list[float] = []
+    window_losses: list[float] = []
+    for w in range(len(firsts[0]["windows"])):
+        micro = [mb for r in firsts for mb in r["windows"][w]]
+        loss_fn = masked_sse if tokens else F.mse_loss
+        losses = [loss_fn(model(data.x[mb]), data.y[mb]) for mb in micro]
+        first_losses.append(float(losses[0].detach()))
+        opt.zero_grad()
+        items = sum(int((data.y[mb] > 0).sum()) for mb in micro) if tokens else len(micro)
+        total = sum(losses) / items
+        window_losses.append(float(total.detach()))
+        total.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+    return {
+        "state": to_lists(model.state_dict()),
+        "norms": norms,
+        "first_losses": first_losses,
+        "window_losses": window_losses,
+    }
+
+
+def assert_pipeline_matches_one_process(
+    rank_results: list[dict[str, Any]], *, samples: int, tolerance: float = 1e-5, **kwargs: Any
+) -> dict[str, Any]:
+    """Every stage's parameters equal the same parameters of one process on the same global
+    windows; the stages hold the whole model between them; the loss comes back on the last
+    stage only."""
+    ref = pipeline_reference(rank_results, samples=samples, **kwargs)
+    held: set[str] = set()
+    for r in rank_results:
+        assert r["optimizer_steps"] == len(r["windows"]) > 0
+        assert set(r["state"]) <= set(ref["state"]), sorted(r["state"])
+        held |= set(r["state"])
+        diff = max_diff(r["state"], {k: ref["state"][k] for k in r["state"]})
+        assert diff < tolerance, (r["stage"], r["data_rank"], diff)
+        last = r["stage"] == max(q["stage"] for q in rank_results)
+        assert all((loss is not None) == last for loss in r["losses"])
+        # the window loss on the last stage's ranks (NaN on the others: they saw no loss)
+        for got, want in zip(r["window_losses"], ref["window_losses"], strict=True):
+            assert abs(got - want) < 1e-5 if last else math.isnan(got), (got, want)
+    assert held == set(ref["state"])
+    return ref

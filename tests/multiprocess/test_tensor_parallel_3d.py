@@ -1,12 +1,13 @@
 """The 3-D mesh (dp_replicate 2, dp_shard 2, tp 2) on 8 gloo ranks with the tiny net: every policy
 equals one process on the same global windows; the audit splits the traffic
-into shard, replicate and tp. One launched group (about 25 s on 2 cores)."""
+into shard, replicate and tp. One launched group (about 25 s on 2 cores), shared with the
+other 8-rank modules."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness import Scenario, run_scenarios
+from harness import Scenario, Shared
 from harness.checks import assert_nd_matches_one_process
 from scenarios import tp
 from scenarios.common import Loop
@@ -20,9 +21,12 @@ SCENARIOS = {
 }
 
 
+SHARED = Shared("gloo8", SCENARIOS, nproc=8)
+
+
 @pytest.fixture(scope="module")
-def results():
-    return run_scenarios(SCENARIOS, nproc=8)
+def results(shared):
+    return shared(SHARED)
 
 
 @pytest.mark.parametrize("policy", SCENARIOS)

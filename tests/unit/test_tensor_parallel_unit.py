@@ -106,7 +106,7 @@ def test_a_yaml_file_sets_parallelism_and_the_plan(tmp_path):
 @pytest.mark.parametrize(
     "value, words",
     [
-        ({"dp_shard": 2, "pp": 2}, "'pp', which is no dim"),
+        ({"dp_shard": 2, "sp": 2}, "'sp', which is no dim"),
         ({"dp_shard": 0}, "must be positive"),
         ({"dp_shard": -1, "tp": -1}, "more than one -1"),
         ("dp_shard2", "is not dim=size"),

@@ -101,11 +101,11 @@ REFUSED: dict[str, dict[str, str]] = {
         "cpu_offload_with_hook": "big-model inference is not gradsync's: use Accelerate for it",
         "disk_offload": "big-model inference is not gradsync's: use Accelerate for it",
         "load_checkpoint_in_model": "`accel.load_state(folder)`, or `from_pretrained` for a saved model",
-        "prepare_pippy": "pipeline parallelism is not supported; use FSDP2 (`backend='fsdp'`)",
+        "prepare_pippy": "`gradsync.Accelerator(backend='fsdp', parallelism={'pp': P, ...}, pp_split=[...])` and `loss = accel.pipeline_step(model, inputs, targets, loss_fn)`",
         "synchronize_rng_states": "nothing to call: prepared loaders keep every rank's generator equal",
         "DeepSpeedPlugin": "`Accelerator(backend='deepspeed', deepspeed_config=...)` or `gradsync launch --use_deepspeed`",
         "FullyShardedDataParallelPlugin": "`Accelerator(backend='fsdp', fsdp_...=...)` or `gradsync launch --use_fsdp`",
-        "ParallelismConfig": "`parallelism={'dp_replicate': R, 'dp_shard': S, 'tp': T}` on `backend='fsdp'` (gradsync.Accelerator also takes Accelerate's ParallelismConfig object there)",
+        "ParallelismConfig": "`parallelism={'pp': P, 'dp_replicate': R, 'dp_shard': S, 'tp': T}` on `backend='fsdp'` (gradsync.Accelerator also takes Accelerate's ParallelismConfig object there, which has no pp)",
         "ProfileKwargs": "`torch.profiler.profile(...)` around the loop",
     },
     "accelerate.utils": {

@@ -21,14 +21,18 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from gradsync import _dist as dist
-from gradsync.backends import _fsdp_compat
+from gradsync.backends import _fsdp_compat, _pipeline
 from gradsync.backends.base import Held
 from gradsync.errors import CheckpointError
 from gradsync.storage import safety
@@ -48,8 +52,25 @@ def _holder(models: Sequence[nn.Module], held: Held) -> nn.Module:
     return mine[0] if len(mine) == 1 else nn.ModuleList(mine)
 
 
-def _optim_state(models: Sequence[nn.Module], held: Held) -> dict[str, Any]:
-    _, optim_sd = get_state_dict(_holder(models, held), [held.optimizer])
+def _options(flat: bool) -> StateDictOptions | None:
+    return StateDictOptions(flatten_optimizer_state_dict=True) if flat else None
+
+
+def _flat(folder: Path) -> bool:
+    """Whether the optimizer checkpoint in ``folder`` is keyed by parameter names (a
+    pipeline's: its param groups carry no ``params`` list)."""
+    if not folder.is_dir():
+        return False
+    keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    groups = [k for k in keys if k.startswith("optim.param_groups.")]
+    return bool(groups) and not any(k.endswith(".params") for k in groups)
+
+
+def _optim_state(models: Sequence[nn.Module], held: Held, flat: bool = False) -> dict[str, Any]:
+    """The optimizer's state dict; ``flat``: keyed by parameter names (torch's flattened
+    form), which a pipeline stage saves, since the stages' param groups would otherwise
+    share the keys ``param_groups.0.*``."""
+    _, optim_sd = get_state_dict(_holder(models, held), [held.optimizer], options=_options(flat))
     return {"optim": optim_sd}
 
 
@@ -88,7 +109,8 @@ def save(
     for i, model in enumerate(models):
         _write(_model_state(model), path / f"dcp_{i}")
     for held in optimizers:
-        _write(_optim_state(models, held), _folder(path, held))
+        flat = _pipeline.is_stage(_holder(models, held))
+        _write(_optim_state(models, held, flat), _folder(path, held))
     if window_open:
         window = [
             {
@@ -214,10 +236,17 @@ def load(
         model_states.append(state)
     optim_states = []
     for held in optimizers:
-        state = _optim_state(models, held)
+        flat = _pipeline.is_stage(_holder(models, held)) or _flat(_folder(path, held))
+        state = _optim_state(models, held, flat)
         _read(_folder(path, held), state, "optimizer", trusted=trusted, allowed=allowed)
-        optim_states.append(state)
-    _set(models, optimizers, model_states, [state["optim"] for state in optim_states])
+        optim_states.append((state, flat))
+    _set(
+        models,
+        optimizers,
+        model_states,
+        [state["optim"] for state, _ in optim_states],
+        [flat for _, flat in optim_states],
+    )
     if window is not None:
         for model, saved in zip(models, window):
             _put_sharded_grads(model, saved["sharded"])
@@ -234,12 +263,19 @@ def _set(
     optimizers: Sequence[Held],
     model_states: list[dict[str, Any]],
     optim_states: list[Any],
+    flats: Sequence[bool] = (),
 ) -> None:
+    """Set the states read; ``flats``: which optimizer states are keyed by parameter names
+    (a pipeline stage's; none when not given)."""
     for model, state in zip(models, model_states):
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-    for held, optim in zip(optimizers, optim_states):
+    for i, (held, optim) in enumerate(zip(optimizers, optim_states)):
         set_state_dict(
-            _holder(models, held), [held.optimizer], model_state_dict={}, optim_state_dict=optim
+            _holder(models, held),
+            [held.optimizer],
+            model_state_dict={},
+            optim_state_dict=optim,
+            options=_options(i < len(flats) and flats[i]),
         )
 
 

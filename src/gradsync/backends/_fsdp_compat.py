@@ -296,3 +296,21 @@ def put_partial_buffers(
         else:  # packed in the group's parameter order, as the next reduce-scatter packs it
             buffer = torch.cat([buffer.narrow(0, o, n) for _, o, n in sorted(layout)])
         group._partial_reduce_output = buffer.to(device)
+
+
+def end_pipeline_backward(model: nn.Module, flags: list[GroupFlags]) -> None:
+    """Close one pipeline schedule step's backward on a stage's FSDP2 root with the sync flags
+    gradsync chose for the micro-step (``flags``, from ``save_flags`` before the schedule ran),
+    where torch's schedule would turn gradient sync on. Off the boundary the groups reshard and
+    keep the step's gradients unsharded, to be added to by the next schedule step; at the
+    boundary they reduce the whole window's gradients once."""
+    model.set_is_last_backward(True)  # type: ignore[operator]
+    restore_flags(flags)
+    for group in param_groups(model):
+        group.reshard_after_backward = True
+    state = _require(model, "_get_fsdp_state", "per-module state")()
+    context = _require(state, "_state_ctx", "state context")
+    for each in _require(context, "all_states", "states"):
+        for group in _require(each, "_fsdp_param_groups", "parameter groups"):
+            _require(group, "post_backward", "post-backward")()
+    _require(state, "_root_post_backward_final_callback", "final backward callback")()

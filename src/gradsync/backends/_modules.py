@@ -7,7 +7,7 @@ compiles the blocks before ``fully_shard``; ddp compiles the wrapped model).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -117,3 +117,22 @@ def _recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
+
+
+def repoint(
+    optimizers: Sequence[torch.optim.Optimizer],
+    names: dict[int, str],
+    now: dict[str, nn.Parameter],
+    dropped: set[int],
+) -> None:
+    """Point each optimizer at the parameters a wrapper put in place of the ones it was given
+    (``names``: id of a given parameter -> its name; ``now``: name -> the new parameter);
+    those in ``dropped`` (another pipeline stage's) leave it, another model's stay as they
+    are."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [
+                now[names[id(p)]] if id(p) in names else p
+                for p in group["params"]
+                if id(p) in names or id(p) not in dropped
+            ]

@@ -160,29 +160,34 @@ def apply(model: nn.Module, plan: Any, tp_mesh: DeviceMesh) -> None:
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    stages: Any = None,
 ) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` over DTensor gradients that live on several meshes (a
     split layer's on (dp_shard, tp), a layer left out of the plan on dp_shard alone), which
     torch's cannot stack: the norm of each mesh's gradients (made plain with
-    ``full_tensor()``), combined into the global norm; every gradient is scaled in place on
-    its local shard. Returns the global norm (a plain tensor, equal on every rank)."""
+    ``full_tensor()``), combined into the global norm; with ``stages`` (a pipeline's group)
+    the norms of every stage's gradients are combined too. Every gradient is scaled in place
+    on its local shard. Returns the global norm (a plain tensor, equal on every rank)."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
     by_mesh: dict[Any, list[torch.Tensor]] = {}
     for g in grads:
         by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    norms = []
+    norms = [torch.zeros((), dtype=torch.float32)]
     for group in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    stacked = torch.stack([n.to(norms[0].device, torch.float32) for n in norms])
-    total = (
-        stacked.max()
-        if math.isinf(norm_type)
-        else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
-    )
+    device = norms[-1].device
+    stacked = torch.stack([n.to(device, torch.float32) for n in norms])
+    infinite = math.isinf(norm_type)
+    total = stacked.max() if infinite else stacked.pow(norm_type).sum()
+    if stages is not None:
+        op = torch.distributed.ReduceOp.MAX if infinite else torch.distributed.ReduceOp.SUM
+        torch.distributed.all_reduce(total, op=op, group=stages)
+    if not infinite:
+        total = total.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g

@@ -14,7 +14,9 @@ does not fit the budget.
 On an N-D mesh (``parallelism``: dp_replicate x dp_shard x tp) the model is first split over
 the "tp" dim by ``tp_plan`` (``parallelize_module``), then sharded by FSDP2 over the
 data-parallel dims, as above: only their reduce-scatter and all-reduce wait for the
-boundary; tensor parallel's collectives are the forward and backward themselves.
+boundary; tensor parallel's collectives are the forward and backward themselves. With a
+"pp" dim the model is first cut into pipeline stages (``_pipeline``), each rank keeping its own
+stage, and each stage is split and sharded as above over its pipeline coordinate's ranks.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from gradsync.backends import (
     _fsdp_compat,
     _group,
     _modules,
+    _pipeline,
     _save_pretrained,
     _tensor_parallel,
 )
@@ -109,6 +112,7 @@ class FSDPBackend(AdapterDefaults):
         self._world_mesh: DeviceMesh | None = None
         self._tp_plan: Any = None
         self._data: dist.DataParallel | None = None
+        self._pp: _pipeline.Settings | None = None  # pp > 1: the pipeline's settings
         self._canary = _fsdp_canary.Canary()  # on a torch newer than the tested range
 
     def setup(self, config: Config) -> None:
@@ -206,6 +210,7 @@ class FSDPBackend(AdapterDefaults):
                 f"{dims.text()!r} has tp=1; give tp > 1, or drop tp_plan"
             )
         self._tp_plan = config.tp_plan
+        self._pp = _pipeline.Settings.of(config, dims)
         return dims
 
     def _build_nd_mesh(self, dims: nd_mesh.Parallelism) -> DeviceMesh:
@@ -215,15 +220,12 @@ class FSDPBackend(AdapterDefaults):
         world_mesh = nd_mesh.build(dims, self._device.type)
         self._world_mesh = world_mesh
         audit.label_group(world_mesh.get_group("tp"), "tp")
-        if dims.tp > 1:  # the R x S ranks of each tp coordinate (every rank makes every group)
-            groups = [
-                torch.distributed.new_group(list(range(t, dims.data_parallel * dims.tp, dims.tp)))
-                for t in range(dims.tp)
-            ]
-            me = dist.rank()
-            group = groups[me % dims.tp]
+        if self._pp is not None:  # the pipeline's group, labelled for the audit
+            self._pp.bind(world_mesh)
+        if dims.tp > 1 or dims.pp > 1:  # the R x S ranks of this (pp, tp) coordinate
+            data_rank, group = nd_mesh.data_group(dims, dist.rank())
             audit.label_group(group, "dp")
-            self._data = dist.DataParallel(me // dims.tp, dims.data_parallel, group)
+            self._data = dist.DataParallel(data_rank, dims.data_parallel, group)
         if dims.dp_replicate == 1:
             shard_mesh = world_mesh["dp_shard"]
             audit.label_group(shard_mesh.get_group(), "shard")
@@ -304,20 +306,21 @@ class FSDPBackend(AdapterDefaults):
                     "parameters; backend='fsdp' re-points the optimizer at the sharded parameters, "
                     "which would orphan that state: prepare before the first optimizer step"
                 )
-        split = None  # the tensor-parallel plan for this model
+        split = None  # the tensor-parallel plan for this model (with pp: the whole model)
         if self._tp_plan is not None and not isinstance(model, FSDPModule | FSDP1):
             assert self._dims is not None
             split = _tensor_parallel.resolve(model, self._tp_plan)
             _tensor_parallel.check(model, split, self._dims.tp)
+        if self._pp is not None and not isinstance(model, FSDPModule | FSDP1):
+            given = model = self._pp.stage(model, plan, self._device)
+            split = _pipeline.stage_plan(model, split)
         if not isinstance(model, FSDPModule | FSDP1):
             names = {id(p): n for n, p in model.named_parameters()}
             self._shard(model, compile_units=given is model, plan=split)
-            sharded = dict(model.named_parameters())
-            for optimizer in optimizers:  # another model's parameters stay as they are
-                for group in optimizer.param_groups:
-                    group["params"] = [
-                        sharded[names[id(p)]] if id(p) in names else p for p in group["params"]
-                    ]
+            dropped = self._pp.dropped if self._pp is not None else set()  # another stage's
+            _modules.repoint(optimizers, names, dict(model.named_parameters()), dropped)
+            if self._pp is not None:
+                self._pp.start(model, self._device)
         else:
             hooked = ("comm_hook",) if self._reduce is not None else ()
             _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile, hooked)
@@ -331,7 +334,7 @@ class FSDPBackend(AdapterDefaults):
 
     def _shard(self, model: nn.Module, *, compile_units: bool, plan: Any = None) -> None:
         assert self._mesh is not None, "setup() first"
-        if not any(p.is_meta for p in model.parameters()):
+        if self._pp is None and not any(p.is_meta for p in model.parameters()):
             # Every rank shards its own copy: start them all from rank 0's weights.
             model.to(self._device)
             _group.broadcast_from_rank0(model)
@@ -365,7 +368,8 @@ class FSDPBackend(AdapterDefaults):
         full = deferral_cost(model, shards, grad_bytes=grad_bytes, keep_params=True)
         partial = partial_cost(model, shards, grad_bytes=grad_bytes) if replicas > 1 else 0
         budget = agreed_budget(*self._budget, self._device) if self._asked == "auto" else None
-        keep = False if isinstance(model, FSDP1) else self._keep_option  # FSDP1: no_sync only
+        # FSDP1: no_sync only; a pipeline stage reshards after each schedule step's backward
+        keep = False if isinstance(model, FSDP1) or self._pp else self._keep_option
         self.policy, self.keep, extra, self.policy_reason = decide(
             self._asked,
             keep,
@@ -468,8 +472,9 @@ class FSDPBackend(AdapterDefaults):
         if isinstance(model, FSDP1):
             return model.clip_grad_norm_(max_norm, norm_type).detach()
         params = list(parameters)
-        if self._dims is not None and self._dims.tp > 1:  # gradients on several meshes
-            return _tensor_parallel.clip_grad_norm_(params, max_norm, norm_type).detach()
+        stages = self._pp.group if self._pp is not None else None  # every stage's gradients
+        if stages is not None or (self._dims is not None and self._dims.tp > 1):  # several meshes
+            return _tensor_parallel.clip_grad_norm_(params, max_norm, norm_type, stages).detach()
         # Over DTensor gradients the norm is a DTensor of the global norm; make it plain.
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()

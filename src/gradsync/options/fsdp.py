@@ -11,6 +11,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from gradsync import mesh
 from gradsync._declaration import ModuleSelector, check_bytes, setting
 from gradsync.errors import ConfigError
+from gradsync.options.pipeline import PPSplit, check_schedule, check_split
 
 #: The policy that needs a 2-D mesh: reduce-scatter every micro-step, all-reduce across the
 #: replicas once per window.
@@ -113,7 +114,8 @@ class ParallelismConfigLike(Protocol):
     def tp_size(self) -> int: ...
 
 
-#: ``parallelism``: dim -> size ({"dp_replicate": R, "dp_shard": S, "tp": T}, one may be -1),
+#: ``parallelism``: dim -> size ({"pp": P, "dp_replicate": R, "dp_shard": S, "tp": T}, one may
+#: be -1),
 #: text ("dp_shard=2,tp=2" or JSON), or Accelerate's ``ParallelismConfig``.
 ParallelismSpec = Mapping[str, int] | str | ParallelismConfigLike
 #: ``tp_plan``: module-name pattern -> style (a word of ``TP_STYLES`` or a torch
@@ -141,6 +143,12 @@ def _check_parallelism(name: str, value: Any, config: Any) -> dict[str, int]:
     """The N-D mesh's form, kept as dim -> size (its product against the world is checked at
     setup, before any collective)."""
     dims = mesh.parse(value, name)
+    if config.backend != "fsdp" and dims.pp != 1:
+        raise ConfigError(
+            f"{name}={dims.text()!r} asks for pipeline parallelism (pp={dims.pp}), whose stages "
+            f"run on FSDP2, and backend={config.backend!r} cannot pipeline (DeepSpeed's own "
+            "pipeline engine is not supported); use backend='fsdp', or drop pp"
+        )
     if config.backend != "fsdp":
         what = f"tensor parallelism (tp={dims.tp})" if dims.tp != 1 else "an N-D mesh"
         raise ConfigError(
@@ -297,9 +305,9 @@ class FSDPOptions:
     parallelism: ParallelismSpec | None = field(
         default=None,
         metadata=setting(
-            "the N-D mesh: {'dp_replicate': R, 'dp_shard': S, 'tp': T} (one may be -1; R x S x T "
-            "= the world), Accelerate's ParallelismConfig, or text 'dp_shard=2,tp=2'; the data "
-            "parallel ranks are R x S",
+            "the N-D mesh: {'pp': P, 'dp_replicate': R, 'dp_shard': S, 'tp': T} (one may be -1; "
+            "P x R x S x T = the world), Accelerate's ParallelismConfig (which has no pp), or "
+            "text 'pp=2,dp_shard=2'; the data parallel ranks are R x S",
             backend="fsdp",
             flag=True,
             check=_check_parallelism,
@@ -315,6 +323,34 @@ class FSDPOptions:
             backend="fsdp",
             check=_check_tp_plan,
             parse=_tp_plan_from_text,
+        ),
+    )
+    pp_split: PPSplit | None = field(
+        default=None,
+        metadata=setting(
+            "where the pipeline splits the model: the module paths where each stage after the "
+            "first begins (e.g. ['4'] or ['blocks.2']), or a callable (model, num_stages) -> "
+            "the stage modules; needs parallelism with pp > 1",
+            backend="fsdp",
+            check=check_split,
+        ),
+    )
+    pp_schedule: str = field(
+        default="1F1B",
+        metadata=setting(
+            "the pipeline schedule of one micro-step: 'GPipe' (every forward, then every "
+            "backward) or '1F1B' (one forward, one backward: fewer activations held)",
+            backend="fsdp",
+            check=check_schedule,
+        ),
+    )
+    pp_microbatches: int | None = field(
+        default=None,
+        metadata=setting(
+            "the pipeline's micro-batches per micro-step (they divide the micro-batch); None: "
+            "one per stage",
+            backend="fsdp",
+            minimum=1,
         ),
     )
     fsdp_memory_budget: int | None = field(

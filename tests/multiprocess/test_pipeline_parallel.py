@@ -1,0 +1,168 @@
+"""Pipeline parallelism composed with accumulation on a real 2-rank gloo group: pp=2 (one
+stage per rank) with the GPipe and 1F1B schedules, k = 1 and 4 (the last window partial),
+under every_step and defer, each against one process on the same global windows; clipping
+with the global norm across stages; the pipeline's sends and receives audited on their own
+line; misuse and bad settings as one line each.
+
+Every scenario runs in the 2-rank group shared with the other 2-rank modules.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import Scenario, Shared
+from harness.checks import assert_pipeline_matches_one_process
+from scenarios import pp
+
+SAMPLES = 28  # 7 micro-batches of 4: windows of 4 and a partial 3 with k = 4
+MICRO = 4
+SCHEDULES = ("GPipe", "1F1B")
+POLICIES = ("every_step", "defer")
+CLIP = 0.1
+
+
+def _train(schedule: str, k: int, policy: str, microbatches: int = 2, **kw) -> Scenario:
+    return Scenario(
+        pp.train_pp,
+        dims={"pp": 2},
+        steps=k,
+        policy=policy,
+        schedule=schedule,
+        microbatches=microbatches,
+        samples=SAMPLES,
+        micro_batch=MICRO,
+        **kw,
+    )
+
+
+SCENARIOS = {
+    **{f"pp2_{s}_k{k}_{p}": _train(s, k, p) for s in SCHEDULES for k in (1, 4) for p in POLICIES},
+    "pp2_1F1B_k4_defer_m4": _train("1F1B", 4, "defer", microbatches=4),
+    "pp2_clip": _train("1F1B", 4, "defer", clip=CLIP),
+    **{f"pp2_tokens_{s}": _train(s, 4, "defer", tokens=True) for s in SCHEDULES},
+    **{
+        f"no_pipeline_{b}": Scenario(
+            pp.train_pp,
+            dims={},
+            steps=4,
+            policy="defer",
+            schedule="1F1B",
+            microbatches=2,
+            samples=SAMPLES * 2,
+            micro_batch=MICRO,
+            backend=b,
+        )
+        for b in ("ddp", "fsdp")
+    },
+    "misuse": Scenario(pp.misuse),
+    "no_module": Scenario(pp.refused, split=["9"]),
+    "not_in_order": Scenario(pp.refused, split=["0"]),
+    "no_params": Scenario(pp.refused, split=["1"], bare_tail=True),
+    "two_cuts": Scenario(pp.refused, split=["2", "4"]),
+    "m_not_dividing": Scenario(pp.refused, pp_microbatches=3, micro_batch=4),
+    "no_split": Scenario(pp.refused, split=None),
+    "interleaved": Scenario(pp.refused, pp_schedule="Interleaved1F1B"),
+    "deepspeed": Scenario(pp.refused, backend="deepspeed"),
+    "fairscale": Scenario(pp.refused, backend="fairscale"),
+    "ddp": Scenario(pp.refused, backend="ddp"),
+    "world_label": Scenario(pp.world_label),  # after every pipeline above
+}
+TRAINED = [n for n in SCENARIOS if n.startswith("pp2_") and n != "pp2_clip" and "tokens" not in n]
+
+SHARED = Shared("gloo2", SCENARIOS)
+
+
+@pytest.fixture(scope="module")
+def results(shared):
+    return shared(SHARED)
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_equivalence_with_one_process(results, name):
+    ranks = results[name]
+    assert sorted(r["stage"] for r in ranks) == [0, 1]
+    ref = assert_pipeline_matches_one_process(ranks, samples=SAMPLES)
+    k = SCENARIOS[name].params["steps"]
+    assert len(ranks[0]["windows"]) == (7 if k == 1 else 2)
+    # the last stage's loss of each window's first micro-step is the one process's
+    last = next(r for r in ranks if r["stage"] == 1)
+    firsts = [
+        last["losses"][sum(len(w) for w in last["windows"][:i])]
+        for i in range(len(ref["first_losses"]))
+    ]
+    assert max(abs(a - b) for a, b in zip(firsts, ref["first_losses"], strict=True)) < 1e-5
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_token_weighted_loss_equals_one_process(results, schedule):
+    ranks = results[f"pp2_tokens_{schedule}"]
+    ref = assert_pipeline_matches_one_process(ranks, samples=SAMPLES, tokens=True)
+    last = next(r for r in ranks if r["stage"] == 1)
+    assert abs(last["losses"][0] - ref["first_losses"][0]) < 1e-5  # the micro-batch's sum
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_the_same_loop_without_a_pipeline_equals_one_process(results, backend):
+    ranks = results[f"no_pipeline_{backend}"]  # two data-parallel ranks, the whole model each
+    assert [r["data_rank"] for r in ranks] == [0, 1]
+    assert len(ranks[0]["windows"]) == 2  # windows of 4 and 3 micro-steps
+    assert_pipeline_matches_one_process(ranks, samples=SAMPLES * 2)
+
+
+def test_each_stage_optimizes_only_its_own_parameters(results):
+    counts = {r["stage"]: r["opt_params"] for r in results["pp2_1F1B_k4_defer"]}
+    assert counts == {0: 4, 1: 4}  # two Linear layers (weight, bias) on each stage
+
+
+def test_clipping_uses_the_global_norm_across_stages(results):
+    ranks = results["pp2_clip"]
+    ref = assert_pipeline_matches_one_process(ranks, samples=SAMPLES, clip=CLIP)
+    assert any(n > CLIP for n in ref["norms"]), "the test must actually clip"
+    for r in ranks:
+        assert max(abs(a - b) for a, b in zip(r["norms"], ref["norms"], strict=True)) < 1e-5
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_pipeline_traffic_is_audited_on_its_own_line(results, policy):
+    for r in results[f"pp2_1F1B_k4_{policy}"]:
+        for rec in r["audit"]:
+            pipe = rec["groups"]["pp"]
+            assert pipe["ops"].get("send", 0) > 0 and pipe["ops"].get("recv", 0) > 0
+            assert rec["reductions"] == 0 or rec["boundary"] or policy == "every_step"
+        assert all(" pp [" in s for s in r["summaries"]), r["summaries"]
+
+
+def test_misuse_is_one_line_naming_pipeline_step(results):
+    for r in results["misuse"]:
+        assert r["forward"].startswith("UsageError") and "accel.pipeline_step(" in r["forward"]
+        assert "\n" not in r["forward"]
+        assert r["outside"].startswith("UsageError") and "accumulate" in r["outside"]
+        assert (
+            r["indivisible"].startswith("ConfigError") and "pp_microbatches=2" in r["indivisible"]
+        )
+
+
+REFUSALS = {
+    "no_module": "'9' names no module",
+    "not_in_order": "leaves stage 0 empty",
+    "no_params": "leaves stage 1 without trainable parameters",
+    "two_cuts": "names 2 module(s), and pp=2 needs 1",
+    "m_not_dividing": "pp_microbatches=3 does not divide micro_batch_size=4",
+    "no_split": "no pp_split says where the stages begin",
+    "interleaved": "Interleaved1F1B, several stages per rank, is not supported yet",
+    "deepspeed": "backend='deepspeed' cannot pipeline",
+    "fairscale": "backend='fairscale' cannot pipeline",
+    "ddp": "backend='ddp' cannot pipeline",
+}
+
+
+@pytest.mark.parametrize("name", REFUSALS)
+def test_bad_settings_are_one_config_error_line(results, name):
+    for r in results[name]:
+        assert r["error"] is not None and REFUSALS[name] in r["error"], r["error"]
+        assert "\n" not in r["error"]
+
+
+def test_a_pipeline_over_the_whole_world_leaves_the_world_groups_label(results):
+    assert [r["label"] for r in results["world_label"]] == ["world", "world"]

@@ -1,0 +1,170 @@
+"""Pipeline parallelism x FSDP2 on a real 4-rank gloo group: pp=2 x dp_shard=2 (each stage
+sharded over the two data-parallel ranks of its pipeline coordinate), GPipe and 1F1B, k = 1
+and 4, under defer and every_step, each against one process on the same global windows; the
+data-parallel ranks read distinct micro-batches and both stages of a pipeline the same ones;
+under defer no gradient byte moves between data-parallel ranks off the boundary. Checkpoints:
+a mid-window save resumes bitwise, and a boundary save loads into the whole model in one
+process (a second, 1-rank launch), which trains on as the pipeline did.
+
+Every scenario runs in the 4-rank group shared with the other 4-rank modules.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from harness import Scenario, Shared, run_scenarios
+from harness.checks import assert_pipeline_matches_one_process, max_diff
+from scenarios import pp
+
+SAMPLES = 56  # 7 micro-batches of 4 per data-parallel rank: windows of 4 and a partial 3
+DIMS = {"pp": 2, "dp_shard": 2}
+REPLICATE = {"pp": 2, "dp_replicate": 2}
+CLIP = 0.1
+FOLDER = Path(tempfile.mkdtemp(prefix="gradsync-pp-"))
+
+
+def _train(schedule: str, k: int, policy: str, dims=DIMS, **kw) -> Scenario:
+    return Scenario(
+        pp.train_pp,
+        dims=dims,
+        steps=k,
+        policy=policy,
+        schedule=schedule,
+        microbatches=2,
+        samples=SAMPLES,
+        micro_batch=4,
+        **kw,
+    )
+
+
+SCENARIOS = {
+    **{
+        f"pp2s2_{s}_k{k}_{p}": _train(s, k, p)
+        for s in ("GPipe", "1F1B")
+        for k in (1, 4)
+        for p in ("every_step", "defer")
+    },
+    "pp2s2_clip": _train("1F1B", 4, "defer", clip=CLIP),
+    "pp2s2_tokens": _train("1F1B", 4, "defer", tokens=True),
+    **{f"pp2s2_drop_{p}": _train("1F1B", 4, p, raise_at=(1, 1)) for p in ("defer", "every_step")},
+    "pp2s2_auto_fits": _train("1F1B", 4, "auto", budget=10**9),
+    "pp2s2_auto_small": _train("1F1B", 4, "auto", budget=100),
+    **{
+        f"pp2r2_1F1B_k4_{p}": _train("1F1B", 4, p, dims=REPLICATE)
+        for p in ("defer", "defer_replicate")
+    },
+    **{
+        f"resume_{p}": Scenario(
+            pp.resume_mid_window, dims=DIMS, policy=p, folder=str(FOLDER / f"mid-{p}")
+        )
+        for p in ("defer", "every_step")
+    },
+    "save": Scenario(pp.save_at_boundary, dims=DIMS, folder=str(FOLDER / "boundary")),
+}
+TRAINED = [n for n in SCENARIOS if n.startswith("pp2") and n not in ("pp2s2_clip", "pp2s2_tokens")]
+
+SHARED = Shared("gloo4", SCENARIOS, nproc=4)
+
+
+@pytest.fixture(scope="module")
+def results(shared):
+    return shared(SHARED)
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_equivalence_with_one_process(results, name):
+    assert_pipeline_matches_one_process(results[name], samples=SAMPLES)
+
+
+def test_a_token_weighted_loss_over_the_data_ranks_equals_one_process(results):
+    assert_pipeline_matches_one_process(results["pp2s2_tokens"], samples=SAMPLES, tokens=True)
+
+
+def test_the_mesh_puts_the_pipeline_outermost(results):
+    ranks = results["pp2s2_1F1B_k4_defer"]
+    assert [(r["stage"], r["data_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["data_size"] == 2 for r in ranks)
+
+
+def test_data_ranks_read_distinct_batches_and_a_pipeline_the_same(results):
+    ranks = results["pp2s2_1F1B_k4_defer"]
+    for d in (0, 1):
+        stages = [r["windows"] for r in ranks if r["data_rank"] == d]
+        assert len(stages) == 2 and stages[0] == stages[1]
+    seen = [i for r in ranks if r["stage"] == 0 for w in r["windows"] for mb in w for i in mb]
+    assert sorted(seen) == list(range(SAMPLES))
+    assert ranks[0]["windows"] != ranks[1]["windows"]
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_no_gradient_bytes_between_data_ranks_off_the_boundary(results, schedule):
+    for r in results[f"pp2s2_{schedule}_k4_defer"]:
+        records = r["audit"]
+        assert sum(not rec["boundary"] for rec in records) == 3 + 2  # windows of 4 and 3
+        for rec in records:
+            shard = rec["groups"].get("shard", {})
+            assert rec["groups"]["pp"]["bytes"] > 0  # activations every micro-step
+            if rec["boundary"]:
+                assert rec["reductions"] >= 1 and rec["reduction_bytes"] > 0, rec
+                assert shard["reduction_bytes"] > 0
+            else:
+                assert rec["reductions"] == 0 and rec["reduction_bytes"] == 0, rec
+                assert shard.get("reduction_bytes", 0) == 0
+        assert all(" pp [" in s for s in r["summaries"]), r["summaries"]
+
+
+def test_every_step_reduces_after_every_schedule_step(results):
+    for r in results["pp2s2_1F1B_k4_every_step"]:
+        assert all(rec["reduction_bytes"] > 0 for rec in r["audit"])
+
+
+def test_clipping_uses_the_global_norm_across_stages_and_shards(results):
+    ranks = results["pp2s2_clip"]
+    ref = assert_pipeline_matches_one_process(ranks, samples=SAMPLES, clip=CLIP)
+    assert any(n > CLIP for n in ref["norms"]), "the test must actually clip"
+    for r in ranks:
+        assert max(abs(a - b) for a, b in zip(r["norms"], ref["norms"], strict=True)) < 1e-5
+
+
+def test_auto_weighs_each_stages_gradients_against_the_budget(results):
+    assert {r["policy"] for r in results["pp2s2_auto_fits"]} == {"defer"}
+    assert {r["policy"] for r in results["pp2s2_auto_small"]} == {"every_step"}
+
+
+def test_replicas_all_reduce_once_per_window(results):
+    for policy in ("defer", "defer_replicate"):
+        for r in results[f"pp2r2_1F1B_k4_{policy}"]:
+            for rec in r["audit"]:
+                across = rec["groups"].get("replicate", {}).get("reduction_bytes", 0)
+                assert (across > 0) == rec["boundary"], (policy, rec)
+
+
+@pytest.mark.parametrize("policy", ["defer", "every_step"])
+def test_a_mid_window_save_resumes_bitwise(results, policy):
+    for r in results[f"resume_{policy}"]:
+        assert r["steps"] == [2, 2]
+        assert max_diff(r["went_on"], r["resumed"]) == 0.0
+
+
+def test_a_pipeline_checkpoint_loads_into_the_whole_model_in_one_process(results):
+    ranks = results["save"]  # saved (raises with the worker's error otherwise)
+    load = {"load": Scenario(pp.load_whole, folder=str(FOLDER / "boundary"), data_size=2)}
+    one = run_scenarios(load, nproc=1)["load"][0]
+    assert one["steps"] == 4 and sorted(one["state"]) == sorted(
+        {k for r in ranks for k in r["state"]}
+    )
+    for r in ranks:  # the momentum came back too: the next two windows agree
+        assert r["steps"] == 4
+        assert max_diff(r["state"], {k: one["state"][k] for k in r["state"]}) < 1e-5
+
+
+@pytest.mark.parametrize("policy", ["defer", "every_step"])
+def test_a_dropped_window_leaks_nothing(results, policy):
+    ranks = results[f"pp2s2_drop_{policy}"]
+    for r in ranks:
+        assert [len(w) for w in r["dropped"]] == [2]
+    assert_pipeline_matches_one_process(ranks, samples=SAMPLES)

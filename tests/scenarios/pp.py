@@ -1,0 +1,263 @@
+"""Pipeline parallelism (``parallelism={"pp": 2, ...}``) composed with accumulation, run by
+mp_worker.py in one audited gloo group (2 ranks: pp 2; 4 ranks: pp 2 x dp_shard 2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from gradsync import Accelerator, ConfigError
+
+from scenarios.common import FEATURES, Dropped, Indexed, to_lists
+
+#: Where the second stage begins: Linear-Tanh-Linear-Tanh | Linear-Tanh-Linear.
+SPLIT = ["4"]
+#: Every Linear split over tp, a colwise-rowwise pair in each stage (the activations sent
+#: between the stages are whole).
+TP_PLAN = {"0": "colwise", "2": "rowwise", "4": "colwise", "6": "rowwise"}
+WIDTH = 16
+
+
+def make_seq(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(FEATURES, WIDTH),
+        nn.Tanh(),
+        nn.Linear(WIDTH, WIDTH),
+        nn.Tanh(),
+        nn.Linear(WIDTH, WIDTH),
+        nn.Tanh(),
+        nn.Linear(WIDTH, 1),
+    )
+
+
+def positive_targets(batch: Any) -> int:
+    """The items of a batch: its samples with a positive target (a stand-in for tokens)."""
+    return int((batch[1] > 0).sum())
+
+
+def masked_sse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The summed squared error over the samples with a positive target."""
+    return ((out - y).pow(2) * (y > 0)).sum()
+
+
+def _accel(dims: dict[str, int], steps: int, policy: str, **options: Any) -> Accelerator:
+    """An Accelerator for ``dims`` (with a pipeline: cut at ``SPLIT`` unless ``split`` says
+    otherwise); no dims: the same loop without a pipeline."""
+    backend = options.pop("backend", "fsdp")
+    if dims:
+        options = {"parallelism": dims, "pp_split": options.pop("split", SPLIT), **options}
+    return Accelerator(
+        backend=backend,
+        gradient_accumulation_steps=steps,
+        sync_policy=policy,
+        seed=0,
+        audit=True,
+        **options,
+    )
+
+
+def train_pp(
+    *,
+    dims: dict[str, int],
+    steps: int,
+    policy: str,
+    schedule: str,
+    microbatches: int,
+    samples: int,
+    micro_batch: int,
+    clip: float | None = None,
+    budget: int | None = None,
+    tokens: bool = False,
+    tp_plan: dict[str, str] | None = None,
+    raise_at: tuple[int, int] | None = None,
+    backend: str = "fsdp",
+) -> dict[str, Any]:
+    """The loop a user writes: one pipeline_step per micro-step inside accumulate (with
+    ``tokens``, a summed loss over the window's counted items)."""
+    options: dict[str, Any] = {"backend": backend}
+    if dims:
+        options.update(pp_schedule=schedule, pp_microbatches=microbatches)
+    if budget is not None:
+        options["sync_memory_budget"] = budget
+    if tokens:
+        options["count_items"] = positive_targets
+    if tp_plan:
+        options["tp_plan"] = tp_plan
+    accel = _accel(dims, steps, policy, **options)
+    loss_fn, reduction = (masked_sse, "sum") if tokens else (F.mse_loss, "mean")
+    model = make_seq()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = DataLoader(Indexed(samples), batch_size=micro_batch)
+    model, opt, loader = accel.prepare(model, opt, loader)
+    windows: list[list[list[int]]] = []
+    current: list[list[int]] = []
+    losses: list[float | None] = []
+    norms: list[float] = []
+    dropped: list[list[list[int]]] = []
+    window_losses: list[float] = []
+    for x, y, idx in loader:
+        try:
+            with accel.accumulate(model):
+                loss = accel.pipeline_step(model, x, y, loss_fn, reduction)
+                losses.append(None if loss is None else float(loss))
+                current.append(idx.tolist())
+                if raise_at == (len(windows), len(current) - 1):
+                    raise Dropped  # on every rank: the window is dropped
+                if clip is not None and accel.sync_gradients:
+                    norms.append(float(accel.clip_grad_norm_(model.parameters(), clip)))
+                opt.step()
+                opt.zero_grad()
+        except Dropped:
+            opt.step()  # a stray step after the error must apply nothing
+            dropped.append(current)
+            current = []
+            continue
+        if accel.sync_gradients:
+            windows.append(current)
+            window_losses.append(accel.window_loss)
+            current = []
+    backend = accel._backend  # type: ignore[attr-defined]
+    mesh = accel.mesh
+    assert accel.audit is not None
+    return {
+        "windows": windows,
+        "dropped": dropped,
+        "window_losses": window_losses,
+        "losses": losses,
+        "norms": norms,
+        "optimizer_steps": accel.optimizer_steps,
+        "state": to_lists(accel.get_state_dict(model)),
+        "stage": mesh.get_local_rank("pp") if dims else 0,
+        "data_rank": backend.data_parallel.rank,
+        "data_size": backend.data_parallel.size,
+        "policy": accel.sync_policy,
+        "audit": [r.to_dict() for r in accel.audit.records],
+        "summaries": [accel.audit.summary(w) for w in accel.audit.windows()],
+        "opt_params": sum(len(g["params"]) for g in opt.param_groups),
+    }
+
+
+def misuse() -> dict[str, Any]:
+    """A plain forward on a stage, and pipeline_step outside accumulate: one line each."""
+    accel = _accel({"pp": 2}, 2, "defer", pp_microbatches=2)
+    model = accel.prepare(make_seq())
+    out: dict[str, Any] = {}
+    try:
+        model(torch.zeros(4, FEATURES))
+    except Exception as e:
+        out["forward"] = f"{type(e).__name__}: {e}"
+    try:
+        accel.pipeline_step(model, torch.zeros(4, FEATURES), torch.zeros(4, 1), F.mse_loss)
+    except Exception as e:
+        out["outside"] = f"{type(e).__name__}: {e}"
+    with accel.accumulate(model):
+        try:
+            accel.pipeline_step(model, torch.zeros(3, FEATURES), torch.zeros(3, 1), F.mse_loss)
+        except Exception as e:
+            out["indivisible"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def refused(**options: Any) -> dict[str, Any]:
+    """What prepare (or the Accelerator) says to a bad pipeline setting: one ConfigError line,
+    before any collective."""
+    dims = options.pop("dims", {"pp": 2})
+    micro_batch = options.pop("micro_batch", 4)
+    bare_tail = options.pop("bare_tail", False)
+    try:
+        accel = _accel(dims, 2, "defer", **options)
+        model = nn.Sequential(nn.Linear(FEATURES, 1), nn.Tanh()) if bare_tail else make_seq()
+        accel.prepare(model, DataLoader(Indexed(16), batch_size=micro_batch))
+    except ConfigError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+def _prepared(dims: dict[str, int] | None, policy: str) -> tuple[Accelerator, Any, Any]:
+    if dims is None:  # the whole model in one process
+        accel = Accelerator(backend="fsdp", gradient_accumulation_steps=4, seed=0)
+    else:
+        accel = _accel(dims, 4, policy, pp_microbatches=2)
+    raw = make_seq()
+    model, opt = accel.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.05, momentum=0.9))
+    return accel, model, opt
+
+
+def _batches(accel: Accelerator, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` micro-batches of 4 for this rank's data-parallel position (each its own)."""
+    data = accel._backend.data_parallel  # type: ignore[attr-defined]
+    x, y = _data(n, data.size)
+    return [(x[i, data.rank], y[i, data.rank]) for i in range(n)]
+
+
+def _data(n: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, size, 4, FEATURES, generator=g)
+    return x, torch.randn(n, size, 4, 1, generator=g)
+
+
+def _step(accel: Accelerator, model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    with accel.accumulate(model):
+        accel.pipeline_step(model, x, y, F.mse_loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def resume_mid_window(*, dims: dict[str, int], policy: str, folder: str) -> dict[str, Any]:
+    """A window of 4 saved after 2 micro-steps, finished in the same run and in a fresh one
+    that loads the checkpoint: both end with the same parameters (bitwise)."""
+    accel, model, opt = _prepared(dims, policy)
+    data = _batches(accel, 8)
+    for x, y in data[:6]:
+        _step(accel, model, opt, x, y)
+    accel.save_state(folder)
+    for x, y in data[6:]:
+        _step(accel, model, opt, x, y)
+    seen: dict[str, Any] = {"went_on": to_lists(accel.get_state_dict(model))}
+    accel2, model2, opt2 = _prepared(dims, policy)
+    accel2.load_state(folder)
+    for x, y in data[6:]:
+        _step(accel2, model2, opt2, x, y)
+    seen["resumed"] = to_lists(accel2.get_state_dict(model2))
+    seen["steps"] = [accel.optimizer_steps, accel2.optimizer_steps]
+    return seen
+
+
+def save_at_boundary(*, dims: dict[str, int], folder: str) -> dict[str, Any]:
+    """Two windows, saved at the boundary (each stage its part), then two more."""
+    accel, model, opt = _prepared(dims, "defer")
+    data = _batches(accel, 16)
+    for x, y in data[:8]:
+        _step(accel, model, opt, x, y)
+    accel.save_state(folder)
+    for x, y in data[8:]:
+        _step(accel, model, opt, x, y)
+    return {"state": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps}
+
+
+def load_whole(*, folder: str, data_size: int) -> dict[str, Any]:
+    """That checkpoint loaded into the whole model in one process (parameters and the
+    optimizer's momentum), which then trains the same two windows on the global batches."""
+    accel, model, opt = _prepared(None, "defer")
+    accel.load_state(folder)
+    x, y = _data(16, data_size)
+    for i in range(8, 16):
+        with accel.accumulate(model):
+            accel.backward(F.mse_loss(model(x[i].flatten(0, 1)), y[i].flatten(0, 1)))
+            opt.step()
+            opt.zero_grad()
+    return {"state": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps}
+
+
+def world_label() -> dict[str, Any]:
+    """The world group's audit label, after pipelines spanning the world ran in this group."""
+    import torch.distributed as dist
+
+    group = dist.distributed_c10d._get_default_group()
+    return {"label": group.label() if hasattr(group, "label") else None}

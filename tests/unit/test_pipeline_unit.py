@@ -1,0 +1,158 @@
+"""Pipeline parallelism's settings and split, without a process group: the ``pp`` dim in every
+spelling of ``parallelism``, the split of an ``nn.Sequential`` into stages, and bad input as
+one ConfigError line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gradsync import ConfigError, mesh
+from gradsync.backends._pipeline import Cut, check_microbatches
+from gradsync.settings import Config
+
+
+def _seq() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 4),
+        nn.Tanh(),
+        nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)),
+        nn.Linear(4, 1),
+    )
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{"pp": 2, "dp_shard": 2}, "pp=2,dp_shard=2", '{"pp": 2, "dp_shard": 2}', "pp:2,dp_shard:-1"],
+)
+def test_pp_is_the_outermost_dim_in_every_spelling(value):
+    dims = mesh.parse(value).resolve(4)
+    assert dims == mesh.Parallelism(dp_shard=2, pp=2)
+    assert dims.shape == (2, 1, 2, 1) and dims.names == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert dims.data_parallel == 2 and dims.text() == "pp=2,dp_shard=2"
+
+
+def test_without_pp_the_mesh_is_as_before():
+    dims = mesh.parse({"dp_shard": 2, "tp": 2}).resolve(4)
+    assert dims.shape == (1, 2, 2) and "pp" not in dims.sizes
+
+
+def test_accelerates_parallelism_config_has_no_pp():
+    with pytest.raises(ConfigError, match="ParallelismConfig has no pipeline dim"):
+        mesh.parse({"parallelism_config_pp_size": 2})
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "fairscale", "ddp"])
+def test_pp_on_a_backend_that_cannot_pipeline(backend):
+    with pytest.raises(ConfigError, match=f"backend='{backend}' cannot pipeline") as info:
+        Config(backend=backend, parallelism={"pp": 2}).validate()
+    assert "\n" not in str(info.value)
+
+
+def test_the_schedule_and_split_forms():
+    config = Config(
+        backend="fsdp", parallelism="pp=2", pp_split="2.1", pp_schedule="gpipe"
+    ).validate()
+    assert config.pp_split == ["2.1"] and config.pp_schedule == "GPipe"
+    for bad, words in [
+        ({"pp_schedule": "Interleaved1F1B"}, "not supported yet"),
+        ({"pp_schedule": "zb"}, "is no schedule"),
+        ({"pp_split": []}, "is no split"),
+        ({"pp_split": ["1", "1"]}, "names a module twice"),
+        ({"pp_microbatches": 0}, "pp_microbatches"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            Config(backend="fsdp", parallelism="pp=2", **bad).validate()
+
+
+def test_a_split_keeps_one_stage_with_the_whole_models_names():
+    names = [n for n, _ in _seq().named_parameters()]
+    kept = [dict(Cut(_seq(), ["2.1"], 2).stage(s).named_parameters()) for s in (0, 1)]
+    assert sorted(kept[0]) == ["0.bias", "0.weight", "2.0.bias", "2.0.weight"]
+    assert sorted([*kept[0], *kept[1]]) == sorted(names)
+    x = torch.randn(3, 4)
+    assert torch.equal(
+        Cut(_seq(), ["2.1"], 2).stage(1)(Cut(_seq(), ["2.1"], 2).stage(0)(x)), _seq()(x)
+    )
+
+
+@pytest.mark.parametrize(
+    "split, words",
+    [
+        (["9"], "'9' names no module"),
+        (["0"], "leaves stage 0 empty"),
+        (["3", "2.1"], "leaves stage 1 empty"),
+        (["0.weight"], "names no module"),
+        (["2"], "names 1 module(s), and pp=3 needs 2"),
+    ],
+)
+def test_bad_splits(split, words):
+    stages = 3 if len(split) == 2 or words.startswith("names 1") else 2
+    with pytest.raises(ConfigError) as info:
+        Cut(_seq(), split, stages)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_split_inside_a_module_that_is_not_a_sequence():
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+
+    with pytest.raises(ConfigError, match="cuts an nn.Sequential"):
+        Cut(Wrapped(), ["inner.1"], 2)
+    with pytest.raises(ConfigError, match="lies inside a module that is not an nn.Sequential"):
+        Cut(nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2)])), ["1.0"], 2)
+
+
+def test_a_callable_split():
+    model = _seq()
+    assert Cut(model, lambda m, n: [m[0], m[3]], 2).stage(1) is model[3]
+    with pytest.raises(ConfigError, match="needs a list of 2 nn.Modules"):
+        Cut(model, lambda m, n: [m[0]], 2)
+    with pytest.raises(ConfigError, match="left stage 1 without trainable parameters"):
+        Cut(model, lambda m, n: [m[0], m[1]], 2)
+
+
+def test_microbatches_against_the_micro_batch():
+    check_microbatches(2, 4, 2)
+    check_microbatches(4, None, 2)
+    with pytest.raises(ConfigError, match="pp_microbatches=3 does not divide micro_batch_size=4"):
+        check_microbatches(3, 4, 2)
+    with pytest.raises(ConfigError, match="fewer than the pp=2 stages"):
+        check_microbatches(1, 4, 2)
+
+
+def test_the_environment_the_launcher_and_yaml_carry_pp(tmp_path):
+    from gradsync.cli import build_parser, launch_config
+    from gradsync.config import from_env, load_config
+
+    env = from_env(
+        {
+            "GRADSYNC_PARALLELISM": "pp=2,dp_shard=-1",
+            "GRADSYNC_PP_SPLIT": "4,blocks.2",
+            "GRADSYNC_PP_SCHEDULE": "gpipe",
+            "GRADSYNC_PP_MICROBATCHES": "4",
+        }
+    )
+    assert env["parallelism"]["pp"] == 2 and env["pp_split"] == ["4", "blocks.2"]
+    args = build_parser().parse_args(
+        ["launch", "--backend", "fsdp", "--parallelism", "pp=2,dp_shard=2", "x.py"]
+    )
+    assert launch_config(args).parallelism == {
+        "pp": 2,
+        "dp_replicate": 1,
+        "dp_shard": 2,
+        "tp": 1,
+        "cp": 1,
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "backend: fsdp\nparallelism: {pp: 2, dp_shard: 2}\npp_split: ['4']\n"
+        "pp_schedule: GPipe\npp_microbatches: 4\n"
+    )
+    config = load_config(config_file=path)
+    assert config.parallelism["pp"] == 2 and config.pp_split == ["4"]
+    assert (config.pp_schedule, config.pp_microbatches) == ("GPipe", 4)
