@@ -254,7 +254,7 @@ def chart(result: dict[str, Any], path: Path) -> None:
     labels = [f"{c['backend']} {c['policy']}\n{c['hook']}" for c in cells]
     colors = {"no": "0.6", "fp16": "tab:blue", "bf16": "tab:cyan"}
     color = [colors.get(c["hook"], "tab:orange") for c in cells]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8.4, 7.4), sharex=True)
     top.bar(range(len(cells)), [c["bytes_vs_deferred"] for c in cells], color=color)
     top.set_yscale("log")
     top.set_ylabel("bytes / optimizer step\n(x uncompressed deferred)")

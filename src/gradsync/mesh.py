@@ -83,6 +83,19 @@ class Parallelism:
         """dim -> size, in ``DIMS`` order (pp left out when it is 1: no pipeline)."""
         return {d: getattr(self, d) for d in DIMS if d != "pp" or self.pp != 1}
 
+    def oom_split_refusal(self) -> str | None:
+        """Why ``on_oom="split"`` cannot work on this mesh (None: it can): tensor
+        parallelism and the pipeline run collectives inside every forward and backward,
+        where a rank that ran out of memory would leave the others waiting."""
+        inside = [f"{d}={getattr(self, d)}" for d in ("tp", "pp") if getattr(self, d) > 1]
+        if not inside:
+            return None
+        return (
+            f"{' and '.join(inside)} run collectives inside every forward and backward, where "
+            "a rank that ran out of memory would leave the others waiting; use "
+            "on_oom='raise' with tp > 1 or pp > 1"
+        )
+
     @property
     def data_parallel(self) -> int:
         """R x S: the ranks that read distinct micro-batches (``DATA_PARALLEL_DIMS``)."""

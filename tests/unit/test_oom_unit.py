@@ -285,21 +285,34 @@ def test_a_world_that_cannot_keep_the_global_batch_names_those_that_can():
         BatchPlan.solve(data_parallel_size=3, global_batch_size=16, micro_batch_size=2)
 
 
-def test_tensor_parallel_is_refused_at_prepare(tmp_path, monkeypatch, clean_env):
-    """On a mesh with tp > 1 TP's own collectives run inside every forward: refused in one
-    line at prepare (a one-rank group; the refusal comes before any mesh is built)."""
+@pytest.mark.parametrize(
+    "dims, words",
+    [
+        ({"tp": 2}, "tp=2 run collectives"),
+        ({"pp": 2}, "pp=2 run collectives"),
+        ({"tp": 2, "pp": 2}, "tp=2 and pp=2 run collectives"),
+    ],
+)
+def test_tensor_parallel_and_pipelines_are_refused_at_prepare(
+    tmp_path, monkeypatch, clean_env, dims, words
+):
+    """On a mesh with tp > 1 or pp > 1 collectives run inside every forward and backward:
+    refused in one line at prepare (a one-rank group; the refusal comes before any mesh is
+    built)."""
     import torch.distributed as dist
 
     from gradsync.backends.fsdp import FSDPBackend
+    from gradsync.mesh import Parallelism
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     backend = FSDPBackend()
-    backend._dims = type("Dims", (), {"tp": 2})()  # as a (dp 1, tp 2) mesh resolves
-    assert "tensor parallel (tp=2)" in (backend.oom_split_refusal() or "")
+    backend._dims = Parallelism(**dims)  # as such a mesh resolves
+    assert words in (backend.oom_split_refusal() or "")
+    assert FSDPBackend().oom_split_refusal() is None
     from gradsync._batch_plan import BatchPlan
     from gradsync._oom import check_at_prepare
 
-    with pytest.raises(ConfigError, match=r"^on_oom='split' is not available: tensor parallel"):
+    with pytest.raises(ConfigError, match=rf"^on_oom='split' is not available: {words}"):
         check_at_prepare(BatchPlan(8, 2, 1), backend, True, None)
 
 

@@ -423,13 +423,7 @@ class FSDPBackend(AdapterDefaults):
         return [m for m in model.modules() if isinstance(m, FSDPModule | FSDP1)]
 
     def oom_split_refusal(self) -> str | None:
-        if self._dims is not None and self._dims.tp > 1:
-            return (
-                f"tensor parallel (tp={self._dims.tp}) runs collectives inside every forward "
-                "and backward, where a rank that ran out of memory would leave the others "
-                "waiting; use on_oom='raise' with tp > 1"
-            )
-        return None
+        return None if self._dims is None else self._dims.oom_split_refusal()
 
     def forward_gathers(self, module: nn.Module) -> bool:
         return isinstance(module, FSDP1) or _fsdp_compat.gathers_in_forward(module)
