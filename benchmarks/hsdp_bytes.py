@@ -12,14 +12,14 @@ steps run under the audit, and each step's collectives are summed per group from
 group, all-reduces in the replicate group (and how many of those ran off the boundary), with
 their payload bytes (the size of the tensor handed to the collective, what the audit records).
 Next to them: the communication estimate's bytes sent across nodes per rank for the same model
-and mesh (``gradsync._estimate.estimate_hybrid``; for a ring all-reduce on R = 2 replicas,
+and mesh (``gradsync._plan.estimate.estimate_hybrid``; for a ring all-reduce on R = 2 replicas,
 2(R-1)/R x payload = the payload).
 
 Then one more optimizer step per cell runs under ``peak_memory.PeakMemory``: the peak tensor
 memory above the window's start on each rank (on the CPU the live glibc heap sampled after
 every op; on a GPU ``max_memory_allocated``), beside what the FSDP adapter predicted for the
 policy it ran (``deferral_extra_bytes``, the number ``auto`` compares with its budget) and
-the estimate's (``gradsync._estimate.estimate_mesh``).
+the estimate's (``gradsync._plan.estimate.estimate_mesh``).
 
 The bytes and the memory are the claim. The step times are printed but are no claim: 4
 processes on 2 CPU cores over gloo time the scheduler more than the network.
@@ -284,7 +284,7 @@ def _mib(n: float) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    from gradsync._estimate import HybridCluster, estimate_hybrid
+    from gradsync._plan.estimate import HybridCluster, estimate_hybrid
 
     lines = [
         "| k | policy | shard: reduce-scatters / step | shard: reduce-scatter payload / step (MiB) "
@@ -380,7 +380,7 @@ def sent_per_rank(cell: dict[str, Any]) -> tuple[float, float]:
 def estimate_row(cell: dict[str, Any]) -> Any:
     """``estimate_mesh``'s row for the policy the cell ran, on its mesh, with the plan's
     tp_share and, on a TP mesh, the measured TP bytes per micro-step."""
-    from gradsync._estimate import MeshCluster, estimate_mesh
+    from gradsync._plan.estimate import MeshCluster, estimate_mesh
 
     (r, s, t), g = mesh_dims(cell), cell["grad_bytes"]
     micro = cell.get("micro_tp") or {}
@@ -412,7 +412,7 @@ def estimated_held(cell: dict[str, Any]) -> float:
     start: the gradients (G_T/S sharded, G_T unsharded, or the partial buffer G_T/S; G_T the
     bytes a rank of a TP group holds), and the gathered parameters where they are kept (the
     shard, P_T/S, is there at the start)."""
-    from gradsync._estimate import MeshCluster
+    from gradsync._plan.estimate import MeshCluster
 
     (_, s, t), g = mesh_dims(cell), cell["grad_bytes"]
     p_t = MeshCluster(g, g, tp=t, tp_share=cell.get("tp_share") or 1.0).per_tp_rank(g)

@@ -51,7 +51,7 @@ def worker(spec: dict[str, Any], out: Path) -> None:
     from bench_cells import Sizes, sgd
 
     from gradsync import Accelerator
-    from gradsync._window_loss import WindowLoss
+    from gradsync._core.window_loss import WindowLoss
 
     torch.set_num_threads(1)
     sizes = Sizes(**spec["sizes"])

@@ -12,7 +12,7 @@ Two pages hold a placeholder comment that is replaced when the site is built:
 * ``<!-- gradsync:version -->`` (docs/changelog.md): the release, ``gradsync.__version__``
   (also in the site's name, next to the logo);
 * ``<!-- gradsync:torch-range -->`` (docs/install.md, docs/changelog.md): the supported torch
-  range, from ``gradsync/_torch_range.py`` (the one declaration; loaded by its path);
+  range, from ``gradsync/_support/torch_range.py`` (the one declaration; loaded by its path);
 * ``<!-- gradsync:repo-url -->`` (docs/getting-started.md): the repository's address, mkdocs.yml's
   ``repo_url`` (the clone command);
 * ``<!-- gradsync:accelerator-members -->`` and ``<!-- gradsync:accelerator-summary -->``
@@ -125,9 +125,9 @@ def on_page_content(html: str, page: Any, **kwargs: Any) -> str:
 
 
 def torch_range() -> str:
-    """The supported torch range ("2.10 to 2.15"), from gradsync/_torch_range.py alone."""
+    """The supported torch range ("2.10 to 2.15"), from gradsync/_support/torch_range.py alone."""
     namespace: dict[str, Any] = {}
-    exec((SRC / "gradsync" / "_torch_range.py").read_text(), namespace)
+    exec((SRC / "gradsync" / "_support" / "torch_range.py").read_text(), namespace)
     return str(namespace["supported"]())
 
 

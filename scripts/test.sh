@@ -43,7 +43,7 @@ if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: the suite is broken" >&2
   exit 1
 fi
-# Both ends of the supported torch range (src/gradsync/_torch_range.py), each in its own
+# Both ends of the supported torch range (src/gradsync/_support/torch_range.py), each in its own
 # virtualenv: the unit tests and the multi-process tests of torch's internals. Skipped with
 # GRADSYNC_TORCH_RANGE=0 (a quicker local run); CI runs it.
 range_rc=0

@@ -1,4 +1,4 @@
-"""The supported torch range, from its one declaration (src/gradsync/_torch_range.py).
+"""The supported torch range, from its one declaration (src/gradsync/_support/torch_range.py).
 
     python scripts/torch_range.py                # "2.10 to 2.15"
     python scripts/torch_range.py --pins         # the releases CI tests: "2.10.0 2.15.0"
@@ -41,7 +41,7 @@ def floors() -> list[str]:
 
 def declaration() -> ModuleType:
     module = ModuleType("_torch_range")
-    source = ROOT / "src" / "gradsync" / "_torch_range.py"
+    source = ROOT / "src" / "gradsync" / "_support" / "torch_range.py"
     exec(compile(source.read_text(), str(source), "exec"), module.__dict__)
     return module
 
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
         if pyproject_text(declared) != PYPROJECT.read_text():
             print(
                 f"pyproject.toml does not require torch>={declared.OLDEST} as "
-                "src/gradsync/_torch_range.py declares: python scripts/torch_range.py --write"
+                "src/gradsync/_support/torch_range.py declares: python scripts/torch_range.py --write"
             )
             return 1
     else:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The unit tests and the multi-process tests that exercise torch's internals (marked
 # torch_internals) on each end of the supported torch range, each in a virtualenv of its own
-# (.venv-torch-X.Y.Z): the releases src/gradsync/_torch_range.py pins (OLDEST_PIN, NEWEST_PIN).
+# (.venv-torch-X.Y.Z): the releases src/gradsync/_support/torch_range.py pins (OLDEST_PIN, NEWEST_PIN).
 #   bash scripts/torch_range.sh [pytest args]        # both ends
 #   TORCH_RANGE_PINS=2.15.0 bash scripts/torch_range.sh
 # Other packages keep constraints.txt's versions. The torch requested here is installed from

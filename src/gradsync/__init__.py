@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from gradsync._batch_plan import BatchPlan
+from gradsync._plan.batch_plan import BatchPlan
 from gradsync._version import __version__
 from gradsync.config import Config
 from gradsync.errors import CheckpointError, CollectiveError, ConfigError, UsageError
@@ -54,7 +54,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import torch
 
-        from gradsync import _torch_range
+        from gradsync._support import torch_range as _torch_range
 
         if _torch_range.below(torch.__version__):  # its modules may not even import there
             return _refused(name, _torch_range.refusal(torch.__version__))

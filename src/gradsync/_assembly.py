@@ -14,22 +14,21 @@ from typing import Any
 
 import torch
 
-from gradsync import _dist as dist
-from gradsync import _environment as environment
-from gradsync import _selfcheck as selfcheck
 from gradsync import audit as audit_mod
 from gradsync import backends, extensions, tracking
 from gradsync import mesh as nd_mesh
-from gradsync._accumulation_schedule import is_schedule
-from gradsync._batch_plan import solve_with_schedule
-from gradsync._gradients import Gradients
-from gradsync._microstep import AuditObserver, ItemCount, Runner, SelfCheckObserver
-from gradsync._oom import OomSplit, check_at_prepare
-from gradsync._planned_steps import Planner, warn_unfinished
-from gradsync._preparer import Preparer
-from gradsync._registry import Prepared
-from gradsync._window import Window
-from gradsync._window_loss import WindowLoss
+from gradsync._core import selfcheck
+from gradsync._core.gradients import Gradients
+from gradsync._core.microstep import AuditObserver, ItemCount, Runner, SelfCheckObserver
+from gradsync._core.oom import OomSplit, check_at_prepare
+from gradsync._core.preparer import Preparer
+from gradsync._core.registry import Prepared
+from gradsync._core.window_loss import WindowLoss
+from gradsync._plan.accumulation_schedule import is_schedule
+from gradsync._plan.batch_plan import solve_with_schedule
+from gradsync._plan.planned_steps import Planner, warn_unfinished
+from gradsync._plan.window import Window
+from gradsync._support import dist, environment
 from gradsync.backends import _group
 from gradsync.backends.base import Backend
 from gradsync.checkpoint.signals import SignalWatch, requeue_command, stop_if_told

@@ -24,16 +24,16 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from gradsync import _dist as dist
 from gradsync import audit as audit_mod
 from gradsync import metrics, processes
 from gradsync._assembly import assemble, attach, end, free_memory
-from gradsync._batch_plan import BatchPlan
-from gradsync._microstep import Runner, SelfCheckObserver
-from gradsync._registry import Prepared
-from gradsync._run_state import RunState
-from gradsync._window import MicroStep, Window
-from gradsync._wrappers import PreparedOptimizer, PreparedScheduler
+from gradsync._core.microstep import Runner, SelfCheckObserver
+from gradsync._core.registry import Prepared
+from gradsync._core.run_state import RunState
+from gradsync._core.wrappers import PreparedOptimizer, PreparedScheduler
+from gradsync._plan.batch_plan import BatchPlan
+from gradsync._plan.window import MicroStep, Window
+from gradsync._support import dist
 from gradsync.backends import kinds
 from gradsync.backends._amp import WindowScaler
 from gradsync.backends.base import Backend

@@ -10,7 +10,7 @@ monkeypatching ``torch.distributed`` functions cannot.
 
 Turn it on with ``Accelerator(audit=True)`` or ``GRADSYNC_AUDIT=1``; gradsync then
 creates its process group through the wrapper. Read it back from ``accel.audit``. The
-deferral self-check (``gradsync._selfcheck``) also creates the group through the wrapper,
+deferral self-check (``gradsync._core.selfcheck``) also creates the group through the wrapper,
 with its recorder off (``Recorder.enabled``) except during the micro-steps it checks.
 
 Groups made after the world group (a device mesh's, DeepSpeed's) are wrapped too and record
@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync import _torch_compat
-from gradsync._dist import is_distributed
-from gradsync._util import after_import, human_bytes
+from gradsync._support import torch_compat as _torch_compat
+from gradsync._support.dist import is_distributed
+from gradsync._support.util import after_import, human_bytes
 from gradsync.errors import ConfigError
 
 GROUP_LABELS = ("world", "shard", "replicate", "tp", "pp", "dp", "other")

@@ -13,10 +13,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from gradsync import _environment as environment
-from gradsync import _util, extensions
-from gradsync._declaration import to_text
-from gradsync.compat import accelerate
+from gradsync import extensions
+from gradsync._support import environment
+from gradsync._support import util as _util
+from gradsync._support.declaration import to_text
+from gradsync.accelerate import _compat as accelerate
 from gradsync.compat.files import read_yaml
 from gradsync.errors import ConfigError
 from gradsync.settings import (
@@ -113,7 +114,7 @@ def from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     The file holds gradsync's keys, or is Accelerate's (as ``accelerate config`` writes it:
     told apart by keys such as ``distributed_type`` and ``num_processes``), translated by
-    ``gradsync.compat.accelerate``: its keys that only say how to start the processes
+    ``gradsync.accelerate._compat``: its keys that only say how to start the processes
     are for ``gradsync launch``, and a key that is ignored is one warning (on rank 0).
 
     Args:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from gradsync._dist import DataParallel, all_gather_object, is_multiprocess
+from gradsync._support.dist import DataParallel, all_gather_object, is_multiprocess
 from gradsync.data.batches import tree_map
 from gradsync.errors import ConfigError
 

@@ -4,7 +4,7 @@ one rank only, a block one rank runs first.
 Accelerate's ``split_between_processes``, its ``on_*_process`` decorators and its
 ``*_process_first`` blocks, as functions: the ``Accelerator`` exposes them as methods,
 and they work without one. The decorators read where this process stands (a
-:class:`Ranks`: an ``Accelerator`` is one; by default ``gradsync._dist``) each time the
+:class:`Ranks`: an ``Accelerator`` is one; by default ``gradsync._support.dist``) each time the
 decorated function is called, not when it is decorated, so a function decorated before
 the process group exists runs where it should. Nothing here is a collective except
 :func:`goes_first` (one barrier).
@@ -48,7 +48,7 @@ class Ranks(Protocol):
 
 
 class CurrentRanks:
-    """:class:`Ranks` from ``gradsync._dist``: the process group's rank and size where there
+    """:class:`Ranks` from ``gradsync._support.dist``: the process group's rank and size where there
     is one, else what the launcher says (one process when nothing does)."""
 
     @property
@@ -68,7 +68,7 @@ class CurrentRanks:
 
 
 def _rank_info() -> tuple[int, int, int]:
-    from gradsync import _dist as dist  # torch, only when the ranks are asked for
+    from gradsync._support import dist  # torch, only when the ranks are asked for
 
     return dist.rank_info()
 
@@ -187,8 +187,8 @@ def split_between_processes(
         inputs: a list, a tuple, a tensor (split along its first dimension), a dataset with
             ``select`` (a Hugging Face ``datasets.Dataset``), or a dict of them with one
             length.
-        rank: this process's rank; by default ``gradsync._dist``'s.
-        world: the number of processes; by default ``gradsync._dist``'s.
+        rank: this process's rank; by default ``gradsync._support.dist``'s.
+        world: the number of processes; by default ``gradsync._support.dist``'s.
         apply_padding: repeat the last entry so every share has the same length.
 
     Yields:
@@ -248,7 +248,7 @@ def on_main_process(
 
     Args:
         function: the function to decorate.
-        ranks: where this process stands (an ``Accelerator``); by default ``gradsync._dist``.
+        ranks: where this process stands (an ``Accelerator``); by default ``gradsync._support.dist``.
 
     Returns:
         The decorated function.
@@ -264,7 +264,7 @@ def on_local_main_process(
 
     Args:
         function: the function to decorate.
-        ranks: where this process stands (an ``Accelerator``); by default ``gradsync._dist``.
+        ranks: where this process stands (an ``Accelerator``); by default ``gradsync._support.dist``.
 
     Returns:
         The decorated function.
@@ -280,7 +280,7 @@ def on_last_process(
 
     Args:
         function: the function to decorate.
-        ranks: where this process stands (an ``Accelerator``); by default ``gradsync._dist``.
+        ranks: where this process stands (an ``Accelerator``); by default ``gradsync._support.dist``.
 
     Returns:
         The decorated function.
@@ -328,7 +328,7 @@ def on_process(
     Args:
         function: the function to decorate.
         process_index: the rank that runs it.
-        ranks: where this process stands (an ``Accelerator``); by default ``gradsync._dist``.
+        ranks: where this process stands (an ``Accelerator``); by default ``gradsync._support.dist``.
 
     Returns:
         The decorated function, or without ``function`` the decorator.
@@ -373,7 +373,7 @@ def on_local_process(
     Args:
         function: the function to decorate.
         local_process_index: the local rank that runs it, on every machine.
-        ranks: where this process stands (an ``Accelerator``); by default ``gradsync._dist``.
+        ranks: where this process stands (an ``Accelerator``); by default ``gradsync._support.dist``.
 
     Returns:
         The decorated function, or without ``function`` the decorator.
@@ -411,11 +411,11 @@ def goes_first(first: bool, barrier: Callable[[], None] | None = None) -> Iterat
 
     Args:
         first: this process goes first.
-        barrier: waits for every rank; by default ``gradsync._dist.barrier`` (nothing to
+        barrier: waits for every rank; by default ``gradsync._support.dist.barrier`` (nothing to
             wait for without a process group).
     """
     if barrier is None:
-        from gradsync import _dist as dist
+        from gradsync._support import dist
 
         barrier = dist.barrier
     if not first:

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from gradsync import _dist as dist
+from gradsync._support import dist
 from gradsync.errors import ConfigError
 
 #: The largest seed NumPy's legacy generator takes.
@@ -24,7 +24,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
 
     Args:
         seed: an int from 0 to ``2**32 - 1``.
-        device_specific: add this process's rank (``gradsync._dist.rank()``: the process
+        device_specific: add this process's rank (``gradsync._support.dist.rank()``: the process
             group's rank, else the launcher's ``RANK``) to ``seed``, so each rank draws
             differently.
         deterministic: also ``torch.use_deterministic_algorithms(True)`` (an error from any

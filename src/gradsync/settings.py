@@ -1,7 +1,7 @@
 """Every gradsync setting, declared once.
 
 Each setting is one dataclass field (name, type, default) whose metadata (``setting(...)``,
-see gradsync._declaration) holds its one-line doc, its ``gradsync launch`` flag and the backend
+see gradsync._support.declaration) holds its one-line doc, its ``gradsync launch`` flag and the backend
 it belongs to. The core settings are declared here (the compression ones, which every backend
 maps onto its own mechanism, in ``gradsync/options/compression.py``); each backend's options
 next to its adapter (``gradsync/options/<backend>.py``). ``Config`` joins them, and everything
@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gradsync import _accumulation_schedule as schedule
-from gradsync._declaration import (
+from gradsync._plan import accumulation_schedule as schedule
+from gradsync._support.declaration import (
     ENV_PREFIX,
     ModuleSelector,
     Setting,
@@ -29,7 +29,7 @@ from gradsync._declaration import (
     setting,
     type_text,
 )
-from gradsync._util import check_positive_int
+from gradsync._support.util import check_positive_int
 from gradsync.errors import ConfigError
 from gradsync.options.compression import CommHook, CommWrapper, CompressionSettings
 from gradsync.options.ddp import DDPOptions
@@ -81,12 +81,12 @@ SYNC_POLICIES: tuple[RequestedPolicy, ...] = (
     "native",
     "defer_replicate",
 )
-#: What an out-of-memory error inside ``accumulate`` does (see gradsync._oom).
+#: What an out-of-memory error inside ``accumulate`` does (see gradsync._core.oom).
 OnOom = Literal["raise", "split"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
 MIXED_PRECISION: tuple[MixedPrecision, ...] = ("no", "bf16", "fp16")
 GRAD_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
-#: Micro-batches per optimizer step: a number, or a schedule (see gradsync._accumulation_schedule): text such
+#: Micro-batches per optimizer step: a number, or a schedule (see gradsync._plan.accumulation_schedule): text such
 #: as "0:2 100:4", a mapping (step -> k, or a ramp-up {"start", "increment", "samples"}), or a
 #: callable optimizer_step -> k.
 AccumulationSteps = (

@@ -103,6 +103,10 @@ def main() -> None:
             run(Path(script), list(args), gradsync, core=mode == ["core"])
         if not gradsync:
             reset_accelerate()
+    # A group left to the interpreter's exit can abort it (its threads still joinable) on a
+    # loaded machine; the last script ended, so the group goes now.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

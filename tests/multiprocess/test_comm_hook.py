@@ -189,8 +189,8 @@ def _estimated(ranks: list[dict], policy: str, **hook) -> tuple[float, float]:
     bytes handed to the process group per optimizer step and those each rank sends."""
     import torch
 
-    from gradsync._estimate import Cluster, estimate
-    from gradsync._estimate.compression import Compression
+    from gradsync._plan.estimate import Cluster, estimate
+    from gradsync._plan.estimate.compression import Compression
 
     shapes = tuple(tuple(torch.tensor(v).shape) for v in ranks[0]["state"].values())
     compression = Compression(shapes=shapes, **hook)
@@ -234,7 +234,7 @@ def test_the_estimate_predicts_the_share_a_reduce_dtype_sends(results, name):
     are the padded gradients': the share the estimate gives (0.5 of fp32) is the audit's, to
     the byte. (ZeRO aligns its buckets by bytes, so its fp16 payload is not half of fp32's to
     the byte: 1414 of 2824 here.)"""
-    from gradsync._estimate.compression import Compression
+    from gradsync._plan.estimate.compression import Compression
 
     factor = Compression(name.split("_")[1]).factor(4000.0, 4.0, 2**20)
     for r, p in zip(results[name], results[HALF[name][1]]):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gradsync._estimate import MeshCluster, estimate_mesh
+from gradsync._plan.estimate import MeshCluster, estimate_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.multiprocess

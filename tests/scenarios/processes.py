@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from gradsync import Accelerator, ConfigError, metrics, processes
-from gradsync import _dist as dist
+from gradsync._support import dist
 from gradsync.processes import split_between_processes
 
 EVAL_SAMPLES = 45  # odd: the sampler pads one sample in on 2 ranks
@@ -118,7 +118,7 @@ def evaluation(shuffle: bool) -> dict[str, Any]:
 
 
 def splits() -> dict[str, Any]:
-    """split_between_processes with the ranks from gradsync._dist: lists, tuples, dicts and
+    """split_between_processes with the ranks from gradsync._support.dist: lists, tuples, dicts and
     tensors of 1 to 5 entries, with and without padding."""
     out: dict[str, Any] = {}
     for n in range(1, 6):
@@ -145,7 +145,7 @@ def _split_a_string() -> None:
 
 
 def decorators() -> dict[str, Any]:
-    """Each decorator, with an Accelerator as the rank facts and with gradsync._dist's, and
+    """Each decorator, with an Accelerator as the rank facts and with gradsync._support.dist's, and
     goes_first: rank 0 writes a file inside the block after a pause; rank 1 must see it on
     entering."""
     accel = Accelerator(backend="ddp", seed=0)

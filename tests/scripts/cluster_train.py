@@ -4,7 +4,7 @@ backend named, no group formed by hand.
 
     python cluster_train.py OUT
 
-Each rank writes ``OUT/rank{r}.json``: what ``gradsync._environment.detect`` found before the
+Each rank writes ``OUT/rank{r}.json``: what ``gradsync._support.environment.detect`` found before the
 Accelerator existed, the group it formed (rank, world, local rank, local main process), the
 backend ``"auto"`` chose, and what ``scenarios.common.train`` records (the windows of sample
 ids and the final parameters), from which the parent trains the one-process reference.
@@ -23,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gradsync import Accelerator
-from gradsync import _environment as environment
+from gradsync._support import environment
 
 from scenarios.common import Loop, train
 

@@ -20,7 +20,7 @@ from unittest import mock
 import pytest
 
 from gradsync import cli
-from gradsync.compat import accelerate as ac
+from gradsync.accelerate import _compat as ac
 from gradsync.config import from_env, load_config, read_yaml
 from gradsync.errors import ConfigError
 from gradsync.launch import LaunchConfig, Launcher

@@ -108,7 +108,7 @@ def test_the_rule_books() -> None:
 
 
 def test_a_scheduler_steps_once_per_process_per_update_under_accelerates_rule() -> None:
-    from gradsync._wrappers import PreparedScheduler
+    from gradsync._core.wrappers import PreparedScheduler
 
     done = [0]
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -307,7 +307,7 @@ def test_every_name_in_the_migration_table_is_accelerates_and_imports_from_grads
 def test_a_schedule_sized_for_accelerates_rule_is_said_when_the_run_ends() -> None:
     from transformers import get_scheduler
 
-    from gradsync._planned_steps import sized_per_process, warn_unfinished
+    from gradsync._plan.planned_steps import sized_per_process, warn_unfinished
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sized = get_scheduler("linear", optimizer, num_warmup_steps=2, num_training_steps=10)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradsync._window import Window
+from gradsync._plan.window import Window
 
 
 def run(window: Window, batches: int, *, sized: bool = True) -> list[tuple[int, int, bool]]:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync import ConfigError
-from gradsync._selfcheck import SelfCheck, start
+from gradsync._core.selfcheck import SelfCheck, start
 from gradsync.audit import AUDIT_BACKEND, AuditProcessGroup, MicroStepRecord, Recorder, label_group
 
 

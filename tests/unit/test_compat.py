@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import RandomSampler
 
-from gradsync import _torch_compat
+from gradsync._support import torch_compat as _torch_compat
 from gradsync.backends import _deepspeed_compat
 
 from scenarios.common import make_model

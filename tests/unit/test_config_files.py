@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
+from gradsync.accelerate import _compat as accelerate
+from gradsync.accelerate._compat import deepspeed, fsdp
 from gradsync.backends._deepspeed_config import load_ds_config
-from gradsync.compat import accelerate
-from gradsync.compat.accelerate import deepspeed, fsdp
 from gradsync.compat.files import load_deepspeed_config, read_yaml
 from gradsync.config import load_config
 from gradsync.errors import ConfigError
@@ -137,7 +137,7 @@ def test_a_top_level_dynamo_backend_does_not_choose_the_backend():
 def test_the_translation_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import gradsync.compat.accelerate, gradsync.compat.files, gradsync.config\n"
+        "import gradsync.accelerate._compat, gradsync.compat.files, gradsync.config\n"
         "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import gradsync
-from gradsync._declaration import setting
+from gradsync._support.declaration import setting
 from gradsync.cli import build_parser
 
 #: Return annotations that are no value to document (context managers written as generators

@@ -1,4 +1,4 @@
-"""gradsync._environment.detect on each launcher's and scheduler's variables, set as they set
+"""gradsync._support.environment.detect on each launcher's and scheduler's variables, set as they set
 them: torchrun, a PyTorchJob pod, SLURM job steps (captured from a real ``srun``), MPICH's
 Hydra (captured from a real ``mpiexec``), Open MPI's and MVAPICH's launchers (no binaries
 here: their documented variables), Kubeflow Trainer; SLURM's host lists and task counts; the
@@ -12,7 +12,13 @@ import subprocess
 
 import pytest
 
-from gradsync._environment import Environment, derived_port, detect, expand_hostlist, tasks_on_node
+from gradsync._support.environment import (
+    Environment,
+    derived_port,
+    detect,
+    expand_hostlist,
+    tasks_on_node,
+)
 
 
 def place(e: Environment) -> tuple[object, ...]:

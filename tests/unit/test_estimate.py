@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gradsync import ConfigError
-from gradsync._estimate import Cluster, estimate
+from gradsync._plan.estimate import Cluster, estimate
 from gradsync.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from gradsync import ConfigError
-from gradsync._estimate import (
+from gradsync._plan.estimate import (
     Cluster,
     HybridCluster,
     MeshCluster,
@@ -17,7 +17,7 @@ from gradsync._estimate import (
     estimate_hybrid,
     estimate_mesh,
 )
-from gradsync._estimate.compression import Compression, parse_shapes
+from gradsync._plan.estimate.compression import Compression, parse_shapes
 from gradsync.cli import main
 
 #: a 1024 x 256 weight, its bias, a 1 x 256 head (not worth compressing at any rank), a conv

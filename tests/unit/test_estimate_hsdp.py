@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gradsync import ConfigError
-from gradsync._estimate import (
+from gradsync._plan.estimate import (
     HYBRID_POLICIES,
     HybridCluster,
     MeshCluster,

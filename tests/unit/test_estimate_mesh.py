@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gradsync import ConfigError
-from gradsync._estimate import (
+from gradsync._plan.estimate import (
     HybridCluster,
     MeshCluster,
     auto_policy,

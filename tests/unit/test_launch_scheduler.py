@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gradsync import _environment as environment
 from gradsync import cli
+from gradsync._support import environment
 from gradsync.errors import ConfigError
 from gradsync.launch import LaunchConfig, Launcher, signals
 from gradsync.launch import cluster as scheduler

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradsync import Accelerator, cli
-from gradsync._oom import is_out_of_memory
+from gradsync._core.oom import is_out_of_memory
 from gradsync.config import load_config
 from gradsync.errors import ConfigError
 from gradsync.launch import Launcher
@@ -279,7 +279,7 @@ def test_an_elastic_launch_leaves_k_to_the_world_that_joined(tmp_path, monkeypat
 def test_a_world_that_cannot_keep_the_global_batch_names_those_that_can():
     """Resumed (or restarted by an elastic agent) on 3 processes, a global batch of 16 in
     micro-batches of 2 cannot stay whole: one line names the world sizes that keep it."""
-    from gradsync._batch_plan import BatchPlan
+    from gradsync._plan.batch_plan import BatchPlan
 
     with pytest.raises(ConfigError, match=r"or run on 1, 2, 4, 8 data-parallel processes"):
         BatchPlan.solve(data_parallel_size=3, global_batch_size=16, micro_batch_size=2)
@@ -309,8 +309,8 @@ def test_tensor_parallel_and_pipelines_are_refused_at_prepare(
     backend._dims = Parallelism(**dims)  # as such a mesh resolves
     assert words in (backend.oom_split_refusal() or "")
     assert FSDPBackend().oom_split_refusal() is None
-    from gradsync._batch_plan import BatchPlan
-    from gradsync._oom import check_at_prepare
+    from gradsync._core.oom import check_at_prepare
+    from gradsync._plan.batch_plan import BatchPlan
 
     with pytest.raises(ConfigError, match=rf"^on_oom='split' is not available: {words}"):
         check_at_prepare(BatchPlan(8, 2, 1), backend, True, None)
@@ -352,7 +352,7 @@ def test_a_window_resumed_mid_way_runs_again_from_its_first_sample(tmp_path):
 
 
 def test_the_launcher_keeps_the_folder_the_split_is_left_in():
-    from gradsync._oom import RESTART_STATE_ENV
+    from gradsync._core.oom import RESTART_STATE_ENV
     from gradsync.launch.failures import RESTART_STATE_ENV as LAUNCHER_S
 
     assert RESTART_STATE_ENV == LAUNCHER_S

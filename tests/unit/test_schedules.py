@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from gradsync import Accelerator, ConfigError
-from gradsync._accumulation_schedule import RampUp, StepKeyed, parse
-from gradsync._window import Window
+from gradsync._plan.accumulation_schedule import RampUp, StepKeyed, parse
+from gradsync._plan.window import Window
 
 from harness.checks import max_diff, reference
 from scenarios.common import Indexed, Loop, make_model, to_lists, train

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from gradsync._selfcheck import STEPS, SelfCheck, start
+from gradsync._core.selfcheck import STEPS, SelfCheck, start
 from gradsync.audit import Recorder
 
 

@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import pytest
 
-from gradsync._declaration import Setting, to_text
+from gradsync._support.declaration import Setting, to_text
 from gradsync.cli import build_parser, launch_config
 from gradsync.config import Config, env_vars, from_env, from_yaml, load_config
 from gradsync.launch import LaunchConfig, Launcher

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset
 
 from gradsync import Accelerator, ConfigError
-from gradsync._wrappers import PreparedScheduler
+from gradsync._core.wrappers import PreparedScheduler
 
 from harness.checks import max_diff, reference
 from scenarios.common import Indexed, Loop, make_model, train

@@ -178,7 +178,7 @@ def test_bad_plans(plan, words):
 
 def _setup_error(monkeypatch, world: int, **settings) -> str:
     """What the fsdp adapter's setup says before it joins a group, on ``world`` ranks."""
-    monkeypatch.setattr("gradsync._dist.world_size", lambda: world)
+    monkeypatch.setattr("gradsync._support.dist.world_size", lambda: world)
     with pytest.raises(ConfigError) as info:
         FSDPBackend()._parallelism(Config(backend="fsdp", **settings).validate())
     assert "\n" not in str(info.value)

@@ -1,4 +1,4 @@
-"""The supported torch range, declared once (``gradsync._torch_range``), and what gradsync does
+"""The supported torch range, declared once (``gradsync._support.torch_range``), and what gradsync does
 outside it: a torch below it refuses at ``Accelerator(...)``; a torch above it warns once at
 prepare and, for FSDP2, checks the private state gradsync relies on (the canary) and refuses
 what does not hold."""
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradsync
-from gradsync import _torch_range
+from gradsync._support import torch_range as _torch_range
 from gradsync.backends import _fsdp_canary, _fsdp_compat
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -29,15 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gradsync import _dist as dist
-from gradsync._microstep import drop_window
+from gradsync._core.microstep import drop_window
+from gradsync._support import dist
 from gradsync.errors import CheckpointError
 from gradsync.storage.folder import MANIFEST, save_file
 from gradsync.storage.safety import allow_list, scan_folder
 
 if TYPE_CHECKING:
     from gradsync._assembly import Parts
-    from gradsync._window import Window
+    from gradsync._plan.window import Window
 
 log = logging.getLogger("gradsync")
 

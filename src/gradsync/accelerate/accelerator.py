@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gradsync import _dist as dist
+from gradsync._support import dist
 from gradsync.accelerate import _layout
 from gradsync.accelerate._names import refuse_member
 from gradsync.accelerate.config import (

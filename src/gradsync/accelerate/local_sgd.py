@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gradsync._util import check_positive_int
+from gradsync._support.util import check_positive_int
 
 
 class LocalSGD:

@@ -9,7 +9,7 @@ import os
 from collections.abc import MutableMapping
 from typing import Any
 
-from gradsync import _dist as dist
+from gradsync._support import dist
 
 
 class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from gradsync import _dist as dist
 from gradsync import processes
+from gradsync._support import dist
 from gradsync.accelerate.accelerator import GradientState
 from gradsync.backends import kinds
 from gradsync.backends.kinds import DistributedType

@@ -62,7 +62,7 @@ def _trainer_module() -> Any:
 def _form_group() -> None:
     """Form the process group the way a gradsync Accelerator does, before Transformers'
     argument setup forms one through Accelerate (which the audit could not count)."""
-    from gradsync import _dist as dist
+    from gradsync._support import dist
     from gradsync.backends._group import ensure_process_group
     from gradsync.config import from_env
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gradsync import _dist as dist
+from gradsync._support import dist
 from gradsync.accelerate._names import refuse
 from gradsync.accelerate.config import (
     AutocastKwargs,

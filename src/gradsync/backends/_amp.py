@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gradsync import _torch_compat
+from gradsync._support import torch_compat as _torch_compat
 from gradsync.config import Config
 from gradsync.errors import ConfigError, UsageError
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gradsync import _dist as dist
+from gradsync._support import dist
 from gradsync.backends import _deepspeed_compat, _plain_state
 from gradsync.errors import CheckpointError
 from gradsync.storage import safety

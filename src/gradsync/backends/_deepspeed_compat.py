@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gradsync._util import require_attr
+from gradsync._support.util import require_attr
 
 #: The DeepSpeed versions whose internals this module was written and tested against.
 SUPPORTED_DEEPSPEED = "0.19 (tested with 0.19.8)"

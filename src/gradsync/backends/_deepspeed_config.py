@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gradsync._batch_plan import solve_with_schedule
+from gradsync._plan.batch_plan import solve_with_schedule
 from gradsync.backends import _deepspeed_compat
 from gradsync.compat.files import load_deepspeed_config as load_ds_config
 from gradsync.errors import ConfigError
 
 if TYPE_CHECKING:
-    from gradsync._batch_plan import BatchPlan
+    from gradsync._plan.batch_plan import BatchPlan
     from gradsync.config import Config
 
 __all__ = [

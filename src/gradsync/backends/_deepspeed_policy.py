@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from gradsync import _dist as dist
+from gradsync._support import dist
 from gradsync.backends import _deepspeed_compat
 from gradsync.backends._memory import agreed_budget, extra_text
 from gradsync.config import RequestedPolicy, SyncPolicy

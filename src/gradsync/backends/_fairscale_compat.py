@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from gradsync._torch_compat import SUPPORTED_TORCH
-from gradsync._util import require_attr
+from gradsync._support.torch_compat import SUPPORTED_TORCH
+from gradsync._support.util import require_attr
 
 #: The fairscale version whose internals this module was written and tested against.
 SUPPORTED_FAIRSCALE = "0.4.13"

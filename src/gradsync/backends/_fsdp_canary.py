@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from gradsync import _torch_range
+from gradsync._support import torch_range as _torch_range
 from gradsync.backends import _fsdp_compat
 
 log = logging.getLogger("gradsync")

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from gradsync import _dist as dist
+from gradsync._support import dist
 from gradsync.backends import _fsdp_compat, _pipeline
 from gradsync.backends.base import Held
 from gradsync.errors import CheckpointError

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from gradsync._torch_compat import SUPPORTED_TORCH
-from gradsync._util import require_attr
+from gradsync._support.torch_compat import SUPPORTED_TORCH
+from gradsync._support.util import require_attr
 
 #: One group's flags: (group, reduce_grads, all_reduce_grads, reshard_after_backward,
 #: post_forward_mesh_info); the last is None when the group keeps its parameters gathered

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from gradsync._util import human_bytes
+from gradsync._support.util import human_bytes
 from gradsync.backends._fsdp_compat import unsharded_numel
 from gradsync.backends._memory import AUTO_BUDGET_FRACTION, Budget, available_memory, extra_text
 from gradsync.config import RequestedPolicy, SyncPolicy

@@ -12,9 +12,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradsync import _environment as environment
 from gradsync import audit
-from gradsync._dist import is_distributed, rank_info
+from gradsync._support import environment
+from gradsync._support.dist import is_distributed, rank_info
 from gradsync.errors import UsageError
 
 __all__ = [

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gradsync import _dist as dist
-from gradsync._util import human_bytes
+from gradsync._support import dist
+from gradsync._support.util import human_bytes
 
 #: The share of free memory (device memory, or available RAM split over local ranks) that
 #: "auto" lets the deferred, unsharded state take.

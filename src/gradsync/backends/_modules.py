@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gradsync import _torch_compat
+from gradsync._support import torch_compat as _torch_compat
 from gradsync.config import Config
 from gradsync.errors import ConfigError
 

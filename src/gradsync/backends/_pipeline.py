@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from gradsync import audit
-from gradsync._batch_plan import BatchPlan
+from gradsync._plan.batch_plan import BatchPlan
 from gradsync.backends import _fsdp_compat, _group
 from gradsync.errors import ConfigError, UsageError
 from gradsync.mesh import Parallelism

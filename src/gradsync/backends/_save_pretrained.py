@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from gradsync import _dist as dist
+from gradsync._support import dist
 from gradsync.errors import UsageError
 
 #: How long ``save_pretrained`` on a sharded model waits for every rank to call it too before

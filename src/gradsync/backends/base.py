@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
-from gradsync import _dist as dist
-from gradsync import _torch_compat
+from gradsync._support import dist
+from gradsync._support import torch_compat as _torch_compat
 from gradsync.backends import _amp
 from gradsync.config import RequestedPolicy, SyncPolicy
 from gradsync.errors import CheckpointError, ConfigError, UsageError
 
 if TYPE_CHECKING:
-    from gradsync._batch_plan import BatchPlan
+    from gradsync._plan.batch_plan import BatchPlan
     from gradsync.backends._amp import WindowScaler
     from gradsync.config import Config
 

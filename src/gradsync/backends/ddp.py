@@ -10,9 +10,9 @@ from typing import Any, ClassVar
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradsync import _dist as dist
-from gradsync import _torch_compat
-from gradsync._batch_plan import BatchPlan
+from gradsync._plan.batch_plan import BatchPlan
+from gradsync._support import dist
+from gradsync._support import torch_compat as _torch_compat
 from gradsync.backends import _amp, _ddp_comm, _ddp_compat, _group, _modules, _plain_state
 from gradsync.backends.base import AdapterDefaults, Held, is_frozen, not_prepared, refuse_native
 from gradsync.config import Config

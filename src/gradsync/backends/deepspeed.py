@@ -19,9 +19,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradsync import _dist as dist
-from gradsync import _torch_compat
-from gradsync._batch_plan import BatchPlan
+from gradsync._plan.batch_plan import BatchPlan
+from gradsync._support import dist
+from gradsync._support import torch_compat as _torch_compat
 from gradsync.backends import (
     _compression,
     _deepspeed_checkpoint,

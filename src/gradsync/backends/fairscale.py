@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradsync import _dist as dist
-from gradsync._batch_plan import BatchPlan
+from gradsync._plan.batch_plan import BatchPlan
+from gradsync._support import dist
 from gradsync.backends import _amp, _compression, _fairscale_compat, _group, _plain_state
 from gradsync.backends._fairscale_compat import OSS, FullyShardedDataParallel, ShardedDataParallel
 from gradsync.backends.base import (

@@ -34,11 +34,11 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.tensor import DTensor
 
-from gradsync import _dist as dist
-from gradsync import _environment as environment
-from gradsync import _torch_compat, audit
+from gradsync import audit
 from gradsync import mesh as nd_mesh
-from gradsync._batch_plan import BatchPlan
+from gradsync._plan.batch_plan import BatchPlan
+from gradsync._support import dist, environment
+from gradsync._support import torch_compat as _torch_compat
 from gradsync.backends import (
     _amp,
     _compression,

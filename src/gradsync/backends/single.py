@@ -10,8 +10,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradsync import _torch_compat
-from gradsync._batch_plan import BatchPlan
+from gradsync._plan.batch_plan import BatchPlan
+from gradsync._support import torch_compat as _torch_compat
 from gradsync.backends import _amp, _compression, _group, _modules, _plain_state
 from gradsync.backends.base import AdapterDefaults, Held
 from gradsync.config import Config

@@ -82,7 +82,7 @@ def stop_if_told(parts: Any, end: Callable[[], None]) -> None:
     folder, rank 0 requeues the SLURM job when asked, and the process exits with status 0;
     a failed save exits with ``SAVE_FAILED_STATUS`` and no requeue. ``parts``: the
     Accelerator's ``assembly.Parts``; ``end``: its ``end()``."""
-    from gradsync import _dist as dist
+    from gradsync._support import dist
     from gradsync.errors import CheckpointError, naming_collective
 
     received = parts.signals.received

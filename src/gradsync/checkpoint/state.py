@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.hooks import RemovableHandle
 
-from gradsync import _dist as dist
-from gradsync._microstep import drop_window
+from gradsync._core.microstep import drop_window
+from gradsync._support import dist
 from gradsync.errors import CheckpointError, ConfigError, UsageError
 from gradsync.storage.commit import Committer
 from gradsync.storage.folder import (
@@ -37,8 +37,8 @@ from gradsync.storage.rng import capture_rng, restore_rng
 from gradsync.storage.safety import allow_list
 
 if TYPE_CHECKING:
-    from gradsync._registry import Prepared
-    from gradsync._window import Window
+    from gradsync._core.registry import Prepared
+    from gradsync._plan.window import Window
     from gradsync.backends.base import Backend, Held
     from gradsync.data import LoaderContext
 

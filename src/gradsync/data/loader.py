@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from gradsync import _dist as dist
-from gradsync._util import check_non_negative_int, check_positive_int
+from gradsync._support import dist
+from gradsync._support.util import check_non_negative_int, check_positive_int
 from gradsync.data.batches import (
     batch_length,
     checked_count,
@@ -34,7 +34,7 @@ from gradsync.errors import ConfigError
 from gradsync.storage.rng import RngState, dealing_rng, get_rng, set_rng
 
 if TYPE_CHECKING:
-    from gradsync._window import Window
+    from gradsync._plan.window import Window
 
 ItemCounter = Callable[[Any], Any]
 log = logging.getLogger("gradsync")

@@ -17,7 +17,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from gradsync._torch_compat import sampler_num_samples
+from gradsync._support.torch_compat import sampler_num_samples
 from gradsync.errors import ConfigError
 
 log = logging.getLogger("gradsync")

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from gradsync import _environment as environment
-from gradsync._util import check_positive_int
+from gradsync._support import environment
+from gradsync._support.util import check_positive_int
 from gradsync.errors import ConfigError
 
 
@@ -117,7 +117,7 @@ class Derived:
     Attributes:
         values: LaunchConfig field -> value, for the fields not given (torchrun's defaults
             included: one process, one node, node rank 0, no restart).
-        environment: what ``gradsync._environment.detect`` found.
+        environment: what ``gradsync._support.environment.detect`` found.
         sources: field -> where its value came from (``"SLURM_STEP_NUM_NODES=2"``), for the
             fields taken from the environment.
     """

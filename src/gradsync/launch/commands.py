@@ -8,14 +8,14 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gradsync._util import closest
-from gradsync.compat.accelerate import FLAGS, refused_flag
+from gradsync._support.util import closest
+from gradsync.accelerate._compat import FLAGS, refused_flag
 from gradsync.errors import ConfigError
 from gradsync.launch.parser import BATCH
 from gradsync.settings import BY_NAME, LAUNCH_SETTINGS
 
 if TYPE_CHECKING:
-    from gradsync._estimate.compression import Compression
+    from gradsync._plan.estimate.compression import Compression
     from gradsync.launch.config import LaunchConfig
 
 
@@ -131,7 +131,7 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace, row: dict[str, str], mesh: str | None = None) -> None:
-    from gradsync._estimate import Cluster, estimate, format_table
+    from gradsync._plan.estimate import Cluster, estimate, format_table
 
     if not row["k"].isdigit():
         raise ConfigError(
@@ -199,7 +199,7 @@ def _compression(args: argparse.Namespace) -> Compression:
     as the settings are (an unknown name answers with the closest one)."""
     from types import SimpleNamespace
 
-    from gradsync._estimate.compression import Compression, parse_shapes
+    from gradsync._plan.estimate.compression import Compression, parse_shapes
 
     hook = BY_NAME["comm_hook"].validate(args.comm_hook or "no", None)
     config = SimpleNamespace(comm_hook=hook)
@@ -217,7 +217,7 @@ def _compression(args: argparse.Namespace) -> Compression:
 def _estimate_mesh(
     args: argparse.Namespace, row: dict[str, str], grad_bytes: float, param_bytes: float, k: int
 ) -> None:
-    from gradsync._estimate import (
+    from gradsync._plan.estimate import (
         INTER_GBS,
         INTRA_GBS,
         MeshCluster,
@@ -261,7 +261,7 @@ def _estimate_hybrid(
     param_bytes: float,
     k: int,
 ) -> None:
-    from gradsync._estimate import (
+    from gradsync._plan.estimate import (
         INTER_GBS,
         INTRA_GBS,
         HybridCluster,
@@ -307,7 +307,7 @@ def env() -> int:
         print("torch: not installed")
     for name in backends.available():
         print(f"backend {name}: {backends.status(name)}")
-    from gradsync import _environment as environment
+    from gradsync._support import environment
 
     print("where this process runs:")
     print("\n".join(f"  {line}" for line in environment.detect().describe().splitlines()))

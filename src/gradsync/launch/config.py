@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradsync import _torch_range, backends
-from gradsync._util import check_positive_int
+from gradsync import backends
+from gradsync._support import torch_range as _torch_range
+from gradsync._support.util import check_positive_int
 from gradsync.config import ENV_PREFIX, Config
 from gradsync.errors import ConfigError
 from gradsync.launch import cluster as scheduler
@@ -92,7 +93,7 @@ class LaunchConfig:
     #: A YAML (or JSON) file: gradsync's settings, or Accelerate's config file (``accelerate
     #: config``), told apart by its keys.
     config_file: str | None = None
-    #: ``accelerate launch`` flags by name (``gradsync.compat.accelerate.FLAGS``: ``num_processes``,
+    #: ``accelerate launch`` flags by name (``gradsync.accelerate._compat.FLAGS``: ``num_processes``,
     #: ``use_fsdp``, ``zero_stage`` ...; a switch given is True), e.g. ``{"num_processes": 4}``.
     #: They win over the config file and must agree with the torchrun fields and settings given.
     accelerate: dict[str, Any] = field(default_factory=dict)

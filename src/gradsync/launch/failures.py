@@ -32,7 +32,7 @@ _AGENT = "torch.distributed.elastic.agent.server.api"
 ERRORS_ENV = "GRADSYNC_ERRORS"
 #: A folder of the launch that outlives each attempt of its workers: what one attempt
 #: leaves for the next (``on_oom="split"``'s split after an out-of-memory error that ended
-#: an attempt, see ``gradsync._oom``).
+#: an attempt, see ``gradsync._core.oom``).
 RESTART_STATE_ENV = "GRADSYNC_RESTART_STATE"
 
 

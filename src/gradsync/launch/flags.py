@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gradsync.compat.accelerate import FLAGS
+from gradsync.accelerate._compat import FLAGS
 from gradsync.errors import ConfigError
 from gradsync.settings import LAUNCH_SETTINGS, Setting
 
@@ -109,7 +109,7 @@ def positive(text: str) -> int:
 
 
 def add_accelerate_flags(group: Any) -> None:
-    """``accelerate launch``'s flags (``gradsync.compat.accelerate.FLAGS``), in both spellings, as
+    """``accelerate launch``'s flags (``gradsync.accelerate._compat.FLAGS``), in both spellings, as
     ``accelerate_<name>`` (None: not given)."""
     add_flag(
         group,

@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gradsync import mesh
-from gradsync._accumulation_schedule import Constant, RampUp, Schedule, StepKeyed
-from gradsync._batch_plan import solve_with_schedule
+from gradsync._plan.accumulation_schedule import Constant, RampUp, Schedule, StepKeyed
+from gradsync._plan.batch_plan import solve_with_schedule
 from gradsync.errors import ConfigError
 
 

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from gradsync import backends, mesh
-from gradsync._accumulation_schedule import Schedule, is_schedule
-from gradsync._batch_plan import BatchPlan, solve_with_schedule
-from gradsync._util import unknown
-from gradsync.compat import accelerate
+from gradsync._plan.accumulation_schedule import Schedule, is_schedule
+from gradsync._plan.batch_plan import BatchPlan, solve_with_schedule
+from gradsync._support.util import unknown
+from gradsync.accelerate import _compat as accelerate
 from gradsync.config import ENV_PREFIX, env_vars, from_yaml, read_yaml
 from gradsync.errors import ConfigError
 from gradsync.launch import cluster as scheduler
@@ -58,7 +58,7 @@ class Launcher:
     Attributes:
         requested: the launch as given.
         config: the launch to run, its defaults filled in.
-        environment: where this launch runs (``gradsync._environment.detect``).
+        environment: where this launch runs (``gradsync._support.environment.detect``).
         sources: the fields derived from the environment -> where each came from.
         warnings: lines to print before starting (e.g. more CPU ranks than SLURM's CPUs).
     """

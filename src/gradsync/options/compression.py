@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gradsync._declaration import setting
-from gradsync._util import did_you_mean
+from gradsync._support.declaration import setting
+from gradsync._support.util import did_you_mean
 from gradsync.errors import ConfigError
 
 __all__ = [

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradsync._declaration import setting
+from gradsync._support.declaration import setting
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradsync._declaration import check_kwargs, setting
+from gradsync._support.declaration import check_kwargs, setting
 
 
 def _check_fairscale_kwargs(name: str, value: Any, config: Any) -> Any:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from gradsync import mesh
-from gradsync._declaration import ModuleSelector, check_bytes, setting
+from gradsync._support.declaration import ModuleSelector, check_bytes, setting
 from gradsync.errors import ConfigError
 from gradsync.options.pipeline import PPSplit, check_schedule, check_split
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gradsync import _dist as dist
+from gradsync._support import dist
 from gradsync.errors import CheckpointError, ConfigError, UsageError
 from gradsync.storage import failure
 from gradsync.storage.folder import (

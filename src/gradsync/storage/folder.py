@@ -25,7 +25,7 @@ from typing import Any, TypedDict
 
 import torch
 
-from gradsync._dist import broadcast_object, rank
+from gradsync._support.dist import broadcast_object, rank
 from gradsync._version import __version__
 from gradsync.errors import CheckpointError, ConfigError
 from gradsync.storage.failure import os_error, remove, with_file

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from gradsync._torch_compat import weights_only_globals
+from gradsync._support.torch_compat import weights_only_globals
 from gradsync.errors import CheckpointError
 
 #: Globals the metadata of a ``torch.distributed.checkpoint`` folder (``.metadata``) holds,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradsync._util import did_you_mean
+from gradsync._support.util import did_you_mean
 from gradsync.errors import ConfigError
 
 #: The built-in trackers' names, in the order ``log_with='all'`` starts them.

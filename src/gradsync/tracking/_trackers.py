@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from gradsync import _dist as dist
+from gradsync._support import dist
 from gradsync.errors import ConfigError, UsageError
 from gradsync.tracking._builtin import BUILTIN_TRACKERS, missing_modules, tracker_available
 from gradsync.tracking._names import check_log_with
@@ -50,7 +50,7 @@ class Trackers:
 
     Made on every rank: it checks that each named tracker's library is installed and that
     the trackers writing files have a folder. Only the main process (rank 0, from
-    ``gradsync._dist.rank()`` at ``init``) creates, starts and calls trackers.
+    ``gradsync._support.dist.rank()`` at ``init``) creates, starts and calls trackers.
 
     Args:
         log_with: tracker names ("tensorboard", "wandb", "mlflow", "csv", "jsonl", "all": every

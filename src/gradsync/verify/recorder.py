@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from gradsync import _dist as dist
+from gradsync._support import dist
 from gradsync.data.batches import tree_map
 from gradsync.rules import GRADSYNC, Rules
 from gradsync.settings import SETTINGS

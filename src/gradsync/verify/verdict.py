@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradsync._util import human_bytes
+from gradsync._support.util import human_bytes
 from gradsync.errors import ConfigError
 from gradsync.verify import compression as comm
 from gradsync.verify.records import params_file, read_meta

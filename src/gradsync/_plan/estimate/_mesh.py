@@ -1,0 +1,233 @@
+"""The estimate on an N-D mesh: dp_replicate x dp_shard x tp."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from gradsync._plan.estimate._flat import _size, hook_line
+from gradsync._plan.estimate._hybrid import INTER_GBS, INTRA_GBS, HybridCluster, estimate_hybrid
+from gradsync._plan.estimate.compression import Compression, fsdp_hook
+from gradsync.errors import ConfigError
+
+
+# -- an N-D mesh: dp_replicate x dp_shard x tp -------------------------------------------
+@dataclass(frozen=True)
+class MeshCluster:
+    """The inputs of the estimate on a (dp_replicate, dp_shard, tp) mesh: one model copy's
+    gradient and parameter bytes, the three degrees, accumulation, interconnect.
+
+    ``MeshCluster(G, P, dp_replicate=2, dp_shard=4, tp=2, k=8)`` is enough; the rest has
+    defaults (the HSDP estimate's bandwidths, no latency, no compute)."""
+
+    grad_bytes: float  # G: gradient bytes of one model copy (the reduction dtype)
+    param_bytes: float  # P: parameter bytes an all-gather rebuilds
+    dp_replicate: int = 1  # R
+    dp_shard: int = 1  # S
+    tp: int = 1  # T
+    k: int = 1  # micro-steps per optimizer step
+    tp_share: float = (
+        1.0  # the share of the model's bytes the TP plan shards (the rest is replicated)
+    )
+    tp_bytes: float | None = (
+        None  # TP traffic each rank sends per micro-step (model-dependent; None: unknown)
+    )
+    budget_bytes: float | None = None  # auto's budget per rank (None: auto's choice not shown)
+    intra_gbs: float = INTRA_GBS  # bus bandwidth per rank inside a node, GB/s
+    inter_gbs: float = INTER_GBS  # bus bandwidth per rank across nodes, GB/s
+    latency_us: float = 0.0
+    compute_ms: float = 0.0
+    optimizer_ms: float = 0.0
+    bucket_bytes: float = 25 * 2**20
+    per_node: int | None = None  # processes per node (None: the dp_shard x tp block fits in one)
+    dtype_bytes: float = 4.0  # bytes of one gradient element (what comm_hook compresses)
+    # comm_hook fp16 / bf16: the reductions' dtype
+    compression: Compression = field(default_factory=Compression)
+
+    def check(self) -> MeshCluster:
+        for name in ("dp_replicate", "dp_shard", "tp", "k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+        if not 0.0 <= self.tp_share <= 1.0:
+            raise ConfigError(
+                f"tp_share={self.tp_share!r} must be between 0 and 1 (the share of the "
+                "model's bytes the TP plan shards)"
+            )
+        for name in ("tp_bytes", "budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"{name}={value!r} must be >= 0, or None when unknown")
+        if self.per_node is not None and self.per_node % self.tp:
+            raise ConfigError(
+                f"tp={self.tp} does not divide the {self.per_node} processes per node: a TP "
+                "group would span nodes; pick tp dividing the processes per node"
+            )
+        fsdp_hook(self.compression)
+        return self
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    def per_tp_rank(self, nbytes: float) -> float:
+        """The bytes of ``nbytes`` one rank of a TP group holds: 1/T of the sharded share."""
+        return nbytes * (self.tp_share / self.tp + 1.0 - self.tp_share)
+
+
+@dataclass(frozen=True)
+class MeshRow:
+    policy: str  # one of HYBRID_POLICIES ("defer_replicate" only where dp_replicate > 1)
+    shard_bytes: (
+        float  # bytes a rank sends per optimizer step in its dp_shard group (RS + all-gathers)
+    )
+    replicate_bytes: (
+        float  # bytes a rank sends per optimizer step in its dp_replicate group (all-reduce)
+    )
+    tp_bytes: (
+        float | None
+    )  # bytes a rank sends per optimizer step in its TP group (None: model-dependent)
+    grad_memory: float  # gradient bytes a rank holds through the window
+    param_memory: float  # parameter bytes a rank holds through the window: its shard, and the gathered copy when kept
+    extra_memory: (
+        float  # beyond every_step's: gradients above G_T/S, and P_T for parameters kept gathered
+    )
+    deferral_bytes: (
+        float  # what auto weighs against its budget (the adapter's deferral_extra_bytes)
+    )
+    comm_ms: float  # data-parallel communication per step (TP traffic not included)
+    step_ms: float
+    speedup: float  # every_step step time / this step time
+
+
+def auto_policy(rows: list[MeshRow], budget_bytes: float, replicas: int) -> str:
+    """The policy ``auto`` picks on this mesh for a budget per rank: the first of ``defer +
+    params``, ``defer``, ``defer_replicate`` (more than one replica) whose ``deferral_bytes``
+    fit, else ``every_step``."""
+    by = {row.policy: row for row in rows}
+    order = ["defer + params", "defer"] + (["defer_replicate"] if replicas > 1 else [])
+    return next((p for p in order if by[p].deferral_bytes <= budget_bytes), "every_step")
+
+
+def estimate_mesh(cluster: MeshCluster) -> list[MeshRow]:
+    """Bytes per mesh dimension per optimizer step and memory per rank, for each policy, on a
+    (dp_replicate, dp_shard, tp) mesh.
+
+    Args:
+        cluster: the inputs.
+
+    Returns:
+        One row per policy of ``HYBRID_POLICIES`` (``defer_replicate`` only where
+        dp_replicate > 1).
+    """
+    c = cluster.check()
+    r, s, k = c.dp_replicate, c.dp_shard, c.k
+    g, p = c.per_tp_rank(c.grad_bytes), c.per_tp_rank(c.param_bytes)
+    # Bytes per dimension: with no node boundary, the shard group's traffic is "intra" and the
+    # replicate group's "cross". Times: the dp_shard x tp block of consecutive ranks in a node.
+    flat = HybridCluster(
+        grad_bytes=g,
+        param_bytes=p,
+        replicas=r,
+        shards=s,
+        k=k,
+        intra_gbs=c.intra_gbs,
+        inter_gbs=c.inter_gbs,
+        latency_us=c.latency_us,
+        compute_ms=c.compute_ms,
+        optimizer_ms=c.optimizer_ms,
+        bucket_bytes=c.bucket_bytes,
+        dtype_bytes=c.dtype_bytes,
+        compression=c.compression,
+    )
+    per_dim = estimate_hybrid(flat)
+    timed = estimate_hybrid(
+        replace(flat, per_node=c.per_node // c.tp if c.per_node is not None else None)
+    )
+    tp_bytes = 0.0 if c.tp == 1 else None if c.tp_bytes is None else k * c.tp_bytes
+    kept = {"defer + params"}
+    deferral = {
+        "every_step": 0.0,
+        "defer_replicate": math.ceil(g / s),
+        "defer": g - g // s,
+        "defer + params": g - g // s + p,
+    }
+    rows = []
+    for bytes_row, time_row in zip(per_dim, timed):
+        policy = bytes_row.policy
+        if policy == "defer_replicate" and r == 1:
+            continue
+        rows.append(
+            MeshRow(
+                policy=policy,
+                shard_bytes=bytes_row.intra_bytes,
+                replicate_bytes=bytes_row.cross_bytes,
+                tp_bytes=tp_bytes,
+                grad_memory=bytes_row.grad_memory,
+                param_memory=p / s + (p if policy in kept else 0.0),
+                extra_memory=bytes_row.extra_memory,
+                deferral_bytes=float(deferral[policy]),
+                comm_ms=time_row.comm_ms,
+                step_ms=time_row.step_ms,
+                speedup=time_row.speedup,
+            )
+        )
+    return rows
+
+
+def format_mesh(cluster: MeshCluster, rows: list[MeshRow]) -> str:
+    """The rows as ``gradsync plan --estimate --parallelism ...`` prints them.
+
+    Args:
+        cluster: the inputs.
+        rows: ``estimate_mesh(cluster)``.
+
+    Returns:
+        A header naming the inputs and one line per policy.
+    """
+    c = cluster
+    g_t = c.per_tp_rank(c.grad_bytes)
+    share = (
+        ""
+        if c.tp_share == 1.0
+        else f" (tp_share {c.tp_share:g} of the model sharded, the rest replicated)"
+    )
+    tp = (
+        "the TP traffic (activations, every micro-step under every policy) is model-dependent: "
+        "give --tp-bytes per micro-step to add it"
+        if c.tp > 1 and c.tp_bytes is None
+        else "tp: k x the given TP bytes per micro-step, under every policy"
+        if c.tp > 1
+        else "no TP group"
+    )
+    lines = [
+        f"mesh dp_replicate={c.dp_replicate} x dp_shard={c.dp_shard} x tp={c.tp} ({c.world} ranks), k={c.k}: "
+        f"gradients {_size(c.grad_bytes)} per model copy, {_size(g_t)} per TP rank{share}, "
+        f"{_size(g_t / c.dp_shard)} per rank after dp_shard; {c.intra_gbs:g} GB/s inside a node, "
+        f"{c.inter_gbs:g} GB/s across nodes, {c.latency_us:g} us per collective call",
+        f"(dp_shard: reduce-scatter and all-gathers, (S-1)/S x bytes per rank; dp_replicate: the shard "
+        f"all-reduced, 2(R-1)/R x G/S per rank; {tp}; grads / params: what a rank holds through the "
+        "window; auto weighs: the bytes auto compares with its budget)",
+    ]
+    if c.compression.hook != "no":
+        f = c.compression.factor(g_t, c.dtype_bytes, c.bucket_bytes)
+        lines.append(hook_line(c.compression, f, g_t))
+    budget = ""
+    if c.budget_bytes is not None:
+        chosen = auto_policy(rows, c.budget_bytes, c.dp_replicate)
+        budget = f"auto with a budget of {_size(c.budget_bytes)} per rank -> {chosen}"
+    lines += [
+        "",
+        f"{'policy':<16} {'dp_shard/rank':>14} {'dp_repl/rank':>13} {'tp/rank':>10} {'grads':>10} "
+        f"{'params':>10} {'extra':>10} {'auto weighs':>12} {'comm ms':>9} {'step ms':>9} {'speed-up':>9}",
+    ]
+    for row in rows:
+        tp_text = "model-dep." if row.tp_bytes is None else _size(row.tp_bytes)
+        lines.append(
+            f"{row.policy:<16} {_size(row.shard_bytes):>14} {_size(row.replicate_bytes):>13} {tp_text:>10} "
+            f"{_size(row.grad_memory):>10} {_size(row.param_memory):>10} {_size(row.extra_memory):>10} "
+            f"{_size(row.deferral_bytes):>12} {row.comm_ms:>9.1f} {row.step_ms:>9.1f} {row.speedup:>8.2f}x"
+        )
+    if budget:
+        lines += ["", budget]
+    return "\n".join(lines)
