@@ -3,7 +3,8 @@
 ``gradsync.Accelerator`` follows gradsync's rules (``GRADSYNC``): a partial window is the
 mean over its own micro-batches, the prepared LR scheduler steps once per optimizer step,
 samples are dealt to the ranks one by one. ``gradsync.accelerate.Accelerator`` follows
-Accelerate's (``Rules.accelerate(...)``), so that a script written for Accelerate ends with
+Accelerate's (``gradsync.accelerate.rules.accelerate_rules(...)``: Accelerate's side lives
+with the rest of Accelerate), so that a script written for Accelerate ends with
 Accelerate's parameters. The rule book is chosen by the import, never mixed in one run.
 
 No torch here: the launcher and the settings read it too.
@@ -53,28 +54,6 @@ class Rules:
     seedable_sampler: bool = False
     data_seed: int | None = None
     resume_mid_epoch: bool = True
-
-    @classmethod
-    def accelerate(
-        cls,
-        *,
-        split_batches: bool = False,
-        even_batches: bool = True,
-        seedable_sampler: bool = False,
-        data_seed: int | None = None,
-    ) -> Rules:
-        """Accelerate's rule book (with its ``DataLoaderConfiguration`` choices)."""
-        return cls(
-            name="accelerate",
-            loss_divisor="steps",
-            scheduler_per_process=not split_batches,
-            dealing="batches",
-            split_batches=split_batches,
-            even_batches=even_batches,
-            seedable_sampler=seedable_sampler,
-            data_seed=data_seed,
-            resume_mid_epoch=False,
-        )
 
     def scheduler_steps(self, processes: int) -> int:
         """LR scheduler steps per optimizer step."""

@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
+from gradsync.accelerate.rules import accelerate_rules
 from gradsync.data.dealing import BatchDeal, IterableDeal, split_size
 from gradsync.errors import ConfigError
-from gradsync.rules import GRADSYNC, Rules
+from gradsync.rules import GRADSYNC
 
 accelerate_data = pytest.importorskip("accelerate.data_loader")
 
@@ -98,13 +99,13 @@ def test_a_batch_size_the_processes_do_not_divide_is_accelerates_error() -> None
 
 def test_the_rule_books() -> None:
     assert GRADSYNC.scheduler_steps(4) == 1 and GRADSYNC.loss_divisor == "window"
-    rules = Rules.accelerate()
+    rules = accelerate_rules()
     assert (
         rules.scheduler_steps(4) == 4
         and rules.loss_divisor == "steps"
         and rules.dealing == "batches"
     )
-    assert Rules.accelerate(split_batches=True).scheduler_steps(4) == 1
+    assert accelerate_rules(split_batches=True).scheduler_steps(4) == 1
 
 
 def test_a_scheduler_steps_once_per_process_per_update_under_accelerates_rule() -> None:

@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from gradsync.accelerate.rules import accelerate_rules
 from gradsync.errors import ConfigError
 from gradsync.rules import Rules
 
@@ -157,7 +158,7 @@ class Translated:
     """Accelerate's keywords as gradsync settings, the rule book and the project."""
 
     settings: dict[str, Any] = field(default_factory=dict)
-    rules: Rules = field(default_factory=Rules.accelerate)
+    rules: Rules = field(default_factory=accelerate_rules)
     project: ProjectConfiguration = field(default_factory=ProjectConfiguration)
 
 
@@ -307,7 +308,7 @@ def translate(
         out["compile"] = compiled
     if cpu:
         out["device"] = "cpu"
-    rules = Rules.accelerate(
+    rules = accelerate_rules(
         split_batches=loaders.split_batches,
         even_batches=loaders.even_batches,
         seedable_sampler=loaders.use_seedable_sampler,
