@@ -373,3 +373,22 @@ def test_a_tampered_fsdp_full_state_file_is_refused_in_one_line_and_nothing_runs
     assert not ran.exists()
     after = full_weights(accel, model)
     assert all(torch.equal(v, after[k]) for k, v in before.items())  # nothing was loaded
+
+
+def test_a_fsdp_full_state_file_of_another_model_is_one_line(
+    full_state_folder, tmp_path, clean_env
+):
+    folder, _saved = full_state_folder
+    state = torch.load(folder / "pytorch_model_fsdp.bin", weights_only=True)
+    state["0.weight"] = torch.zeros(5, 3)  # a wider first layer
+    torch.save(state, folder / "pytorch_model_fsdp.bin")
+    accel, model, *_ = build_fsdp(1, tmp_path)
+    before = full_weights(accel, model)
+    with pytest.raises(CheckpointError) as err:
+        accel.load_state(folder)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "pytorch_model_fsdp.bin' does not fit the model" in message, message
+    assert "0.weight (5, 3) vs (4, 3) here" in message
+    after = full_weights(accel, model)
+    assert all(torch.equal(v, after[k]) for k, v in before.items())  # nothing was loaded

@@ -368,6 +368,8 @@ def _load_full(
         for held in optimizers
     ]
     for i, (model, state) in enumerate(zip(models, weights)):
+        _check_names(model, state, path / full_name(FULL_MODEL, i))
+    for i, (model, state) in enumerate(zip(models, weights)):
         try:
             set_model_state_dict(model, state, options=_full(cpu=False))
         except Exception as err:
@@ -380,10 +382,28 @@ def _load_full(
             raise _unfit(path / full_name(FULL_OPTIMIZER, held.index), "optimizer", err) from None
 
 
+def _check_names(model: nn.Module, state: dict[str, Any], path: Path) -> None:
+    """The full state dict has the model's names and shapes (before anything is set)."""
+    own = get_model_state_dict(model)
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)} here"
+        for k, v in own.items()
+        if k in state and isinstance(v, torch.Tensor) and tuple(state[k].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or shapes:
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r} does not fit the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, shapes {shapes[:5]}; prepare the same model "
+            "before load_state()"
+        )
+
+
 def _unfit(path: Path, what: str, err: Exception) -> CheckpointError:
     return CheckpointError(
-        f"checkpoint file {str(path)!r} does not fit the {what}: {one_line(err)}; prepare "
-        "the same model and optimizer before load_state()"
+        f"checkpoint file {str(path)!r} does not fit the {what}: {one_line(err).rstrip('.')}; "
+        "prepare the same model and optimizer before load_state()"
     )
 
 
