@@ -3,7 +3,13 @@ named ``step_{N}`` after N batches, resumed through load_state and skip_first_ba
 the script's own arithmetic; a shuffled loader, dropout (the RNG matters), a linear LR
 schedule, gradient accumulation and a registered object. ``--save_at`` takes batch counts
 that end a window (mid-epoch); ``--resume_from_checkpoint`` may name a folder the other
-library wrote."""
+library wrote.
+
+On FSDP2 (gradsync's; Accelerate trains FSDP only on accelerators): ``--state_dict_type
+FULL_STATE_DICT`` asks gradsync.accelerate for Accelerate's full layout, and
+``--full_state_copy DIR`` writes, at every save, the model and optimizer files of that
+layout into ``DIR/step_N`` as Accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer``
+write them for FSDP2 (full state dicts gathered to rank 0's CPU, ``torch.save`` by rank 0)."""
 
 import argparse
 import json
@@ -26,7 +32,30 @@ parser.add_argument(
     default="skip_first_batches",
     help="how the resumed epoch skips the batches consumed before the save",
 )
+parser.add_argument("--state_dict_type", default=None)
+parser.add_argument("--full_state_copy", default=None)
 args = parser.parse_args()
+
+
+def save_full_state(folder: str) -> None:
+    """Accelerate's FULL_STATE_DICT files of FSDP2, written by its own recipe."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    many = accelerator.num_processes > 1
+    options = StateDictOptions(full_state_dict=True, cpu_offload=many, broadcast_from_rank0=many)
+    module = accelerator.unwrap_model(model)
+    weights = get_model_state_dict(module, options=options)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    optim = get_optimizer_state_dict(module, inner, options=options)
+    if accelerator.is_main_process:
+        os.makedirs(folder, exist_ok=True)
+        torch.save(weights, os.path.join(folder, "pytorch_model_fsdp.bin"))
+        torch.save(optim, os.path.join(folder, "optimizer.bin"))
+    accelerator.wait_for_everyone()
 
 
 class Seen:
@@ -44,7 +73,8 @@ class Seen:
         self.total = state["total"].clone()
 
 
-accelerator = Accelerator(gradient_accumulation_steps=2)
+layout = {"fsdp_state_dict_type": args.state_dict_type} if args.state_dict_type else {}
+accelerator = Accelerator(gradient_accumulation_steps=2, **layout)
 set_seed(11)
 g = torch.Generator().manual_seed(3)
 x = torch.randn(40, 6, generator=g)
@@ -97,6 +127,8 @@ for epoch in range(starting_epoch, args.epochs):
         overall_step += 1
         if overall_step in args.save_at:
             accelerator.save_state(os.path.join(args.out, f"step_{overall_step}"))
+            if args.full_state_copy:
+                save_full_state(os.path.join(args.full_state_copy, f"step_{overall_step}"))
 
 accelerator.wait_for_everyone()
 state = {k: v.detach().cpu().clone() for k, v in accelerator.get_state_dict(model).items()}

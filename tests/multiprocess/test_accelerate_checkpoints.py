@@ -16,7 +16,11 @@ where the uninterrupted run ends.
 Accelerate runs FSDP and DeepSpeed only on accelerators (``accelerate launch --use_fsdp`` or
 ``--use_deepspeed`` trains with DDP on the CPU), so on FSDP2 and DeepSpeed ZeRO 2 only
 gradsync's side is checked: it writes Accelerate's layout of that backend, and resuming
-those files alone equals Accelerate's own (DDP) resume.
+those files alone equals Accelerate's own (DDP) resume. On FSDP2 both of Accelerate's
+state-dict types: SHARDED_STATE_DICT (gradsync's default), and FULL_STATE_DICT, whose files
+the script also writes by Accelerate's own recipe (``--full_state_copy``) for gradsync to
+resume, and which gradsync writes itself when asked (``fsdp_state_dict_type``): the same
+files, resumed the same.
 """
 
 from __future__ import annotations
@@ -51,9 +55,10 @@ def entry(
     resume: Path | None = None,
     saved: tuple[int, ...] = SAVED,
     skip_by: str = "skip_first_batches",
+    extra: tuple[str, ...] = (),
 ) -> list[object]:
     (out / name).mkdir(parents=True, exist_ok=True)
-    args = ["--out", str(out / name), "--skip_by", skip_by]
+    args = ["--out", str(out / name), "--skip_by", skip_by, *extra]
     if resume is None:
         args += ["--save_at", *map(str, saved)]
     else:
@@ -113,6 +118,15 @@ LAYOUT = {
     "fsdp": (FSDP, ("pytorch_model_fsdp_0", "optimizer_0", *COMMON)),
     "deepspeed": (ZERO2, ("pytorch_model", "latest", *COMMON)),
 }
+#: FSDP2's FULL_STATE_DICT files: rank 0's full model and optimizer state.
+FULL_FILES = ("pytorch_model_fsdp.bin", "optimizer.bin")
+
+
+def alone(src: Path, dst: Path, files: tuple[str, ...]) -> None:
+    """``files`` of the folder ``src`` copied into ``dst`` (nothing of gradsync's own)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in files:
+        (shutil.copytree if (src / name).is_dir() else shutil.copy)(src / name, dst / name)
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUT))
@@ -124,18 +138,28 @@ def sharded_runs(runs: Path, request: pytest.FixtureRequest) -> tuple[str, Path]
     flags, files = LAYOUT[backend]
     out = runs / backend
     full = out / "full"
-    launch(out, backend, [entry(out, "full", saved=SHARDED_SAVED)], gradsync=True, flags=flags)
+    fsdp = backend == "fsdp"
+    copy = ("--full_state_copy", str(out / "accelerates-recipe")) if fsdp else ()
+    plan = [entry(out, "full", saved=SHARDED_SAVED, extra=copy)]
+    if fsdp:  # the same run, asking for Accelerate's FULL_STATE_DICT layout
+        ask = ("--state_dict_type", "FULL_STATE_DICT")
+        plan.append(entry(out, "full-written", saved=SHARDED_SAVED, extra=ask))
+    launch(out, backend, plan, gradsync=True, flags=flags)
     plan = []
     for s in SHARDED_SAVED:
-        alone = out / "accelerate-layout" / f"step_{s}"
-        alone.mkdir(parents=True)
-        for name in files:
-            src = full / f"step_{s}" / name
-            (shutil.copytree if src.is_dir() else shutil.copy)(src, alone / name)
+        step = f"step_{s}"
+        alone(full / step, out / "accelerate-layout" / step, files)
         plan += [
-            entry(out, f"from-layout{s}", alone),
-            entry(out, f"from-own{s}", full / f"step_{s}"),
+            entry(out, f"from-layout{s}", out / "accelerate-layout" / step),
+            entry(out, f"from-own{s}", full / step),
         ]
+        if fsdp:  # Accelerate's full layout by its recipe, and as gradsync writes it
+            alone(full / step, out / "accelerates-recipe" / step, COMMON)
+            alone(out / "full-written" / step, out / "written" / step, FULL_FILES + COMMON)
+            plan += [
+                entry(out, f"from-recipe{s}", out / "accelerates-recipe" / step),
+                entry(out, f"from-written{s}", out / "written" / step),
+            ]
     launch(out, f"{backend}-resumes", plan, gradsync=True, flags=flags)
     return backend, out
 
@@ -216,3 +240,39 @@ def test_sharded_backends_resume_accelerates_layout(
         assert distance(runs, resumed, own) <= 1e-6
         assert final(runs, resumed)[0]["seen"] == final(runs, own)[0]["seen"]
         assert distance(runs, f"{backend}/from-own{saved}", f"{backend}/full") == 0.0
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal nested state: tensors bitwise, the rest by ==."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("sharded_runs", ["fsdp"], indirect=True)
+def test_fsdp_full_state_dict_layout_is_accelerates_and_resumes_as_accelerate_does(
+    runs: Path, sharded_runs: tuple[str, Path]
+) -> None:
+    _, out = sharded_runs
+    assert distance(runs, "fsdp/full-written", "fsdp/full") == 0.0
+    for saved in SHARDED_SAVED:
+        step = f"step_{saved}"
+        written = {p.name for p in (out / "full-written" / step).iterdir()}
+        assert set(FULL_FILES) <= written and "pytorch_model_fsdp_0" not in written
+        assert "gradsync_checkpoint.json" in written
+        for name in FULL_FILES:  # gradsync writes what Accelerate's recipe writes
+            ours = torch.load(out / "written" / step / name, weights_only=True)
+            theirs = torch.load(out / "accelerates-recipe" / step / name, weights_only=True)
+            assert same(ours, theirs), name
+        own = f"acc-from-acc{saved}"
+        for resumed in (f"fsdp/from-recipe{saved}", f"fsdp/from-written{saved}"):
+            assert [f["trained"] for f in final(runs, resumed)] == [15 - saved] * 2
+            assert distance(runs, resumed, "acc-full") <= distance(runs, own, "acc-full") + 1e-6
+            assert distance(runs, resumed, own) <= 1e-6
+            assert final(runs, resumed)[0]["seen"] == final(runs, own)[0]["seen"]
+        # a resume of the full layout ends where a resume of the sharded one ends
+        assert distance(runs, f"fsdp/from-recipe{saved}", f"fsdp/from-layout{saved}") == 0.0

@@ -139,6 +139,28 @@ def test_fsdp_file_means_what_accelerates_plugin_makes_of_it(here, monkeypatch):
     assert run.config.nproc_per_node == 8 and run.config.world_size == 8
 
 
+@pytest.mark.parametrize("how", ["file", "flag"])
+def test_fsdp_state_dict_type_chooses_the_accelerate_layout_save_state_writes(
+    how, here, monkeypatch
+):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    if how == "file":
+        text = Path("fsdp.yaml").read_text().replace("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+        Path("full.yaml").write_text(text)
+        argv = ["--config_file", "full.yaml"]
+    else:
+        argv = ["--config_file", "fsdp.yaml", "--fsdp_state_dict_type", "FULL_STATE_DICT"]
+    _, env = accelerate_env(argv, monkeypatch)
+    with mock.patch.dict(os.environ, env, clear=True):
+        plugin = FullyShardedDataParallelPlugin()
+    assert plugin.state_dict_type.name == "FULL_STATE_DICT"
+    config = load_config(environ=launcher(*argv, "--nproc-per-node", "2").run_env())
+    assert config.fsdp_state_dict_type == "FULL_STATE_DICT"
+    sharded = load_config(environ=launcher("--config_file", "fsdp.yaml").run_env())
+    assert sharded.fsdp_state_dict_type is None  # SHARDED_STATE_DICT: the default, silent
+
+
 def test_deepspeed_file_means_what_accelerates_plugin_makes_of_it(here, monkeypatch):
     from accelerate.utils import DeepSpeedPlugin
 
@@ -418,7 +440,7 @@ def test_a_key_that_does_not_map_is_one_warning_naming_it(here, caplog, monkeypa
     (here / "odd.yaml").write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\ndebug: true\nenable_cpu_affinity: true\n"
         "main_training_function: train\nfsdp_config:\n  fsdp_version: 2\n  fsdp_offload_params: true\n"
-        "  fsdp_state_dict_type: FULL_STATE_DICT\n  fsdp_reshard_after_forward: false\n"
+        "  fsdp_reshard_after_forward: false\n"
         "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 1000\n"
         "downcast_bf16: 'no'\ntpu_use_cluster: false\nsame_network: true\nrdzv_backend: static\n"
     )
@@ -430,7 +452,6 @@ def test_a_key_that_does_not_map_is_one_warning_naming_it(here, caplog, monkeypa
         "fsdp_config.fsdp_auto_wrap_policy",
         "fsdp_config.fsdp_offload_params",
         "fsdp_config.fsdp_reshard_after_forward",
-        "fsdp_config.fsdp_state_dict_type",
         "main_training_function",
     ]
     for note in t.notes:
@@ -591,6 +612,12 @@ def test_contradictions_and_refused_flags_are_one_line(argv, message, here):
         (
             "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 1\n",
             "fsdp_config.fsdp_version=1 in 'x.yaml': gradsync runs FSDP2",
+        ),
+        (
+            "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+            "  fsdp_state_dict_type: LOCAL_STATE_DICT\n",
+            "fsdp_config.fsdp_state_dict_type='LOCAL_STATE_DICT' in 'x.yaml': FSDP2 has no "
+            "LOCAL_STATE_DICT",
         ),
         (
             "distributed_type: MULTI_GPU\nmixed_precision: fp8\n",

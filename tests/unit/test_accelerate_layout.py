@@ -281,3 +281,114 @@ def test_two_models_and_optimizers_take_accelerates_numbered_names(tmp_path, cle
         ob.state_dict()["state"][0]["momentum_buffer"],
     )
     assert oa2.state_dict()["state"][0]["step"] == oa.state_dict()["state"][0]["step"]
+
+
+# -- FSDP2's FULL_STATE_DICT layout, in one gloo process ------------------------------------
+FULL_FILES = {
+    "pytorch_model_fsdp.bin",
+    "optimizer.bin",
+    "scheduler.bin",
+    "custom_checkpoint_0.pkl",
+    "random_states_0.pkl",
+}
+
+
+def build_fsdp(seed: int, tmp_path: Path) -> tuple[Any, ...]:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    torch.manual_seed(seed)
+    accel = Accelerator(
+        gradient_accumulation_steps=2,
+        cpu=True,
+        backend="fsdp",
+        fsdp_state_dict_type="FULL_STATE_DICT",
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    loader = DataLoader(torch.randn(8, 3), batch_size=2)
+    counter = Counter()
+    model, opt, loader, sched = accel.prepare(model, opt, loader, sched)
+    accel.register_for_checkpointing(counter)
+    return accel, model, opt, sched, loader, counter
+
+
+def full_weights(accel: Any, model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in accel.get_state_dict(model).items()}
+
+
+@pytest.fixture
+def full_state_folder(tmp_path: Path, clean_env: Any) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Accelerate's FULL_STATE_DICT files alone, as gradsync.accelerate wrote them on FSDP2."""
+    parts = build_fsdp(0, tmp_path)
+    train(*parts)
+    accel, model = parts[0], parts[1]
+    path = Path(accel.save_state(tmp_path / "both"))
+    assert FULL_FILES <= {p.name for p in path.iterdir()}
+    assert not (path / "pytorch_model_fsdp_0").exists()  # not the sharded layout
+    only = tmp_path / "accelerate"
+    only.mkdir()
+    for name in FULL_FILES:
+        shutil.copy(path / name, only / name)
+    return only, full_weights(accel, model)
+
+
+def test_fsdp_full_state_files_resume(full_state_folder, tmp_path, clean_env):
+    folder, saved = full_state_folder
+    accel, model, opt, _sched, _loader, counter = build_fsdp(1, tmp_path)
+    assert any(not torch.equal(v, full_weights(accel, model)[k]) for k, v in saved.items())
+    accel.load_state(folder)
+    now = full_weights(accel, model)
+    assert all(torch.equal(v, now[k]) for k, v in saved.items())
+    assert counter.seen == 8
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    saved_optim = torch.load(folder / "optimizer.bin", weights_only=True)
+    assert sorted(saved_optim["state"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    full = StateDictOptions(full_state_dict=True)
+    loaded = get_optimizer_state_dict(accel.unwrap_model(model), opt.optimizer, options=full)
+    for name, moments in saved_optim["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(loaded["state"][name][key], value), (name, key)
+
+
+@pytest.mark.parametrize("name", ["pytorch_model_fsdp.bin", "optimizer.bin"])
+def test_a_tampered_fsdp_full_state_file_is_refused_in_one_line_and_nothing_runs(
+    full_state_folder, name, tmp_path, clean_env
+):
+    folder, _saved = full_state_folder
+    ran = tmp_path / "ran"
+    state = torch.load(folder / name, weights_only=True)
+    state["extra"] = Payload(ran)
+    torch.save(state, folder / name)
+    accel, model, *_ = build_fsdp(1, tmp_path)
+    before = full_weights(accel, model)
+    with pytest.raises(CheckpointError) as err:
+        accel.load_state(folder)
+    message = str(err.value)
+    assert "\n" not in message
+    assert name in message and "system" in message and "trusted=True" in message
+    assert not ran.exists()
+    after = full_weights(accel, model)
+    assert all(torch.equal(v, after[k]) for k, v in before.items())  # nothing was loaded
+
+
+def test_a_fsdp_full_state_file_of_another_model_is_one_line(
+    full_state_folder, tmp_path, clean_env
+):
+    folder, _saved = full_state_folder
+    state = torch.load(folder / "pytorch_model_fsdp.bin", weights_only=True)
+    state["0.weight"] = torch.zeros(5, 3)  # a wider first layer
+    torch.save(state, folder / "pytorch_model_fsdp.bin")
+    accel, model, *_ = build_fsdp(1, tmp_path)
+    before = full_weights(accel, model)
+    with pytest.raises(CheckpointError) as err:
+        accel.load_state(folder)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "pytorch_model_fsdp.bin' does not fit the model" in message, message
+    assert "0.weight (5, 3) vs (4, 3) here" in message
+    after = full_weights(accel, model)
+    assert all(torch.equal(v, after[k]) for k, v in before.items())  # nothing was loaded

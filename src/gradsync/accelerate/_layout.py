@@ -8,7 +8,11 @@ scheduler's (``scheduler.bin``, ...), each registered object's (``custom_checkpo
 ...), the loss scaler's (``scaler.pt``) and, per process, the RNG and the accumulation
 counter (``random_states_{rank}.pkl``). It records no loader position (the script skips
 the batches it consumed itself, with ``skip_first_batches``), no world size and no
-version.
+version. On FSDP2 the weights and optimizer states are in one of Accelerate's two
+state-dict types: ``SHARDED_STATE_DICT`` (``pytorch_model_fsdp_0/``, ``optimizer_0/``,
+``torch.distributed.checkpoint`` folders) or ``FULL_STATE_DICT`` (rank 0's
+``pytorch_model_fsdp.bin`` and ``optimizer.bin``, the optimizer keyed by parameter names);
+the backend reads both (``accelerate_reads``) and writes the one its settings choose.
 
 ``gradsync.accelerate``'s ``save_state`` writes these files beside gradsync's own, so that
 Accelerate resumes the folder and gradsync resumes it exactly (window, loader positions).
@@ -65,8 +69,9 @@ READS = (
     "gradsync.accelerate reads Accelerate's one-process and DDP layout (model.safetensors or "
     "pytorch_model.bin, optimizer.bin, scheduler.bin, custom_checkpoint_N.pkl, "
     "random_states_N.pkl) on backend single or ddp, its FSDP2 SHARDED_STATE_DICT layout "
-    "(pytorch_model_fsdp_N/, optimizer_N/) on backend fsdp, and its DeepSpeed layout "
-    "(pytorch_model/) on backend deepspeed"
+    "(pytorch_model_fsdp_N/, optimizer_N/) and FULL_STATE_DICT layout (pytorch_model_fsdp.bin, "
+    "optimizer.bin) on backend fsdp, and its DeepSpeed layout (pytorch_model/) on backend "
+    "deepspeed"
 )
 
 
@@ -227,6 +232,9 @@ def _engines(folder: Path) -> list[str]:
 def _layout(folder: Path, kind: str) -> dict[str, list[str]]:
     if kind == "sharded_dcp":
         models, optimizers = _dirs(folder, "pytorch_model_fsdp"), _dirs(folder, "optimizer")
+    elif kind == "full_state":
+        models = _files(folder, "pytorch_model_fsdp", ".bin")
+        optimizers = _files(folder, "optimizer", ".bin")
     elif kind == "engine_tag":  # an engine holds its optimizer
         models = optimizers = _engines(folder)
     else:
@@ -256,7 +264,7 @@ def problem(parts: Parts, folder: Path) -> str | None:
     backend = parts.backend
     kind, hit = kind_of(folder)
     layout = _layout(folder, kind)
-    if kind != backend.accelerate_layout:
+    if kind != backend.accelerate_layout and kind not in backend.accelerate_reads:
         shown = hit or next(iter(layout["models"]), "model.safetensors")
         return (
             f"{where} holds Accelerate's {KINDS[kind]} ({shown}) and this run uses "
@@ -393,7 +401,7 @@ def load(
     before()
     p, backend, window = parts.prepared, parts.backend, parts.window
     plain = backend.accelerate_layout == "plain"
-    layout = _layout(folder, backend.accelerate_layout)
+    layout = _layout(folder, kind_of(folder)[0])
     weights = [_weights(folder / n, trusted) for n in layout["models"]] if plain else []
     optimizers = [_read(folder / n, trusted) for n in layout["optimizers"]] if plain else []
     schedulers = [_read(folder / n, trusted) for n in layout["schedulers"]]

@@ -171,7 +171,8 @@ class Accelerator(_Core):
             (
                 "fsdp_plugin",
                 fsdp_plugin,
-                "backend='fsdp' with the fsdp_* settings (or gradsync launch --use_fsdp)",
+                "backend='fsdp' with the fsdp_* settings (its state_dict_type is "
+                "fsdp_state_dict_type) or gradsync launch --use_fsdp",
             ),
             ("torch_tp_plugin", torch_tp_plugin, "FSDP2 (backend='fsdp')"),
             ("megatron_lm_plugin", megatron_lm_plugin, "FSDP2 (backend='fsdp') or DeepSpeed"),

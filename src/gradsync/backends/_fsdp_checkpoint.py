@@ -23,7 +23,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -279,14 +283,48 @@ def _set(
         )
 
 
-# -- Accelerate's SHARDED_STATE_DICT layout of FSDP2: model ``i`` in ``pytorch_model_fsdp_{i}``
+# -- Accelerate's layouts of FSDP2. SHARDED_STATE_DICT: model ``i`` in ``pytorch_model_fsdp_{i}``
 # under "model", optimizer ``j`` in ``optimizer_{j}`` under "optimizer", both DCP folders.
-def save_accelerate(path: Path, models: Sequence[nn.Module], optimizers: Sequence[Held]) -> None:
+# FULL_STATE_DICT: rank 0's ``torch.save`` of model ``i``'s full state dict in
+# ``pytorch_model_fsdp.bin`` (then ``pytorch_model_fsdp_{i}.bin``) and of optimizer ``j``'s,
+# keyed by parameter names, in ``optimizer.bin`` (then ``optimizer_{j}.bin``).
+FULL_MODEL, FULL_OPTIMIZER = "pytorch_model_fsdp", "optimizer"
+
+
+def full_name(stem: str, i: int) -> str:
+    """The ``i``-th file of the FULL_STATE_DICT layout: ``stem.bin``, then ``stem_i.bin``."""
+    return f"{stem}.bin" if i == 0 else f"{stem}_{i}.bin"
+
+
+def save_accelerate(
+    adapter: Any, path: Path, models: Sequence[nn.Module], optimizers: Sequence[Held]
+) -> None:
+    """Write ``adapter.accelerate_layout``'s files (the adapter's method; collective)."""
+    if adapter.accelerate_layout == "full_state":
+        _save_full(path, models, optimizers)
+        return
     for i, model in enumerate(models):
         _write(_model_state(model), path / f"pytorch_model_fsdp_{i}")
     for held in optimizers:
         optim = _optim_state(models, held)["optim"]
         _write({"optimizer": optim}, path / f"optimizer_{held.index}")
+
+
+def _full(cpu: bool = True) -> StateDictOptions:
+    """Full state dicts; ``cpu``: gathered to rank 0's CPU alone (the others get nothing)."""
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu)
+
+
+def _save_full(path: Path, models: Sequence[nn.Module], optimizers: Sequence[Held]) -> None:
+    """Every rank gathers (collective); rank 0 writes."""
+    for i, model in enumerate(models):
+        state = get_model_state_dict(model, options=_full())
+        if dist.rank() == 0:
+            save_file(state, path / full_name(FULL_MODEL, i))
+    for held in optimizers:
+        optim = get_optimizer_state_dict(_holder(models, held), held.optimizer, options=_full())
+        if dist.rank() == 0:
+            save_file(optim, path / full_name(FULL_OPTIMIZER, held.index))
 
 
 def load_accelerate(
@@ -296,6 +334,10 @@ def load_accelerate(
     *,
     trusted: bool = False,
 ) -> None:
+    """Either layout, known by its files; every rank ends with its shards."""
+    if (path / full_name(FULL_MODEL, 0)).is_file():
+        _load_full(path, models, optimizers, trusted=trusted)
+        return
     allowed = safety.allow_list().__contains__  # FSDP2's checkpoints name no global of its own
     model_states = []
     for i, model in enumerate(models):
@@ -310,6 +352,59 @@ def load_accelerate(
         _read(folder, state, "optimizer", trusted=trusted, allowed=allowed)
         optim_states.append(state["optimizer"])
     _set(models, optimizers, model_states, optim_states)
+
+
+def _load_full(
+    path: Path, models: Sequence[nn.Module], optimizers: Sequence[Held], *, trusted: bool
+) -> None:
+    """Every rank reads the full files (scanned by the caller unless ``trusted``; read as
+    ``weights_only`` unless ``trusted``) and keeps its shards of them; every file is read
+    before any state is set."""
+    weights = [
+        load_file(path / full_name(FULL_MODEL, i), trusted=trusted) for i in range(len(models))
+    ]
+    optims = [
+        load_file(path / full_name(FULL_OPTIMIZER, held.index), trusted=trusted)
+        for held in optimizers
+    ]
+    for i, (model, state) in enumerate(zip(models, weights)):
+        _check_names(model, state, path / full_name(FULL_MODEL, i))
+    for i, (model, state) in enumerate(zip(models, weights)):
+        try:
+            set_model_state_dict(model, state, options=_full(cpu=False))
+        except Exception as err:
+            raise _unfit(path / full_name(FULL_MODEL, i), "model", err) from None
+    for held, optim in zip(optimizers, optims):
+        holder = _holder(models, held)
+        try:
+            set_optimizer_state_dict(holder, held.optimizer, optim, options=_full(cpu=False))
+        except Exception as err:
+            raise _unfit(path / full_name(FULL_OPTIMIZER, held.index), "optimizer", err) from None
+
+
+def _check_names(model: nn.Module, state: dict[str, Any], path: Path) -> None:
+    """The full state dict has the model's names and shapes (before anything is set)."""
+    own = get_model_state_dict(model)
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)} here"
+        for k, v in own.items()
+        if k in state and isinstance(v, torch.Tensor) and tuple(state[k].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or shapes:
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r} does not fit the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, shapes {shapes[:5]}; prepare the same model "
+            "before load_state()"
+        )
+
+
+def _unfit(path: Path, what: str, err: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint file {str(path)!r} does not fit the {what}: {one_line(err).rstrip('.')}; "
+        "prepare the same model and optimizer before load_state()"
+    )
 
 
 def full_state_dict(model: nn.Module, device: torch.device) -> dict[str, Any]:

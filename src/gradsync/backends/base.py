@@ -100,12 +100,15 @@ class Backend(Protocol):
     #: Globals (``module.name``) its checkpoint files may name besides torch's
     #: ``weights_only`` set: a checkpoint naming any other is refused before loading.
     checkpoint_globals: ClassVar[frozenset[str]]
-    #: Accelerate's checkpoint layout it writes and reads beside its own: "plain" (the full
+    #: Accelerate's checkpoint layout it writes beside its own: "plain" (the full
     #: weights and optimizer state of one process or DDP), "sharded_dcp" (Accelerate's
-    #: FSDP2 ``SHARDED_STATE_DICT`` folders) or "engine_tag" (a DeepSpeed engine's own
-    #: checkpoint under Accelerate's tag), both through ``save_accelerate`` /
-    #: ``load_accelerate``; or "" (none).
-    accelerate_layout: ClassVar[str]
+    #: FSDP2 ``SHARDED_STATE_DICT`` folders), "full_state" (Accelerate's FSDP2
+    #: ``FULL_STATE_DICT`` files) or "engine_tag" (a DeepSpeed engine's own checkpoint under
+    #: Accelerate's tag), both through ``save_accelerate`` / ``load_accelerate``; or ""
+    #: (none). A setting may choose it (set at ``setup``).
+    accelerate_layout: str
+    #: The other Accelerate layouts ``load_accelerate`` reads besides ``accelerate_layout``.
+    accelerate_reads: ClassVar[frozenset[str]]
     policy: SyncPolicy
     policy_reason: str  # why the adapter resolved that policy, with its numbers ("" if nothing)
     owns_group: bool  # gradsync created the process group (and releases it)
@@ -296,7 +299,8 @@ class AdapterDefaults:
     """
 
     checkpoint_globals: ClassVar[frozenset[str]] = frozenset()
-    accelerate_layout: ClassVar[str] = ""
+    accelerate_layout: str = ""
+    accelerate_reads: ClassVar[frozenset[str]] = frozenset()
     policy: SyncPolicy
     policy_reason: str  # why the adapter resolved that policy, with its numbers ("" if nothing)
     owns_group: bool  # gradsync created the process group (and releases it)

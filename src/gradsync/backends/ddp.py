@@ -27,7 +27,7 @@ class DDPBackend(AdapterDefaults):
 
     name: ClassVar[str] = "ddp"
     checkpoint_format: ClassVar[str] = "plain"
-    accelerate_layout: ClassVar[str] = "plain"
+    accelerate_layout: str = "plain"
     reshardable: ClassVar[bool] = True  # every rank holds everything
 
     def __init__(self) -> None:

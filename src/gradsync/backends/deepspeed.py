@@ -73,7 +73,7 @@ class DeepSpeedBackend(AdapterDefaults):
 
     name: ClassVar[str] = "deepspeed"
     checkpoint_format: ClassVar[str] = "deepspeed"  # the engine's own checkpoints
-    accelerate_layout: ClassVar[str] = "engine_tag"  # the engine's own, tagged pytorch_model
+    accelerate_layout: str = "engine_tag"  # the engine's own, tagged pytorch_model
     reshardable: ClassVar[bool] = False
     checkpoint_globals: ClassVar[frozenset[str]] = _deepspeed_compat.CHECKPOINT_GLOBALS
 

@@ -87,8 +87,9 @@ class FSDPBackend(AdapterDefaults):
 
     name: ClassVar[str] = "fsdp"
     checkpoint_format: ClassVar[str] = "dcp"  # torch.distributed.checkpoint, sharded
-    accelerate_layout: ClassVar[str] = "sharded_dcp"
-    save_accelerate = staticmethod(_fsdp_checkpoint.save_accelerate)
+    accelerate_layout: str = "sharded_dcp"  # "full_state": fsdp_state_dict_type (setup)
+    accelerate_reads: ClassVar[frozenset[str]] = frozenset({"sharded_dcp", "full_state"})
+    save_accelerate = _fsdp_checkpoint.save_accelerate  # a method: it reads the layout
     load_accelerate = staticmethod(_fsdp_checkpoint.load_accelerate)
     reshardable: ClassVar[bool] = True
 
@@ -119,6 +120,8 @@ class FSDPBackend(AdapterDefaults):
         refuse_native(config.sync_policy, self.name)
         self._asked = config.sync_policy
         self._bf16 = config.mixed_precision == "bf16"
+        if config.fsdp_state_dict_type == "FULL_STATE_DICT":
+            self.accelerate_layout = "full_state"
         if config.mixed_precision == "fp16":
             self._dtype = _amp.check_autocast(_group.local_device(), "fp16")
         self._checkpointing = config.activation_checkpointing

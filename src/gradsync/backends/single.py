@@ -22,7 +22,7 @@ _NOTHING = contextlib.nullcontext()
 class SingleBackend(AdapterDefaults):
     name: ClassVar[str] = "single"
     checkpoint_format: ClassVar[str] = "plain"
-    accelerate_layout: ClassVar[str] = "plain"
+    accelerate_layout: str = "plain"
     reshardable: ClassVar[bool] = True  # every rank holds everything
 
     def setup(self, config: Config) -> None:

@@ -353,6 +353,15 @@ class FSDPOptions:
             minimum=1,
         ),
     )
+    fsdp_state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] | None = field(
+        default=None,
+        metadata=setting(
+            "the Accelerate layout gradsync.accelerate's save_state writes beside gradsync's "
+            "own: 'SHARDED_STATE_DICT' (None: the default) or 'FULL_STATE_DICT' (rank 0 "
+            "writes the full weights and optimizer state); load_state reads both",
+            backend="fsdp",
+        ),
+    )
     fsdp_memory_budget: int | None = field(
         default=None,
         metadata=setting(

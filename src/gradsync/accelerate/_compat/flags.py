@@ -245,7 +245,7 @@ FLAGS: tuple[AcceleratedFlag, ...] = (
     _f("fsdp_offload_params", "ignored when true, with a warning", section=_FSDP, metavar="BOOL"),
     _f(
         "fsdp_state_dict_type",
-        "SHARDED_STATE_DICT (what gradsync saves; others ignored with a warning)",
+        "SHARDED_STATE_DICT or FULL_STATE_DICT: the Accelerate layout save_state writes",
         section=_FSDP,
         metavar="T",
     ),

@@ -103,12 +103,16 @@ KEYS: tuple[Key, ...] = (
     ),
     # true: the wrapped classes are recomputed (_checkpointing)
     Key("fsdp_activation_checkpointing", boolean, quiet=(False,)),
+    # the Accelerate layout save_state writes beside gradsync's own (fsdp_state_dict_type)
     Key(
         "fsdp_state_dict_type",
-        word(),
+        word("SHARDED_STATE_DICT", "FULL_STATE_DICT", "LOCAL_STATE_DICT"),
         quiet=(None, "SHARDED_STATE_DICT"),
-        ignored="gradsync's save_state writes sharded checkpoints (torch.distributed.checkpoint); "
-        "accel.save_model writes the whole model",
+        refused={
+            "LOCAL_STATE_DICT": "FSDP2 has no LOCAL_STATE_DICT (Accelerate refuses it too); use "
+            "SHARDED_STATE_DICT or FULL_STATE_DICT"
+        },
+        to="fsdp_state_dict_type",
     ),
     Key(
         "fsdp_backward_prefetch",
