@@ -18,6 +18,7 @@ addresses), so until the last script ``torch.distributed.destroy_process_group``
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -103,10 +104,16 @@ def main() -> None:
             run(Path(script), list(args), gradsync, core=mode == ["core"])
         if not gradsync:
             reset_accelerate()
-    # A group left to the interpreter's exit can abort it (its threads still joinable) on a
-    # loaded machine; the last script ended, so the group goes now.
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    if not gradsync:
+        # Under Accelerate the interpreter's exit tears down gloo's threads, which aborts a
+        # rank now and then on a loaded machine ("terminate called without an active
+        # exception", exit -6). Every script has written its results: the ranks meet once
+        # more (while the group is there) and leave without that teardown.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
