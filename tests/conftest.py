@@ -195,8 +195,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 #: The multi-process modules that exercise torch's internals (FSDP2's private state, HSDP's
-#: partial buffers, tensor parallelism, resumes and dropped windows, checkpoints, the audit's
-#: process group): marked ``torch_internals``. scripts/torch_range.sh runs them, with the unit
+#: partial buffers, tensor parallelism, pipelines and their point-to-point ops, resumes and
+#: dropped windows, checkpoints, the audit's process group): marked ``torch_internals``. scripts/torch_range.sh runs them, with the unit
 #: tests, on the oldest supported and the newest torch (``-m "not multiprocess or
 #: torch_internals"``).
 TORCH_INTERNALS = {
@@ -207,6 +207,9 @@ TORCH_INTERNALS = {
     "test_fsdp.py",
     "test_hsdp.py",
     "test_oom.py",
+    "test_pipeline_parallel.py",
+    "test_pipeline_parallel_3d.py",
+    "test_pipeline_parallel_dp.py",
     "test_resume.py",
     "test_tensor_parallel.py",
     "test_tensor_parallel_3d.py",

@@ -342,6 +342,20 @@ class _Work(dist.Work):
         return future
 
 
+class _BackendView:
+    """The wrapped backend as torch reads it through ``AuditProcessGroup._get_backend``:
+    its properties, except that nothing is coalesced or split past the audit."""
+
+    supports_coalescing = False
+    supports_splitting = False
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 class AuditProcessGroup(dist.ProcessGroup):
     """A process group that records each collective, then runs it on the wrapped backend.
 
@@ -368,6 +382,13 @@ class AuditProcessGroup(dist.ProcessGroup):
         """The label ``label_group`` gave the group (None: ``"world"`` or ``"other"``)."""
 
     # -- identity ---------------------------------------------------------
+    def _get_backend(self, device: Any) -> _BackendView:
+        """What torch reads of this group's backend for ``device``. A Python group has no
+        per-device backend in torch's registry, and torch >= 2.15's ``batch_isend_irecv``
+        (the pipeline's sends) asks for one: the wrapped backend's view, which never
+        coalesces or splits, so every point-to-point op comes through this group."""
+        return _BackendView(self.inner)
+
     def getBackendName(self) -> str:
         """The backend's name, as torch.distributed asks for it.
 
