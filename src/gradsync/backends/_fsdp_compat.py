@@ -7,7 +7,10 @@ the last also turns off the root's automatic choice, so gradsync sets the group'
 itself), running FSDP2's lazy initialisation before the first forward (it resets the root's
 flag), the unpadded full size of a sharded parameter, the unsharded gradients that a
 deferred window accumulates, and, on a 2-D mesh (HSDP), the partial buffers in which a window
-whose all-reduce across replicas is deferred accumulates its reduce-scattered shards. Each access goes through
+whose all-reduce across replicas is deferred accumulates its reduce-scattered shards, and the
+end of a pipeline schedule step's backward (every state of the root's ``_state_ctx``, each
+group's ``post_backward``, the root's ``_root_post_backward_final_callback``: what torch's
+pipeline stage runs itself). Each access goes through
 ``_require`` so that a torch that renamed one fails with a message naming the supported
 versions instead of an AttributeError from deep inside.
 """

@@ -20,17 +20,16 @@ parameter names are the whole model's.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from gradsync import audit
 from gradsync._plan.batch_plan import BatchPlan
-from gradsync.backends import _fsdp_compat, _group
+from gradsync.backends import _fsdp_compat, _group, _pipeline_compat
 from gradsync.errors import ConfigError, UsageError
 from gradsync.mesh import Parallelism
 
@@ -196,29 +195,6 @@ def cast_modules(made: Any, stages: int) -> list[nn.Module]:
     return found
 
 
-class _Stage(PipelineStage):
-    """torch's stage, ending each schedule step's backward with gradsync's sync flags."""
-
-    def __init__(self, pipeline: Pipeline, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._pipeline = weakref.ref(pipeline)
-
-    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        pipeline = self._pipeline()
-        assert pipeline is not None and grad_scale_factor == 1
-        _fsdp_compat.end_pipeline_backward(self.submod, pipeline.flags)
-
-    def _post_metadata_inference_cleanup(self) -> None:
-        # The first schedule step infers the shapes with a real forward and backward and
-        # then drops every gradient; a window's gradients from before it (a resumed window)
-        # are put back.
-        super()._post_metadata_inference_cleanup()
-        pipeline = self._pipeline()
-        assert pipeline is not None
-        for param, grad in pipeline.grads.items():
-            param.grad = grad
-
-
 class Pipeline:
     """One rank's stage of a pipelined model and the schedule that runs it."""
 
@@ -246,12 +222,24 @@ class Pipeline:
         self._running = False
         self._factor = 1.0
         self._loss_fn: Callable[..., torch.Tensor] | None = None
-        stage = _Stage(self, module, index, stages, device, group=group)
+        stage = _pipeline_compat.Stage(
+            self._end_backward, self._put_back_grads, module, index, stages, device, group=group
+        )
         self._schedule = _SCHEDULES[schedule](
             stage, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False
         )
         module.register_forward_pre_hook(self._guard, prepend=True)
         object.__setattr__(module, _ATTRIBUTE, self)
+
+    def _end_backward(self) -> None:
+        _fsdp_compat.end_pipeline_backward(self.module, self.flags)
+
+    def _put_back_grads(self) -> None:
+        # The first schedule step infers the shapes with a real forward and backward and
+        # then drops every gradient; a window's gradients from before it (a resumed window)
+        # are put back.
+        for param, grad in self.grads.items():
+            param.grad = grad
 
     def _guard(self, module: nn.Module, args: Any) -> None:
         if not self._running:
@@ -287,7 +275,7 @@ class Pipeline:
                 "samples; give a loader whose batches it divides (drop_last=True for the last)"
             )
         self.flags = _fsdp_compat.save_flags(self.module)
-        self.grads = {p: p.grad for p in self.module.parameters()}  # see _Stage
+        self.grads = {p: p.grad for p in self.module.parameters()}  # see _put_back_grads
         self._factor = factor
         self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []  # each part's, as scaled (torch's schedule fills it)
