@@ -9,11 +9,16 @@ Every scenario runs in the 2-rank group shared with the other 2-rank modules.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from harness import Scenario, Shared
-from harness.checks import assert_pipeline_matches_one_process
-from scenarios import pp
+from harness.checks import (
+    assert_decoder_pipeline_matches_one_process,
+    assert_pipeline_matches_one_process,
+)
+from scenarios import pp, pp_decoder
 
 SAMPLES = 28  # 7 micro-batches of 4: windows of 4 and a partial 3 with k = 4
 MICRO = 4
@@ -35,6 +40,9 @@ def _train(schedule: str, k: int, policy: str, microbatches: int = 2, **kw) -> S
         **kw,
     )
 
+
+#: The Llama scenarios need transformers (the hf extra).
+HF = importlib.util.find_spec("transformers") is not None
 
 SCENARIOS = {
     **{f"pp2_{s}_k{k}_{p}": _train(s, k, p) for s in SCHEDULES for k in (1, 4) for p in POLICIES},
@@ -66,6 +74,14 @@ SCENARIOS = {
     "deepspeed": Scenario(pp.refused, backend="deepspeed"),
     "fairscale": Scenario(pp.refused, backend="fairscale"),
     "ddp": Scenario(pp.refused, backend="ddp"),
+    **(
+        {
+            "llama_1F1B": Scenario(pp_decoder.train, dims={"pp": 2}, schedule="1F1B", samples=32),
+            "llama_tied": Scenario(pp_decoder.refused_tied),
+        }
+        if HF
+        else {}
+    ),
     "world_label": Scenario(pp.world_label),  # after every pipeline above
 }
 TRAINED = [n for n in SCENARIOS if n.startswith("pp2_") and n != "pp2_clip" and "tokens" not in n]
@@ -100,6 +116,19 @@ def test_a_token_weighted_loss_equals_one_process(results, schedule):
     ref = assert_pipeline_matches_one_process(ranks, samples=SAMPLES, tokens=True)
     last = next(r for r in ranks if r["stage"] == 1)
     assert abs(last["losses"][0] - ref["first_losses"][0]) < 1e-5  # the micro-batch's sum
+
+
+@pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
+def test_a_llama_split_by_layer_names_equals_one_process(results):
+    """``pp_split=["model.layers.2"]`` on a Transformers Llama, token-weighted, k = 4, defer."""
+    assert_decoder_pipeline_matches_one_process(results["llama_1F1B"], samples=32)
+
+
+@pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
+def test_a_llama_with_tied_embeddings_is_refused_in_one_line(results):
+    for r in results["llama_tied"]:
+        assert r["error"] is not None and "\n" not in r["error"], r
+        assert "tie_word_embeddings=True" in r["error"], r["error"]
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])

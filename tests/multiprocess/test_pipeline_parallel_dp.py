@@ -11,14 +11,19 @@ Every scenario runs in the 4-rank group shared with the other 4-rank modules.
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from harness import Scenario, Shared, run_scenarios
-from harness.checks import assert_pipeline_matches_one_process, max_diff
-from scenarios import pp
+from harness.checks import (
+    assert_decoder_pipeline_matches_one_process,
+    assert_pipeline_matches_one_process,
+    max_diff,
+)
+from scenarios import pp, pp_decoder
 
 SAMPLES = 56  # 7 micro-batches of 4 per data-parallel rank: windows of 4 and a partial 3
 DIMS = {"pp": 2, "dp_shard": 2}
@@ -40,6 +45,9 @@ def _train(schedule: str, k: int, policy: str, dims=DIMS, **kw) -> Scenario:
         **kw,
     )
 
+
+#: The Llama scenarios need transformers (the hf extra).
+HF = importlib.util.find_spec("transformers") is not None
 
 SCENARIOS = {
     **{
@@ -63,6 +71,9 @@ SCENARIOS = {
         )
         for p in ("defer", "every_step")
     },
+    **(
+        {"llama": Scenario(pp_decoder.train, dims=DIMS, schedule="GPipe", samples=64)} if HF else {}
+    ),
     "save": Scenario(pp.save_at_boundary, dims=DIMS, folder=str(FOLDER / "boundary")),
 }
 TRAINED = [n for n in SCENARIOS if n.startswith("pp2") and n not in ("pp2s2_clip", "pp2s2_tokens")]
@@ -78,6 +89,14 @@ def results(shared):
 @pytest.mark.parametrize("name", TRAINED)
 def test_equivalence_with_one_process(results, name):
     assert_pipeline_matches_one_process(results[name], samples=SAMPLES)
+
+
+@pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
+def test_a_llama_split_by_layer_names_over_the_data_ranks_equals_one_process(results):
+    """pp=2 x dp_shard=2 on a Transformers Llama cut at "model.layers.2", token-weighted."""
+    ranks = results["llama"]
+    assert sorted((r["stage"], r["data_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert_decoder_pipeline_matches_one_process(ranks, samples=64)
 
 
 def test_a_token_weighted_loss_over_the_data_ranks_equals_one_process(results):

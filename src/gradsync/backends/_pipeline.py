@@ -13,7 +13,7 @@ The activations sent between stages are the computation (audited on their own ``
 
 The split: ``pp_split`` names the module paths where each stage after the first begins, in an
 ``nn.Sequential`` model (nested ``nn.Sequential`` steps are opened where a path points into
-them), or is a callable ``(model, num_stages) -> stage modules``. Every rank keeps only its
+them) or a Transformers decoder (``"model.layers.4"``: ``_pipeline_decoder``), or is a callable ``(model, num_stages) -> stage modules``. Every rank keeps only its
 own stage: the other steps are removed from their ``nn.Sequential`` parents, so the stage's
 parameter names are the whole model's.
 """
@@ -29,7 +29,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from gradsync import audit
 from gradsync._plan.batch_plan import BatchPlan
-from gradsync.backends import _fsdp_compat, _group, _pipeline_compat
+from gradsync.backends import _fsdp_compat, _group, _pipeline_compat, _pipeline_decoder
 from gradsync.errors import ConfigError, UsageError
 from gradsync.mesh import Parallelism
 
@@ -116,7 +116,8 @@ def _cuts(model: nn.Module, paths: Sequence[str], stages: int) -> list[tuple[int
         )
     if not isinstance(model, nn.Sequential):
         raise ConfigError(
-            f"{name} cuts an nn.Sequential, whose forward runs its modules in order, and got a "
+            f"{name} cuts an nn.Sequential, whose forward runs its modules in order, or a "
+            f"Transformers decoder ('model.layers.i'), and got a "
             f"{type(model).__name__}; give pp_split a callable (model, num_stages) -> stages"
         )
     for path in paths:
@@ -162,8 +163,13 @@ class Cut:
         self._model = model
         self._made: list[nn.Module] | None = None
         self._steps: list[tuple[int, Any, str]] = []
+        self._bounds: list[int] = []  # a Transformers decoder's: its first layer per stage
         if callable(split):
             self._made = cast_modules(split(model, stages), stages)
+        elif _pipeline_decoder.is_decoder(model):
+            if len(split) != stages - 1:
+                _cuts(model, list(split), stages)  # the same line as for a Sequential
+            self._bounds = _pipeline_decoder.starts(model, list(split), stages)
         else:
             self._steps = _cuts(model, list(split), stages)
 
@@ -172,6 +178,8 @@ class Cut:
         steps removed (the parameter names stay the whole model's)."""
         if self._made is not None:
             return self._made[index]
+        if self._bounds:
+            return _pipeline_decoder.stage(self._model, self._bounds, index)
         for owner, parent, key in self._steps:
             if owner != index:
                 del parent._modules[key]
