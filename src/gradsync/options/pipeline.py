@@ -17,6 +17,21 @@ PP_SCHEDULES = ("GPipe", "1F1B")
 PPSplit = Sequence[str] | Callable[[Any, int], Sequence[Any]]
 
 
+def split_from_text(raw: str, source: str) -> list[str]:
+    """``GRADSYNC_PP_SPLIT`` / ``--pp-split``: the module paths, comma-separated
+    ("model.layers.2,model.layers.4"), or a JSON list of them."""
+    text = raw.strip()
+    if text.startswith("["):
+        import json
+
+        try:
+            found = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"{source}={raw!r} is no JSON list of module paths: {e}") from None
+        return [str(p) for p in found]
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
 def check_split(name: str, value: Any, config: Any) -> Any:
     """The split's form; what it names is checked against the model at prepare."""
     if callable(value):
