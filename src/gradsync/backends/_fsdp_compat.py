@@ -48,14 +48,16 @@ def param_groups(model: nn.Module) -> Iterator[Any]:
     """Every FSDP2 parameter group under ``model`` (one per sharded unit that holds parameters)."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            state = _require(module, "_get_fsdp_state", "per-module state")()
-            if not hasattr(state, "_fsdp_param_groups") and hasattr(state, "_fsdp_param_group"):
-                # torch 2.8 and older: at most one group per module, None when it holds no params
-                group = state._fsdp_param_group
-                if group is not None:
-                    yield group
-                continue
-            yield from _require(state, "_fsdp_param_groups", "parameter groups")
+            yield from _state_groups(_require(module, "_get_fsdp_state", "per-module state")())
+
+
+def _state_groups(state: Any) -> list[Any]:
+    """One FSDP2 state's parameter groups: ``_fsdp_param_groups``, or on torch 2.10 and older
+    ``_fsdp_param_group`` (at most one, None when the module holds no parameters)."""
+    if not hasattr(state, "_fsdp_param_groups") and hasattr(state, "_fsdp_param_group"):
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    return list(_require(state, "_fsdp_param_groups", "parameter groups"))
 
 
 def gathers_in_forward(module: nn.Module) -> bool:
@@ -314,6 +316,6 @@ def end_pipeline_backward(model: nn.Module, flags: list[GroupFlags]) -> None:
     state = _require(model, "_get_fsdp_state", "per-module state")()
     context = _require(state, "_state_ctx", "state context")
     for each in _require(context, "all_states", "states"):
-        for group in _require(each, "_fsdp_param_groups", "parameter groups"):
+        for group in _state_groups(each):
             _require(group, "post_backward", "post-backward")()
     _require(state, "_root_post_backward_final_callback", "final backward callback")()

@@ -5,11 +5,13 @@ by torch's schedules and neither a public extension point: ``perform_reduce_grad
 of a schedule step's backward, where torch turns FSDP2's gradient sync on and reduces; it
 is given the schedule's gradient scale, 1 with ``scale_grads=False``) and
 ``_post_metadata_inference_cleanup`` (after the first schedule step infers the shapes with a
-real forward and backward, torch drops every gradient of the stage's FSDP2 modules). The
-names are checked when a stage is made, so a torch that renamed one fails with a message
-naming the supported versions instead of running torch's own versions silently (every
-schedule step reduced, a resumed window's gradients dropped). What they mean is covered by
-tests/unit/test_compat.py; the FSDP2 state that the end of the backward reaches is
+real forward and backward, torch drops every gradient of the stage's FSDP2 modules; torch
+2.10 infers the shapes without running them and has no such method, nor drops anything).
+``perform_reduce_grad`` is checked when a stage is made, so a torch that renamed it fails
+with a message naming the supported versions instead of running torch's own silently (every
+schedule step reduced). What both mean is covered by tests/unit/test_compat.py (on a torch
+with the cleanup: called once, on the first step; on any: a gradient from before the first
+step survives it); the FSDP2 state that the end of the backward reaches is
 ``_fsdp_compat.end_pipeline_backward``.
 """
 
@@ -24,11 +26,10 @@ from torch.distributed.pipelining import PipelineStage
 from gradsync._support.torch_compat import SUPPORTED_TORCH
 from gradsync._support.util import require_attr
 
-#: torch's ``PipelineStage`` methods that gradsync's stage replaces: (name, what it is).
-HOOKS = (
-    ("perform_reduce_grad", "end of a schedule step's backward"),
-    ("_post_metadata_inference_cleanup", "cleanup after shape inference"),
-)
+#: torch's ``PipelineStage`` methods that gradsync's stage needs to replace: (name, what it is).
+HOOKS = (("perform_reduce_grad", "end of a schedule step's backward"),)
+#: The cleanup after shape inference (torch 2.13 on), replaced where torch has it.
+CLEANUP = "_post_metadata_inference_cleanup"
 
 
 def _require(obj: object, name: str, what: str) -> Any:
@@ -52,7 +53,7 @@ def check_hooks() -> None:
 class Stage(PipelineStage):
     """torch's stage, ending each schedule step's backward with ``end_backward()`` instead of
     torch's reduction, and calling ``after_cleanup()`` after torch's cleanup of the first
-    schedule step's shape inference."""
+    schedule step's shape inference (where torch runs one)."""
 
     def __init__(
         self,
@@ -75,5 +76,7 @@ class Stage(PipelineStage):
         self._end_backward()
 
     def _post_metadata_inference_cleanup(self) -> None:
-        super()._post_metadata_inference_cleanup()
+        cleanup = getattr(super(), CLEANUP, None)
+        if cleanup is not None:
+            cleanup()
         self._after_cleanup()
