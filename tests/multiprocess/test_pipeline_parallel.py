@@ -71,6 +71,13 @@ SCENARIOS = {
     "m_not_dividing": Scenario(pp.refused, pp_microbatches=3, micro_batch=4),
     "no_split": Scenario(pp.refused, split=None),
     "interleaved": Scenario(pp.refused, pp_schedule="Interleaved1F1B"),
+    "per_rank_1f1b": Scenario(pp.refused, pp_stages_per_rank=2),
+    **{
+        f"pp2_interleaved_k4_{p}": _train(
+            "Interleaved1F1B", 4, p, split=["2", "4", "6"], per_rank=2
+        )
+        for p in POLICIES
+    },
     "deepspeed": Scenario(pp.refused, backend="deepspeed"),
     "fairscale": Scenario(pp.refused, backend="fairscale"),
     "ddp": Scenario(pp.refused, backend="ddp"),
@@ -116,6 +123,12 @@ def test_a_token_weighted_loss_equals_one_process(results, schedule):
     ref = assert_pipeline_matches_one_process(ranks, samples=SAMPLES, tokens=True)
     last = next(r for r in ranks if r["stage"] == 1)
     assert abs(last["losses"][0] - ref["first_losses"][0]) < 1e-5  # the micro-batch's sum
+
+
+def test_interleaved_ranks_hold_two_stages_each(results):
+    for r in results["pp2_interleaved_k4_defer"]:
+        layers = sorted({name.split(".")[0] for name in r["state"]})
+        assert layers == (["0", "4"] if r["stage"] == 0 else ["2", "6"]), (r["stage"], layers)
 
 
 @pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
@@ -179,7 +192,8 @@ REFUSALS = {
     "two_cuts": "names 2 module(s), and pp=2 needs 1",
     "m_not_dividing": "pp_microbatches=3 does not divide micro_batch_size=4",
     "no_split": "no pp_split says where the stages begin",
-    "interleaved": "Interleaved1F1B, several stages per rank, is not supported yet",
+    "interleaved": "pp_stages_per_rank=1; give pp_stages_per_rank >= 2",
+    "per_rank_1f1b": "pp_schedule='1F1B' runs one stage per rank, and pp_stages_per_rank=2",
     "deepspeed": "backend='deepspeed' cannot pipeline",
     "fairscale": "backend='fairscale' cannot pipeline",
     "ddp": "backend='ddp' cannot pipeline",

@@ -56,6 +56,12 @@ SCENARIOS = {
         for k in (1, 4)
         for p in ("every_step", "defer")
     },
+    **{
+        f"pp2s2_Interleaved1F1B_k4_{p}": _train(
+            "Interleaved1F1B", 4, p, split=["2", "4", "6"], per_rank=2
+        )
+        for p in ("defer", "every_step")
+    },
     "pp2s2_clip": _train("1F1B", 4, "defer", clip=CLIP),
     "pp2s2_tokens": _train("1F1B", 4, "defer", tokens=True),
     **{f"pp2s2_drop_{p}": _train("1F1B", 4, p, raise_at=(1, 1)) for p in ("defer", "every_step")},
@@ -119,7 +125,7 @@ def test_data_ranks_read_distinct_batches_and_a_pipeline_the_same(results):
     assert ranks[0]["windows"] != ranks[1]["windows"]
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe", "Interleaved1F1B"])
 def test_no_gradient_bytes_between_data_ranks_off_the_boundary(results, schedule):
     for r in results[f"pp2s2_{schedule}_k4_defer"]:
         records = r["audit"]
@@ -136,9 +142,18 @@ def test_no_gradient_bytes_between_data_ranks_off_the_boundary(results, schedule
         assert all(" pp [" in s for s in r["summaries"]), r["summaries"]
 
 
-def test_every_step_reduces_after_every_schedule_step(results):
-    for r in results["pp2s2_1F1B_k4_every_step"]:
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_every_step_reduces_after_every_schedule_step(results, schedule):
+    for r in results[f"pp2s2_{schedule}_k4_every_step"]:
         assert all(rec["reduction_bytes"] > 0 for rec in r["audit"])
+
+
+def test_interleaved_ranks_hold_two_stages_each(results):
+    """pp 2 x 2 stages per rank: the steps cut at "2", "4", "6" are stages 0-3; rank 0 of
+    the pipeline runs stages 0 and 2, rank 1 stages 1 and 3."""
+    for r in results["pp2s2_Interleaved1F1B_k4_defer"]:
+        layers = sorted({name.split(".")[0] for name in r["state"]})
+        assert layers == (["0", "4"] if r["stage"] == 0 else ["2", "6"]), (r["stage"], layers)
 
 
 def test_clipping_uses_the_global_norm_across_stages_and_shards(results):

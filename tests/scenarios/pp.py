@@ -76,12 +76,16 @@ def train_pp(
     tp_plan: dict[str, str] | None = None,
     raise_at: tuple[int, int] | None = None,
     backend: str = "fsdp",
+    split: list[str] | None = None,
+    per_rank: int = 1,
 ) -> dict[str, Any]:
     """The loop a user writes: one pipeline_step per micro-step inside accumulate (with
     ``tokens``, a summed loss over the window's counted items)."""
     options: dict[str, Any] = {"backend": backend}
     if dims:
         options.update(pp_schedule=schedule, pp_microbatches=microbatches)
+        if per_rank > 1:
+            options.update(pp_stages_per_rank=per_rank, split=split)
     if budget is not None:
         options["sync_memory_budget"] = budget
     if tokens:

@@ -57,7 +57,6 @@ def test_the_schedule_and_split_forms():
     ).validate()
     assert config.pp_split == ["2.1"] and config.pp_schedule == "GPipe"
     for bad, words in [
-        ({"pp_schedule": "Interleaved1F1B"}, "not supported yet"),
         ({"pp_schedule": "zb"}, "is no schedule"),
         ({"pp_split": []}, "is no split"),
         ({"pp_split": ["1", "1"]}, "names a module twice"),

@@ -303,6 +303,16 @@ def put_partial_buffers(
         group._partial_reduce_output = buffer.to(device)
 
 
+def hold_back(model: nn.Module) -> None:
+    """Keep every group's gradients unreduced and unsharded through a pipeline schedule
+    step's backward (what torch's stage sets on an FSDP2 module it runs itself), until
+    ``end_pipeline_backward``."""
+    model.set_is_last_backward(False)  # type: ignore[operator]
+    for group in param_groups(model):
+        group.reduce_grads = False
+        group.reshard_after_backward = False
+
+
 def end_pipeline_backward(model: nn.Module, flags: list[GroupFlags]) -> None:
     """Close one pipeline schedule step's backward on a stage's FSDP2 root with the sync flags
     gradsync chose for the micro-step (``flags``, from ``save_flags`` before the schedule ran),

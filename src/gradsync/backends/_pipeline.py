@@ -10,6 +10,9 @@ micro-step chose instead: off the boundary under "defer" each stage keeps its gr
 unsharded and adds the next schedule steps' to them, so the data-parallel reduction runs once
 per window of k schedule steps; under "every_step" it runs at the end of every schedule step.
 The activations sent between stages are the computation (audited on their own ``pp`` line).
+With ``pp_stages_per_rank`` V > 1 (Interleaved1F1B) the model is cut into P x V stages, rank
+r keeping stages r, r + P, ...: each one's steps become an FSDP2 unit of the rank's root, and
+the schedule step ends (the flags above) once the last of them has ended its backward.
 
 The split: ``pp_split`` names the module paths where each stage after the first begins, in an
 ``nn.Sequential`` model (nested ``nn.Sequential`` steps are opened where a path points into
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from gradsync import audit
 from gradsync._plan.batch_plan import BatchPlan
@@ -43,7 +46,11 @@ __all__ = ["Cut", "Pipeline", "Settings", "check_microbatches", "is_stage", "of"
 #: The attribute of a prepared stage module that holds its pipeline (a reference cycle, freed
 #: with the stage).
 _ATTRIBUTE = "_gradsync_pipeline"
-_SCHEDULES: dict[str, Any] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+_SCHEDULES: dict[str, Any] = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+}
 _CALL = "loss = accel.pipeline_step(model, inputs, targets, loss_fn)"
 
 
@@ -180,10 +187,19 @@ class Cut:
             return self._made[index]
         if self._bounds:
             return _pipeline_decoder.stage(self._model, self._bounds, index)
+        return self.keep([index])[0]
+
+    def keep(self, indices: Sequence[int]) -> tuple[nn.Module, list[list[nn.Module]]]:
+        """The model with every step of the stages not in ``indices`` removed, and the steps
+        of each kept stage, in order (an ``nn.Sequential`` cut only)."""
+        parts = [
+            [parent._modules[key] for owner, parent, key in self._steps if owner == index]
+            for index in indices
+        ]
         for owner, parent, key in self._steps:
-            if owner != index:
+            if owner not in indices:
                 del parent._modules[key]
-        return self._model
+        return self._model, parts
 
 
 def cast_modules(made: Any, stages: int) -> list[nn.Module]:
@@ -216,6 +232,7 @@ class Pipeline:
         group: Any,
         schedule: str,
         microbatches: int,
+        parts: list[list[nn.Module]] | None = None,
     ) -> None:
         self.module = module
         self.index = index
@@ -230,17 +247,38 @@ class Pipeline:
         self._running = False
         self._factor = 1.0
         self._loss_fn: Callable[..., torch.Tensor] | None = None
-        stage = _pipeline_compat.Stage(
-            self._end_backward, self._put_back_grads, module, index, stages, device, group=group
-        )
+        #: more than one stage on this rank (``parts``: each one's steps): stages index,
+        #: index + P, ... of P x len(parts), each ending its backward once per schedule step
+        self.parts = parts
+        self._ended = 0
+        if parts is None:
+            made: Any = _pipeline_compat.Stage(
+                self._end_backward, self._put_back_grads, module, index, stages, device, group=group
+            )
+        else:
+            made = [
+                _pipeline_compat.Stage(
+                    self._end_backward,
+                    self._put_back_grads,
+                    nn.Sequential(*steps),
+                    index + j * stages,
+                    stages * len(parts),
+                    device,
+                    group=group,
+                )
+                for j, steps in enumerate(parts)
+            ]
         self._schedule = _SCHEDULES[schedule](
-            stage, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False
+            made, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False
         )
         module.register_forward_pre_hook(self._guard, prepend=True)
         object.__setattr__(module, _ATTRIBUTE, self)
 
     def _end_backward(self) -> None:
-        _fsdp_compat.end_pipeline_backward(self.module, self.flags)
+        self._ended += 1
+        if self._ended == len(self.parts or [None]):  # every stage of this rank is done
+            self._ended = 0
+            _fsdp_compat.end_pipeline_backward(self.module, self.flags)
 
     def _put_back_grads(self) -> None:
         # The first schedule step infers the shapes with a real forward and backward and
@@ -282,7 +320,10 @@ class Pipeline:
                 f"pp_microbatches={self.microbatches} does not divide this micro-batch of {size} "
                 "samples; give a loader whose batches it divides (drop_last=True for the last)"
             )
+        _fsdp_compat.lazy_init(self.module)  # the stage is the root, whichever part runs first
         self.flags = _fsdp_compat.save_flags(self.module)
+        if self.parts is not None:  # as torch's stage does for an FSDP2 module it runs itself
+            _fsdp_compat.hold_back(self.module)
         self.grads = {p: p.grad for p in self.module.parameters()}  # see _put_back_grads
         self._factor = factor
         self._loss_fn = loss_fn
@@ -311,8 +352,13 @@ def _rows(value: Any) -> int | None:
 class Settings:
     """The pipeline's settings for an adapter that shards stages (pp > 1)."""
 
-    def __init__(self, stages: int, split: Any, schedule: str, microbatches: int) -> None:
+    def __init__(
+        self, stages: int, split: Any, schedule: str, microbatches: int, per_rank: int = 1
+    ) -> None:
         self.stages = stages
+        self.per_rank = per_rank
+        #: with several stages per rank: the steps of each of this rank's stages (``stage``)
+        self.parts: list[list[nn.Module]] | None = None
         self.split = split
         self.schedule = schedule
         self.microbatches = microbatches
@@ -337,7 +383,9 @@ class Settings:
         if dims.pp == 1:
             return None
         microbatches = config.pp_microbatches or dims.pp
-        return cls(dims.pp, config.pp_split, config.pp_schedule, microbatches)
+        per_rank = config.pp_stages_per_rank
+        _check_per_rank(per_rank, config.pp_schedule, config.pp_split)
+        return cls(dims.pp, config.pp_split, config.pp_schedule, microbatches, per_rank)
 
     def bind(self, mesh: DeviceMesh) -> None:
         """The named mesh with its "pp" dim; its pipeline group labelled for the audit."""
@@ -353,11 +401,16 @@ class Settings:
         """This rank's stage of ``model``, every rank starting from rank 0's weights; the
         split and the micro-batches checked before any collective."""
         check_microbatches(self.microbatches, plan.micro_batch_size, self.stages)
-        cut = Cut(model, self.split, self.stages)
+        cut = Cut(model, self.split, self.stages * self.per_rank)
         model.to(device)
         _group.broadcast_from_rank0(model)
         every = {id(p) for p in model.parameters()}
-        stage = cut.stage(self._mesh.get_local_rank("pp"))
+        rank = self._mesh.get_local_rank("pp")
+        if self.per_rank > 1:  # stages rank, rank + P, ...: Interleaved1F1B's loop order
+            held = range(rank, self.stages * self.per_rank, self.stages)
+            stage, self.parts = cut.keep(list(held))
+        else:
+            stage = cut.stage(rank)
         self.dropped = every - {id(p) for p in stage.parameters()}
         return stage
 
@@ -371,4 +424,22 @@ class Settings:
             group=self.group,
             schedule=self.schedule,
             microbatches=self.microbatches,
+            parts=self.parts,
+        )
+
+
+def _check_per_rank(per_rank: int, schedule: str, split: Any) -> None:
+    """``pp_stages_per_rank`` against the schedule and the split: one ConfigError line."""
+    if (per_rank > 1) != (schedule == "Interleaved1F1B"):
+        raise ConfigError(
+            f"pp_schedule={schedule!r} runs one stage per rank, and pp_stages_per_rank="
+            f"{per_rank}; give pp_schedule='Interleaved1F1B' for several"
+            if per_rank > 1
+            else "pp_schedule='Interleaved1F1B' runs several stages on each rank, and "
+            "pp_stages_per_rank=1; give pp_stages_per_rank >= 2"
+        )
+    if per_rank > 1 and callable(split):
+        raise ConfigError(
+            f"pp_stages_per_rank={per_rank} cuts an nn.Sequential by module paths; a callable "
+            "pp_split is not supported with several stages per rank"
         )

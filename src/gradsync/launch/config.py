@@ -93,6 +93,7 @@ class LaunchConfig:
     pp_split: PPSplit | None = None
     pp_schedule: str | None = None
     pp_microbatches: int | None = None
+    pp_stages_per_rank: int | None = None
     # -- end of the generated part --
     #: A YAML (or JSON) file: gradsync's settings, or Accelerate's config file (``accelerate
     #: config``), told apart by its keys.

@@ -343,7 +343,8 @@ class FSDPOptions:
         default="1F1B",
         metadata=setting(
             "the pipeline schedule of one micro-step: 'GPipe' (every forward, then every "
-            "backward) or '1F1B' (one forward, one backward: fewer activations held)",
+            "backward), '1F1B' (one forward, one backward: fewer activations held) or "
+            "'Interleaved1F1B' (pp_stages_per_rank stages on each rank)",
             backend="fsdp",
             flag=True,
             check=check_schedule,
@@ -359,6 +360,17 @@ class FSDPOptions:
             flag=True,
             minimum=1,
             metavar="M",
+        ),
+    )
+    pp_stages_per_rank: int = field(
+        default=1,
+        metadata=setting(
+            "the pipeline stages each rank runs (pp x this many in all); more than 1 needs "
+            "pp_schedule='Interleaved1F1B'",
+            backend="fsdp",
+            flag=True,
+            minimum=1,
+            metavar="V",
         ),
     )
     fsdp_memory_budget: int | None = field(

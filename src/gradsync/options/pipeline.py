@@ -10,8 +10,9 @@ from typing import Any
 
 from gradsync.errors import ConfigError
 
-#: The schedules ``pp_schedule`` names (torch.distributed.pipelining's single-stage ones).
-PP_SCHEDULES = ("GPipe", "1F1B")
+#: The schedules ``pp_schedule`` names: torch.distributed.pipelining's single-stage ones, and
+#: Interleaved1F1B (``pp_stages_per_rank`` stages on each rank).
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 #: ``pp_split``: module paths where each stage after the first begins, or a callable
 #: ``(model, num_stages) -> list of stage modules``.
 PPSplit = Sequence[str] | Callable[[Any, int], Sequence[Any]]
@@ -53,8 +54,4 @@ def check_schedule(name: str, value: Any, config: Any) -> str:
     for known in PP_SCHEDULES:
         if str(value).strip().lower() == known.lower():
             return known
-    later = " (Interleaved1F1B, several stages per rank, is not supported yet)"
-    raise ConfigError(
-        f"{name}={value!r} is no schedule; use one of {', '.join(PP_SCHEDULES)}"
-        + (later if "interleaved" in str(value).lower() else "")
-    )
+    raise ConfigError(f"{name}={value!r} is no schedule; use one of {', '.join(PP_SCHEDULES)}")
