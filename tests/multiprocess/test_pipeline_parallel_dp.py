@@ -80,6 +80,13 @@ SCENARIOS = {
     **(
         {"llama": Scenario(pp_decoder.train, dims=DIMS, schedule="GPipe", samples=64)} if HF else {}
     ),
+    "resume_interleaved": Scenario(
+        pp.resume_mid_window,
+        dims=DIMS,
+        policy="defer",
+        folder=str(FOLDER / "mid-interleaved"),
+        per_rank=2,
+    ),
     "save": Scenario(pp.save_at_boundary, dims=DIMS, folder=str(FOLDER / "boundary")),
 }
 TRAINED = [n for n in SCENARIOS if n.startswith("pp2") and n not in ("pp2s2_clip", "pp2s2_tokens")]
@@ -177,8 +184,9 @@ def test_replicas_all_reduce_once_per_window(results):
                 assert (across > 0) == rec["boundary"], (policy, rec)
 
 
-@pytest.mark.parametrize("policy", ["defer", "every_step"])
+@pytest.mark.parametrize("policy", ["defer", "every_step", "interleaved"])
 def test_a_mid_window_save_resumes_bitwise(results, policy):
+    """Under defer and every_step, and under defer with two stages per rank."""
     for r in results[f"resume_{policy}"]:
         assert r["steps"] == [2, 2]
         assert max_diff(r["went_on"], r["resumed"]) == 0.0
