@@ -134,7 +134,7 @@ def _names(texts: Iterable[str]) -> list[str]:
                     f"a setting's type names {name}, which gradsync.settings does not export; "
                     "add it to gradsync.settings' imports and __all__"
                 )
-    return sorted(found)
+    return sorted(found, key=lambda name: (name.lower(), name))  # as ruff sorts imports
 
 
 # -- the generated parts -----------------------------------------------------------------

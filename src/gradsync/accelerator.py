@@ -139,9 +139,9 @@ class Accelerator:
         **options: a backend's options: ``ddp_kwargs``, ``find_unused_parameters`` (ddp);
             ``fsdp_wrap``, ``fsdp_keep_params_in_window``, ``fsdp_reshard_after_backward``,
             ``fsdp_mesh``, ``parallelism``, ``tp_plan``, ``pp_split``, ``pp_schedule``,
-            ``pp_microbatches``, ``fsdp_state_dict_type``, ``fsdp_memory_budget`` (fsdp);
-            ``deepspeed_config`` (deepspeed); ``fairscale_kwargs`` (fairscale). The settings
-            reference lists every setting.
+            ``pp_microbatches``, ``pp_stages_per_rank``, ``fsdp_state_dict_type``,
+            ``fsdp_memory_budget`` (fsdp); ``deepspeed_config`` (deepspeed); ``fairscale_kwargs``
+            (fairscale). The settings reference lists every setting.
 
     Attributes:
         config: every setting after the sources were merged and checked (a ``Config``).

@@ -36,6 +36,7 @@ from gradsync.options.ddp import DDPOptions
 from gradsync.options.deepspeed import DeepSpeedOptions
 from gradsync.options.fairscale import FairscaleOptions
 from gradsync.options.fsdp import FSDPOptions, MeshSpec, ParallelismSpec, check_replicate_policy
+from gradsync.options.pipeline import PPSplit
 from gradsync.tracking._names import check_log_with
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "MixedPrecision",
     "ModuleSelector",
     "OnOom",
+    "PPSplit",
     "ParallelismSpec",
     "RequestedPolicy",
     "Setting",

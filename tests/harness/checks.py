@@ -305,3 +305,23 @@ def assert_pipeline_matches_one_process(
             assert abs(got - want) < 1e-5 if last else math.isnan(got), (got, want)
     assert held == set(ref["state"])
     return ref
+
+
+def assert_decoder_pipeline_matches_one_process(
+    rank_results: list[dict[str, Any]], *, samples: int, tolerance: float = 1e-5
+) -> None:
+    """A pipelined ``scenarios.pp_decoder`` Llama: every stage's parameters equal the same
+    parameters of plain torch in one process on the same global windows; the stages hold
+    the whole model's parameters between them; gradsync chose the asked policy."""
+    from scenarios.pp_decoder import reference
+
+    ref = reference(rank_results, samples)
+    held: set[str] = set()
+    for r in rank_results:
+        assert r["optimizer_steps"] == len(r["windows"]) == 2, r["windows"]
+        assert r["policy"] == "defer"
+        assert set(r["state"]) <= set(ref), sorted(set(r["state"]) - set(ref))
+        held |= set(r["state"])
+        diff = max_diff(r["state"], {k: ref[k] for k in r["state"]})
+        assert diff < tolerance, (r["stage"], r["data_rank"], diff)
+    assert held == set(ref)

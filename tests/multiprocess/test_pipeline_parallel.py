@@ -9,11 +9,16 @@ Every scenario runs in the 2-rank group shared with the other 2-rank modules.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from harness import Scenario, Shared
-from harness.checks import assert_pipeline_matches_one_process
-from scenarios import pp
+from harness.checks import (
+    assert_decoder_pipeline_matches_one_process,
+    assert_pipeline_matches_one_process,
+)
+from scenarios import pp, pp_decoder
 
 SAMPLES = 28  # 7 micro-batches of 4: windows of 4 and a partial 3 with k = 4
 MICRO = 4
@@ -35,6 +40,9 @@ def _train(schedule: str, k: int, policy: str, microbatches: int = 2, **kw) -> S
         **kw,
     )
 
+
+#: The Llama scenarios need transformers (the hf extra).
+HF = importlib.util.find_spec("transformers") is not None
 
 SCENARIOS = {
     **{f"pp2_{s}_k{k}_{p}": _train(s, k, p) for s in SCHEDULES for k in (1, 4) for p in POLICIES},
@@ -63,9 +71,24 @@ SCENARIOS = {
     "m_not_dividing": Scenario(pp.refused, pp_microbatches=3, micro_batch=4),
     "no_split": Scenario(pp.refused, split=None),
     "interleaved": Scenario(pp.refused, pp_schedule="Interleaved1F1B"),
+    "per_rank_1f1b": Scenario(pp.refused, pp_stages_per_rank=2),
+    **{
+        f"pp2_interleaved_k4_{p}": _train(
+            "Interleaved1F1B", 4, p, split=["2", "4", "6"], per_rank=2
+        )
+        for p in POLICIES
+    },
     "deepspeed": Scenario(pp.refused, backend="deepspeed"),
     "fairscale": Scenario(pp.refused, backend="fairscale"),
     "ddp": Scenario(pp.refused, backend="ddp"),
+    **(
+        {
+            "llama_1F1B": Scenario(pp_decoder.train, dims={"pp": 2}, schedule="1F1B", samples=32),
+            "llama_tied": Scenario(pp_decoder.refused_tied),
+        }
+        if HF
+        else {}
+    ),
     "world_label": Scenario(pp.world_label),  # after every pipeline above
 }
 TRAINED = [n for n in SCENARIOS if n.startswith("pp2_") and n != "pp2_clip" and "tokens" not in n]
@@ -100,6 +123,25 @@ def test_a_token_weighted_loss_equals_one_process(results, schedule):
     ref = assert_pipeline_matches_one_process(ranks, samples=SAMPLES, tokens=True)
     last = next(r for r in ranks if r["stage"] == 1)
     assert abs(last["losses"][0] - ref["first_losses"][0]) < 1e-5  # the micro-batch's sum
+
+
+def test_interleaved_ranks_hold_two_stages_each(results):
+    for r in results["pp2_interleaved_k4_defer"]:
+        layers = sorted({name.split(".")[0] for name in r["state"]})
+        assert layers == (["0", "4"] if r["stage"] == 0 else ["2", "6"]), (r["stage"], layers)
+
+
+@pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
+def test_a_llama_split_by_layer_names_equals_one_process(results):
+    """``pp_split=["model.layers.2"]`` on a Transformers Llama, token-weighted, k = 4, defer."""
+    assert_decoder_pipeline_matches_one_process(results["llama_1F1B"], samples=32)
+
+
+@pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
+def test_a_llama_with_tied_embeddings_is_refused_in_one_line(results):
+    for r in results["llama_tied"]:
+        assert r["error"] is not None and "\n" not in r["error"], r
+        assert "tie_word_embeddings=True" in r["error"], r["error"]
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
@@ -150,7 +192,8 @@ REFUSALS = {
     "two_cuts": "names 2 module(s), and pp=2 needs 1",
     "m_not_dividing": "pp_microbatches=3 does not divide micro_batch_size=4",
     "no_split": "no pp_split says where the stages begin",
-    "interleaved": "Interleaved1F1B, several stages per rank, is not supported yet",
+    "interleaved": "pp_stages_per_rank=1; give pp_stages_per_rank >= 2",
+    "per_rank_1f1b": "pp_schedule='1F1B' runs one stage per rank, and pp_stages_per_rank=2",
     "deepspeed": "backend='deepspeed' cannot pipeline",
     "fairscale": "backend='fairscale' cannot pipeline",
     "ddp": "backend='ddp' cannot pipeline",

@@ -11,14 +11,19 @@ Every scenario runs in the 4-rank group shared with the other 4-rank modules.
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from harness import Scenario, Shared, run_scenarios
-from harness.checks import assert_pipeline_matches_one_process, max_diff
-from scenarios import pp
+from harness.checks import (
+    assert_decoder_pipeline_matches_one_process,
+    assert_pipeline_matches_one_process,
+    max_diff,
+)
+from scenarios import pp, pp_decoder
 
 SAMPLES = 56  # 7 micro-batches of 4 per data-parallel rank: windows of 4 and a partial 3
 DIMS = {"pp": 2, "dp_shard": 2}
@@ -41,12 +46,21 @@ def _train(schedule: str, k: int, policy: str, dims=DIMS, **kw) -> Scenario:
     )
 
 
+#: The Llama scenarios need transformers (the hf extra).
+HF = importlib.util.find_spec("transformers") is not None
+
 SCENARIOS = {
     **{
         f"pp2s2_{s}_k{k}_{p}": _train(s, k, p)
         for s in ("GPipe", "1F1B")
         for k in (1, 4)
         for p in ("every_step", "defer")
+    },
+    **{
+        f"pp2s2_Interleaved1F1B_k4_{p}": _train(
+            "Interleaved1F1B", 4, p, split=["2", "4", "6"], per_rank=2
+        )
+        for p in ("defer", "every_step")
     },
     "pp2s2_clip": _train("1F1B", 4, "defer", clip=CLIP),
     "pp2s2_tokens": _train("1F1B", 4, "defer", tokens=True),
@@ -63,6 +77,16 @@ SCENARIOS = {
         )
         for p in ("defer", "every_step")
     },
+    **(
+        {"llama": Scenario(pp_decoder.train, dims=DIMS, schedule="GPipe", samples=64)} if HF else {}
+    ),
+    "resume_interleaved": Scenario(
+        pp.resume_mid_window,
+        dims=DIMS,
+        policy="defer",
+        folder=str(FOLDER / "mid-interleaved"),
+        per_rank=2,
+    ),
     "save": Scenario(pp.save_at_boundary, dims=DIMS, folder=str(FOLDER / "boundary")),
 }
 TRAINED = [n for n in SCENARIOS if n.startswith("pp2") and n not in ("pp2s2_clip", "pp2s2_tokens")]
@@ -78,6 +102,14 @@ def results(shared):
 @pytest.mark.parametrize("name", TRAINED)
 def test_equivalence_with_one_process(results, name):
     assert_pipeline_matches_one_process(results[name], samples=SAMPLES)
+
+
+@pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
+def test_a_llama_split_by_layer_names_over_the_data_ranks_equals_one_process(results):
+    """pp=2 x dp_shard=2 on a Transformers Llama cut at "model.layers.2", token-weighted."""
+    ranks = results["llama"]
+    assert sorted((r["stage"], r["data_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert_decoder_pipeline_matches_one_process(ranks, samples=64)
 
 
 def test_a_token_weighted_loss_over_the_data_ranks_equals_one_process(results):
@@ -100,7 +132,7 @@ def test_data_ranks_read_distinct_batches_and_a_pipeline_the_same(results):
     assert ranks[0]["windows"] != ranks[1]["windows"]
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe", "Interleaved1F1B"])
 def test_no_gradient_bytes_between_data_ranks_off_the_boundary(results, schedule):
     for r in results[f"pp2s2_{schedule}_k4_defer"]:
         records = r["audit"]
@@ -117,9 +149,18 @@ def test_no_gradient_bytes_between_data_ranks_off_the_boundary(results, schedule
         assert all(" pp [" in s for s in r["summaries"]), r["summaries"]
 
 
-def test_every_step_reduces_after_every_schedule_step(results):
-    for r in results["pp2s2_1F1B_k4_every_step"]:
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_every_step_reduces_after_every_schedule_step(results, schedule):
+    for r in results[f"pp2s2_{schedule}_k4_every_step"]:
         assert all(rec["reduction_bytes"] > 0 for rec in r["audit"])
+
+
+def test_interleaved_ranks_hold_two_stages_each(results):
+    """pp 2 x 2 stages per rank: the steps cut at "2", "4", "6" are stages 0-3; rank 0 of
+    the pipeline runs stages 0 and 2, rank 1 stages 1 and 3."""
+    for r in results["pp2s2_Interleaved1F1B_k4_defer"]:
+        layers = sorted({name.split(".")[0] for name in r["state"]})
+        assert layers == (["0", "4"] if r["stage"] == 0 else ["2", "6"]), (r["stage"], layers)
 
 
 def test_clipping_uses_the_global_norm_across_stages_and_shards(results):
@@ -143,8 +184,9 @@ def test_replicas_all_reduce_once_per_window(results):
                 assert (across > 0) == rec["boundary"], (policy, rec)
 
 
-@pytest.mark.parametrize("policy", ["defer", "every_step"])
+@pytest.mark.parametrize("policy", ["defer", "every_step", "interleaved"])
 def test_a_mid_window_save_resumes_bitwise(results, policy):
+    """Under defer and every_step, and under defer with two stages per rank."""
     for r in results[f"resume_{policy}"]:
         assert r["steps"] == [2, 2]
         assert max_diff(r["went_on"], r["resumed"]) == 0.0

@@ -76,12 +76,16 @@ def train_pp(
     tp_plan: dict[str, str] | None = None,
     raise_at: tuple[int, int] | None = None,
     backend: str = "fsdp",
+    split: list[str] | None = None,
+    per_rank: int = 1,
 ) -> dict[str, Any]:
     """The loop a user writes: one pipeline_step per micro-step inside accumulate (with
     ``tokens``, a summed loss over the window's counted items)."""
     options: dict[str, Any] = {"backend": backend}
     if dims:
         options.update(pp_schedule=schedule, pp_microbatches=microbatches)
+        if per_rank > 1:
+            options.update(pp_stages_per_rank=per_rank, split=split)
     if budget is not None:
         options["sync_memory_budget"] = budget
     if tokens:
@@ -179,9 +183,14 @@ def refused(**options: Any) -> dict[str, Any]:
 
 
 # -- checkpoints ----------------------------------------------------------------------------
-def _prepared(dims: dict[str, int] | None, policy: str) -> tuple[Accelerator, Any, Any]:
+def _prepared(
+    dims: dict[str, int] | None, policy: str, per_rank: int = 1
+) -> tuple[Accelerator, Any, Any]:
     if dims is None:  # the whole model in one process
         accel = Accelerator(backend="fsdp", gradient_accumulation_steps=4, seed=0)
+    elif per_rank > 1:  # the stages cut at 2, 4, 6: two on each rank
+        options = {"pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": per_rank}
+        accel = _accel(dims, 4, policy, pp_microbatches=2, split=["2", "4", "6"], **options)
     else:
         accel = _accel(dims, 4, policy, pp_microbatches=2)
     raw = make_seq()
@@ -209,10 +218,12 @@ def _step(accel: Accelerator, model: Any, opt: Any, x: torch.Tensor, y: torch.Te
         opt.zero_grad()
 
 
-def resume_mid_window(*, dims: dict[str, int], policy: str, folder: str) -> dict[str, Any]:
+def resume_mid_window(
+    *, dims: dict[str, int], policy: str, folder: str, per_rank: int = 1
+) -> dict[str, Any]:
     """A window of 4 saved after 2 micro-steps, finished in the same run and in a fresh one
     that loads the checkpoint: both end with the same parameters (bitwise)."""
-    accel, model, opt = _prepared(dims, policy)
+    accel, model, opt = _prepared(dims, policy, per_rank)
     data = _batches(accel, 8)
     for x, y in data[:6]:
         _step(accel, model, opt, x, y)
@@ -220,7 +231,7 @@ def resume_mid_window(*, dims: dict[str, int], policy: str, folder: str) -> dict
     for x, y in data[6:]:
         _step(accel, model, opt, x, y)
     seen: dict[str, Any] = {"went_on": to_lists(accel.get_state_dict(model))}
-    accel2, model2, opt2 = _prepared(dims, policy)
+    accel2, model2, opt2 = _prepared(dims, policy, per_rank)
     accel2.load_state(folder)
     for x, y in data[6:]:
         _step(accel2, model2, opt2, x, y)

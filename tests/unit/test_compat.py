@@ -375,3 +375,110 @@ def test_hsdp_a_partial_buffer_without_its_layout_is_what_torch_drops(tmp_path):
     plain, restored = _partial_window(sharded, buffer_alone)
     same = all(torch.equal(a, b) for a, b in zip(plain, restored))
     assert same is not keeps_layout
+
+
+# -- what the pipeline relies on in torch.distributed.pipelining and FSDP2 ------------------
+
+
+def _one_stage(tmp_path):
+    """A 1-stage pipeline on a 1-rank gloo group: an FSDP2-sharded Sequential, its whole copy."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    _one_rank_fsdp(tmp_path)
+
+    torch.manual_seed(3)
+    whole = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    stage = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    stage.load_state_dict(whole.state_dict())
+    fully_shard(stage[0])
+    fully_shard(stage)
+    return whole, stage
+
+
+def _sse(out, y):
+    return (out - y).pow(2).sum()
+
+
+def test_pipeline_stage_hooks_are_the_methods_torch_schedules_call(tmp_path):
+    """gradsync's stage replaces ``perform_reduce_grad``, which torch's schedules must call
+    once per schedule step with scale 1 (scale_grads=False), and, where torch has it,
+    ``_post_metadata_inference_cleanup``, called once on the first step, after torch's own
+    drops the FSDP2 gradients (which is why gradsync puts a resumed window's back). On any
+    torch a gradient held before the first step survives it. A torch that renames either
+    runs its own instead: the counts or the gradients here fail."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from gradsync.backends import _pipeline_compat
+
+    for name, _ in _pipeline_compat.HOOKS:
+        assert callable(getattr(PipelineStage, name, None)), name
+    cleans = callable(getattr(PipelineStage, _pipeline_compat.CLEANUP, None))
+    _, stage = _one_stage(tmp_path)
+    calls: list[str] = []
+    held: list[bool] = []
+    before = {p: torch.full_like(p, 0.5) for p in stage.parameters()}
+
+    def cleanup():
+        calls.append("cleanup")
+        held.append(any(p.grad is not None for p in stage.parameters()))
+        for p, grad in before.items():  # what gradsync's pipeline does: put them back
+            p.grad = grad
+
+    for p, grad in before.items():  # gradients from before the first step (a resumed window)
+        p.grad = grad
+    built = _pipeline_compat.Stage(
+        lambda: calls.append("reduce"), cleanup, stage, 0, 1, torch.device("cpu")
+    )
+    schedule = ScheduleGPipe(built, n_microbatches=2, loss_fn=_sse, scale_grads=False)
+    schedule.step(torch.randn(4, 8), target=torch.randn(4, 1), losses=[])
+    assert all(p.grad is grad for p, grad in before.items()), "not dropped"
+    schedule.step(torch.randn(4, 8), target=torch.randn(4, 1), losses=[])
+    if cleans:
+        assert calls == ["cleanup", "reduce", "reduce"]
+        assert held == [False], "torch's cleanup drops the stage's gradients"
+    else:  # torch 2.10: shapes inferred without a forward and backward, nothing dropped
+        assert calls == ["reduce", "reduce"]
+    _pipeline_compat.check_hooks()
+    with pytest.raises(RuntimeError, match=r"pipelining .*Bare\.perform_reduce_grad"):
+        _pipeline_compat._require(Bare(), "perform_reduce_grad", "end of a backward")
+
+
+def test_pipeline_backward_ends_with_the_flags_gradsync_chose(tmp_path):
+    """``end_pipeline_backward`` (FSDP2's ``_state_ctx.all_states``, each group's
+    ``post_backward`` and the root's ``_root_post_backward_final_callback``): a schedule step
+    with gradient sync off keeps its gradients unsharded and reshards; the next, with sync on,
+    reduces both steps' gradients once, equal to the whole model's on both batches."""
+    from torch import nn
+
+    from gradsync.backends import _fsdp_compat, _pipeline
+
+    whole, stage = _one_stage(tmp_path)
+    pipeline = _pipeline.Pipeline(
+        stage,
+        index=0,
+        stages=1,
+        device=torch.device("cpu"),
+        group=None,
+        schedule="1F1B",
+        microbatches=2,
+    )
+    batches = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(2)]
+    stage.set_requires_gradient_sync(False)
+    pipeline.step(*batches[0], _sse, 1.0)
+    assert all(p.grad is None for p in stage.parameters()), "nothing reduced off the boundary"
+    assert all(g is not None for g in _fsdp_compat.window_grads(stage))
+    assert not any(g.is_unsharded for g in _fsdp_compat.param_groups(stage)), "resharded"
+    stage.set_requires_gradient_sync(True)
+    pipeline.step(*batches[1], _sse, 1.0)
+    state = stage._get_fsdp_state()  # the root's: its context lists every module's state
+    assert {id(s) for s in state._state_ctx.all_states} == {
+        id(m._get_fsdp_state()) for m in (stage, stage[0])
+    }
+    assert all(callable(g.post_backward) for g in _fsdp_compat.param_groups(stage))
+    assert callable(state._root_post_backward_final_callback)
+    for x, y in batches:
+        _sse(whole(x), y).backward()
+    for got, want in zip(stage.parameters(), whole.parameters()):
+        torch.testing.assert_close(got.grad.full_tensor(), want.grad, rtol=1e-5, atol=1e-6)
+    assert not any(isinstance(m, nn.Linear) and m.weight.grad is None for m in stage)

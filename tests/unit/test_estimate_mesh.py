@@ -227,3 +227,41 @@ def test_plan_refuses_parallelism_with_fsdp_mesh(capsys):
         ]
     )
     assert code == 2 and "give one (--fsdp-mesh R,S is --parallelism" in capsys.readouterr().err
+
+
+def test_a_pipeline_divides_the_bytes_per_rank_and_adds_its_own_traffic():
+    # pp 2: each stage holds half the model; per TP rank of a stage G_T = 1200 / 2 / 2 = 300,
+    # per rank after dp_shard 100; reduce-scatter and all-gather send 2/3 x 300 = 200.
+    rows = _rows(pp=2, pp_activation_bytes=1000.0)
+    every, defer = rows["every_step"], rows["defer"]
+    assert (every.shard_bytes, every.replicate_bytes) == pytest.approx((4 * 200 + 8 * 200, 4 * 100))
+    assert (every.grad_memory, defer.grad_memory, every.param_memory) == pytest.approx(
+        (100, 300, 100)
+    )
+    # Two stages: each sends one direction (activations forward, or gradients back) per
+    # micro-step; an inner stage of three sends both. The same under every policy.
+    assert {row.pp_bytes for row in rows.values()} == {4 * 1000.0}
+    assert {r.pp_bytes for r in _rows(pp=3, pp_activation_bytes=1000.0).values()} == {8000.0}
+    assert {r.pp_bytes for r in _rows(pp=2).values()} == {None}, "unknown unless given"
+    assert {r.pp_bytes for r in _rows().values()} == {0.0}, "no pipeline, no traffic"
+    assert MeshCluster(1.0, 1.0, pp=2, dp_shard=3, tp=2).world == 12
+    with pytest.raises(ConfigError, match="pp=0"):
+        estimate_mesh(MeshCluster(1.0, 1.0, pp=0))
+
+
+def test_plan_estimate_with_a_pipeline(capsys):
+    args = ["plan", "--gradient-accumulation-steps", "4", "--micro-batch-size", "2"]
+    args += ["--nproc-per-node", "8", "--estimate", "--grad-bytes", "1200", "--latency-us", "0"]
+    args += ["--compute-ms", "0", "--parallelism", "pp=2,dp_shard=2,tp=2"]
+    assert main([*args, "--pp-activation-bytes", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "data-parallel processes: 2 of 8 (1 node(s) x 8), mesh pp=2,dp_shard=2,tp=2" in out
+    assert "mesh pp=2 x dp_replicate=1 x dp_shard=2 x tp=2 (8 ranks), k=4" in out
+    assert "300 B per TP rank of a stage, 150 B per rank after dp_shard" in out
+    every = next(line.split() for line in out.splitlines() if line.startswith("every_step"))
+    assert every[6:8] == ["4.00", "KB"]  # pp/rank: k x 1000 B, one direction per stage
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "give --pp-activation-bytes per micro-step" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("every_step", "defer"))]
+    assert len(rows) == 3 and all(row.count("model-dep.") == 2 for row in rows)  # tp and pp

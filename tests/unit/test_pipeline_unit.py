@@ -57,7 +57,6 @@ def test_the_schedule_and_split_forms():
     ).validate()
     assert config.pp_split == ["2.1"] and config.pp_schedule == "GPipe"
     for bad, words in [
-        ({"pp_schedule": "Interleaved1F1B"}, "not supported yet"),
         ({"pp_schedule": "zb"}, "is no schedule"),
         ({"pp_split": []}, "is no split"),
         ({"pp_split": ["1", "1"]}, "names a module twice"),
@@ -156,3 +155,44 @@ def test_the_environment_the_launcher_and_yaml_carry_pp(tmp_path):
     config = load_config(config_file=path)
     assert config.parallelism["pp"] == 2 and config.pp_split == ["4"]
     assert (config.pp_schedule, config.pp_microbatches) == ("GPipe", 4)
+
+
+def test_launch_flags_carry_the_pipeline_settings(tmp_path, capsys):
+    """--pp-split, --pp-schedule and --pp-microbatches reach the workers' environment, which
+    reads them back as the keywords would give them."""
+    from gradsync.cli import main
+    from gradsync.config import from_env
+
+    script = tmp_path / "s.py"
+    script.write_text("print(1)\n")
+    flags = ["--pp-split", "model.layers.2,model.layers.4", "--pp-schedule", "gpipe"]
+    code = main(
+        [
+            "launch",
+            "--dry-run",
+            "--backend",
+            "fsdp",
+            "--nproc-per-node",
+            "3",
+            "--parallelism",
+            "pp=3",
+            *flags,
+            "--pp-microbatches",
+            "6",
+            str(script),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    env = dict(line.strip().split("=", 1) for line in out.splitlines() if "GRADSYNC_PP_" in line)
+    assert env == {
+        "GRADSYNC_PP_SPLIT": "model.layers.2,model.layers.4",
+        "GRADSYNC_PP_SCHEDULE": "gpipe",
+        "GRADSYNC_PP_MICROBATCHES": "6",
+    }
+    read = from_env(env)
+    assert read["pp_split"] == ["model.layers.2", "model.layers.4"]
+    assert read["pp_microbatches"] == 6
+    assert from_env({"GRADSYNC_PP_SPLIT": '["4", "blocks.2"]'})["pp_split"] == ["4", "blocks.2"]
+    assert main(["launch", "--dry-run", "--pp-schedule", "Interleaved", str(script)]) == 2
+    assert "is no schedule" in capsys.readouterr().err

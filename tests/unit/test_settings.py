@@ -36,6 +36,7 @@ VALID = {
     "fsdp_mesh": "node",
     "parallelism": {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "cp": 1},
     "tp_plan": "auto",
+    "pp_schedule": "GPipe",
     "comm_state_option": {"matrix_approximation_rank": 2},
 }
 

@@ -150,7 +150,10 @@ class Gradients:
         from gradsync.backends import _pipeline
 
         if not _pipeline.is_stage(model):  # the same loop in one process, or without pp
-            whole = loss_fn(model(inputs), targets)
+            out = model(inputs)
+            if not isinstance(out, torch.Tensor) and hasattr(out, "logits"):
+                out = out.logits  # a Transformers decoder's, as its last stage returns them
+            whole = loss_fn(out, targets)
             self.backward(whole, reduction, {})
             return whole.detach()
         pipeline = _pipeline.of(model)

@@ -7,7 +7,10 @@ the last also turns off the root's automatic choice, so gradsync sets the group'
 itself), running FSDP2's lazy initialisation before the first forward (it resets the root's
 flag), the unpadded full size of a sharded parameter, the unsharded gradients that a
 deferred window accumulates, and, on a 2-D mesh (HSDP), the partial buffers in which a window
-whose all-reduce across replicas is deferred accumulates its reduce-scattered shards. Each access goes through
+whose all-reduce across replicas is deferred accumulates its reduce-scattered shards, and the
+end of a pipeline schedule step's backward (every state of the root's ``_state_ctx``, each
+group's ``post_backward``, the root's ``_root_post_backward_final_callback``: what torch's
+pipeline stage runs itself). Each access goes through
 ``_require`` so that a torch that renamed one fails with a message naming the supported
 versions instead of an AttributeError from deep inside.
 """
@@ -45,14 +48,16 @@ def param_groups(model: nn.Module) -> Iterator[Any]:
     """Every FSDP2 parameter group under ``model`` (one per sharded unit that holds parameters)."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            state = _require(module, "_get_fsdp_state", "per-module state")()
-            if not hasattr(state, "_fsdp_param_groups") and hasattr(state, "_fsdp_param_group"):
-                # torch 2.8 and older: at most one group per module, None when it holds no params
-                group = state._fsdp_param_group
-                if group is not None:
-                    yield group
-                continue
-            yield from _require(state, "_fsdp_param_groups", "parameter groups")
+            yield from _state_groups(_require(module, "_get_fsdp_state", "per-module state")())
+
+
+def _state_groups(state: Any) -> list[Any]:
+    """One FSDP2 state's parameter groups: ``_fsdp_param_groups``, or on torch 2.10 and older
+    ``_fsdp_param_group`` (at most one, None when the module holds no parameters)."""
+    if not hasattr(state, "_fsdp_param_groups") and hasattr(state, "_fsdp_param_group"):
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    return list(_require(state, "_fsdp_param_groups", "parameter groups"))
 
 
 def gathers_in_forward(module: nn.Module) -> bool:
@@ -298,6 +303,16 @@ def put_partial_buffers(
         group._partial_reduce_output = buffer.to(device)
 
 
+def hold_back(model: nn.Module) -> None:
+    """Keep every group's gradients unreduced and unsharded through a pipeline schedule
+    step's backward (what torch's stage sets on an FSDP2 module it runs itself), until
+    ``end_pipeline_backward``."""
+    model.set_is_last_backward(False)  # type: ignore[operator]
+    for group in param_groups(model):
+        group.reduce_grads = False
+        group.reshard_after_backward = False
+
+
 def end_pipeline_backward(model: nn.Module, flags: list[GroupFlags]) -> None:
     """Close one pipeline schedule step's backward on a stage's FSDP2 root with the sync flags
     gradsync chose for the micro-step (``flags``, from ``save_flags`` before the schedule ran),
@@ -311,6 +326,6 @@ def end_pipeline_backward(model: nn.Module, flags: list[GroupFlags]) -> None:
     state = _require(model, "_get_fsdp_state", "per-module state")()
     context = _require(state, "_state_ctx", "state context")
     for each in _require(context, "all_states", "states"):
-        for group in _require(each, "_fsdp_param_groups", "parameter groups"):
+        for group in _state_groups(each):
             _require(group, "post_backward", "post-backward")()
     _require(state, "_root_post_backward_final_callback", "final backward callback")()

@@ -10,27 +10,29 @@ micro-step chose instead: off the boundary under "defer" each stage keeps its gr
 unsharded and adds the next schedule steps' to them, so the data-parallel reduction runs once
 per window of k schedule steps; under "every_step" it runs at the end of every schedule step.
 The activations sent between stages are the computation (audited on their own ``pp`` line).
+With ``pp_stages_per_rank`` V > 1 (Interleaved1F1B) the model is cut into P x V stages, rank
+r keeping stages r, r + P, ...: each one's steps become an FSDP2 unit of the rank's root, and
+the schedule step ends (the flags above) once the last of them has ended its backward.
 
 The split: ``pp_split`` names the module paths where each stage after the first begins, in an
 ``nn.Sequential`` model (nested ``nn.Sequential`` steps are opened where a path points into
-them), or is a callable ``(model, num_stages) -> stage modules``. Every rank keeps only its
+them) or a Transformers decoder (``"model.layers.4"``: ``_pipeline_decoder``), or is a callable ``(model, num_stages) -> stage modules``. Every rank keeps only its
 own stage: the other steps are removed from their ``nn.Sequential`` parents, so the stage's
 parameter names are the whole model's.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from gradsync import audit
 from gradsync._plan.batch_plan import BatchPlan
-from gradsync.backends import _fsdp_compat, _group
+from gradsync.backends import _fsdp_compat, _group, _pipeline_compat, _pipeline_decoder
 from gradsync.errors import ConfigError, UsageError
 from gradsync.mesh import Parallelism
 
@@ -44,7 +46,11 @@ __all__ = ["Cut", "Pipeline", "Settings", "check_microbatches", "is_stage", "of"
 #: The attribute of a prepared stage module that holds its pipeline (a reference cycle, freed
 #: with the stage).
 _ATTRIBUTE = "_gradsync_pipeline"
-_SCHEDULES: dict[str, Any] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+_SCHEDULES: dict[str, Any] = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+}
 _CALL = "loss = accel.pipeline_step(model, inputs, targets, loss_fn)"
 
 
@@ -117,7 +123,8 @@ def _cuts(model: nn.Module, paths: Sequence[str], stages: int) -> list[tuple[int
         )
     if not isinstance(model, nn.Sequential):
         raise ConfigError(
-            f"{name} cuts an nn.Sequential, whose forward runs its modules in order, and got a "
+            f"{name} cuts an nn.Sequential, whose forward runs its modules in order, or a "
+            f"Transformers decoder ('model.layers.i'), and got a "
             f"{type(model).__name__}; give pp_split a callable (model, num_stages) -> stages"
         )
     for path in paths:
@@ -163,8 +170,13 @@ class Cut:
         self._model = model
         self._made: list[nn.Module] | None = None
         self._steps: list[tuple[int, Any, str]] = []
+        self._bounds: list[int] = []  # a Transformers decoder's: its first layer per stage
         if callable(split):
             self._made = cast_modules(split(model, stages), stages)
+        elif _pipeline_decoder.is_decoder(model):
+            if len(split) != stages - 1:
+                _cuts(model, list(split), stages)  # the same line as for a Sequential
+            self._bounds = _pipeline_decoder.starts(model, list(split), stages)
         else:
             self._steps = _cuts(model, list(split), stages)
 
@@ -173,10 +185,21 @@ class Cut:
         steps removed (the parameter names stay the whole model's)."""
         if self._made is not None:
             return self._made[index]
+        if self._bounds:
+            return _pipeline_decoder.stage(self._model, self._bounds, index)
+        return self.keep([index])[0]
+
+    def keep(self, indices: Sequence[int]) -> tuple[nn.Module, list[list[nn.Module]]]:
+        """The model with every step of the stages not in ``indices`` removed, and the steps
+        of each kept stage, in order (an ``nn.Sequential`` cut only)."""
+        parts = [
+            [parent._modules[key] for owner, parent, key in self._steps if owner == index]
+            for index in indices
+        ]
         for owner, parent, key in self._steps:
-            if owner != index:
+            if owner not in indices:
                 del parent._modules[key]
-        return self._model
+        return self._model, parts
 
 
 def cast_modules(made: Any, stages: int) -> list[nn.Module]:
@@ -196,29 +219,6 @@ def cast_modules(made: Any, stages: int) -> list[nn.Module]:
     return found
 
 
-class _Stage(PipelineStage):
-    """torch's stage, ending each schedule step's backward with gradsync's sync flags."""
-
-    def __init__(self, pipeline: Pipeline, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._pipeline = weakref.ref(pipeline)
-
-    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        pipeline = self._pipeline()
-        assert pipeline is not None and grad_scale_factor == 1
-        _fsdp_compat.end_pipeline_backward(self.submod, pipeline.flags)
-
-    def _post_metadata_inference_cleanup(self) -> None:
-        # The first schedule step infers the shapes with a real forward and backward and
-        # then drops every gradient; a window's gradients from before it (a resumed window)
-        # are put back.
-        super()._post_metadata_inference_cleanup()
-        pipeline = self._pipeline()
-        assert pipeline is not None
-        for param, grad in pipeline.grads.items():
-            param.grad = grad
-
-
 class Pipeline:
     """One rank's stage of a pipelined model and the schedule that runs it."""
 
@@ -232,6 +232,7 @@ class Pipeline:
         group: Any,
         schedule: str,
         microbatches: int,
+        parts: list[list[nn.Module]] | None = None,
     ) -> None:
         self.module = module
         self.index = index
@@ -246,12 +247,45 @@ class Pipeline:
         self._running = False
         self._factor = 1.0
         self._loss_fn: Callable[..., torch.Tensor] | None = None
-        stage = _Stage(self, module, index, stages, device, group=group)
+        #: more than one stage on this rank (``parts``: each one's steps): stages index,
+        #: index + P, ... of P x len(parts), each ending its backward once per schedule step
+        self.parts = parts
+        self._ended = 0
+        if parts is None:
+            made: Any = _pipeline_compat.Stage(
+                self._end_backward, self._put_back_grads, module, index, stages, device, group=group
+            )
+        else:
+            made = [
+                _pipeline_compat.Stage(
+                    self._end_backward,
+                    self._put_back_grads,
+                    nn.Sequential(*steps),
+                    index + j * stages,
+                    stages * len(parts),
+                    device,
+                    group=group,
+                )
+                for j, steps in enumerate(parts)
+            ]
         self._schedule = _SCHEDULES[schedule](
-            stage, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False
+            made, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False
         )
         module.register_forward_pre_hook(self._guard, prepend=True)
         object.__setattr__(module, _ATTRIBUTE, self)
+
+    def _end_backward(self) -> None:
+        self._ended += 1
+        if self._ended == len(self.parts or [None]):  # every stage of this rank is done
+            self._ended = 0
+            _fsdp_compat.end_pipeline_backward(self.module, self.flags)
+
+    def _put_back_grads(self) -> None:
+        # The first schedule step infers the shapes with a real forward and backward and
+        # then drops every gradient; a window's gradients from before it (a resumed window)
+        # are put back.
+        for param, grad in self.grads.items():
+            param.grad = grad
 
     def _guard(self, module: nn.Module, args: Any) -> None:
         if not self._running:
@@ -286,8 +320,11 @@ class Pipeline:
                 f"pp_microbatches={self.microbatches} does not divide this micro-batch of {size} "
                 "samples; give a loader whose batches it divides (drop_last=True for the last)"
             )
+        _fsdp_compat.lazy_init(self.module)  # the stage is the root, whichever part runs first
         self.flags = _fsdp_compat.save_flags(self.module)
-        self.grads = {p: p.grad for p in self.module.parameters()}  # see _Stage
+        if self.parts is not None:  # as torch's stage does for an FSDP2 module it runs itself
+            _fsdp_compat.hold_back(self.module)
+        self.grads = {p: p.grad for p in self.module.parameters()}  # see _put_back_grads
         self._factor = factor
         self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []  # each part's, as scaled (torch's schedule fills it)
@@ -315,8 +352,13 @@ def _rows(value: Any) -> int | None:
 class Settings:
     """The pipeline's settings for an adapter that shards stages (pp > 1)."""
 
-    def __init__(self, stages: int, split: Any, schedule: str, microbatches: int) -> None:
+    def __init__(
+        self, stages: int, split: Any, schedule: str, microbatches: int, per_rank: int = 1
+    ) -> None:
         self.stages = stages
+        self.per_rank = per_rank
+        #: with several stages per rank: the steps of each of this rank's stages (``stage``)
+        self.parts: list[list[nn.Module]] | None = None
         self.split = split
         self.schedule = schedule
         self.microbatches = microbatches
@@ -341,7 +383,9 @@ class Settings:
         if dims.pp == 1:
             return None
         microbatches = config.pp_microbatches or dims.pp
-        return cls(dims.pp, config.pp_split, config.pp_schedule, microbatches)
+        per_rank = config.pp_stages_per_rank
+        _check_per_rank(per_rank, config.pp_schedule, config.pp_split)
+        return cls(dims.pp, config.pp_split, config.pp_schedule, microbatches, per_rank)
 
     def bind(self, mesh: DeviceMesh) -> None:
         """The named mesh with its "pp" dim; its pipeline group labelled for the audit."""
@@ -357,11 +401,16 @@ class Settings:
         """This rank's stage of ``model``, every rank starting from rank 0's weights; the
         split and the micro-batches checked before any collective."""
         check_microbatches(self.microbatches, plan.micro_batch_size, self.stages)
-        cut = Cut(model, self.split, self.stages)
+        cut = Cut(model, self.split, self.stages * self.per_rank)
         model.to(device)
         _group.broadcast_from_rank0(model)
         every = {id(p) for p in model.parameters()}
-        stage = cut.stage(self._mesh.get_local_rank("pp"))
+        rank = self._mesh.get_local_rank("pp")
+        if self.per_rank > 1:  # stages rank, rank + P, ...: Interleaved1F1B's loop order
+            held = range(rank, self.stages * self.per_rank, self.stages)
+            stage, self.parts = cut.keep(list(held))
+        else:
+            stage = cut.stage(rank)
         self.dropped = every - {id(p) for p in stage.parameters()}
         return stage
 
@@ -375,4 +424,22 @@ class Settings:
             group=self.group,
             schedule=self.schedule,
             microbatches=self.microbatches,
+            parts=self.parts,
+        )
+
+
+def _check_per_rank(per_rank: int, schedule: str, split: Any) -> None:
+    """``pp_stages_per_rank`` against the schedule and the split: one ConfigError line."""
+    if (per_rank > 1) != (schedule == "Interleaved1F1B"):
+        raise ConfigError(
+            f"pp_schedule={schedule!r} runs one stage per rank, and pp_stages_per_rank="
+            f"{per_rank}; give pp_schedule='Interleaved1F1B' for several"
+            if per_rank > 1
+            else "pp_schedule='Interleaved1F1B' runs several stages on each rank, and "
+            "pp_stages_per_rank=1; give pp_stages_per_rank >= 2"
+        )
+    if per_rank > 1 and callable(split):
+        raise ConfigError(
+            f"pp_stages_per_rank={per_rank} cuts an nn.Sequential by module paths; a callable "
+            "pp_split is not supported with several stages per rank"
         )

@@ -354,6 +354,11 @@ class FSDPBackend(AdapterDefaults):
             _modules.compile_in_place(unit, self._compile)
         for unit in units:
             fully_shard(unit, **kwargs)
+        for part in self._pp.parts or [] if self._pp is not None else []:
+            # each stage of this rank is a unit (several per rank): the root never runs forward
+            rest = [m for m in part if not isinstance(m, FSDPModule) and any(m.parameters())]
+            if rest:
+                fully_shard(rest, **kwargs)
         if "mp_policy" in kwargs:
             kwargs["mp_policy"] = mp_policy(self._bf16, self._reduce, root=True)
         fully_shard(model, **kwargs)

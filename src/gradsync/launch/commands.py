@@ -226,18 +226,18 @@ def _estimate_mesh(
     )
     from gradsync.mesh import parse
 
-    r, s, t = (
-        parse(args.parallelism, "--parallelism").resolve(int(row["world"]), "--parallelism").shape
-    )
+    dims = parse(args.parallelism, "--parallelism").resolve(int(row["world"]), "--parallelism")
     cluster = MeshCluster(
         grad_bytes=grad_bytes,
         param_bytes=param_bytes,
-        dp_replicate=r,
-        dp_shard=s,
-        tp=t,
+        dp_replicate=dims.dp_replicate,
+        dp_shard=dims.dp_shard,
+        tp=dims.tp,
+        pp=dims.pp,
         k=k,
         tp_share=args.tp_share,
         tp_bytes=args.tp_bytes,
+        pp_activation_bytes=args.pp_activation_bytes,
         budget_bytes=args.memory_budget,
         intra_gbs=args.intra_bandwidth if args.intra_bandwidth is not None else INTRA_GBS,
         inter_gbs=args.inter_bandwidth if args.inter_bandwidth is not None else INTER_GBS,

@@ -30,6 +30,7 @@ from gradsync.settings import (
     MixedPrecision,
     OnOom,
     ParallelismSpec,
+    PPSplit,
     RequestedPolicy,
 )
 
@@ -89,6 +90,10 @@ class LaunchConfig:
     comm_state_option: dict[str, Any] | None = None
     fsdp_mesh: MeshSpec | None = None
     parallelism: ParallelismSpec | None = None
+    pp_split: PPSplit | None = None
+    pp_schedule: str | None = None
+    pp_microbatches: int | None = None
+    pp_stages_per_rank: int | None = None
     # -- end of the generated part --
     #: A YAML (or JSON) file: gradsync's settings, or Accelerate's config file (``accelerate
     #: config``), told apart by its keys.

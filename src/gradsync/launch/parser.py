@@ -229,6 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
         "model-dependent, left out when not given)",
     )
     est.add_argument(
+        "--pp-activation-bytes",
+        type=float,
+        default=None,
+        metavar="B",
+        help="--parallelism with pp: activation bytes one stage sends the next per "
+        "micro-step (model-dependent, left out when not given)",
+    )
+    est.add_argument(
         "--memory-budget",
         type=float,
         default=None,

@@ -11,7 +11,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from gradsync import mesh
 from gradsync._support.declaration import ModuleSelector, check_bytes, setting
 from gradsync.errors import ConfigError
-from gradsync.options.pipeline import PPSplit, check_schedule, check_split
+from gradsync.options.pipeline import PPSplit, check_schedule, check_split, split_from_text
 
 #: The policy that needs a 2-D mesh: reduce-scatter every micro-step, all-reduce across the
 #: replicas once per window.
@@ -330,18 +330,25 @@ class FSDPOptions:
         metadata=setting(
             "where the pipeline splits the model: the module paths where each stage after the "
             "first begins (e.g. ['4'] or ['blocks.2']), or a callable (model, num_stages) -> "
-            "the stage modules; needs parallelism with pp > 1",
+            "the stage modules; needs parallelism with pp > 1 (from text: comma-separated "
+            "paths)",
             backend="fsdp",
+            flag=True,
             check=check_split,
+            parse=split_from_text,
+            metavar="PATHS",
         ),
     )
     pp_schedule: str = field(
         default="1F1B",
         metadata=setting(
             "the pipeline schedule of one micro-step: 'GPipe' (every forward, then every "
-            "backward) or '1F1B' (one forward, one backward: fewer activations held)",
+            "backward), '1F1B' (one forward, one backward: fewer activations held) or "
+            "'Interleaved1F1B' (pp_stages_per_rank stages on each rank)",
             backend="fsdp",
+            flag=True,
             check=check_schedule,
+            metavar="NAME",
         ),
     )
     pp_microbatches: int | None = field(
@@ -350,7 +357,20 @@ class FSDPOptions:
             "the pipeline's micro-batches per micro-step (they divide the micro-batch); None: "
             "one per stage",
             backend="fsdp",
+            flag=True,
             minimum=1,
+            metavar="M",
+        ),
+    )
+    pp_stages_per_rank: int = field(
+        default=1,
+        metadata=setting(
+            "the pipeline stages each rank runs (pp x this many in all); more than 1 needs "
+            "pp_schedule='Interleaved1F1B'",
+            backend="fsdp",
+            flag=True,
+            minimum=1,
+            metavar="V",
         ),
     )
     fsdp_state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] | None = field(

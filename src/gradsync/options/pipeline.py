@@ -10,11 +10,27 @@ from typing import Any
 
 from gradsync.errors import ConfigError
 
-#: The schedules ``pp_schedule`` names (torch.distributed.pipelining's single-stage ones).
-PP_SCHEDULES = ("GPipe", "1F1B")
+#: The schedules ``pp_schedule`` names: torch.distributed.pipelining's single-stage ones, and
+#: Interleaved1F1B (``pp_stages_per_rank`` stages on each rank).
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 #: ``pp_split``: module paths where each stage after the first begins, or a callable
 #: ``(model, num_stages) -> list of stage modules``.
 PPSplit = Sequence[str] | Callable[[Any, int], Sequence[Any]]
+
+
+def split_from_text(raw: str, source: str) -> list[str]:
+    """``GRADSYNC_PP_SPLIT`` / ``--pp-split``: the module paths, comma-separated
+    ("model.layers.2,model.layers.4"), or a JSON list of them."""
+    text = raw.strip()
+    if text.startswith("["):
+        import json
+
+        try:
+            found = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"{source}={raw!r} is no JSON list of module paths: {e}") from None
+        return [str(p) for p in found]
+    return [p.strip() for p in text.split(",") if p.strip()]
 
 
 def check_split(name: str, value: Any, config: Any) -> Any:
@@ -38,8 +54,4 @@ def check_schedule(name: str, value: Any, config: Any) -> str:
     for known in PP_SCHEDULES:
         if str(value).strip().lower() == known.lower():
             return known
-    later = " (Interleaved1F1B, several stages per rank, is not supported yet)"
-    raise ConfigError(
-        f"{name}={value!r} is no schedule; use one of {', '.join(PP_SCHEDULES)}"
-        + (later if "interleaved" in str(value).lower() else "")
-    )
+    raise ConfigError(f"{name}={value!r} is no schedule; use one of {', '.join(PP_SCHEDULES)}")

@@ -25,7 +25,10 @@ variables; an ``Accelerator`` built while ``GRADSYNC_VERIFY`` is set attaches a 
 On an N-D mesh (``parallelism`` with tp > 1) the ranks of one tensor-parallel group read the
 same micro-batches: N is then the data-parallel size R x S, the meta's ``readers`` lists
 the ranks of each data-parallel position, and the reference replays the first of each
-(``mismatched_readers`` checks beforehand that the others read the same).
+(``mismatched_readers`` checks beforehand that the others read the same). With a pipeline
+(pp > 1) the stages of one pipeline read the same micro-batches too, and each rank holds
+its own stage's parameters: the snapshots and the parameter names are gathered from every
+rank, so rank 0 writes the whole model's.
 
 Nothing here runs unless those variables are set.
 """
@@ -108,6 +111,12 @@ def overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         gradient_accumulation_steps=GlobalWindows(meta.get("k", [1]), int(meta.get("world", 1))),
     )
     return forced
+
+
+def _on_cpu(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    return {
+        k: v.detach().to("cpu", copy=True) for k, v in state.items() if isinstance(v, torch.Tensor)
+    }
 
 
 class ReplayExhausted(RuntimeError):
@@ -437,12 +446,26 @@ class Verifier:
             params = list(self.accel.unwrap_model(model).named_parameters())
             names.append([n for n, _ in params])
             dtypes.update(str(p.dtype).replace("torch.", "") for _, p in params)
+        if self._pipelined():  # each rank names its own stage's: the whole model's, in order
+            names = [
+                list(dict.fromkeys(n for each in per_rank for n in each[i]))
+                for per_rank in [dist.all_gather_object(names)]
+                for i in range(len(names))
+            ]
         self.meta["param_names"] = names
         self.meta["dtypes"] = sorted(dtypes)
         if self.replay_from is not None:
             self._load_initial()
             self._rng_start = _rng_states()
         self._snapshot()
+
+    def _pipelined(self) -> bool:
+        """Whether this launched run pipelines its models (each rank holds one stage)."""
+        return (
+            self.replay_from is None
+            and getattr(self.accel.config, "pp_split", None) is not None
+            and int(self.accel.world_size) > 1
+        )
 
     def _load_initial(self) -> None:
         """The reference starts from the launched run's initial parameters (whatever the
@@ -458,10 +481,18 @@ class Verifier:
     def _snapshot(self) -> None:
         step = self.snapshots + 1
         states = [self.accel.get_state_dict(model) for model in self.prepared.trained]  # collective
+        if self._pipelined():  # each rank holds its stage's part: rank 0 writes the whole
+            per_rank = dist.all_gather_object([_on_cpu(s) for s in states])
+            states = [
+                {k: v for part in per_rank for k, v in part[i].items()} for i in range(len(states))
+            ]
         loss = None
         if step > 0:
             with contextlib.suppress(Exception):
                 loss = float(self.accel.window_loss)
+        if step > 0 and self._pipelined():  # the loss is the last stage's (NaN on the others)
+            found = [v for v in dist.all_gather_object(loss) if v is not None and not math.isnan(v)]
+            loss = found[0] if found else loss
         off = on = None
         audit = getattr(self.accel, "audit", None)
         if audit is not None and step > 0:

@@ -70,6 +70,12 @@ benchmarks/hsdp_bytes.py measures it: the gradients above G_T/S, and for kept pa
 the whole gathered copy P_T, since FSDP2 keeps each rank's shard beside it (the adapter
 counts it so too); ``defer_replicate``'s partial buffer takes the place of
 the sharded gradients (0 more).
+
+With a pipeline (pp = P, outermost) each stage is counted as an even 1/P of the model: G_T
+and P_T are divided by P. The pipeline's own traffic, the activations to the next stage and
+their gradients back, runs on every micro-step under every policy: given
+``pp_activation_bytes`` A per micro-step the busiest rank sends k x A per step with two
+stages, 2k x A with more; else it is reported as model-dependent. No bubble is modelled.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The estimate on an N-D mesh: dp_replicate x dp_shard x tp."""
+"""The estimate on an N-D mesh: pp x dp_replicate x dp_shard x tp."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ class MeshCluster:
     tp_bytes: float | None = (
         None  # TP traffic each rank sends per micro-step (model-dependent; None: unknown)
     )
+    pp: int = 1  # P: pipeline stages, each an even 1/P of the model's bytes
+    pp_activation_bytes: float | None = (
+        None  # activation bytes one stage sends the next per micro-step (None: unknown)
+    )
     budget_bytes: float | None = None  # auto's budget per rank (None: auto's choice not shown)
     intra_gbs: float = INTRA_GBS  # bus bandwidth per rank inside a node, GB/s
     inter_gbs: float = INTER_GBS  # bus bandwidth per rank across nodes, GB/s
@@ -45,7 +49,7 @@ class MeshCluster:
     compression: Compression = field(default_factory=Compression)
 
     def check(self) -> MeshCluster:
-        for name in ("dp_replicate", "dp_shard", "tp", "k"):
+        for name in ("pp", "dp_replicate", "dp_shard", "tp", "k"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be an integer >= 1")
@@ -54,7 +58,7 @@ class MeshCluster:
                 f"tp_share={self.tp_share!r} must be between 0 and 1 (the share of the "
                 "model's bytes the TP plan shards)"
             )
-        for name in ("tp_bytes", "budget_bytes"):
+        for name in ("tp_bytes", "pp_activation_bytes", "budget_bytes"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"{name}={value!r} must be >= 0, or None when unknown")
@@ -68,11 +72,22 @@ class MeshCluster:
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     def per_tp_rank(self, nbytes: float) -> float:
-        """The bytes of ``nbytes`` one rank of a TP group holds: 1/T of the sharded share."""
-        return nbytes * (self.tp_share / self.tp + 1.0 - self.tp_share)
+        """The bytes of ``nbytes`` one rank of a TP group of one pipeline stage holds: 1/P of
+        the model, and of that 1/T of the sharded share."""
+        return nbytes / self.pp * (self.tp_share / self.tp + 1.0 - self.tp_share)
+
+    def pp_step_bytes(self) -> float | None:
+        """What the busiest rank sends to its pipeline neighbours per optimizer step: each
+        micro-step's activations forward and their gradients back (an inner stage sends
+        both, the first and the last one of them), k times; None when not given."""
+        if self.pp == 1:
+            return 0.0
+        if self.pp_activation_bytes is None:
+            return None
+        return self.k * self.pp_activation_bytes * (1 if self.pp == 2 else 2)
 
 
 @dataclass(frozen=True)
@@ -95,9 +110,12 @@ class MeshRow:
     deferral_bytes: (
         float  # what auto weighs against its budget (the adapter's deferral_extra_bytes)
     )
-    comm_ms: float  # data-parallel communication per step (TP traffic not included)
+    comm_ms: float  # data-parallel communication per step (TP and pipeline traffic not included)
     step_ms: float
     speedup: float  # every_step step time / this step time
+    pp_bytes: float | None = (
+        0.0  # bytes a rank sends its pipeline neighbours per step (None: unknown)
+    )
 
 
 def auto_policy(rows: list[MeshRow], budget_bytes: float, replicas: int) -> str:
@@ -111,7 +129,7 @@ def auto_policy(rows: list[MeshRow], budget_bytes: float, replicas: int) -> str:
 
 def estimate_mesh(cluster: MeshCluster) -> list[MeshRow]:
     """Bytes per mesh dimension per optimizer step and memory per rank, for each policy, on a
-    (dp_replicate, dp_shard, tp) mesh.
+    (pp, dp_replicate, dp_shard, tp) mesh.
 
     Args:
         cluster: the inputs.
@@ -170,6 +188,7 @@ def estimate_mesh(cluster: MeshCluster) -> list[MeshRow]:
                 comm_ms=time_row.comm_ms,
                 step_ms=time_row.step_ms,
                 speedup=time_row.speedup,
+                pp_bytes=c.pp_step_bytes(),
             )
         )
     return rows
@@ -187,6 +206,7 @@ def format_mesh(cluster: MeshCluster, rows: list[MeshRow]) -> str:
     """
     c = cluster
     g_t = c.per_tp_rank(c.grad_bytes)
+    stage = "" if c.pp == 1 else " of a stage"
     share = (
         ""
         if c.tp_share == 1.0
@@ -200,14 +220,26 @@ def format_mesh(cluster: MeshCluster, rows: list[MeshRow]) -> str:
         if c.tp > 1
         else "no TP group"
     )
+    pp, pp_head = ("", "") if c.pp == 1 else (f"pp={c.pp} x ", f" {'pp/rank':>10}")
+    pp_note = (
+        ""
+        if c.pp == 1
+        else "; pp: the activations to the next stage and their gradients back, every "
+        "micro-step under every policy"
+        + (
+            " (give --pp-activation-bytes per micro-step to add them)"
+            if c.pp_activation_bytes is None
+            else ""
+        )
+    )
     lines = [
-        f"mesh dp_replicate={c.dp_replicate} x dp_shard={c.dp_shard} x tp={c.tp} ({c.world} ranks), k={c.k}: "
-        f"gradients {_size(c.grad_bytes)} per model copy, {_size(g_t)} per TP rank{share}, "
+        f"mesh {pp}dp_replicate={c.dp_replicate} x dp_shard={c.dp_shard} x tp={c.tp} ({c.world} ranks), k={c.k}: "
+        f"gradients {_size(c.grad_bytes)} per model copy, {_size(g_t)} per TP rank{stage}{share}, "
         f"{_size(g_t / c.dp_shard)} per rank after dp_shard; {c.intra_gbs:g} GB/s inside a node, "
         f"{c.inter_gbs:g} GB/s across nodes, {c.latency_us:g} us per collective call",
         f"(dp_shard: reduce-scatter and all-gathers, (S-1)/S x bytes per rank; dp_replicate: the shard "
         f"all-reduced, 2(R-1)/R x G/S per rank; {tp}; grads / params: what a rank holds through the "
-        "window; auto weighs: the bytes auto compares with its budget)",
+        f"window; auto weighs: the bytes auto compares with its budget{pp_note})",
     ]
     if c.compression.hook != "no":
         f = c.compression.factor(g_t, c.dtype_bytes, c.bucket_bytes)
@@ -218,13 +250,18 @@ def format_mesh(cluster: MeshCluster, rows: list[MeshRow]) -> str:
         budget = f"auto with a budget of {_size(c.budget_bytes)} per rank -> {chosen}"
     lines += [
         "",
-        f"{'policy':<16} {'dp_shard/rank':>14} {'dp_repl/rank':>13} {'tp/rank':>10} {'grads':>10} "
+        f"{'policy':<16} {'dp_shard/rank':>14} {'dp_repl/rank':>13} {'tp/rank':>10}{pp_head} {'grads':>10} "
         f"{'params':>10} {'extra':>10} {'auto weighs':>12} {'comm ms':>9} {'step ms':>9} {'speed-up':>9}",
     ]
     for row in rows:
         tp_text = "model-dep." if row.tp_bytes is None else _size(row.tp_bytes)
+        pp_text = (
+            ""
+            if c.pp == 1
+            else f" {'model-dep.' if row.pp_bytes is None else _size(row.pp_bytes):>10}"
+        )
         lines.append(
-            f"{row.policy:<16} {_size(row.shard_bytes):>14} {_size(row.replicate_bytes):>13} {tp_text:>10} "
+            f"{row.policy:<16} {_size(row.shard_bytes):>14} {_size(row.replicate_bytes):>13} {tp_text:>10}{pp_text} "
             f"{_size(row.grad_memory):>10} {_size(row.param_memory):>10} {_size(row.extra_memory):>10} "
             f"{_size(row.deferral_bytes):>12} {row.comm_ms:>9.1f} {row.step_ms:>9.1f} {row.speedup:>8.2f}x"
         )

@@ -1,0 +1,139 @@
+"""A tiny Transformers ``LlamaForCausalLM`` (built from a config) split by layer names,
+``pp_split=["model.layers.2"]``, trained with a token-weighted loss; run by mp_worker.py in the
+pooled 2-rank (pp 2) and 4-rank (pp 2 x dp_shard 2) gloo groups. The one-process reference
+is plain torch on the same global windows (no Accelerator)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from gradsync import Accelerator, ConfigError
+
+from scenarios.common import to_lists
+
+VOCAB = 64
+SEQ = 8
+SPLIT = ["model.layers.2"]
+
+
+def make_llama(*, tied: bool = False) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+class Tokens(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """Token ids and next-token labels, about a third of them masked (-100), so that the
+    micro-batches hold different numbers of counted tokens."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(5)
+        ids = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+        self.x, labels = ids[:, :-1], ids[:, 1:].clone()
+        labels[torch.rand(n, SEQ, generator=g) < 0.35] = -100
+        self.y = labels
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy over the counted (unmasked) tokens."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+def counted(batch: Any) -> int:
+    return int((batch[1] != -100).sum())
+
+
+def train(
+    *, dims: dict[str, int], schedule: str, samples: int, steps: int = 4, policy: str = "defer"
+) -> dict[str, Any]:
+    """The loop a user writes, one pipeline_step per micro-step, token-weighted."""
+    accel = Accelerator(
+        backend="fsdp",
+        parallelism=dims,
+        pp_split=SPLIT,
+        pp_schedule=schedule,
+        pp_microbatches=2,
+        gradient_accumulation_steps=steps,
+        sync_policy=policy,
+        count_items=counted,
+        seed=0,
+    )
+    raw = make_llama()
+    model, opt, loader = accel.prepare(
+        raw,
+        torch.optim.SGD(raw.parameters(), lr=0.1, momentum=0.9),
+        DataLoader(Tokens(samples), batch_size=4),
+    )
+    windows: list[list[list[int]]] = []
+    current: list[list[int]] = []
+    for x, y, idx in loader:
+        with accel.accumulate(model):
+            accel.pipeline_step(model, x, y, token_loss, "sum")
+            current.append(idx.tolist())
+            opt.step()
+            opt.zero_grad()
+        if accel.sync_gradients:
+            windows.append(current)
+            current = []
+    backend = accel._backend  # type: ignore[attr-defined]
+    return {
+        "windows": windows,
+        "state": to_lists(accel.get_state_dict(model)),
+        "stage": accel.mesh.get_local_rank("pp"),
+        "data_rank": backend.data_parallel.rank,
+        "data_size": backend.data_parallel.size,
+        "optimizer_steps": accel.optimizer_steps,
+        "policy": accel.sync_policy,
+    }
+
+
+def reference(rank_results: list[dict[str, Any]], samples: int) -> dict[str, Any]:
+    """One process, plain torch, on the same global windows: each window's gradient is the
+    summed token loss of every micro-batch of every data-parallel rank over its counted
+    tokens."""
+    data = Tokens(samples)
+    firsts = sorted((r for r in rank_results if r["stage"] == 0), key=lambda r: r["data_rank"])
+    model = make_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for w in range(len(firsts[0]["windows"])):
+        micro = [mb for r in firsts for mb in r["windows"][w]]
+        items = sum(int((data.y[mb] != -100).sum()) for mb in micro)
+        opt.zero_grad()
+        total = sum(token_loss(model(data.x[mb]).logits, data.y[mb]) for mb in micro) / items
+        total.backward()  # type: ignore[union-attr]
+        opt.step()
+    return to_lists(model.state_dict())
+
+
+def refused_tied() -> dict[str, Any]:
+    """A model whose head shares the embedding's weight: one ConfigError line at prepare."""
+    accel = Accelerator(
+        backend="fsdp", parallelism={"pp": 2}, pp_split=SPLIT, gradient_accumulation_steps=2
+    )
+    try:
+        accel.prepare(make_llama(tied=True))
+    except ConfigError as e:
+        return {"error": str(e)}
+    return {"error": None}
