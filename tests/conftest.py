@@ -196,9 +196,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 #: The multi-process modules that exercise torch's internals (FSDP2's private state, HSDP's
 #: partial buffers, tensor parallelism, pipelines and their point-to-point ops, resumes and
-#: dropped windows, checkpoints, the audit's process group): marked ``torch_internals``. scripts/torch_range.sh runs them, with the unit
-#: tests, on the oldest supported and the newest torch (``-m "not multiprocess or
-#: torch_internals"``).
+#: dropped windows, checkpoints, the audit's process group): marked ``torch_internals``.
+#: scripts/torch_range.sh runs them, with the unit tests, on the oldest supported and the
+#: newest torch (``-m "not multiprocess or torch_internals"``).
 TORCH_INTERNALS = {
     "test_checkpoint_faults.py",
     "test_checkpoint_processes.py",
