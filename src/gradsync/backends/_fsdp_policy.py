@@ -259,3 +259,18 @@ def mp_policy(bf16: bool, reduce: Any, *, root: bool) -> Any:
         reduce_dtype=reduce or torch.float32,
         output_dtype=torch.float32 if root and param else None,
     )
+
+
+def check_replicate_policy(spec: Any, shape: tuple[int, int], *, nd: bool) -> None:
+    """``sync_policy="defer_replicate"`` needs replicas to defer across: one ConfigError line
+    naming the mesh (``spec``: ``fsdp_mesh``'s value, or the N-D ``parallelism`` when ``nd``)."""
+    replicas, shards = shape
+    if replicas != 1:
+        return
+    shown = tuple(spec.shape) if hasattr(spec, "shape") and not isinstance(spec, str) else spec
+    named = f"parallelism={spec!r}" if nd else f"fsdp_mesh={shown!r}"
+    need = "dp_replicate > 1" if nd else "fsdp_mesh=(R, S) with R > 1"
+    raise ConfigError(
+        f"sync_policy='defer_replicate' defers the all-reduce across replicas, and {named} "
+        f"has one replica (a 1-D mesh of {shards}); give {need}, or use sync_policy='defer'"
+    )

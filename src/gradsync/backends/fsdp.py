@@ -54,6 +54,7 @@ from gradsync.backends import (
 from gradsync.backends._fsdp_policy import (
     Keep,
     available_memory,
+    check_replicate_policy,
     crosses_nodes,
     decide,
     deferral_cost,
@@ -148,7 +149,9 @@ class FSDPBackend(AdapterDefaults):
             if self._dims is None
             else (self._dims.dp_replicate, self._dims.dp_shard)
         )
-        self._check_replicate_policy(config.fsdp_mesh if self._dims is None else self._dims.text())
+        spec = config.fsdp_mesh if self._dims is None else self._dims.text()
+        if self._asked == "defer_replicate":
+            check_replicate_policy(spec, self._shape, nd=self._dims is not None)
         self._budget = config.memory_budget()
         self._keep_option = config.fsdp_keep_params_in_window
         self._legacy_keep = config.fsdp_reshard_after_backward is False
@@ -262,21 +265,6 @@ class FSDPBackend(AdapterDefaults):
                 per_node,
             )
         return replicas, shards
-
-    def _check_replicate_policy(self, spec: Any) -> None:
-        replicas, shards = self._shape
-        if self._asked == "defer_replicate" and replicas == 1:
-            named = (
-                f"parallelism={spec!r}"
-                if self._dims is not None
-                else f"fsdp_mesh={spec if not isinstance(spec, DeviceMesh) else tuple(spec.shape)!r}"
-            )
-            raise ConfigError(
-                f"sync_policy='defer_replicate' defers the all-reduce across replicas, and "
-                f"{named} has one replica (a 1-D mesh of {shards}); give "
-                + ("dp_replicate > 1" if self._dims is not None else "fsdp_mesh=(R, S) with R > 1")
-                + ", or use sync_policy='defer'"
-            )
 
     def _build_mesh(self, spec: Any) -> DeviceMesh:
         replicas, shards = self._shape
