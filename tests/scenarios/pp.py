@@ -184,7 +184,7 @@ def refused(**options: Any) -> dict[str, Any]:
 
 # -- checkpoints ----------------------------------------------------------------------------
 def _prepared(
-    dims: dict[str, int] | None, policy: str, per_rank: int = 1
+    dims: dict[str, int] | None, policy: str, per_rank: int = 1, backend: str = "fsdp"
 ) -> tuple[Accelerator, Any, Any]:
     if dims is None:  # the whole model in one process
         accel = Accelerator(backend="fsdp", gradient_accumulation_steps=4, seed=0)
@@ -192,7 +192,7 @@ def _prepared(
         options = {"pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": per_rank}
         accel = _accel(dims, 4, policy, pp_microbatches=2, split=["2", "4", "6"], **options)
     else:
-        accel = _accel(dims, 4, policy, pp_microbatches=2)
+        accel = _accel(dims, 4, policy, pp_microbatches=2, backend=backend)
     raw = make_seq()
     model, opt = accel.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.05, momentum=0.9))
     return accel, model, opt
@@ -219,11 +219,11 @@ def _step(accel: Accelerator, model: Any, opt: Any, x: torch.Tensor, y: torch.Te
 
 
 def resume_mid_window(
-    *, dims: dict[str, int], policy: str, folder: str, per_rank: int = 1
+    *, dims: dict[str, int], policy: str, folder: str, per_rank: int = 1, backend: str = "fsdp"
 ) -> dict[str, Any]:
     """A window of 4 saved after 2 micro-steps, finished in the same run and in a fresh one
     that loads the checkpoint: both end with the same parameters (bitwise)."""
-    accel, model, opt = _prepared(dims, policy, per_rank)
+    accel, model, opt = _prepared(dims, policy, per_rank, backend)
     data = _batches(accel, 8)
     for x, y in data[:6]:
         _step(accel, model, opt, x, y)
@@ -231,7 +231,7 @@ def resume_mid_window(
     for x, y in data[6:]:
         _step(accel, model, opt, x, y)
     seen: dict[str, Any] = {"went_on": to_lists(accel.get_state_dict(model))}
-    accel2, model2, opt2 = _prepared(dims, policy, per_rank)
+    accel2, model2, opt2 = _prepared(dims, policy, per_rank, backend)
     accel2.load_state(folder)
     for x, y in data[6:]:
         _step(accel2, model2, opt2, x, y)
