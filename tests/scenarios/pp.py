@@ -3,6 +3,7 @@ mp_worker.py in one audited gloo group (2 ranks: pp 2; 4 ranks: pp 2 x dp_shard 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader
 from gradsync import Accelerator, ConfigError
 
 from scenarios.common import FEATURES, Dropped, Indexed, to_lists
+from scenarios.tp import Warnings
 
 #: Where the second stage begins: Linear-Tanh-Linear-Tanh | Linear-Tanh-Linear.
 SPLIT = ["4"]
@@ -98,6 +100,8 @@ def train_pp(
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = DataLoader(Indexed(samples), batch_size=micro_batch)
     model, opt, loader = accel.prepare(model, opt, loader)
+    warnings = Warnings()  # the self-check's among them
+    logging.getLogger("gradsync").addHandler(warnings)
     windows: list[list[list[int]]] = []
     current: list[list[int]] = []
     losses: list[float | None] = []
@@ -125,6 +129,7 @@ def train_pp(
             windows.append(current)
             window_losses.append(accel.window_loss)
             current = []
+    logging.getLogger("gradsync").removeHandler(warnings)
     backend = accel._backend  # type: ignore[attr-defined]
     mesh = accel.mesh
     assert accel.audit is not None
@@ -143,6 +148,7 @@ def train_pp(
         "audit": [r.to_dict() for r in accel.audit.records],
         "summaries": [accel.audit.summary(w) for w in accel.audit.windows()],
         "opt_params": sum(len(g["params"]) for g in opt.param_groups),
+        "warnings": warnings.lines,
     }
 
 

@@ -87,5 +87,7 @@ class DDPPipeline:
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float
     ) -> torch.Tensor:
         """The global norm: every stage's gradients (each replicated over its data ranks)."""
-        found = _tensor_parallel.clip_grad_norm_(parameters, max_norm, norm_type, self.settings.group)
+        found = _tensor_parallel.clip_grad_norm_(
+            parameters, max_norm, norm_type, self.settings.group
+        )
         return found.detach()

@@ -236,35 +236,28 @@ class DDPBackend(AdapterDefaults):
         hooks = [self._hooked.get(i) for i in _ids(models)]
         wanted = any(h is not None and h.state is not None for h in hooks)
         states = load_file(file, trusted=trusted) if wanted and file.is_file() else None
-        load = _plain_state.load if self._pp is None else self._load_stages
-        load(
-            path,
-            models,
-            optimizers,
-            self.unwrap,
-            dist.rank(),
-            window_open=window_open,
-            trusted=trusted,
-        )
+        if self._pp is not None:  # each stage reads its own part
+            _fsdp_checkpoint.load(
+                path,
+                models,
+                optimizers,
+                window_open=window_open,
+                device=self._device,
+                trusted=trusted,
+            )
+        else:
+            _plain_state.load(
+                path,
+                models,
+                optimizers,
+                self.unwrap,
+                dist.rank(),
+                window_open=window_open,
+                trusted=trusted,
+            )
         for hooked, saved in zip(hooks, states or []):
             if hooked is not None and hooked.state is not None and saved is not None:
                 _ddp_comm.load_saved(hooked, saved, file)
-
-
-    def _load_stages(
-        self,
-        path: Path,
-        models: Sequence[torch.nn.Module],
-        optimizers: Sequence[Held],
-        unwrap: Any,
-        rank: int,
-        *,
-        window_open: bool,
-        trusted: bool = False,
-    ) -> None:
-        _fsdp_checkpoint.load(
-            path, models, optimizers, window_open=window_open, device=self._device, trusted=trusted
-        )
 
 
 def _ids(models: Sequence[torch.nn.Module]) -> list[int]:

@@ -316,7 +316,7 @@ class FSDPOptions:
             "the N-D mesh: {'pp': P, 'dp_replicate': R, 'dp_shard': S, 'tp': T} (one may be -1; "
             "P x R x S x T = the world), Accelerate's ParallelismConfig (which has no pp), or "
             "text 'pp=2,dp_shard=2'; the data parallel ranks are R x S",
-            backend="fsdp",
+            backend="fsdp, ddp (pp)",
             flag=True,
             check=_check_parallelism,
             parse=parallelism_from_text,
@@ -340,7 +340,7 @@ class FSDPOptions:
             "first begins (e.g. ['4'] or ['blocks.2']), or a callable (model, num_stages) -> "
             "the stage modules; needs parallelism with pp > 1 (from text: comma-separated "
             "paths)",
-            backend="fsdp",
+            backend="fsdp, ddp",
             flag=True,
             check=check_split,
             parse=split_from_text,
@@ -353,7 +353,7 @@ class FSDPOptions:
             "the pipeline schedule of one micro-step: 'GPipe' (every forward, then every "
             "backward), '1F1B' (one forward, one backward: fewer activations held) or "
             "'Interleaved1F1B' (pp_stages_per_rank stages on each rank)",
-            backend="fsdp",
+            backend="fsdp, ddp",
             flag=True,
             check=check_schedule,
             metavar="NAME",
@@ -364,7 +364,7 @@ class FSDPOptions:
         metadata=setting(
             "the pipeline's micro-batches per micro-step (they divide the micro-batch); None: "
             "one per stage",
-            backend="fsdp",
+            backend="fsdp, ddp",
             flag=True,
             minimum=1,
             metavar="M",
