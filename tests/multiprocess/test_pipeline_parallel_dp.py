@@ -101,6 +101,10 @@ SCENARIOS = {
     ),
     "save": Scenario(pp.save_at_boundary, dims=DIMS, folder=str(FOLDER / "boundary")),
     **{name: _train(s, k, p, dims=REPLICATE, backend="ddp") for name, (s, k, p) in DDP.items()},
+    "ddp_drop_defer": _train("1F1B", 4, "defer", dims=REPLICATE, backend="ddp", raise_at=(1, 1)),
+    "save_ddp": Scenario(
+        pp.save_at_boundary, dims=REPLICATE, folder=str(FOLDER / "boundary-ddp"), backend="ddp"
+    ),
     "resume_ddp": Scenario(
         pp.resume_mid_window,
         dims=REPLICATE,
@@ -216,9 +220,12 @@ def test_a_mid_window_save_resumes_bitwise(results, policy):
         assert max_diff(r["went_on"], r["resumed"]) == 0.0
 
 
-def test_a_pipeline_checkpoint_loads_into_the_whole_model_in_one_process(results):
-    ranks = results["save"]  # saved (raises with the worker's error otherwise)
-    load = {"load": Scenario(pp.load_whole, folder=str(FOLDER / "boundary"), data_size=2)}
+@pytest.mark.parametrize("backend", ["fsdp", "ddp"])
+def test_a_pipeline_checkpoint_loads_into_the_whole_model_in_one_process(results, backend):
+    """Saved by FSDP2 stages, or by DDP stages (the same DCP layout)."""
+    name = "" if backend == "fsdp" else "-ddp"
+    ranks = results["save" + name.replace("-", "_")]  # saved (else raises the worker's error)
+    load = {"load": Scenario(pp.load_whole, folder=str(FOLDER / f"boundary{name}"), data_size=2)}
     one = run_scenarios(load, nproc=1)["load"][0]
     assert one["steps"] == 4 and sorted(one["state"]) == sorted(
         {k for r in ranks for k in r["state"]}
@@ -228,9 +235,9 @@ def test_a_pipeline_checkpoint_loads_into_the_whole_model_in_one_process(results
         assert max_diff(r["state"], {k: one["state"][k] for k in r["state"]}) < 1e-5
 
 
-@pytest.mark.parametrize("policy", ["defer", "every_step"])
-def test_a_dropped_window_leaks_nothing(results, policy):
-    ranks = results[f"pp2s2_drop_{policy}"]
+@pytest.mark.parametrize("name", ["pp2s2_drop_defer", "pp2s2_drop_every_step", "ddp_drop_defer"])
+def test_a_dropped_window_leaks_nothing(results, name):
+    ranks = results[name]
     for r in ranks:
         assert [len(w) for w in r["dropped"]] == [2]
     assert_pipeline_matches_one_process(ranks, samples=SAMPLES)

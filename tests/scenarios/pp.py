@@ -246,9 +246,9 @@ def resume_mid_window(
     return seen
 
 
-def save_at_boundary(*, dims: dict[str, int], folder: str) -> dict[str, Any]:
+def save_at_boundary(*, dims: dict[str, int], folder: str, backend: str = "fsdp") -> dict[str, Any]:
     """Two windows, saved at the boundary (each stage its part), then two more."""
-    accel, model, opt = _prepared(dims, "defer")
+    accel, model, opt = _prepared(dims, "defer", backend=backend)
     data = _batches(accel, 16)
     for x, y in data[:8]:
         _step(accel, model, opt, x, y)
