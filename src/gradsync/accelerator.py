@@ -138,10 +138,10 @@ class Accelerator:
         config_file: a YAML (or JSON) file of settings (default: ``GRADSYNC_CONFIG``).
         **options: a backend's options: ``ddp_kwargs``, ``find_unused_parameters`` (ddp);
             ``fsdp_wrap``, ``fsdp_keep_params_in_window``, ``fsdp_reshard_after_backward``,
-            ``fsdp_mesh``, ``tp_plan``, ``pp_stages_per_rank``, ``fsdp_state_dict_type``,
-            ``fsdp_memory_budget`` (fsdp); ``parallelism`` (fsdp, ddp (pp)); ``pp_split``,
-            ``pp_schedule``, ``pp_microbatches`` (fsdp, ddp); ``deepspeed_config`` (deepspeed);
-            ``fairscale_kwargs`` (fairscale). The settings reference lists every setting.
+            ``fsdp_mesh``, ``parallelism``, ``tp_plan``, ``pp_split``, ``pp_schedule``,
+            ``pp_microbatches``, ``pp_stages_per_rank``, ``fsdp_state_dict_type``,
+            ``fsdp_memory_budget`` (fsdp); ``deepspeed_config`` (deepspeed); ``fairscale_kwargs``
+            (fairscale). The settings reference lists every setting.
 
     Attributes:
         config: every setting after the sources were merged and checked (a ``Config``).

@@ -315,8 +315,9 @@ class FSDPOptions:
         metadata=setting(
             "the N-D mesh: {'pp': P, 'dp_replicate': R, 'dp_shard': S, 'tp': T} (one may be -1; "
             "P x R x S x T = the world), Accelerate's ParallelismConfig (which has no pp), or "
-            "text 'pp=2,dp_shard=2'; the data parallel ranks are R x S",
-            backend="fsdp, ddp (pp)",
+            "text 'pp=2,dp_shard=2'; the data parallel ranks are R x S (backend 'ddp' takes "
+            "pp and dp_replicate: a pipeline of DDP stages)",
+            backend="fsdp",
             flag=True,
             check=_check_parallelism,
             parse=parallelism_from_text,
@@ -339,8 +340,8 @@ class FSDPOptions:
             "where the pipeline splits the model: the module paths where each stage after the "
             "first begins (e.g. ['4'] or ['blocks.2']), or a callable (model, num_stages) -> "
             "the stage modules; needs parallelism with pp > 1 (from text: comma-separated "
-            "paths)",
-            backend="fsdp, ddp",
+            "paths); the pipeline settings apply to backend 'ddp' too",
+            backend="fsdp",
             flag=True,
             check=check_split,
             parse=split_from_text,
@@ -353,7 +354,7 @@ class FSDPOptions:
             "the pipeline schedule of one micro-step: 'GPipe' (every forward, then every "
             "backward), '1F1B' (one forward, one backward: fewer activations held) or "
             "'Interleaved1F1B' (pp_stages_per_rank stages on each rank)",
-            backend="fsdp, ddp",
+            backend="fsdp",
             flag=True,
             check=check_schedule,
             metavar="NAME",
@@ -364,7 +365,7 @@ class FSDPOptions:
         metadata=setting(
             "the pipeline's micro-batches per micro-step (they divide the micro-batch); None: "
             "one per stage",
-            backend="fsdp, ddp",
+            backend="fsdp",
             flag=True,
             minimum=1,
             metavar="M",
