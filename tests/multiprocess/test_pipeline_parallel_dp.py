@@ -101,6 +101,7 @@ SCENARIOS = {
     ),
     "save": Scenario(pp.save_at_boundary, dims=DIMS, folder=str(FOLDER / "boundary")),
     **{name: _train(s, k, p, dims=REPLICATE, backend="ddp") for name, (s, k, p) in DDP.items()},
+    "ddp_clip": _train("1F1B", 4, "defer", dims=REPLICATE, backend="ddp", clip=CLIP),
     "ddp_drop_defer": _train("1F1B", 4, "defer", dims=REPLICATE, backend="ddp", raise_at=(1, 1)),
     "save_ddp": Scenario(
         pp.save_at_boundary, dims=REPLICATE, folder=str(FOLDER / "boundary-ddp"), backend="ddp"
@@ -116,7 +117,7 @@ SCENARIOS = {
 TRAINED = [
     n
     for n in SCENARIOS
-    if n.startswith(("pp2", "ddp_")) and n not in ("pp2s2_clip", "pp2s2_tokens")
+    if n.startswith(("pp2", "ddp_")) and n not in ("pp2s2_clip", "pp2s2_tokens", "ddp_clip")
 ]
 
 SHARED = Shared("gloo4", SCENARIOS, nproc=4)
@@ -191,8 +192,9 @@ def test_interleaved_ranks_hold_two_stages_each(results):
         assert layers == (["0", "4"] if r["stage"] == 0 else ["2", "6"]), (r["stage"], layers)
 
 
-def test_clipping_uses_the_global_norm_across_stages_and_shards(results):
-    ranks = results["pp2s2_clip"]
+@pytest.mark.parametrize("name", ["pp2s2_clip", "ddp_clip"])
+def test_clipping_uses_the_global_norm_across_stages_and_shards(results, name):
+    ranks = results[name]
     ref = assert_pipeline_matches_one_process(ranks, samples=SAMPLES, clip=CLIP)
     assert any(n > CLIP for n in ref["norms"]), "the test must actually clip"
     for r in ranks:

@@ -44,8 +44,9 @@ class DDPPipeline:
         line, before any collective, for what ddp cannot pipeline."""
         if config.parallelism is None and config.pp_split is None:
             return None
-        dims = nd_mesh.parse(config.parallelism or {"pp": 1, "dp_replicate": -1})
-        settings = _pipeline.Settings.of(config, dims.resolve(dist.world_size()))
+        given = nd_mesh.parse(config.parallelism or {"pp": 1, "dp_replicate": -1})
+        dims = given.resolve(dist.world_size())
+        settings = _pipeline.Settings.of(config, dims)
         if settings is None:
             return None
         if settings.per_rank > 1:
@@ -54,7 +55,7 @@ class DDPPipeline:
                 "backend='ddp' does not (one DDP-wrapped stage per rank); use backend='fsdp' "
                 "for Interleaved1F1B, or pp_stages_per_rank=1"
             )
-        return cls(dims.resolve(dist.world_size()), settings)
+        return cls(dims, settings)
 
     def build(self, device: torch.device) -> None:
         """The named mesh, the pipeline's group and this rank's data-parallel group, labelled
