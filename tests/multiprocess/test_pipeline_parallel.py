@@ -89,6 +89,7 @@ SCENARIOS = {
         pp_stages_per_rank=2,
         split=["2", "4", "6"],
     ),
+    "ddp_oom_split": Scenario(pp.refused, backend="ddp", on_oom="split"),
     "pp2_ddp_1F1B_k4_defer": _train("1F1B", 4, "defer", backend="ddp"),
     **(
         {
@@ -206,6 +207,7 @@ REFUSALS = {
     "deepspeed": "backend='deepspeed' cannot pipeline",
     "fairscale": "backend='fairscale' cannot pipeline",
     "ddp_sharded": "backend='ddp' replicates each stage over its data-parallel ranks",
+    "ddp_oom_split": "on_oom='split' is not available: pp=2 run collectives",
     "ddp_interleaved": "pp_stages_per_rank=2 runs several stages on each rank, which backend='ddp'",
 }
 

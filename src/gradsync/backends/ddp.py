@@ -164,6 +164,9 @@ class DDPBackend(AdapterDefaults):
         """With a pipeline: the named mesh (pp, dp_replicate, dp_shard, tp); None otherwise."""
         return self._pp.mesh if self._pp is not None else None
 
+    def oom_split_refusal(self) -> str | None:
+        return None if self._pp is None else self._pp.dims.oom_split_refusal()
+
     def clip_grad_norm_(
         self,
         model: torch.nn.Module,
