@@ -2,7 +2,8 @@
 stage per rank) with the GPipe and 1F1B schedules, k = 1 and 4 (the last window partial),
 under every_step and defer, each against one process on the same global windows; clipping
 with the global norm across stages; the pipeline's sends and receives audited on their own
-line; misuse and bad settings as one line each.
+line; misuse and bad settings as one line each. On backend='ddp' too (each stage in DDP over
+its one data rank): 1F1B, k = 4, defer.
 
 Every scenario runs in the 2-rank group shared with the other 2-rank modules.
 """
@@ -80,7 +81,16 @@ SCENARIOS = {
     },
     "deepspeed": Scenario(pp.refused, backend="deepspeed"),
     "fairscale": Scenario(pp.refused, backend="fairscale"),
-    "ddp": Scenario(pp.refused, backend="ddp"),
+    "ddp_sharded": Scenario(pp.refused, backend="ddp", dims={"pp": 2, "dp_shard": -1}),
+    "ddp_interleaved": Scenario(
+        pp.refused,
+        backend="ddp",
+        pp_schedule="Interleaved1F1B",
+        pp_stages_per_rank=2,
+        split=["2", "4", "6"],
+    ),
+    "ddp_oom_split": Scenario(pp.refused, backend="ddp", on_oom="split"),
+    "pp2_ddp_1F1B_k4_defer": _train("1F1B", 4, "defer", backend="ddp"),
     **(
         {
             "llama_1F1B": Scenario(pp_decoder.train, dims={"pp": 2}, schedule="1F1B", samples=32),
@@ -196,7 +206,9 @@ REFUSALS = {
     "per_rank_1f1b": "pp_schedule='1F1B' runs one stage per rank, and pp_stages_per_rank=2",
     "deepspeed": "backend='deepspeed' cannot pipeline",
     "fairscale": "backend='fairscale' cannot pipeline",
-    "ddp": "backend='ddp' cannot pipeline",
+    "ddp_sharded": "backend='ddp' replicates each stage over its data-parallel ranks",
+    "ddp_oom_split": "on_oom='split' is not available: pp=2 run collectives",
+    "ddp_interleaved": "pp_stages_per_rank=2 runs several stages on each rank, which backend='ddp'",
 }
 
 

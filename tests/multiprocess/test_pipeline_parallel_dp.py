@@ -4,7 +4,9 @@ and 4, under defer and every_step, each against one process on the same global w
 data-parallel ranks read distinct micro-batches and both stages of a pipeline the same ones;
 under defer no gradient byte moves between data-parallel ranks off the boundary. Checkpoints:
 a mid-window save resumes bitwise, and a boundary save loads into the whole model in one
-process (a second, 1-rank launch), which trains on as the pipeline did.
+process (a second, 1-rank launch), which trains on as the pipeline did. The same on
+backend='ddp' (pp=2 x dp_replicate=2, each stage in DDP over its two data ranks): one
+all-reduce per window under defer, one per schedule step under every_step.
 
 Every scenario runs in the 4-rank group shared with the other 4-rank modules.
 """
@@ -45,6 +47,16 @@ def _train(schedule: str, k: int, policy: str, dims=DIMS, **kw) -> Scenario:
         **kw,
     )
 
+
+#: backend='ddp': (schedule, k, policy); k = 1 syncs every micro-step under either policy.
+DDP = {
+    f"ddp_{s}_k{k}_{p}": (s, k, p)
+    for s, k, p in [
+        ("GPipe", 1, "defer"),
+        ("1F1B", 1, "every_step"),
+        *((s, 4, p) for s in ("GPipe", "1F1B") for p in ("defer", "every_step")),
+    ]
+}
 
 #: The Llama scenarios need transformers (the hf extra).
 HF = importlib.util.find_spec("transformers") is not None
@@ -88,8 +100,25 @@ SCENARIOS = {
         per_rank=2,
     ),
     "save": Scenario(pp.save_at_boundary, dims=DIMS, folder=str(FOLDER / "boundary")),
+    **{name: _train(s, k, p, dims=REPLICATE, backend="ddp") for name, (s, k, p) in DDP.items()},
+    "ddp_clip": _train("1F1B", 4, "defer", dims=REPLICATE, backend="ddp", clip=CLIP),
+    "ddp_drop_defer": _train("1F1B", 4, "defer", dims=REPLICATE, backend="ddp", raise_at=(1, 1)),
+    "save_ddp": Scenario(
+        pp.save_at_boundary, dims=REPLICATE, folder=str(FOLDER / "boundary-ddp"), backend="ddp"
+    ),
+    "resume_ddp": Scenario(
+        pp.resume_mid_window,
+        dims=REPLICATE,
+        policy="defer",
+        folder=str(FOLDER / "mid-ddp"),
+        backend="ddp",
+    ),
 }
-TRAINED = [n for n in SCENARIOS if n.startswith("pp2") and n not in ("pp2s2_clip", "pp2s2_tokens")]
+TRAINED = [
+    n
+    for n in SCENARIOS
+    if n.startswith(("pp2", "ddp_")) and n not in ("pp2s2_clip", "pp2s2_tokens", "ddp_clip")
+]
 
 SHARED = Shared("gloo4", SCENARIOS, nproc=4)
 
@@ -163,8 +192,9 @@ def test_interleaved_ranks_hold_two_stages_each(results):
         assert layers == (["0", "4"] if r["stage"] == 0 else ["2", "6"]), (r["stage"], layers)
 
 
-def test_clipping_uses_the_global_norm_across_stages_and_shards(results):
-    ranks = results["pp2s2_clip"]
+@pytest.mark.parametrize("name", ["pp2s2_clip", "ddp_clip"])
+def test_clipping_uses_the_global_norm_across_stages_and_shards(results, name):
+    ranks = results[name]
     ref = assert_pipeline_matches_one_process(ranks, samples=SAMPLES, clip=CLIP)
     assert any(n > CLIP for n in ref["norms"]), "the test must actually clip"
     for r in ranks:
@@ -184,17 +214,20 @@ def test_replicas_all_reduce_once_per_window(results):
                 assert (across > 0) == rec["boundary"], (policy, rec)
 
 
-@pytest.mark.parametrize("policy", ["defer", "every_step", "interleaved"])
+@pytest.mark.parametrize("policy", ["defer", "every_step", "interleaved", "ddp"])
 def test_a_mid_window_save_resumes_bitwise(results, policy):
-    """Under defer and every_step, and under defer with two stages per rank."""
+    """Under defer and every_step, under defer with two stages per rank, and on ddp."""
     for r in results[f"resume_{policy}"]:
         assert r["steps"] == [2, 2]
         assert max_diff(r["went_on"], r["resumed"]) == 0.0
 
 
-def test_a_pipeline_checkpoint_loads_into_the_whole_model_in_one_process(results):
-    ranks = results["save"]  # saved (raises with the worker's error otherwise)
-    load = {"load": Scenario(pp.load_whole, folder=str(FOLDER / "boundary"), data_size=2)}
+@pytest.mark.parametrize("backend", ["fsdp", "ddp"])
+def test_a_pipeline_checkpoint_loads_into_the_whole_model_in_one_process(results, backend):
+    """Saved by FSDP2 stages, or by DDP stages (the same DCP layout)."""
+    name = "" if backend == "fsdp" else "-ddp"
+    ranks = results["save" + name.replace("-", "_")]  # saved (else raises the worker's error)
+    load = {"load": Scenario(pp.load_whole, folder=str(FOLDER / f"boundary{name}"), data_size=2)}
     one = run_scenarios(load, nproc=1)["load"][0]
     assert one["steps"] == 4 and sorted(one["state"]) == sorted(
         {k for r in ranks for k in r["state"]}
@@ -204,9 +237,43 @@ def test_a_pipeline_checkpoint_loads_into_the_whole_model_in_one_process(results
         assert max_diff(r["state"], {k: one["state"][k] for k in r["state"]}) < 1e-5
 
 
-@pytest.mark.parametrize("policy", ["defer", "every_step"])
-def test_a_dropped_window_leaks_nothing(results, policy):
-    ranks = results[f"pp2s2_drop_{policy}"]
+@pytest.mark.parametrize("name", ["pp2s2_drop_defer", "pp2s2_drop_every_step", "ddp_drop_defer"])
+def test_a_dropped_window_leaks_nothing(results, name):
+    ranks = results[name]
     for r in ranks:
         assert [len(w) for w in r["dropped"]] == [2]
     assert_pipeline_matches_one_process(ranks, samples=SAMPLES)
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_ddp_stages_all_reduce_once_per_window_under_defer(results, schedule):
+    """Each stage's DDP all-reduces its gradients over its data ranks at the boundary alone:
+    no gradient byte between them off it, and the self-check stays silent."""
+    for r in results[f"ddp_{schedule}_k4_defer"]:
+        assert r["policy"] == "defer" and r["data_size"] == 2
+        records = r["audit"]
+        assert sum(not rec["boundary"] for rec in records) == 3 + 2  # windows of 4 and 3
+        for rec in records:
+            assert rec["groups"]["pp"]["bytes"] > 0  # activations every micro-step
+            data = rec["groups"].get("dp", {}).get("reduction_bytes", 0)
+            if rec["boundary"]:
+                assert rec["reductions"] == 1 and rec["reduction_bytes"] == data > 0, rec
+            else:
+                assert rec["reductions"] == 0 and rec["reduction_bytes"] == 0, rec
+        assert not [w for w in r["warnings"] if "self-check" in w], r["warnings"]
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_ddp_stages_all_reduce_after_every_schedule_step_under_every_step(results, schedule):
+    for r in results[f"ddp_{schedule}_k4_every_step"]:
+        assert r["policy"] == "every_step"
+        for rec in r["audit"]:
+            assert rec["reductions"] == 1 and rec["groups"]["dp"]["reduction_bytes"] > 0, rec
+
+
+def test_ddp_stages_each_hold_their_part_and_read_as_the_mesh_says(results):
+    ranks = results["ddp_1F1B_k4_defer"]
+    assert [(r["stage"], r["data_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    layers = {r["stage"]: sorted({k.split(".")[0] for k in r["state"]}) for r in ranks}
+    assert layers == {0: ["0", "2"], 1: ["4", "6"]}
+    assert all(r["opt_params"] == 4 for r in ranks)  # the other stage's left the optimizer

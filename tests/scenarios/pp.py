@@ -3,6 +3,7 @@ mp_worker.py in one audited gloo group (2 ranks: pp 2; 4 ranks: pp 2 x dp_shard 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader
 from gradsync import Accelerator, ConfigError
 
 from scenarios.common import FEATURES, Dropped, Indexed, to_lists
+from scenarios.tp import Warnings
 
 #: Where the second stage begins: Linear-Tanh-Linear-Tanh | Linear-Tanh-Linear.
 SPLIT = ["4"]
@@ -98,6 +100,8 @@ def train_pp(
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = DataLoader(Indexed(samples), batch_size=micro_batch)
     model, opt, loader = accel.prepare(model, opt, loader)
+    warnings = Warnings()  # the self-check's among them
+    logging.getLogger("gradsync").addHandler(warnings)
     windows: list[list[list[int]]] = []
     current: list[list[int]] = []
     losses: list[float | None] = []
@@ -125,6 +129,7 @@ def train_pp(
             windows.append(current)
             window_losses.append(accel.window_loss)
             current = []
+    logging.getLogger("gradsync").removeHandler(warnings)
     backend = accel._backend  # type: ignore[attr-defined]
     mesh = accel.mesh
     assert accel.audit is not None
@@ -143,6 +148,7 @@ def train_pp(
         "audit": [r.to_dict() for r in accel.audit.records],
         "summaries": [accel.audit.summary(w) for w in accel.audit.windows()],
         "opt_params": sum(len(g["params"]) for g in opt.param_groups),
+        "warnings": warnings.lines,
     }
 
 
@@ -184,7 +190,7 @@ def refused(**options: Any) -> dict[str, Any]:
 
 # -- checkpoints ----------------------------------------------------------------------------
 def _prepared(
-    dims: dict[str, int] | None, policy: str, per_rank: int = 1
+    dims: dict[str, int] | None, policy: str, per_rank: int = 1, backend: str = "fsdp"
 ) -> tuple[Accelerator, Any, Any]:
     if dims is None:  # the whole model in one process
         accel = Accelerator(backend="fsdp", gradient_accumulation_steps=4, seed=0)
@@ -192,7 +198,7 @@ def _prepared(
         options = {"pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": per_rank}
         accel = _accel(dims, 4, policy, pp_microbatches=2, split=["2", "4", "6"], **options)
     else:
-        accel = _accel(dims, 4, policy, pp_microbatches=2)
+        accel = _accel(dims, 4, policy, pp_microbatches=2, backend=backend)
     raw = make_seq()
     model, opt = accel.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.05, momentum=0.9))
     return accel, model, opt
@@ -219,11 +225,11 @@ def _step(accel: Accelerator, model: Any, opt: Any, x: torch.Tensor, y: torch.Te
 
 
 def resume_mid_window(
-    *, dims: dict[str, int], policy: str, folder: str, per_rank: int = 1
+    *, dims: dict[str, int], policy: str, folder: str, per_rank: int = 1, backend: str = "fsdp"
 ) -> dict[str, Any]:
     """A window of 4 saved after 2 micro-steps, finished in the same run and in a fresh one
     that loads the checkpoint: both end with the same parameters (bitwise)."""
-    accel, model, opt = _prepared(dims, policy, per_rank)
+    accel, model, opt = _prepared(dims, policy, per_rank, backend)
     data = _batches(accel, 8)
     for x, y in data[:6]:
         _step(accel, model, opt, x, y)
@@ -231,7 +237,7 @@ def resume_mid_window(
     for x, y in data[6:]:
         _step(accel, model, opt, x, y)
     seen: dict[str, Any] = {"went_on": to_lists(accel.get_state_dict(model))}
-    accel2, model2, opt2 = _prepared(dims, policy, per_rank)
+    accel2, model2, opt2 = _prepared(dims, policy, per_rank, backend)
     accel2.load_state(folder)
     for x, y in data[6:]:
         _step(accel2, model2, opt2, x, y)
@@ -240,9 +246,9 @@ def resume_mid_window(
     return seen
 
 
-def save_at_boundary(*, dims: dict[str, int], folder: str) -> dict[str, Any]:
+def save_at_boundary(*, dims: dict[str, int], folder: str, backend: str = "fsdp") -> dict[str, Any]:
     """Two windows, saved at the boundary (each stage its part), then two more."""
-    accel, model, opt = _prepared(dims, "defer")
+    accel, model, opt = _prepared(dims, "defer", backend=backend)
     data = _batches(accel, 16)
     for x, y in data[:8]:
         _step(accel, model, opt, x, y)

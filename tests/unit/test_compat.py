@@ -451,7 +451,7 @@ def test_pipeline_backward_ends_with_the_flags_gradsync_chose(tmp_path):
     reduces both steps' gradients once, equal to the whole model's on both batches."""
     from torch import nn
 
-    from gradsync.backends import _fsdp_compat, _pipeline
+    from gradsync.backends import _fsdp_compat, _pipeline, _pipeline_sync
 
     whole, stage = _one_stage(tmp_path)
     pipeline = _pipeline.Pipeline(
@@ -462,6 +462,7 @@ def test_pipeline_backward_ends_with_the_flags_gradsync_chose(tmp_path):
         group=None,
         schedule="1F1B",
         microbatches=2,
+        sync=_pipeline_sync.FSDPSync(),
     )
     batches = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(2)]
     stage.set_requires_gradient_sync(False)
@@ -482,3 +483,50 @@ def test_pipeline_backward_ends_with_the_flags_gradsync_chose(tmp_path):
     for got, want in zip(stage.parameters(), whole.parameters()):
         torch.testing.assert_close(got.grad.full_tensor(), want.grad, rtol=1e-5, atol=1e-6)
     assert not any(isinstance(m, nn.Linear) and m.weight.grad is None for m in stage)
+
+
+def test_a_ddp_stage_all_reduces_in_its_last_backward_only_when_told(tmp_path):
+    """torch's ``backward_maybe_with_nosync`` on a stage wrapped in DDP: with
+    ``last_backward`` false it runs under ``no_sync()`` (nothing all-reduced, the gradients
+    add up), with it true DDP's reducer all-reduces in that backward, even under the
+    micro-step's ``no_sync()``. gradsync's stage passes it true only when the micro-step
+    syncs; a torch that changed either meaning fails the counts here."""
+    from torch import nn
+    from torch.distributed.pipelining import ScheduleGPipe
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradsync.backends import _pipeline_compat
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    torch.manual_seed(3)
+    ddp = DDP(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)))
+    reduced: list[int] = []
+
+    def count(state, bucket):  # DDP's all-reduce, counted (one rank: the mean is the sum)
+        reduced.append(bucket.buffer().numel())
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    ddp.register_comm_hook(None, count)
+    told = [False]
+    built = _pipeline_compat.Stage(
+        lambda: None, lambda: None, ddp, 0, 1, torch.device("cpu"), reduces=lambda: told[0]
+    )
+    schedule = ScheduleGPipe(built, n_microbatches=2, loss_fn=_sse, scale_grads=False)
+    batches = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(3)]
+    with ddp.no_sync():  # gradsync's micro-step off the boundary
+        schedule.step(batches[0][0], target=batches[0][1], losses=[])
+    assert reduced == [] and all(p.grad is not None for p in ddp.parameters())
+    with ddp.no_sync():  # the last backward told to reduce: DDP does, under no_sync too
+        told[0] = True
+        schedule.step(batches[1][0], target=batches[1][1], losses=[])
+    assert sum(reduced) == sum(p.numel() for p in ddp.parameters()), reduced
+    whole = ddp.module
+    grads = [p.grad.clone() for p in whole.parameters()]
+    for p in whole.parameters():
+        p.grad = None
+    for x, y in batches[:2]:
+        _sse(whole(x), y).backward()
+    for got, want in zip(grads, whole.parameters()):
+        torch.testing.assert_close(got, want.grad, rtol=1e-5, atol=1e-6)

@@ -44,11 +44,23 @@ def test_accelerates_parallelism_config_has_no_pp():
         mesh.parse({"parallelism_config_pp_size": 2})
 
 
-@pytest.mark.parametrize("backend", ["deepspeed", "fairscale", "ddp"])
+@pytest.mark.parametrize("backend", ["deepspeed", "fairscale"])
 def test_pp_on_a_backend_that_cannot_pipeline(backend):
     with pytest.raises(ConfigError, match=f"backend='{backend}' cannot pipeline") as info:
         Config(backend=backend, parallelism={"pp": 2}).validate()
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("dims", [{"pp": 2, "dp_shard": 2}, {"pp": 2, "tp": 2}, "pp=2,dp_shard=-1"])
+def test_pp_on_ddp_replicates_only(dims):
+    """ddp pipelines over dp_replicate; dp_shard or tp with it stays one line."""
+    with pytest.raises(ConfigError, match="backend='ddp' replicates each stage") as info:
+        Config(backend="ddp", parallelism=dims).validate()
+    assert "\n" not in str(info.value) and "parallelism=" in str(info.value)
+    config = Config(backend="ddp", parallelism="pp=2,dp_replicate=-1", pp_split=["4"]).validate()
+    assert config.parallelism == {"pp": 2, "dp_replicate": -1, "dp_shard": 1, "tp": 1, "cp": 1}
+    with pytest.raises(ConfigError, match="an N-D mesh"):
+        Config(backend="ddp", parallelism={"dp_replicate": 2}).validate()
 
 
 def test_the_schedule_and_split_forms():

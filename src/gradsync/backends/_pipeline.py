@@ -1,14 +1,15 @@
 """Pipeline parallelism: the model cut into P stages along the mesh's outermost dim ("pp"), one
-stage per rank, each stage sharded by FSDP2 over the data-parallel dims of its pipeline
-coordinate.
+stage per rank, each stage sharded by FSDP2 (or replicated by DDP) over the data-parallel dims
+of its pipeline coordinate.
 
 One micro-step of gradsync's window is one schedule step of torch.distributed.pipelining
 (``pp_microbatches`` micro-batches, GPipe or 1F1B). Inside a schedule step torch's stage
-keeps FSDP2's reduction off for each micro-batch's backward and, when the last one is done,
-turns it on and reduces. gradsync's stage ends the schedule step with the flags the
-micro-step chose instead: off the boundary under "defer" each stage keeps its gradients
-unsharded and adds the next schedule steps' to them, so the data-parallel reduction runs once
-per window of k schedule steps; under "every_step" it runs at the end of every schedule step.
+keeps the data-parallel reduction off for each micro-batch's backward and runs it with the
+last one. gradsync's stage ends the schedule step with the flags the micro-step chose
+instead (``_pipeline_sync``: how for each wrapper): off the boundary under "defer" each stage
+keeps its gradients locally and adds the next schedule steps' to them, so the data-parallel
+reduction runs once per window of k schedule steps; under "every_step" it runs at the end of
+every schedule step.
 The activations sent between stages are the computation (audited on their own ``pp`` line).
 With ``pp_stages_per_rank`` V > 1 (Interleaved1F1B) the model is cut into P x V stages, rank
 r keeping stages r, r + P, ...: each one's steps become an FSDP2 unit of the rank's root, and
@@ -32,13 +33,14 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 
 from gradsync import audit
 from gradsync._plan.batch_plan import BatchPlan
-from gradsync.backends import _fsdp_compat, _group, _pipeline_compat, _pipeline_decoder
+from gradsync.backends import _group, _pipeline_compat, _pipeline_decoder
 from gradsync.errors import ConfigError, UsageError
 from gradsync.mesh import Parallelism
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from gradsync.backends._pipeline_sync import StageSync
     from gradsync.config import Config
 
 __all__ = ["Cut", "Pipeline", "Settings", "check_microbatches", "is_stage", "of", "stage_plan"]
@@ -232,16 +234,16 @@ class Pipeline:
         group: Any,
         schedule: str,
         microbatches: int,
+        sync: StageSync,
         parts: list[list[nn.Module]] | None = None,
     ) -> None:
         self.module = module
+        self.sync = sync  # the data-parallel side: the wrapper's flags around a schedule step
         self.index = index
         self.stages = stages
         self.microbatches = microbatches
         self.is_first = index == 0
         self.is_last = index == stages - 1
-        #: the FSDP2 sync flags the micro-step chose, captured when a schedule step starts
-        self.flags: list[_fsdp_compat.GroupFlags] = []
         #: the stage's gradients when a schedule step starts
         self.grads: dict[nn.Parameter, torch.Tensor | None] = {}
         self._running = False
@@ -253,7 +255,14 @@ class Pipeline:
         self._ended = 0
         if parts is None:
             made: Any = _pipeline_compat.Stage(
-                self._end_backward, self._put_back_grads, module, index, stages, device, group=group
+                self._end_backward,
+                self._put_back_grads,
+                module,
+                index,
+                stages,
+                device,
+                group=group,
+                reduces=sync.reduces,
             )
         else:
             made = [
@@ -265,6 +274,7 @@ class Pipeline:
                     stages * len(parts),
                     device,
                     group=group,
+                    reduces=sync.reduces,
                 )
                 for j, steps in enumerate(parts)
             ]
@@ -278,7 +288,7 @@ class Pipeline:
         self._ended += 1
         if self._ended == len(self.parts or [None]):  # every stage of this rank is done
             self._ended = 0
-            _fsdp_compat.end_pipeline_backward(self.module, self.flags)
+            self.sync.end_backward(self.module)
 
     def _put_back_grads(self) -> None:
         # The first schedule step infers the shapes with a real forward and backward and
@@ -320,10 +330,7 @@ class Pipeline:
                 f"pp_microbatches={self.microbatches} does not divide this micro-batch of {size} "
                 "samples; give a loader whose batches it divides (drop_last=True for the last)"
             )
-        _fsdp_compat.lazy_init(self.module)  # the stage is the root, whichever part runs first
-        self.flags = _fsdp_compat.save_flags(self.module)
-        if self.parts is not None:  # as torch's stage does for an FSDP2 module it runs itself
-            _fsdp_compat.hold_back(self.module)
+        self.sync.begin(self.module, self.parts is not None)
         self.grads = {p: p.grad for p in self.module.parameters()}  # see _put_back_grads
         self._factor = factor
         self._loss_fn = loss_fn
@@ -336,7 +343,7 @@ class Pipeline:
         finally:
             self._running = False
             self.grads = {}
-            _fsdp_compat.restore_flags(self.flags)
+            self.sync.finish()
         if not self.is_last:
             return None
         parts = torch.stack([loss.detach() for loss in losses])
@@ -414,8 +421,9 @@ class Settings:
         self.dropped = every - {id(p) for p in stage.parameters()}
         return stage
 
-    def start(self, stage: nn.Module, device: torch.device) -> None:
-        """The pipeline of the sharded ``stage`` (``of(stage)`` finds it)."""
+    def start(self, stage: nn.Module, device: torch.device, sync: StageSync) -> None:
+        """The pipeline of the wrapped ``stage`` (``of(stage)`` finds it); ``sync``: what
+        the wrapper does around a schedule step."""
         Pipeline(
             stage,
             index=self._mesh.get_local_rank("pp"),
@@ -424,6 +432,7 @@ class Settings:
             group=self.group,
             schedule=self.schedule,
             microbatches=self.microbatches,
+            sync=sync,
             parts=self.parts,
         )
 

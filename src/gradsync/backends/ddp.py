@@ -1,9 +1,11 @@
-"""DistributedDataParallel: ``no_sync()`` around forward and backward off the boundary."""
+"""DistributedDataParallel: ``no_sync()`` around forward and backward off the boundary. With
+``parallelism={"pp": P, "dp_replicate": R}`` each rank's pipeline stage is the DDP model
+(``_ddp_pipeline``)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -13,7 +15,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradsync._plan.batch_plan import BatchPlan
 from gradsync._support import dist
 from gradsync._support import torch_compat as _torch_compat
-from gradsync.backends import _amp, _ddp_comm, _ddp_compat, _group, _modules, _plain_state
+from gradsync.backends import (
+    _amp,
+    _ddp_comm,
+    _ddp_compat,
+    _ddp_pipeline,
+    _fsdp_checkpoint,
+    _group,
+    _modules,
+    _pipeline,
+    _plain_state,
+)
 from gradsync.backends.base import AdapterDefaults, Held, is_frozen, not_prepared, refuse_native
 from gradsync.config import Config
 from gradsync.errors import ConfigError
@@ -35,6 +47,7 @@ class DDPBackend(AdapterDefaults):
         self.ddp_kwargs: dict[str, Any] = {}
         self._hook: _ddp_comm.HookSettings | None = None  # comm_hook (None: none)
         self._hooked: dict[int, _ddp_comm.Hooked] = {}  # id(prepared DDP model) -> its hook
+        self._pp: _ddp_pipeline.DDPPipeline | None = None  # pp > 1: the pipeline
 
     def setup(self, config: Config) -> None:
         refuse_native(config.sync_policy, self.name)
@@ -53,6 +66,7 @@ class DDPBackend(AdapterDefaults):
                     "False}; keep one of them"
                 )
             self.ddp_kwargs["find_unused_parameters"] = True
+        self._pp = _ddp_pipeline.DDPPipeline.of(config)  # its settings checked before any group
         self.owns_group = _group.ensure_process_group(
             self.name,
             want_audit=config.audit,
@@ -60,6 +74,10 @@ class DDPBackend(AdapterDefaults):
             timeout=config.timeout,
         )
         self._device = _group.local_device()
+        if self._pp is not None:
+            self._pp.build(self._device)
+            # Each stage writes its own part through torch.distributed.checkpoint.
+            setattr(self, "checkpoint_format", "dcp")  # noqa: B010 (a ClassVar elsewhere)
         self._hook = _ddp_comm.settings(config, self._device)
         # At the boundary every rank holds the same all-reduced gradients, which carry any
         # rank's inf/NaN: each rank's own check sees the same overflow, no extra collective.
@@ -79,7 +97,12 @@ class DDPBackend(AdapterDefaults):
             _group.broadcast_from_rank0(model)
             return model, list(optimizers)
         device_ids = [self._device.index] if self._device.type == "cuda" else None
-        wrapped = DDP(model, device_ids=device_ids, **self.ddp_kwargs)
+        if self._pp is not None:
+            wrapped = self._pp.wrap(
+                model, optimizers, plan, self._device, device_ids=device_ids, **self.ddp_kwargs
+            )
+        else:
+            wrapped = DDP(model, device_ids=device_ids, **self.ddp_kwargs)
         if self._hook is not None:  # DDP runs it where it would all-reduce: at the boundary
             self._hooked[id(wrapped)] = _ddp_comm.Hooked(wrapped, self._hook)
         # Compiling the wrapped model lets torch split the graph at DDP's buckets.
@@ -128,8 +151,32 @@ class DDPBackend(AdapterDefaults):
 
     def sync_next_backward(self, model: torch.nn.Module) -> None:
         model = _torch_compat.uncompiled(model)
-        if isinstance(model, DDP) and self.policy != "every_step":
-            _ddp_compat.expect_backward(model)
+        if isinstance(model, DDP) and self.policy != "every_step" and not _pipeline.is_stage(model):
+            _ddp_compat.expect_backward(model)  # a stage's schedule step prepares its own
+
+    @property
+    def data_parallel(self) -> dist.DataParallel:
+        data = self._pp.data if self._pp is not None else None
+        return data if data is not None else super().data_parallel
+
+    @property
+    def mesh(self) -> Any:
+        """With a pipeline: the named mesh (pp, dp_replicate, dp_shard, tp); None otherwise."""
+        return self._pp.mesh if self._pp is not None else None
+
+    def oom_split_refusal(self) -> str | None:
+        return None if self._pp is None else self._pp.dims.oom_split_refusal()
+
+    def clip_grad_norm_(
+        self,
+        model: torch.nn.Module,
+        parameters: Iterable[torch.Tensor],
+        max_norm: float,
+        norm_type: float = 2.0,
+    ) -> torch.Tensor:
+        if self._pp is not None:  # every stage's gradients
+            return self._pp.clip_grad_norm_(parameters, max_norm, norm_type)
+        return super().clip_grad_norm_(model, parameters, max_norm, norm_type)
 
     def end_window(self, models: Sequence[torch.nn.Module]) -> None:
         for hooked in self._hooks_of(models):
@@ -167,9 +214,14 @@ class DDPBackend(AdapterDefaults):
         *,
         window_open: bool,
     ) -> None:
-        _plain_state.save(
-            path, models, optimizers, self.unwrap, dist.rank(), window_open=window_open
-        )
+        if self._pp is not None:
+            _fsdp_checkpoint.save(
+                path, models, optimizers, window_open=window_open, device=self._device
+            )
+        else:
+            _plain_state.save(
+                path, models, optimizers, self.unwrap, dist.rank(), window_open=window_open
+            )
         states = [h.state_dict() if h else None for h in map(self._hooked.get, _ids(models))]
         if any(s is not None for s in states):  # each rank's own error feedback
             save_file(states, _comm_file(path, dist.rank()))
@@ -187,15 +239,25 @@ class DDPBackend(AdapterDefaults):
         hooks = [self._hooked.get(i) for i in _ids(models)]
         wanted = any(h is not None and h.state is not None for h in hooks)
         states = load_file(file, trusted=trusted) if wanted and file.is_file() else None
-        _plain_state.load(
-            path,
-            models,
-            optimizers,
-            self.unwrap,
-            dist.rank(),
-            window_open=window_open,
-            trusted=trusted,
-        )
+        if self._pp is not None:  # each stage reads its own part
+            _fsdp_checkpoint.load(
+                path,
+                models,
+                optimizers,
+                window_open=window_open,
+                device=self._device,
+                trusted=trusted,
+            )
+        else:
+            _plain_state.load(
+                path,
+                models,
+                optimizers,
+                self.unwrap,
+                dist.rank(),
+                window_open=window_open,
+                trusted=trusted,
+            )
         for hooked, saved in zip(hooks, states or []):
             if hooked is not None and hooked.state is not None and saved is not None:
                 _ddp_comm.load_saved(hooked, saved, file)

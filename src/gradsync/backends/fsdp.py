@@ -48,6 +48,7 @@ from gradsync.backends import (
     _group,
     _modules,
     _pipeline,
+    _pipeline_sync,
     _save_pretrained,
     _tensor_parallel,
 )
@@ -311,7 +312,7 @@ class FSDPBackend(AdapterDefaults):
             dropped = self._pp.dropped if self._pp is not None else set()  # another stage's
             _modules.repoint(optimizers, names, dict(model.named_parameters()), dropped)
             if self._pp is not None:
-                self._pp.start(model, self._device)
+                self._pp.start(model, self._device, _pipeline_sync.FSDPSync())
         else:
             hooked = ("comm_hook",) if self._reduce is not None else ()
             _modules.refuse_wrapped(model, self.name, self._checkpointing, self._compile, hooked)

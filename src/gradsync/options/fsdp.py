@@ -143,11 +143,19 @@ def _check_parallelism(name: str, value: Any, config: Any) -> dict[str, int]:
     """The N-D mesh's form, kept as dim -> size (its product against the world is checked at
     setup, before any collective)."""
     dims = mesh.parse(value, name)
+    if config.backend == "ddp" and dims.pp != 1:
+        if dims.dp_shard != 1 or dims.tp != 1 or dims.cp != 1:
+            raise ConfigError(
+                f"{name}={dims.text()!r} shards or splits the pipeline's stages, and "
+                "backend='ddp' replicates each stage over its data-parallel ranks: give pp and "
+                "dp_replicate only (e.g. 'pp=2,dp_replicate=-1'), or use backend='fsdp'"
+            )
+        return dims.sizes
     if config.backend != "fsdp" and dims.pp != 1:
         raise ConfigError(
             f"{name}={dims.text()!r} asks for pipeline parallelism (pp={dims.pp}), whose stages "
-            f"run on FSDP2, and backend={config.backend!r} cannot pipeline (DeepSpeed's own "
-            "pipeline engine is not supported); use backend='fsdp', or drop pp"
+            f"run on FSDP2 or DDP, and backend={config.backend!r} cannot pipeline (DeepSpeed's "
+            "own pipeline engine is not supported); use backend='fsdp' or 'ddp', or drop pp"
         )
     if config.backend != "fsdp":
         what = f"tensor parallelism (tp={dims.tp})" if dims.tp != 1 else "an N-D mesh"
@@ -307,7 +315,8 @@ class FSDPOptions:
         metadata=setting(
             "the N-D mesh: {'pp': P, 'dp_replicate': R, 'dp_shard': S, 'tp': T} (one may be -1; "
             "P x R x S x T = the world), Accelerate's ParallelismConfig (which has no pp), or "
-            "text 'pp=2,dp_shard=2'; the data parallel ranks are R x S",
+            "text 'pp=2,dp_shard=2'; the data parallel ranks are R x S (backend 'ddp' takes "
+            "pp and dp_replicate: a pipeline of DDP stages)",
             backend="fsdp",
             flag=True,
             check=_check_parallelism,
@@ -331,7 +340,7 @@ class FSDPOptions:
             "where the pipeline splits the model: the module paths where each stage after the "
             "first begins (e.g. ['4'] or ['blocks.2']), or a callable (model, num_stages) -> "
             "the stage modules; needs parallelism with pp > 1 (from text: comma-separated "
-            "paths)",
+            "paths); the pipeline settings apply to backend 'ddp' too",
             backend="fsdp",
             flag=True,
             check=check_split,
