@@ -14,8 +14,9 @@ audit. Per cell (schedule x policy), from the timed optimizer steps:
   every schedule step under both policies), on rank 0 (none without a data-parallel dim);
 * pp bytes per optimizer step: what the audit records on the ``pp`` group (the activations
   sent forward and their gradients back, sends and receives) on rank 0;
-* ms per micro-step on rank 0 (median over the timed steps; the ratio of the two policies is
-  the claim, the times are this machine's).
+* ms per micro-step on rank 0 (median over the timed steps; the cells run in rounds, one
+  optimizer step of each per round in a rotating order; the ratio of the two policies is the
+  claim, the times are this machine's).
 
 Then one more optimizer step counts, on every rank, the bytes of the tensors autograd saved for
 backward (``torch.autograd.graph.saved_tensors_hooks``; each tensor once, by its own bytes, so
@@ -157,89 +158,101 @@ def _groups(records: list[Any]) -> tuple[int, int, int]:
     return sum(b[1] for b in groups.values()), sum(b[0] - b[1] for b in groups.values()), pp
 
 
-def _cell(spec: dict[str, Any], schedule: str, policy: str) -> tuple[dict[str, Any], int]:
-    """One schedule x policy: its timed windows, their bytes, and the saved activations' peak
-    of one more window on every rank; (the cell, this rank)."""
-    import torch
-    import torch.distributed as dist
+class _Runner:
+    """One schedule x policy: its Accelerator, stage, optimizer and the k micro-batches of a
+    window (the same on every rank of a pipeline, one per data-parallel rank)."""
 
-    from gradsync import Accelerator
+    def __init__(self, spec: dict[str, Any], schedule: str, policy: str) -> None:
+        import torch
 
-    sizes, k = spec["sizes"], spec["k"]
-    dims = {"pp": 2, **({"dp_shard": spec["dp_shard"]} if spec["dp_shard"] > 1 else {})}
-    accel = Accelerator(
-        backend="fsdp",
-        parallelism=dims,
-        pp_split=SPLIT,
-        pp_schedule=schedule,
-        pp_microbatches=spec["microbatches"],
-        sync_policy=policy,
-        gradient_accumulation_steps=k,
-        micro_batch_size=sizes["micro_batch"],
-        audit=True,
-        seed=0,
-    )
-    seq = model(sizes)
-    net, opt = accel.prepare(seq, torch.optim.SGD(seq.parameters(), lr=1e-4, momentum=0.9))
-    g = torch.Generator().manual_seed(1000 + accel.rank % spec["dp_shard"])  # the data rank
-    batches = [
-        (
-            torch.randn(sizes["micro_batch"], sizes["features"], generator=g),
-            torch.randn(sizes["micro_batch"], sizes["outputs"], generator=g),
+        from gradsync import Accelerator
+
+        sizes, k = spec["sizes"], spec["k"]
+        dims = {"pp": 2, **({"dp_shard": spec["dp_shard"]} if spec["dp_shard"] > 1 else {})}
+        self.schedule, self.k = schedule, k
+        self.accel = Accelerator(
+            backend="fsdp",
+            parallelism=dims,
+            pp_split=SPLIT,
+            pp_schedule=schedule,
+            pp_microbatches=spec["microbatches"],
+            sync_policy=policy,
+            gradient_accumulation_steps=k,
+            micro_batch_size=sizes["micro_batch"],
+            audit=True,
+            seed=0,
         )
-        for _ in range(k)
-    ]
-    recorder = accel.audit
-    assert recorder is not None
-    micro_ms: list[float] = []
-    measured: list[tuple[int, int, int]] = []
-    summary = ""
-    for step in range(spec["warmup"] + spec["steps"]):
+        seq = model(sizes)
+        opt = torch.optim.SGD(seq.parameters(), lr=1e-4, momentum=0.9)
+        self.net, self.opt = self.accel.prepare(seq, opt)
+        g = torch.Generator().manual_seed(1000 + self.accel.rank % spec["dp_shard"])
+        self.batches = [
+            (
+                torch.randn(sizes["micro_batch"], sizes["features"], generator=g),
+                torch.randn(sizes["micro_batch"], sizes["outputs"], generator=g),
+            )
+            for _ in range(k)
+        ]
+        self.micro_ms: list[float] = []
+        self.measured: list[tuple[int, int, int]] = []
+        self.summary = ""
+
+    def window(self, timed: bool) -> None:
+        """One optimizer step; ``timed``: its time and bytes are kept."""
+        recorder = self.accel.audit
+        assert recorder is not None
         start = len(recorder.records)
         t0 = time.perf_counter()
-        _window(accel, net, opt, batches)
-        if step < spec["warmup"]:
-            continue
-        micro_ms.append((time.perf_counter() - t0) * 1e3 / k)
+        _window(self.accel, self.net, self.opt, self.batches)
+        if not timed:
+            return
+        self.micro_ms.append((time.perf_counter() - t0) * 1e3 / self.k)
         records = recorder.records[start:]
-        assert len(records) == k and records[-1].boundary, "one window per step"
-        measured.append(_groups(records))
-        summary = recorder.summary(records)
-    counter = SavedBytes()
-    with counter.hooks():
-        _window(accel, net, opt, batches)
-    peaks: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, (accel.mesh.get_local_rank("pp"), counter.peak))
-    dp, other, pp = (statistics.mean(col) for col in zip(*measured))
-    cell = {
-        "schedule": schedule,
-        "policy": accel.sync_policy,
-        "micro_ms": statistics.median(micro_ms),
-        "dp_bytes": dp,
-        "gather_bytes": other,
-        "pp_bytes": pp,
-        "saved_peak": peaks,
-        "summary": summary,
-    }
-    return cell, accel.rank
+        assert len(records) == self.k and records[-1].boundary, "one window per step"
+        self.measured.append(_groups(records))
+        self.summary = recorder.summary(records)
+
+    def result(self) -> dict[str, Any]:
+        """The cell, with the saved activations' peak of one more window on every rank."""
+        import torch.distributed as dist
+
+        counter = SavedBytes()
+        with counter.hooks():
+            _window(self.accel, self.net, self.opt, self.batches)
+        peaks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, (self.accel.mesh.get_local_rank("pp"), counter.peak))
+        dp, other, pp = (statistics.mean(col) for col in zip(*self.measured))
+        return {
+            "schedule": self.schedule,
+            "policy": self.accel.sync_policy,
+            "micro_ms": statistics.median(self.micro_ms),
+            "dp_bytes": dp,
+            "gather_bytes": other,
+            "pp_bytes": pp,
+            "saved_peak": peaks,
+            "summary": self.summary,
+        }
 
 
 def worker(spec: dict[str, Any], out: Path) -> None:
+    """Every cell's runner, then warm-up and timed steps in rounds, one optimizer step of each
+    cell per round in a rotating order (drift on a shared machine hits all cells alike)."""
     import json
 
     import torch
 
     torch.set_num_threads(1)
     sizes = spec["sizes"]
-    cells: list[dict[str, Any]] = []
-    rank = 0
-    for schedule in SCHEDULES:
-        for policy in POLICIES:
-            cell, rank = _cell(spec, schedule, policy)
-            cells.append(cell)
-            if rank == 0:
-                print(f"[pp] {schedule:<5} {policy:<10} {cell['summary']}", flush=True)
+    runners = [_Runner(spec, s, p) for s in SCHEDULES for p in POLICIES]
+    for step in range(spec["warmup"] + spec["steps"]):
+        turn = step % len(runners)
+        for runner in runners[turn:] + runners[:turn]:
+            runner.window(timed=step >= spec["warmup"])
+    cells = [runner.result() for runner in runners]
+    rank = runners[0].accel.rank
     if rank == 0:
+        for cell in cells:
+            print(f"[pp] {cell['schedule']:<5} {cell['policy']:<10} {cell['summary']}", flush=True)
         rows = sizes["micro_batch"] // spec["microbatches"]
         part = [part_saved_bytes(sizes, s, rows) for s in (0, 1)]
         grad_bytes = sum(p.numel() for p in model(sizes).parameters()) * 4
@@ -378,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0], "the tiny model (a smoke run)")
     p.add_argument("--microbatches", type=int, default=4, help="M, parts per micro-step")
     p.add_argument("--dp-shard", type=int, default=1, help="2: pp 2 x dp_shard 2 on 4 ranks")
-    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per cell")
+    p.add_argument("--steps", type=int, default=6, help="timed optimizer steps per cell")
     args = p.parse_args(argv)
     spec = {
         "sizes": dict(QUICK_SIZES if args.quick else SIZES),
