@@ -277,7 +277,7 @@ def cluster(result: dict[str, Any], schedule: str, saved: float) -> Any:
         pp_activation_bytes=sizes["micro_batch"] * sizes["width"] * 4,
         pp_schedule=schedule,
         pp_microbatches=spec["microbatches"],
-        pp_saved_bytes=saved,
+        pp_saved_activation_bytes=saved,
     ).check()
 
 

@@ -74,8 +74,8 @@ def test_memory_per_rank_and_step_time_with_a_pipeline_by_hand():
     cluster, rows = _rows(
         pp_schedule="GPipe",
         pp_microbatches=4,
-        pp_saved_bytes=100.0,
-        optimizer_bytes=8.0,
+        pp_saved_activation_bytes=100.0,
+        optimizer_state_bytes=8.0,
         compute_ms=8.0,
     )
     every, defer = rows["every_step"], rows["defer"]
@@ -85,7 +85,7 @@ def test_memory_per_rank_and_step_time_with_a_pipeline_by_hand():
     assert every.step_ms == pytest.approx(4 * 10.0)
     assert cluster.activation_bytes(1) == pytest.approx(400.0), "GPipe: every stage holds M"
     # 1F1B: the first stage holds P = 2 parts, the second 1.
-    cluster, rows = _rows(pp_microbatches=4, pp_saved_bytes=100.0)
+    cluster, rows = _rows(pp_microbatches=4, pp_saved_activation_bytes=100.0)
     assert rows["every_step"].activation_memory == pytest.approx(200.0)
     assert cluster.activation_bytes(1) == pytest.approx(100.0)
     assert _rows()[1]["every_step"].activation_memory is None, "unknown unless given"
@@ -98,7 +98,7 @@ def test_memory_per_rank_and_step_time_with_a_pipeline_by_hand():
 
 
 def test_format_names_the_bubble_and_the_memory_columns():
-    cluster, _ = _rows(pp_schedule="GPipe", pp_microbatches=4, pp_saved_bytes=100.0)
+    cluster, _ = _rows(pp_schedule="GPipe", pp_microbatches=4, pp_saved_activation_bytes=100.0)
     text = format_mesh(cluster, estimate_mesh(cluster))
     assert "pp: GPipe, M=4 parts per micro-step: bubble (P-1)/(M+P-1) = 20.0 %" in text
     assert "parts per pipeline rank: 4, 4 x 100 B saved per part = 400 B on the first" in text
@@ -114,8 +114,8 @@ def test_format_names_the_bubble_and_the_memory_columns():
         ({"pp_stages_per_rank": 2}, "pp_stages_per_rank=2 needs pp_schedule='Interleaved1F1B'"),
         ({"pp_schedule": "Interleaved1F1B"}, "pp_stages_per_rank=1; give pp_stages_per_rank >= 2"),
         ({"pp_schedule": "ZeroBubble"}, "pp_schedule='ZeroBubble' is no schedule"),
-        ({"pp_saved_bytes": -1.0}, "pp_saved_bytes=-1.0 must be >= 0"),
-        ({"optimizer_bytes": -8.0}, "optimizer_bytes=-8.0 must be >= 0"),
+        ({"pp_saved_activation_bytes": -1.0}, "pp_saved_activation_bytes=-1.0 must be >= 0"),
+        ({"optimizer_state_bytes": -8.0}, "optimizer_state_bytes=-8.0 must be >= 0"),
         (
             {"pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": 2, "pp_microbatches": 5},
             "pp_microbatches=5 is no multiple of its 2 rounds",

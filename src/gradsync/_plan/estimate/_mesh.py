@@ -40,10 +40,10 @@ class MeshCluster:
     pp_schedule: str = "1F1B"  # GPipe, 1F1B or Interleaved1F1B
     pp_microbatches: int | None = None  # M: parts per micro-step (None: P)
     pp_stages_per_rank: int = 1  # V (Interleaved1F1B)
-    pp_saved_bytes: float | None = (
+    pp_saved_activation_bytes: float | None = (
         None  # bytes a rank's stage(s) save for backward for one part (None: unknown)
     )
-    optimizer_bytes: float = 0.0  # optimizer state per parameter element (Adam fp32: 8)
+    optimizer_state_bytes: float = 0.0  # optimizer state per parameter element (Adam fp32: 8)
     budget_bytes: float | None = None  # auto's budget per rank (None: auto's choice not shown)
     intra_gbs: float = INTRA_GBS  # bus bandwidth per rank inside a node, GB/s
     inter_gbs: float = INTER_GBS  # bus bandwidth per rank across nodes, GB/s
@@ -66,7 +66,12 @@ class MeshCluster:
                 f"tp_share={self.tp_share!r} must be between 0 and 1 (the share of the "
                 "model's bytes the TP plan shards)"
             )
-        for name in ("tp_bytes", "pp_activation_bytes", "pp_saved_bytes", "budget_bytes"):
+        for name in (
+            "tp_bytes",
+            "pp_activation_bytes",
+            "pp_saved_activation_bytes",
+            "budget_bytes",
+        ):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"{name}={value!r} must be >= 0, or None when unknown")
@@ -75,8 +80,8 @@ class MeshCluster:
                 f"tp={self.tp} does not divide the {self.per_node} processes per node: a TP "
                 "group would span nodes; pick tp dividing the processes per node"
             )
-        if self.optimizer_bytes < 0:
-            raise ConfigError(f"optimizer_bytes={self.optimizer_bytes!r} must be >= 0")
+        if self.optimizer_state_bytes < 0:
+            raise ConfigError(f"optimizer_state_bytes={self.optimizer_state_bytes!r} must be >= 0")
         self.schedule().check()
         fsdp_hook(self.compression)
         return self
@@ -106,10 +111,10 @@ class MeshCluster:
 
     def activation_bytes(self, stage: int = 0) -> float | None:
         """The saved activations pipeline rank ``stage`` holds at its peak (the first stage
-        holds the most); None when ``pp_saved_bytes`` is not given or there is no pipeline."""
-        if self.pp == 1 or self.pp_saved_bytes is None:
+        holds the most); None when ``pp_saved_activation_bytes`` is not given or there is no pipeline."""
+        if self.pp == 1 or self.pp_saved_activation_bytes is None:
             return None
-        return self.schedule().parts_held(stage) * self.pp_saved_bytes
+        return self.schedule().parts_held(stage) * self.pp_saved_activation_bytes
 
 
 @dataclass(frozen=True)
@@ -197,7 +202,7 @@ def estimate_mesh(cluster: MeshCluster) -> list[MeshRow]:
         "defer": g - g // s,
         "defer + params": g - g // s + p,
     }
-    optim = c.per_tp_rank(c.grad_bytes / c.dtype_bytes) / s * c.optimizer_bytes
+    optim = c.per_tp_rank(c.grad_bytes / c.dtype_bytes) / s * c.optimizer_state_bytes
     rows = []
     for bytes_row, time_row in zip(per_dim, timed):
         policy = bytes_row.policy
@@ -321,14 +326,14 @@ def _pipeline_line(c: MeshCluster) -> str:
     v = f", V={sched.per_rank} stages per rank" if sched.per_rank > 1 else ""
     held = ", ".join(f"{n:g}" for n in sched.held_by_rank())
     acts = (
-        f"x {_size(c.pp_saved_bytes)} saved per part = {_size(c.activation_bytes(0) or 0.0)} "
+        f"x {_size(c.pp_saved_activation_bytes)} saved per part = {_size(c.activation_bytes(0) or 0.0)} "
         "on the first (the acts column)"
-        if c.pp_saved_bytes is not None
+        if c.pp_saved_activation_bytes is not None
         else "give --pp-saved-activation-bytes per part to count them"
     )
     optim = (
-        f"optimizer state {c.optimizer_bytes:g} B per parameter, sharded like the gradients"
-        if c.optimizer_bytes
+        f"optimizer state {c.optimizer_state_bytes:g} B per parameter, sharded like the gradients"
+        if c.optimizer_state_bytes
         else "optimizer state not counted (give --optimizer-state-bytes, e.g. 8 for Adam's fp32 moments)"
     )
     return (
