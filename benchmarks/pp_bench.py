@@ -1,7 +1,7 @@
 """The pipeline row: pp 2 (2 ranks; ``--dp-shard 2``: pp 2 x dp_shard 2 on 4 ranks) under
 ``defer`` and ``every_step``, with GPipe and 1F1B, and what the estimate says of it.
 
-    python benchmarks/pp_bench.py --out bench-out            # about a minute on 2 cores
+    python benchmarks/pp_bench.py --out bench-out     # ~15 s on 2 cores (--dp-shard 2: ~35 s)
 
 The sync-overhead benchmark's MLP as an ``nn.Sequential`` (Linear-Tanh blocks), cut in two at
 ``SPLIT`` (stage 0: the input layer and the first block, stage 1: the rest and the head), run by
