@@ -237,6 +237,27 @@ def build_parser() -> argparse.ArgumentParser:
         "micro-step (model-dependent, left out when not given)",
     )
     est.add_argument(
+        "--pp-saved-activation-bytes",
+        type=float,
+        default=None,
+        metavar="B",
+        help="--parallelism with pp: bytes a rank's stage(s) save for backward for one of the "
+        "pp_microbatches parts (measure one part's forward through the stage under "
+        "torch.autograd.graph.saved_tensors_hooks, parameters left out); the estimate "
+        "multiplies it by the parts --pp-schedule holds at its peak",
+    )
+    est.add_argument(
+        "--optimizer-state-bytes",
+        type=float,
+        default=0.0,
+        metavar="B",
+        help="--parallelism: optimizer state bytes per parameter, sharded like the gradients "
+        "(8: Adam's two fp32 moments; default 0: not counted)",
+    )
+    add_setting_flags(
+        plan, [BY_NAME[n] for n in ("pp_schedule", "pp_microbatches", "pp_stages_per_rank")]
+    )
+    est.add_argument(
         "--memory-budget",
         type=float,
         default=None,

@@ -75,7 +75,14 @@ With a pipeline (pp = P, outermost) each stage is counted as an even 1/P of the 
 and P_T are divided by P. The pipeline's own traffic, the activations to the next stage and
 their gradients back, runs on every micro-step under every policy: given
 ``pp_activation_bytes`` A per micro-step the busiest rank sends k x A per step with two
-stages, 2k x A with more; else it is reported as model-dependent. No bubble is modelled.
+stages, 2k x A with more (with V stages per rank, (2V-1) k x A and 2V k x A); else it is
+reported as model-dependent. A schedule step of ``pp_microbatches`` M parts idles each rank
+for the bubble, (P-1)/(M+P-1) of it (GPipe, 1F1B; Interleaved1F1B: (P-1)/(V M+P-1)): the
+step time counts ``compute_ms`` (a stage's busy time per micro-step) / (1 - bubble). Given
+``pp_saved_activation_bytes``, what a rank's stages save for backward for one part, the first stage
+holds the parts its schedule keeps in flight times that at its peak (GPipe M, 1F1B P,
+_pipeline.py says how many for each rank), beside its gradients, parameters and
+``optimizer_state_bytes`` per parameter of optimizer state.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from gradsync._plan.estimate._flat import _size, hook_line
 from gradsync._plan.estimate._hybrid import INTER_GBS, INTRA_GBS, HybridCluster, estimate_hybrid
+from gradsync._plan.estimate._pipeline import Schedule
 from gradsync._plan.estimate.compression import Compression, fsdp_hook
 from gradsync.errors import ConfigError
 
@@ -36,6 +37,13 @@ class MeshCluster:
     pp_activation_bytes: float | None = (
         None  # activation bytes one stage sends the next per micro-step (None: unknown)
     )
+    pp_schedule: str = "1F1B"  # GPipe, 1F1B or Interleaved1F1B
+    pp_microbatches: int | None = None  # M: parts per micro-step (None: P)
+    pp_stages_per_rank: int = 1  # V (Interleaved1F1B)
+    pp_saved_activation_bytes: float | None = (
+        None  # bytes a rank's stage(s) save for backward for one part (None: unknown)
+    )
+    optimizer_state_bytes: float = 0.0  # optimizer state per parameter element (Adam fp32: 8)
     budget_bytes: float | None = None  # auto's budget per rank (None: auto's choice not shown)
     intra_gbs: float = INTRA_GBS  # bus bandwidth per rank inside a node, GB/s
     inter_gbs: float = INTER_GBS  # bus bandwidth per rank across nodes, GB/s
@@ -58,7 +66,12 @@ class MeshCluster:
                 f"tp_share={self.tp_share!r} must be between 0 and 1 (the share of the "
                 "model's bytes the TP plan shards)"
             )
-        for name in ("tp_bytes", "pp_activation_bytes", "budget_bytes"):
+        for name in (
+            "tp_bytes",
+            "pp_activation_bytes",
+            "pp_saved_activation_bytes",
+            "budget_bytes",
+        ):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"{name}={value!r} must be >= 0, or None when unknown")
@@ -67,8 +80,14 @@ class MeshCluster:
                 f"tp={self.tp} does not divide the {self.per_node} processes per node: a TP "
                 "group would span nodes; pick tp dividing the processes per node"
             )
+        if self.optimizer_state_bytes < 0:
+            raise ConfigError(f"optimizer_state_bytes={self.optimizer_state_bytes!r} must be >= 0")
+        self.schedule().check()
         fsdp_hook(self.compression)
         return self
+
+    def schedule(self) -> Schedule:
+        return Schedule(self.pp, self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank)
 
     @property
     def world(self) -> int:
@@ -82,12 +101,20 @@ class MeshCluster:
     def pp_step_bytes(self) -> float | None:
         """What the busiest rank sends to its pipeline neighbours per optimizer step: each
         micro-step's activations forward and their gradients back (an inner stage sends
-        both, the first and the last one of them), k times; None when not given."""
+        both, the first and the last one of them; with V stages per rank each of them), k
+        times; None when not given."""
         if self.pp == 1:
             return 0.0
         if self.pp_activation_bytes is None:
             return None
-        return self.k * self.pp_activation_bytes * (1 if self.pp == 2 else 2)
+        return self.k * self.pp_activation_bytes * self.schedule().sends()
+
+    def activation_bytes(self, stage: int = 0) -> float | None:
+        """The saved activations pipeline rank ``stage`` holds at its peak (the first stage
+        holds the most); None when ``pp_saved_activation_bytes`` is not given or there is no pipeline."""
+        if self.pp == 1 or self.pp_saved_activation_bytes is None:
+            return None
+        return self.schedule().parts_held(stage) * self.pp_saved_activation_bytes
 
 
 @dataclass(frozen=True)
@@ -116,6 +143,10 @@ class MeshRow:
     pp_bytes: float | None = (
         0.0  # bytes a rank sends its pipeline neighbours per step (None: unknown)
     )
+    activation_memory: float | None = (
+        None  # saved activations the first stage's ranks hold at the peak (None: unknown)
+    )
+    optimizer_memory: float = 0.0  # optimizer state a rank holds (its shard)
 
 
 def auto_policy(rows: list[MeshRow], budget_bytes: float, replicas: int) -> str:
@@ -152,7 +183,8 @@ def estimate_mesh(cluster: MeshCluster) -> list[MeshRow]:
         intra_gbs=c.intra_gbs,
         inter_gbs=c.inter_gbs,
         latency_us=c.latency_us,
-        compute_ms=c.compute_ms,
+        # A stage is busy compute_ms per schedule step and idle for the bubble besides.
+        compute_ms=c.compute_ms / (1.0 - c.schedule().bubble()),
         optimizer_ms=c.optimizer_ms,
         bucket_bytes=c.bucket_bytes,
         dtype_bytes=c.dtype_bytes,
@@ -170,6 +202,7 @@ def estimate_mesh(cluster: MeshCluster) -> list[MeshRow]:
         "defer": g - g // s,
         "defer + params": g - g // s + p,
     }
+    optim = c.per_tp_rank(c.grad_bytes / c.dtype_bytes) / s * c.optimizer_state_bytes
     rows = []
     for bytes_row, time_row in zip(per_dim, timed):
         policy = bytes_row.policy
@@ -189,6 +222,8 @@ def estimate_mesh(cluster: MeshCluster) -> list[MeshRow]:
                 step_ms=time_row.step_ms,
                 speedup=time_row.speedup,
                 pp_bytes=c.pp_step_bytes(),
+                activation_memory=c.activation_bytes(0),
+                optimizer_memory=optim,
             )
         )
     return rows
@@ -241,6 +276,8 @@ def format_mesh(cluster: MeshCluster, rows: list[MeshRow]) -> str:
         f"all-reduced, 2(R-1)/R x G/S per rank; {tp}; grads / params: what a rank holds through the "
         f"window; auto weighs: the bytes auto compares with its budget{pp_note})",
     ]
+    if c.pp > 1:
+        lines.append(_pipeline_line(c))
     if c.compression.hook != "no":
         f = c.compression.factor(g_t, c.dtype_bytes, c.bucket_bytes)
         lines.append(hook_line(c.compression, f, g_t))
@@ -248,10 +285,11 @@ def format_mesh(cluster: MeshCluster, rows: list[MeshRow]) -> str:
     if c.budget_bytes is not None:
         chosen = auto_policy(rows, c.budget_bytes, c.dp_replicate)
         budget = f"auto with a budget of {_size(c.budget_bytes)} per rank -> {chosen}"
+    mem_head = "" if c.pp == 1 else f" {'optim':>10} {'acts':>10} {'memory/rank':>14}"
     lines += [
         "",
         f"{'policy':<16} {'dp_shard/rank':>14} {'dp_repl/rank':>13} {'tp/rank':>10}{pp_head} {'grads':>10} "
-        f"{'params':>10} {'extra':>10} {'auto weighs':>12} {'comm ms':>9} {'step ms':>9} {'speed-up':>9}",
+        f"{'params':>10}{mem_head} {'extra':>10} {'auto weighs':>12} {'comm ms':>9} {'step ms':>9} {'speed-up':>9}",
     ]
     for row in rows:
         tp_text = "model-dep." if row.tp_bytes is None else _size(row.tp_bytes)
@@ -262,9 +300,45 @@ def format_mesh(cluster: MeshCluster, rows: list[MeshRow]) -> str:
         )
         lines.append(
             f"{row.policy:<16} {_size(row.shard_bytes):>14} {_size(row.replicate_bytes):>13} {tp_text:>10}{pp_text} "
-            f"{_size(row.grad_memory):>10} {_size(row.param_memory):>10} {_size(row.extra_memory):>10} "
+            f"{_size(row.grad_memory):>10} {_size(row.param_memory):>10}{_memory_text(c, row)} {_size(row.extra_memory):>10} "
             f"{_size(row.deferral_bytes):>12} {row.comm_ms:>9.1f} {row.step_ms:>9.1f} {row.speedup:>8.2f}x"
         )
     if budget:
         lines += ["", budget]
     return "\n".join(lines)
+
+
+def _memory_text(c: MeshCluster, row: MeshRow) -> str:
+    """With a pipeline: the optimizer state, the saved activations at the first stage's peak,
+    and what a rank holds in all (``+acts`` where the activations are not given)."""
+    if c.pp == 1:
+        return ""
+    acts = row.activation_memory
+    total = row.grad_memory + row.param_memory + row.optimizer_memory + (acts or 0.0)
+    total_text = _size(total) + ("" if acts is not None else "+acts")
+    acts_text = "model-dep." if acts is None else _size(acts)
+    return f" {_size(row.optimizer_memory):>10} {acts_text:>10} {total_text:>14}"
+
+
+def _pipeline_line(c: MeshCluster) -> str:
+    """The schedule's bubble and the parts whose activations each pipeline rank holds."""
+    sched = c.schedule()
+    v = f", V={sched.per_rank} stages per rank" if sched.per_rank > 1 else ""
+    held = ", ".join(f"{n:g}" for n in sched.held_by_rank())
+    acts = (
+        f"x {_size(c.pp_saved_activation_bytes)} saved per part = {_size(c.activation_bytes(0) or 0.0)} "
+        "on the first (the acts column)"
+        if c.pp_saved_activation_bytes is not None
+        else "give --pp-saved-activation-bytes per part to count them"
+    )
+    optim = (
+        f"optimizer state {c.optimizer_state_bytes:g} B per parameter, sharded like the gradients"
+        if c.optimizer_state_bytes
+        else "optimizer state not counted (give --optimizer-state-bytes, e.g. 8 for Adam's fp32 moments)"
+    )
+    return (
+        f"pp: {sched.name}, M={sched.parts} parts per micro-step{v}: bubble {sched.formula()} = "
+        f"{100 * sched.bubble():.1f} % of a schedule step (step ms: compute-ms / (1 - bubble)); "
+        f"saved activations held at the peak, parts per pipeline rank: {held} {acts}; {optim}; "
+        "memory/rank: grads + params + optim + acts"
+    )
