@@ -78,6 +78,9 @@ SCENARIOS = {
         )
         for p in POLICIES
     },
+    "pp2_interleaved_callable_k4_defer": _train(
+        "Interleaved1F1B", 4, "defer", split="slices", per_rank=2
+    ),
     "deepspeed": Scenario(pp.refused, backend="deepspeed"),
     "fairscale": Scenario(pp.refused, backend="fairscale"),
     "ddp": Scenario(pp.refused, backend="ddp"),
@@ -85,6 +88,14 @@ SCENARIOS = {
         {
             "llama_1F1B": Scenario(pp_decoder.train, dims={"pp": 2}, schedule="1F1B", samples=32),
             "llama_tied": Scenario(pp_decoder.refused_tied),
+            "llama_interleaved": Scenario(
+                pp_decoder.train,
+                dims={"pp": 2},
+                schedule="Interleaved1F1B",
+                samples=32,
+                split=pp_decoder.SPLIT4,
+                per_rank=2,
+            ),
         }
         if HF
         else {}
@@ -125,8 +136,10 @@ def test_a_token_weighted_loss_equals_one_process(results, schedule):
     assert abs(last["losses"][0] - ref["first_losses"][0]) < 1e-5  # the micro-batch's sum
 
 
-def test_interleaved_ranks_hold_two_stages_each(results):
-    for r in results["pp2_interleaved_k4_defer"]:
+@pytest.mark.parametrize("split", ["", "_callable"])
+def test_interleaved_ranks_hold_two_stages_each(results, split):
+    """Module paths or a callable's four slices: rank 0 runs stages 0 and 2, rank 1 1 and 3."""
+    for r in results[f"pp2_interleaved{split}_k4_defer"]:
         layers = sorted({name.split(".")[0] for name in r["state"]})
         assert layers == (["0", "4"] if r["stage"] == 0 else ["2", "6"]), (r["stage"], layers)
 
@@ -135,6 +148,17 @@ def test_interleaved_ranks_hold_two_stages_each(results):
 def test_a_llama_split_by_layer_names_equals_one_process(results):
     """``pp_split=["model.layers.2"]`` on a Transformers Llama, token-weighted, k = 4, defer."""
     assert_decoder_pipeline_matches_one_process(results["llama_1F1B"], samples=32)
+
+
+@pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
+def test_an_interleaved_llama_split_by_layer_names_equals_one_process(results):
+    """Four stages of one decoder layer each, two per rank (Interleaved1F1B), k = 4, defer."""
+    ranks = results["llama_interleaved"]
+    assert_decoder_pipeline_matches_one_process(ranks, samples=32)
+    for r in ranks:  # rank 0: the embedding and layers 0, 2; rank 1: layers 1, 3 and the head
+        layers = sorted({n.split(".")[2] for n in r["state"] if n.startswith("model.layers.")})
+        assert layers == (["0", "2"] if r["stage"] == 0 else ["1", "3"]), layers
+        assert any(n.startswith("lm_head") for n in r["state"]) == (r["stage"] == 1)
 
 
 @pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")

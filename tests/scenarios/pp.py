@@ -45,6 +45,12 @@ def masked_sse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y).pow(2) * (y > 0)).sum()
 
 
+def by_slices(model: nn.Sequential, stages: int) -> list[nn.Module]:
+    """A callable split: four ``nn.Sequential`` slices of ``make_seq``'s model, cut at 2, 4, 6."""
+    assert stages == 4, stages
+    return [model[0:2], model[2:4], model[4:6], model[6:]]
+
+
 def _accel(dims: dict[str, int], steps: int, policy: str, **options: Any) -> Accelerator:
     """An Accelerator for ``dims`` (with a pipeline: cut at ``SPLIT`` unless ``split`` says
     otherwise); no dims: the same loop without a pipeline."""
@@ -76,16 +82,19 @@ def train_pp(
     tp_plan: dict[str, str] | None = None,
     raise_at: tuple[int, int] | None = None,
     backend: str = "fsdp",
-    split: list[str] | None = None,
+    split: list[str] | str | None = None,
     per_rank: int = 1,
 ) -> dict[str, Any]:
     """The loop a user writes: one pipeline_step per micro-step inside accumulate (with
-    ``tokens``, a summed loss over the window's counted items)."""
+    ``tokens``, a summed loss over the window's counted items; ``split="slices"``: the
+    callable ``by_slices``)."""
     options: dict[str, Any] = {"backend": backend}
     if dims:
         options.update(pp_schedule=schedule, pp_microbatches=microbatches)
         if per_rank > 1:
-            options.update(pp_stages_per_rank=per_rank, split=split)
+            options.update(
+                pp_stages_per_rank=per_rank, split=by_slices if split == "slices" else split
+            )
     if budget is not None:
         options["sync_memory_budget"] = budget
     if tokens:

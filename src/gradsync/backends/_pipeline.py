@@ -11,14 +11,16 @@ unsharded and adds the next schedule steps' to them, so the data-parallel reduct
 per window of k schedule steps; under "every_step" it runs at the end of every schedule step.
 The activations sent between stages are the computation (audited on their own ``pp`` line).
 With ``pp_stages_per_rank`` V > 1 (Interleaved1F1B) the model is cut into P x V stages, rank
-r keeping stages r, r + P, ...: each one's steps become an FSDP2 unit of the rank's root, and
-the schedule step ends (the flags above) once the last of them has ended its backward.
+r keeping stages r, r + P, ... (by paths, a callable's P x V modules, or a decoder's layers:
+``_pipeline_parts``): each one's steps become an FSDP2 unit of the rank's root, and the
+schedule step ends (the flags above) once the last of them has ended its backward.
 
 The split: ``pp_split`` names the module paths where each stage after the first begins, in an
 ``nn.Sequential`` model (nested ``nn.Sequential`` steps are opened where a path points into
-them) or a Transformers decoder (``"model.layers.4"``: ``_pipeline_decoder``), or is a callable ``(model, num_stages) -> stage modules``. Every rank keeps only its
-own stage: the other steps are removed from their ``nn.Sequential`` parents, so the stage's
-parameter names are the whole model's.
+them) or a Transformers decoder (``"model.layers.4"``: ``_pipeline_decoder``), or is a callable
+``(model, num_stages) -> stage modules``. Every rank keeps only its own stage: the other
+steps are removed from their ``nn.Sequential`` parents, so the stage's parameter names are
+the whole model's.
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 
 from gradsync import audit
 from gradsync._plan.batch_plan import BatchPlan
-from gradsync.backends import _fsdp_compat, _group, _pipeline_compat, _pipeline_decoder
+from gradsync.backends import (
+    _fsdp_compat,
+    _group,
+    _pipeline_compat,
+    _pipeline_decoder,
+    _pipeline_parts,
+)
 from gradsync.errors import ConfigError, UsageError
 from gradsync.mesh import Parallelism
 
@@ -171,6 +179,7 @@ class Cut:
         self._made: list[nn.Module] | None = None
         self._steps: list[tuple[int, Any, str]] = []
         self._bounds: list[int] = []  # a Transformers decoder's: its first layer per stage
+        self._what = "pp_split's callable" if callable(split) else f"pp_split={list(split)!r}"
         if callable(split):
             self._made = cast_modules(split(model, stages), stages)
         elif _pipeline_decoder.is_decoder(model):
@@ -189,9 +198,15 @@ class Cut:
             return _pipeline_decoder.stage(self._model, self._bounds, index)
         return self.keep([index])[0]
 
-    def keep(self, indices: Sequence[int]) -> tuple[nn.Module, list[list[nn.Module]]]:
-        """The model with every step of the stages not in ``indices`` removed, and the steps
-        of each kept stage, in order (an ``nn.Sequential`` cut only)."""
+    def keep(
+        self, indices: Sequence[int]
+    ) -> tuple[nn.Module, list[list[nn.Module]], list[nn.Module]]:
+        """The model with every module of the stages not in ``indices`` removed (its root),
+        each kept stage's steps (sharded as one unit each) and the module that runs it."""
+        if self._made is not None or self._bounds:
+            runs = self._made or _pipeline_decoder.parts(self._model, self._bounds)
+            steps = _pipeline_parts.keep(self._model, runs, indices, self._what)
+            return self._model, steps, [runs[i] for i in indices]
         parts = [
             [parent._modules[key] for owner, parent, key in self._steps if owner == index]
             for index in indices
@@ -199,7 +214,7 @@ class Cut:
         for owner, parent, key in self._steps:
             if owner not in indices:
                 del parent._modules[key]
-        return self._model, parts
+        return self._model, parts, [nn.Sequential(*steps) for steps in parts]
 
 
 def cast_modules(made: Any, stages: int) -> list[nn.Module]:
@@ -232,7 +247,7 @@ class Pipeline:
         group: Any,
         schedule: str,
         microbatches: int,
-        parts: list[list[nn.Module]] | None = None,
+        parts: list[nn.Module] | None = None,
     ) -> None:
         self.module = module
         self.index = index
@@ -247,8 +262,8 @@ class Pipeline:
         self._running = False
         self._factor = 1.0
         self._loss_fn: Callable[..., torch.Tensor] | None = None
-        #: more than one stage on this rank (``parts``: each one's steps): stages index,
-        #: index + P, ... of P x len(parts), each ending its backward once per schedule step
+        #: more than one stage on this rank (``parts``: the module running each): stages
+        #: index, index + P, ... of P x len(parts), each ending its backward once per step
         self.parts = parts
         self._ended = 0
         if parts is None:
@@ -260,13 +275,13 @@ class Pipeline:
                 _pipeline_compat.Stage(
                     self._end_backward,
                     self._put_back_grads,
-                    nn.Sequential(*steps),
+                    run,
                     index + j * stages,
                     stages * len(parts),
                     device,
                     group=group,
                 )
-                for j, steps in enumerate(parts)
+                for j, run in enumerate(parts)
             ]
         self._schedule = _SCHEDULES[schedule](
             made, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False
@@ -357,8 +372,10 @@ class Settings:
     ) -> None:
         self.stages = stages
         self.per_rank = per_rank
-        #: with several stages per rank: the steps of each of this rank's stages (``stage``)
+        #: with several stages per rank: the steps of each of this rank's stages (``stage``),
+        #: sharded as one unit each, and the module that runs each
         self.parts: list[list[nn.Module]] | None = None
+        self.runs: list[nn.Module] | None = None
         self.split = split
         self.schedule = schedule
         self.microbatches = microbatches
@@ -384,7 +401,7 @@ class Settings:
             return None
         microbatches = config.pp_microbatches or dims.pp
         per_rank = config.pp_stages_per_rank
-        _check_per_rank(per_rank, config.pp_schedule, config.pp_split)
+        _check_per_rank(per_rank, config.pp_schedule)
         return cls(dims.pp, config.pp_split, config.pp_schedule, microbatches, per_rank)
 
     def bind(self, mesh: DeviceMesh) -> None:
@@ -408,7 +425,7 @@ class Settings:
         rank = self._mesh.get_local_rank("pp")
         if self.per_rank > 1:  # stages rank, rank + P, ...: Interleaved1F1B's loop order
             held = range(rank, self.stages * self.per_rank, self.stages)
-            stage, self.parts = cut.keep(list(held))
+            stage, self.parts, self.runs = cut.keep(list(held))
         else:
             stage = cut.stage(rank)
         self.dropped = every - {id(p) for p in stage.parameters()}
@@ -424,12 +441,12 @@ class Settings:
             group=self.group,
             schedule=self.schedule,
             microbatches=self.microbatches,
-            parts=self.parts,
+            parts=self.runs,
         )
 
 
-def _check_per_rank(per_rank: int, schedule: str, split: Any) -> None:
-    """``pp_stages_per_rank`` against the schedule and the split: one ConfigError line."""
+def _check_per_rank(per_rank: int, schedule: str) -> None:
+    """``pp_stages_per_rank`` against the schedule: one ConfigError line."""
     if (per_rank > 1) != (schedule == "Interleaved1F1B"):
         raise ConfigError(
             f"pp_schedule={schedule!r} runs one stage per rank, and pp_stages_per_rank="
@@ -437,9 +454,4 @@ def _check_per_rank(per_rank: int, schedule: str, split: Any) -> None:
             if per_rank > 1
             else "pp_schedule='Interleaved1F1B' runs several stages on each rank, and "
             "pp_stages_per_rank=1; give pp_stages_per_rank >= 2"
-        )
-    if per_rank > 1 and callable(split):
-        raise ConfigError(
-            f"pp_stages_per_rank={per_rank} cuts an nn.Sequential by module paths; a callable "
-            "pp_split is not supported with several stages per rank"
         )

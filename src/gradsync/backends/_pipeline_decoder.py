@@ -101,30 +101,71 @@ def _mask_maker() -> tuple[Callable[..., Any], tuple[str, ...]]:
     return create_causal_mask, tuple(inspect.signature(create_causal_mask).parameters)
 
 
-def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+class Part(nn.Module):
+    """One stage of a decoder with several stages per rank: the modules of its part of the
+    forward (shared with the model, whose root keeps the parameter names)."""
+
+    def __init__(self, model: nn.Module, bounds: list[int], index: int) -> None:
+        super().__init__()
+        base: Any = model.get_submodule("model")
+        first, last = index == 0, index == len(bounds) - 2
+        self.config = base.config
+        self.embed_tokens = base.embed_tokens if first else None
+        self.layers = nn.ModuleList(list(base.layers)[bounds[index] : bounds[index + 1]])
+        self.rotary_emb = base.rotary_emb
+        self.norm = base.norm if last else None
+        self.lm_head = model.get_submodule("lm_head") if last else None
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return _run(self.config, self, self.layers, self, x, attention_mask)
+
+
+def parts(model: nn.Module, bounds: list[int]) -> list[nn.Module]:
+    """A module running each stage of ``model`` cut at ``bounds`` (several stages per rank)."""
+    return [Part(model, bounds, s) for s in range(len(bounds) - 1)]
+
+
+def _forward(
+    self: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """A decoder stage's forward: token ids (first stage) or hidden states in; hidden states,
     or the logits on the last stage, out."""
     base: Any = self._modules["model"]
-    hidden = base.embed_tokens(x) if "embed_tokens" in base._modules else x
+    return _run(base.config, base, base.layers, self, x, attention_mask)
+
+
+def _run(
+    config: Any,
+    base: nn.Module,
+    layers: Any,
+    top: nn.Module,
+    x: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Embed (where ``base`` holds ``embed_tokens``), build the mask (causal, and the padding
+    of ``attention_mask`` when given) and the rotary embeddings of the sequence, run
+    ``layers``, then the norm and ``top``'s head (where held)."""
+    held: Any = base._modules
+    hidden = held["embed_tokens"](x) if held.get("embed_tokens") is not None else x
     steps = torch.arange(hidden.shape[1], device=hidden.device)
     positions = steps.unsqueeze(0)
     make_mask, names = _mask_maker()
     given = {
-        "config": base.config,
+        "config": config,
         "inputs_embeds": hidden,
         "input_embeds": hidden,  # the name before transformers 5
-        "attention_mask": None,
+        "attention_mask": attention_mask,
         "cache": None,
         "past_key_values": None,
         "cache_position": steps,
         "position_ids": positions,
     }
     mask = make_mask(**{name: given[name] for name in names if name in given})
-    rotary = base.rotary_emb(hidden, position_ids=positions)
-    for layer in base.layers:
+    rotary = held["rotary_emb"](hidden, position_ids=positions)
+    for layer in layers:
         hidden = layer(
             hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions
         )
-    if "norm" not in base._modules:
+    if held.get("norm") is None:
         return hidden
-    return self._modules["lm_head"](base.norm(hidden))  # type: ignore[no-any-return, misc]
+    return top._modules["lm_head"](held["norm"](hidden))  # type: ignore[no-any-return, misc]
