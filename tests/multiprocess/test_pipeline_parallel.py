@@ -96,6 +96,10 @@ SCENARIOS = {
                 split=pp_decoder.SPLIT4,
                 per_rank=2,
             ),
+            "llama_padded": Scenario(
+                pp_decoder.train, dims={"pp": 2}, schedule="1F1B", samples=32, padded=True
+            ),
+            "llama_bad_mask": Scenario(pp_decoder.bad_mask),
         }
         if HF
         else {}
@@ -159,6 +163,21 @@ def test_an_interleaved_llama_split_by_layer_names_equals_one_process(results):
         layers = sorted({n.split(".")[2] for n in r["state"] if n.startswith("model.layers.")})
         assert layers == (["0", "2"] if r["stage"] == 0 else ["1", "3"]), layers
         assert any(n.startswith("lm_head") for n in r["state"]) == (r["stage"] == 1)
+
+
+@pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
+def test_a_padded_llama_batch_equals_one_process(results):
+    """Left-padded sequences with their padding mask (``inputs`` a mapping), labels -100 on
+    the padding, token-weighted: every stage applies the mask, as one process does."""
+    assert_decoder_pipeline_matches_one_process(results["llama_padded"], samples=32)
+
+
+@pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
+def test_a_padding_mask_of_the_wrong_shape_is_one_line(results):
+    for r in results["llama_bad_mask"]:
+        assert r["error"] is not None and "\n" not in r["error"], r
+        assert r["error"].startswith("UsageError") and "attention_mask" in r["error"], r
+        assert "(4, 7)" in r["error"] and "(4, 8)" in r["error"], r["error"]
 
 
 @pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")

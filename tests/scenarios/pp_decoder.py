@@ -164,6 +164,22 @@ def _logits(model: nn.Module, data: Tokens, rows: list[int]) -> torch.Tensor:
     return out.logits  # type: ignore[no-any-return]
 
 
+def bad_mask() -> dict[str, Any]:
+    """A padding mask whose shape is not the ids': one UsageError line on every stage."""
+    accel = Accelerator(
+        backend="fsdp", parallelism={"pp": 2}, pp_split=SPLIT, gradient_accumulation_steps=2
+    )
+    model = accel.prepare(make_llama())
+    x = torch.zeros(4, SEQ, dtype=torch.long)
+    with accel.accumulate(model):
+        try:
+            inputs = {"input_ids": x, "attention_mask": torch.ones(4, SEQ - 1)}
+            accel.pipeline_step(model, inputs, x, token_loss)
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}
+
+
 def refused_tied() -> dict[str, Any]:
     """A model whose head shares the embedding's weight: one ConfigError line at prepare."""
     accel = Accelerator(

@@ -248,3 +248,55 @@ def test_a_decoders_stages_with_several_per_rank_run_the_whole_model():
     root, steps, _ = cut.keep([1, 3])
     assert [len(s) for s in steps] == [1, 3]  # layer 1; layer 3, the norm and the head
     assert "model.embed_tokens.weight" not in dict(root.named_parameters())
+
+
+def test_a_sliding_window_decoder_is_refused_in_one_line():
+    pytest.importorskip("transformers")
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    with pytest.raises(ConfigError, match="sliding-window attention") as info:
+        Cut(MistralForCausalLM(config), ["model.layers.1"], 2)
+    assert "sliding_window=4096" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_same_loop_with_a_padding_mask_runs_in_one_process():
+    """``pipeline_step`` with ``inputs`` a mapping of ids and padding mask, without a pipeline:
+    the model is given both (its gradient is plain torch's); a mask of the wrong shape is one
+    UsageError line."""
+    import torch.nn.functional as F
+
+    from gradsync import Accelerator, UsageError
+
+    whole, seq = _llama()
+    model, _ = _llama()
+    x = torch.randint(0, 64, (2, seq))
+    y = torch.randint(0, 64, (2, seq))
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[0, :3] = 0
+    y[mask == 0] = -100
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    accel = Accelerator(gradient_accumulation_steps=1)
+    model = accel.prepare(model)
+    with accel.accumulate(model):
+        accel.pipeline_step(model, {"input_ids": x, "attention_mask": mask}, y, loss_fn)
+    loss_fn(whole(x, attention_mask=mask).logits, y).backward()
+    got = dict(model.named_parameters())
+    for name, p in whole.named_parameters():
+        assert torch.allclose(got[name].grad, p.grad, atol=1e-6), name
+    with pytest.raises(UsageError, match=r"attention_mask'\] of shape \(2, 7\)") as info:
+        with accel.accumulate(model):
+            inputs = {"input_ids": x, "attention_mask": mask[:, 1:]}
+            accel.pipeline_step(model, inputs, y, loss_fn)
+    assert "\n" not in str(info.value)

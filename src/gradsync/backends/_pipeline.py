@@ -20,12 +20,13 @@ The split: ``pp_split`` names the module paths where each stage after the first 
 them) or a Transformers decoder (``"model.layers.4"``: ``_pipeline_decoder``), or is a callable
 ``(model, num_stages) -> stage modules``. Every rank keeps only its own stage: the other
 steps are removed from their ``nn.Sequential`` parents, so the stage's parameter names are
-the whole model's.
+the whole model's. A decoder's ``inputs`` may be a mapping with its padding mask, which
+every rank has (each is given the micro-batch) and hands to its stages as a keyword.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -198,6 +199,11 @@ class Cut:
             return _pipeline_decoder.stage(self._model, self._bounds, index)
         return self.keep([index])[0]
 
+    @property
+    def is_decoder(self) -> bool:
+        """Whether the model is a Transformers decoder cut by layer names."""
+        return bool(self._bounds)
+
     def keep(
         self, indices: Sequence[int]
     ) -> tuple[nn.Module, list[list[nn.Module]], list[nn.Module]]:
@@ -248,6 +254,7 @@ class Pipeline:
         schedule: str,
         microbatches: int,
         parts: list[nn.Module] | None = None,
+        masked: bool = False,
     ) -> None:
         self.module = module
         self.index = index
@@ -265,6 +272,8 @@ class Pipeline:
         #: more than one stage on this rank (``parts``: the module running each): stages
         #: index, index + P, ... of P x len(parts), each ending its backward once per step
         self.parts = parts
+        #: the stages take an ``attention_mask`` (a Transformers decoder's)
+        self.masked = masked
         self._ended = 0
         if parts is None:
             made: Any = _pipeline_compat.Stage(
@@ -329,6 +338,7 @@ class Pipeline:
             On the last stage the micro-batch's loss, unscaled and detached: the mean of the
             parts' losses (``mean``), else their sum; None on the other stages.
         """
+        inputs, keywords = self._feed(inputs)
         size = _rows(targets if self.is_last else inputs)
         if size is not None and size % self.microbatches:
             raise ConfigError(
@@ -347,7 +357,9 @@ class Pipeline:
         try:
             args = (inputs,) if self.is_first else ()
             target = targets if self.is_last else None
-            self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            self._schedule.step(
+                *args, target=target, losses=losses, return_outputs=False, **keywords
+            )
         finally:
             self._running = False
             self.grads = {}
@@ -358,6 +370,19 @@ class Pipeline:
         if factor == 0:  # a window without items: nothing was learned, nothing to unscale
             return parts.sum()
         return (parts.mean() if mean else parts.sum()) / factor
+
+    def _feed(self, inputs: Any) -> tuple[Any, dict[str, Any]]:
+        """The first stage's input, and the keywords every stage is given (each rank has
+        the micro-batch, so the padding mask reaches every stage without being sent)."""
+        if not isinstance(inputs, Mapping):
+            return inputs, {}
+        if not self.masked:
+            raise UsageError(
+                f"accel.pipeline_step() got inputs as a mapping (keys {sorted(inputs)}), which "
+                "a Transformers decoder split takes; give this pipeline's first stage its input"
+            )
+        ids, mask = _pipeline_decoder.feed(inputs)
+        return ids, ({} if mask is None else {"attention_mask": mask})
 
 
 def _rows(value: Any) -> int | None:
@@ -376,6 +401,7 @@ class Settings:
         #: sharded as one unit each, and the module that runs each
         self.parts: list[list[nn.Module]] | None = None
         self.runs: list[nn.Module] | None = None
+        self.masked = False  # the stages take an attention_mask (a Transformers decoder)
         self.split = split
         self.schedule = schedule
         self.microbatches = microbatches
@@ -419,6 +445,7 @@ class Settings:
         split and the micro-batches checked before any collective."""
         check_microbatches(self.microbatches, plan.micro_batch_size, self.stages)
         cut = Cut(model, self.split, self.stages * self.per_rank)
+        self.masked = cut.is_decoder
         model.to(device)
         _group.broadcast_from_rank0(model)
         every = {id(p) for p in model.parameters()}
@@ -442,6 +469,7 @@ class Settings:
             schedule=self.schedule,
             microbatches=self.microbatches,
             parts=self.runs,
+            masked=self.masked,
         )
 
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradsync.errors import ConfigError
+from gradsync.errors import ConfigError, UsageError
 
 #: Where the decoder layers sit in the model (the split paths are ``f"{LAYERS}.{i}"``).
 LAYERS = "model.layers"
@@ -71,6 +71,16 @@ def starts(model: nn.Module, paths: Sequence[str], stages: int) -> list[int]:
             f"{type(model).__name__} ties their weights (tie_word_embeddings=True), which "
             "cannot cross stages; build it with tie_word_embeddings=False"
         )
+    config = getattr(model.get_submodule("model"), "config", None)
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []) or (
+        window is not None and getattr(config, "use_sliding_window", True)
+    ):
+        raise ConfigError(
+            f"{name}: the {type(model).__name__} has sliding-window attention (sliding_window="
+            f"{window!r}), and a stage builds the full causal mask only; build it with "
+            "sliding_window=None, or split it with a callable"
+        )
     return [*found, count]
 
 
@@ -90,6 +100,35 @@ def stage(model: nn.Module, bounds: list[int], index: int) -> nn.Module:
         del model._modules["lm_head"]
     model.__class__ = type(f"Stage{type(model).__name__}", (type(model),), {"forward": _forward})
     return model
+
+
+def feed(inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``pipeline_step``'s ``inputs`` as a mapping: ``{"input_ids": ..., "attention_mask":
+    ...}`` (the mask optional); one UsageError line for other keys or a mask whose shape is
+    not the ids'."""
+    unknown = sorted(set(inputs) - {"input_ids", "attention_mask"})
+    if "input_ids" not in inputs or unknown:
+        raise UsageError(
+            f"accel.pipeline_step() got inputs with the keys {sorted(inputs)}; a decoder "
+            "pipeline takes {'input_ids': ids, 'attention_mask': mask} (the mask optional)"
+        )
+    check_mask(inputs)
+    return inputs["input_ids"], inputs.get("attention_mask")
+
+
+def check_mask(inputs: Mapping[str, Any]) -> None:
+    """The padding mask of ``inputs`` (where given with ``input_ids``) has the ids' shape,
+    ``(batch, sequence)``; one UsageError line otherwise."""
+    ids, mask = inputs.get("input_ids"), inputs.get("attention_mask")
+    if mask is None or ids is None:
+        return
+    got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+    if got != tuple(ids.shape):
+        raise UsageError(
+            f"accel.pipeline_step() got inputs['attention_mask'] of shape {got} and input_ids "
+            f"of shape {tuple(ids.shape)}: the padding mask is (batch, sequence), 1 on tokens "
+            "and 0 on padding"
+        )
 
 
 @functools.cache
