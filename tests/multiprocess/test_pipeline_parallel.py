@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 from harness import Scenario, Shared
 from harness.checks import (
@@ -104,6 +105,8 @@ SCENARIOS = {
         if HF
         else {}
     ),
+    **{f"canary_{b or 'holds'}": Scenario(pp.canary, broken=b) for b in ("", "renamed", "reduces")},
+    "canary_interleaved": Scenario(pp.canary, broken="", per_rank=2),
     "world_label": Scenario(pp.world_label),  # after every pipeline above
 }
 TRAINED = [n for n in SCENARIOS if n.startswith("pp2_") and n != "pp2_clip" and "tokens" not in n]
@@ -255,3 +258,29 @@ def test_a_pipeline_over_the_whole_world_leaves_the_world_groups_label(results):
     # whose replicate dim spans the world); a pipeline never labels it "pp".
     labels = [r["label"] for r in results["world_label"]]
     assert len(labels) == 2 and "pp" not in labels, labels
+
+
+@pytest.mark.parametrize("name", ["canary_holds", "canary_interleaved"])
+def test_on_an_untested_torch_the_first_window_checks_the_stage_hooks(results, name):
+    """torch taken as newer than the tested range: every schedule step of the first window
+    is checked (no collective), finds the hooks acting, and the check ends at the boundary."""
+    for r in results[name]:
+        assert r["errors"] == [] and r["checked"], r
+
+
+@pytest.mark.parametrize(
+    "broken, words",
+    [
+        ("renamed", "PipelineStage.perform_reduce_grad) closed it 0 times"),
+        ("reduces", "the data-parallel reduction ran off the window boundary"),
+    ],
+)
+def test_a_stage_hook_that_no_longer_acts_is_one_line_naming_torch(results, broken, words):
+    """A planted hook: torch's own end of backward (as if torch had renamed the method
+    gradsync replaces), or torch's reduction before gradsync's: the first schedule step
+    raises one line naming the torch version and what to install."""
+    for r in results[f"canary_{broken}"]:
+        assert len(r["errors"]) == 1 and not r["checked"], r
+        error = r["errors"][0]
+        assert words in error and "\n" not in error, error
+        assert error.startswith(f"torch {torch.__version__} is newer") and "pip install" in error

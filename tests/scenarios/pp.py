@@ -3,6 +3,7 @@ mp_worker.py in one audited gloo group (2 ranks: pp 2; 4 ranks: pp 2 x dp_shard 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -281,3 +282,53 @@ def world_label() -> dict[str, Any]:
 
     group = dist.distributed_c10d._get_default_group()
     return {"label": group.label() if hasattr(group, "label") else None}
+
+
+def _reduces_too(stage: Any, scale: int) -> None:
+    """A stage hook that reduces on every schedule step before gradsync's end of backward."""
+    from torch.distributed.pipelining import PipelineStage
+
+    PipelineStage.perform_reduce_grad(stage, scale)
+    stage._end_backward()
+
+
+def canary(
+    *,
+    broken: str = "",
+    dims: dict[str, int] | None = None,
+    policy: str = "defer",
+    per_rank: int = 1,
+) -> dict[str, Any]:
+    """On a torch taken as newer than the tested range, a pipeline's first window (k = 4) is
+    checked schedule step by schedule step. ``broken="renamed"``: the stage's end of
+    backward is torch's own again, as on a torch that renamed the method gradsync replaces;
+    ``"reduces"``: torch's reduction runs before gradsync's end of backward. The first
+    schedule step is then refused. The range and the method are put back afterwards (the
+    group's processes run further scenarios)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from gradsync._support import torch_range
+    from gradsync.backends import _pipeline, _pipeline_compat
+
+    saved = torch_range.NEWEST, _pipeline_compat.Stage.perform_reduce_grad
+    torch_range.NEWEST = "2.0"
+    if broken:
+        hook = PipelineStage.perform_reduce_grad if broken == "renamed" else _reduces_too
+        _pipeline_compat.Stage.perform_reduce_grad = hook  # type: ignore[method-assign]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the untested torch's warning at prepare
+            accel, model, opt = _prepared(dims or {"pp": 2}, policy, per_rank)
+        errors: list[str] = []
+        for x, y in _batches(accel, 6):
+            with accel.accumulate(model):
+                try:
+                    accel.pipeline_step(model, x, y, F.mse_loss)
+                except RuntimeError as e:
+                    errors.append(str(e))
+                    break
+                opt.step()
+                opt.zero_grad()
+        return {"errors": errors, "checked": not _pipeline.of(model).canary.active}
+    finally:
+        torch_range.NEWEST, _pipeline_compat.Stage.perform_reduce_grad = saved  # type: ignore[method-assign]

@@ -300,3 +300,12 @@ def test_the_same_loop_with_a_padding_mask_runs_in_one_process():
             inputs = {"input_ids": x, "attention_mask": mask[:, 1:]}
             accel.pipeline_step(model, inputs, y, loss_fn)
     assert "\n" not in str(info.value)
+
+
+def test_the_pipeline_canary_runs_only_above_the_tested_range(monkeypatch):
+    from gradsync._support import torch_range
+    from gradsync.backends._pipeline_canary import Canary
+
+    assert not Canary().active  # this torch is in the range
+    monkeypatch.setattr(torch_range, "NEWEST", "2.0")
+    assert Canary().active

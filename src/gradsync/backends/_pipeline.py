@@ -38,6 +38,7 @@ from gradsync._plan.batch_plan import BatchPlan
 from gradsync.backends import (
     _fsdp_compat,
     _group,
+    _pipeline_canary,
     _pipeline_compat,
     _pipeline_decoder,
     _pipeline_parts,
@@ -275,6 +276,8 @@ class Pipeline:
         #: the stages take an ``attention_mask`` (a Transformers decoder's)
         self.masked = masked
         self._ended = 0
+        #: on a torch newer than the tested range: checks the first window's schedule steps
+        self.canary = _pipeline_canary.Canary()
         if parts is None:
             made: Any = _pipeline_compat.Stage(
                 self._end_backward, self._put_back_grads, module, index, stages, device, group=group
@@ -303,6 +306,7 @@ class Pipeline:
         if self._ended == len(self.parts or [None]):  # every stage of this rank is done
             self._ended = 0
             _fsdp_compat.end_pipeline_backward(self.module, self.flags)
+            self.canary.closed += 1
 
     def _put_back_grads(self) -> None:
         # The first schedule step infers the shapes with a real forward and backward and
@@ -354,12 +358,14 @@ class Pipeline:
         self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []  # each part's, as scaled (torch's schedule fills it)
         self._running = True
+        self.canary.start()
         try:
             args = (inputs,) if self.is_first else ()
             target = targets if self.is_last else None
             self._schedule.step(
                 *args, target=target, losses=losses, return_outputs=False, **keywords
             )
+            self.canary.check(self.module, self.flags, self.grads)
         finally:
             self._running = False
             self.grads = {}

@@ -12,7 +12,8 @@ with a message naming the supported versions instead of running torch's own sile
 schedule step reduced). What both mean is covered by tests/unit/test_compat.py (on a torch
 with the cleanup: called once, on the first step; on any: a gradient from before the first
 step survives it); the FSDP2 state that the end of the backward reaches is
-``_fsdp_compat.end_pipeline_backward``.
+``_fsdp_compat.end_pipeline_backward``. On a torch newer than the tested range,
+``_pipeline_canary`` checks a pipeline's first window that both still act.
 """
 
 from __future__ import annotations
