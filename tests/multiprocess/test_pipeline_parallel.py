@@ -96,6 +96,7 @@ SCENARIOS = {
                 samples=32,
                 split=pp_decoder.SPLIT4,
                 per_rank=2,
+                padded=True,
             ),
             "llama_padded": Scenario(
                 pp_decoder.train, dims={"pp": 2}, schedule="1F1B", samples=32, padded=True
@@ -159,7 +160,8 @@ def test_a_llama_split_by_layer_names_equals_one_process(results):
 
 @pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
 def test_an_interleaved_llama_split_by_layer_names_equals_one_process(results):
-    """Four stages of one decoder layer each, two per rank (Interleaved1F1B), k = 4, defer."""
+    """Four stages of one decoder layer each, two per rank (Interleaved1F1B), k = 4, defer,
+    on left-padded batches: each rank hands the padding mask to both of its stages."""
     ranks = results["llama_interleaved"]
     assert_decoder_pipeline_matches_one_process(ranks, samples=32)
     for r in ranks:  # rank 0: the embedding and layers 0, 2; rank 1: layers 1, 3 and the head
