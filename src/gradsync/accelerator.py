@@ -583,7 +583,9 @@ class Accelerator:
         Args:
             model: the stage ``prepare`` returned (``parallelism`` with pp > 1).
             inputs: the micro-batch's inputs (read by the first stage; every stage of one
-                pipeline is given the same micro-batch).
+                pipeline is given the same micro-batch). For a Transformers decoder, a
+                mapping ``{"input_ids": ids, "attention_mask": mask}`` hands the padding
+                mask to every stage (without a pipeline: ``model(**inputs)``).
             targets: the micro-batch's targets (read by the last stage).
             loss_fn: ``loss_fn(outputs, targets)`` of one part; gradsync scales it so that
                 the update is the window's mean, as ``backward`` does.
@@ -598,7 +600,8 @@ class Accelerator:
                 collective is spent to send it there).
 
         Raises:
-            UsageError: called outside ``accumulate``.
+            UsageError: called outside ``accumulate``; an ``attention_mask`` whose shape is
+                not the ``input_ids``'.
             ConfigError: ``pp_microbatches`` does not divide this micro-batch; an unknown
                 ``reduction``, or ``"sum"`` without ``count_items``.
         """

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 from harness import Scenario, Shared
 from harness.checks import (
@@ -79,6 +80,9 @@ SCENARIOS = {
         )
         for p in POLICIES
     },
+    "pp2_interleaved_callable_k4_defer": _train(
+        "Interleaved1F1B", 4, "defer", split="slices", per_rank=2
+    ),
     "deepspeed": Scenario(pp.refused, backend="deepspeed"),
     "fairscale": Scenario(pp.refused, backend="fairscale"),
     "ddp_sharded": Scenario(pp.refused, backend="ddp", dims={"pp": 2, "dp_shard": -1}),
@@ -95,10 +99,25 @@ SCENARIOS = {
         {
             "llama_1F1B": Scenario(pp_decoder.train, dims={"pp": 2}, schedule="1F1B", samples=32),
             "llama_tied": Scenario(pp_decoder.refused_tied),
+            "llama_interleaved": Scenario(
+                pp_decoder.train,
+                dims={"pp": 2},
+                schedule="Interleaved1F1B",
+                samples=32,
+                split=pp_decoder.SPLIT4,
+                per_rank=2,
+                padded=True,
+            ),
+            "llama_padded": Scenario(
+                pp_decoder.train, dims={"pp": 2}, schedule="1F1B", samples=32, padded=True
+            ),
+            "llama_bad_mask": Scenario(pp_decoder.bad_mask),
         }
         if HF
         else {}
     ),
+    **{f"canary_{b or 'holds'}": Scenario(pp.canary, broken=b) for b in ("", "renamed", "reduces")},
+    "canary_interleaved": Scenario(pp.canary, broken="", per_rank=2),
     "world_label": Scenario(pp.world_label),  # after every pipeline above
 }
 TRAINED = [n for n in SCENARIOS if n.startswith("pp2_") and n != "pp2_clip" and "tokens" not in n]
@@ -135,8 +154,10 @@ def test_a_token_weighted_loss_equals_one_process(results, schedule):
     assert abs(last["losses"][0] - ref["first_losses"][0]) < 1e-5  # the micro-batch's sum
 
 
-def test_interleaved_ranks_hold_two_stages_each(results):
-    for r in results["pp2_interleaved_k4_defer"]:
+@pytest.mark.parametrize("split", ["", "_callable"])
+def test_interleaved_ranks_hold_two_stages_each(results, split):
+    """Module paths or a callable's four slices: rank 0 runs stages 0 and 2, rank 1 1 and 3."""
+    for r in results[f"pp2_interleaved{split}_k4_defer"]:
         layers = sorted({name.split(".")[0] for name in r["state"]})
         assert layers == (["0", "4"] if r["stage"] == 0 else ["2", "6"]), (r["stage"], layers)
 
@@ -145,6 +166,33 @@ def test_interleaved_ranks_hold_two_stages_each(results):
 def test_a_llama_split_by_layer_names_equals_one_process(results):
     """``pp_split=["model.layers.2"]`` on a Transformers Llama, token-weighted, k = 4, defer."""
     assert_decoder_pipeline_matches_one_process(results["llama_1F1B"], samples=32)
+
+
+@pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
+def test_an_interleaved_llama_split_by_layer_names_equals_one_process(results):
+    """Four stages of one decoder layer each, two per rank (Interleaved1F1B), k = 4, defer,
+    on left-padded batches: each rank hands the padding mask to both of its stages."""
+    ranks = results["llama_interleaved"]
+    assert_decoder_pipeline_matches_one_process(ranks, samples=32)
+    for r in ranks:  # rank 0: the embedding and layers 0, 2; rank 1: layers 1, 3 and the head
+        layers = sorted({n.split(".")[2] for n in r["state"] if n.startswith("model.layers.")})
+        assert layers == (["0", "2"] if r["stage"] == 0 else ["1", "3"]), layers
+        assert any(n.startswith("lm_head") for n in r["state"]) == (r["stage"] == 1)
+
+
+@pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
+def test_a_padded_llama_batch_equals_one_process(results):
+    """Left-padded sequences with their padding mask (``inputs`` a mapping), labels -100 on
+    the padding, token-weighted: every stage applies the mask, as one process does."""
+    assert_decoder_pipeline_matches_one_process(results["llama_padded"], samples=32)
+
+
+@pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
+def test_a_padding_mask_of_the_wrong_shape_is_one_line(results):
+    for r in results["llama_bad_mask"]:
+        assert r["error"] is not None and "\n" not in r["error"], r
+        assert r["error"].startswith("UsageError") and "attention_mask" in r["error"], r
+        assert "(4, 7)" in r["error"] and "(4, 8)" in r["error"], r["error"]
 
 
 @pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
@@ -224,3 +272,29 @@ def test_a_pipeline_over_the_whole_world_leaves_the_world_groups_label(results):
     # whose replicate dim spans the world); a pipeline never labels it "pp".
     labels = [r["label"] for r in results["world_label"]]
     assert len(labels) == 2 and "pp" not in labels, labels
+
+
+@pytest.mark.parametrize("name", ["canary_holds", "canary_interleaved"])
+def test_on_an_untested_torch_the_first_window_checks_the_stage_hooks(results, name):
+    """torch taken as newer than the tested range: every schedule step of the first window
+    is checked (no collective), finds the hooks acting, and the check ends at the boundary."""
+    for r in results[name]:
+        assert r["errors"] == [] and r["checked"], r
+
+
+@pytest.mark.parametrize(
+    "broken, words",
+    [
+        ("renamed", "PipelineStage.perform_reduce_grad) closed it 0 times"),
+        ("reduces", "the data-parallel reduction ran off the window boundary"),
+    ],
+)
+def test_a_stage_hook_that_no_longer_acts_is_one_line_naming_torch(results, broken, words):
+    """A planted hook: torch's own end of backward (as if torch had renamed the method
+    gradsync replaces), or torch's reduction before gradsync's: the first schedule step
+    raises one line naming the torch version and what to install."""
+    for r in results[f"canary_{broken}"]:
+        assert len(r["errors"]) == 1 and not r["checked"], r
+        error = r["errors"][0]
+        assert words in error and "\n" not in error, error
+        assert error.startswith(f"torch {torch.__version__} is newer") and "pip install" in error

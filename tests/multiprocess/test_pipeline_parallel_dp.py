@@ -90,7 +90,19 @@ SCENARIOS = {
         for p in ("defer", "every_step")
     },
     **(
-        {"llama": Scenario(pp_decoder.train, dims=DIMS, schedule="GPipe", samples=64)} if HF else {}
+        {
+            "llama": Scenario(pp_decoder.train, dims=DIMS, schedule="GPipe", samples=64),
+            "llama_interleaved": Scenario(
+                pp_decoder.train,
+                dims=DIMS,
+                schedule="Interleaved1F1B",
+                samples=64,
+                split=pp_decoder.SPLIT4,
+                per_rank=2,
+            ),
+        }
+        if HF
+        else {}
     ),
     "resume_interleaved": Scenario(
         pp.resume_mid_window,
@@ -139,6 +151,21 @@ def test_a_llama_split_by_layer_names_over_the_data_ranks_equals_one_process(res
     ranks = results["llama"]
     assert sorted((r["stage"], r["data_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert_decoder_pipeline_matches_one_process(ranks, samples=64)
+
+
+@pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
+def test_an_interleaved_llama_over_the_data_ranks_equals_one_process(results):
+    """pp=2 x dp_shard=2, four decoder-layer stages, two per rank (Interleaved1F1B), k = 4,
+    defer: equal to one process, and no gradient byte between data ranks off the boundary."""
+    ranks = results["llama_interleaved"]
+    assert_decoder_pipeline_matches_one_process(ranks, samples=64)
+    for r in ranks:
+        assert [rec["boundary"] for rec in r["audit"]] == [False] * 3 + [True] + [False] * 3 + [
+            True
+        ]
+        for rec in r["audit"]:
+            shard = rec["groups"].get("shard", {}).get("reduction_bytes", 0)
+            assert (shard > 0) == rec["boundary"] == (rec["reduction_bytes"] > 0), rec
 
 
 def test_a_token_weighted_loss_over_the_data_ranks_equals_one_process(results):

@@ -4,6 +4,7 @@ mp_worker.py in one audited gloo group (2 ranks: pp 2; 4 ranks: pp 2 x dp_shard 
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -47,6 +48,12 @@ def masked_sse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y).pow(2) * (y > 0)).sum()
 
 
+def by_slices(model: nn.Sequential, stages: int) -> list[nn.Module]:
+    """A callable split: four ``nn.Sequential`` slices of ``make_seq``'s model, cut at 2, 4, 6."""
+    assert stages == 4, stages
+    return [model[0:2], model[2:4], model[4:6], model[6:]]
+
+
 def _accel(dims: dict[str, int], steps: int, policy: str, **options: Any) -> Accelerator:
     """An Accelerator for ``dims`` (with a pipeline: cut at ``SPLIT`` unless ``split`` says
     otherwise); no dims: the same loop without a pipeline."""
@@ -78,16 +85,19 @@ def train_pp(
     tp_plan: dict[str, str] | None = None,
     raise_at: tuple[int, int] | None = None,
     backend: str = "fsdp",
-    split: list[str] | None = None,
+    split: list[str] | str | None = None,
     per_rank: int = 1,
 ) -> dict[str, Any]:
     """The loop a user writes: one pipeline_step per micro-step inside accumulate (with
-    ``tokens``, a summed loss over the window's counted items)."""
+    ``tokens``, a summed loss over the window's counted items; ``split="slices"``: the
+    callable ``by_slices``)."""
     options: dict[str, Any] = {"backend": backend}
     if dims:
         options.update(pp_schedule=schedule, pp_microbatches=microbatches)
         if per_rank > 1:
-            options.update(pp_stages_per_rank=per_rank, split=split)
+            options.update(
+                pp_stages_per_rank=per_rank, split=by_slices if split == "slices" else split
+            )
     if budget is not None:
         options["sync_memory_budget"] = budget
     if tokens:
@@ -278,3 +288,53 @@ def world_label() -> dict[str, Any]:
 
     group = dist.distributed_c10d._get_default_group()
     return {"label": group.label() if hasattr(group, "label") else None}
+
+
+def _reduces_too(stage: Any, scale: int) -> None:
+    """A stage hook that reduces on every schedule step before gradsync's end of backward."""
+    from torch.distributed.pipelining import PipelineStage
+
+    PipelineStage.perform_reduce_grad(stage, scale)
+    stage._end_backward()
+
+
+def canary(
+    *,
+    broken: str = "",
+    dims: dict[str, int] | None = None,
+    policy: str = "defer",
+    per_rank: int = 1,
+) -> dict[str, Any]:
+    """On a torch taken as newer than the tested range, a pipeline's first window (k = 4) is
+    checked schedule step by schedule step. ``broken="renamed"``: the stage's end of
+    backward is torch's own again, as on a torch that renamed the method gradsync replaces;
+    ``"reduces"``: torch's reduction runs before gradsync's end of backward. The first
+    schedule step is then refused. The range and the method are put back afterwards (the
+    group's processes run further scenarios)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from gradsync._support import torch_range
+    from gradsync.backends import _pipeline, _pipeline_compat
+
+    saved = torch_range.NEWEST, _pipeline_compat.Stage.perform_reduce_grad
+    torch_range.NEWEST = "2.0"
+    if broken:
+        hook = PipelineStage.perform_reduce_grad if broken == "renamed" else _reduces_too
+        _pipeline_compat.Stage.perform_reduce_grad = hook  # type: ignore[method-assign]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the untested torch's warning at prepare
+            accel, model, opt = _prepared(dims or {"pp": 2}, policy, per_rank)
+        errors: list[str] = []
+        for x, y in _batches(accel, 6):
+            with accel.accumulate(model):
+                try:
+                    accel.pipeline_step(model, x, y, F.mse_loss)
+                except RuntimeError as e:
+                    errors.append(str(e))
+                    break
+                opt.step()
+                opt.zero_grad()
+        return {"errors": errors, "checked": not _pipeline.of(model).canary.active}
+    finally:
+        torch_range.NEWEST, _pipeline_compat.Stage.perform_reduce_grad = saved  # type: ignore[method-assign]

@@ -19,6 +19,8 @@ from scenarios.common import to_lists
 VOCAB = 64
 SEQ = 8
 SPLIT = ["model.layers.2"]
+#: Four stages, two on each of two ranks (Interleaved1F1B): one decoder layer each.
+SPLIT4 = ["model.layers.1", "model.layers.2", "model.layers.3"]
 
 
 def make_llama(*, tied: bool = False) -> nn.Module:
@@ -38,22 +40,37 @@ def make_llama(*, tied: bool = False) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
-class Tokens(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+class Tokens(Dataset[tuple[Any, ...]]):
     """Token ids and next-token labels, about a third of them masked (-100), so that the
-    micro-batches hold different numbers of counted tokens."""
+    micro-batches hold different numbers of counted tokens. ``padded``: sequences of 3 to
+    SEQ tokens, padded on the left (id 0, mask 0, label -100), with their padding mask."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, *, padded: bool = False) -> None:
         g = torch.Generator().manual_seed(5)
         ids = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
         self.x, labels = ids[:, :-1], ids[:, 1:].clone()
         labels[torch.rand(n, SEQ, generator=g) < 0.35] = -100
+        self.mask: torch.Tensor | None = None
+        if padded:
+            pads = torch.randint(0, SEQ - 2, (n, 1), generator=g)
+            self.mask = (torch.arange(SEQ) >= pads).long()
+            self.x = self.x * self.mask
+            labels[self.mask == 0] = -100
         self.y = labels
 
     def __len__(self) -> int:
         return len(self.x)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.x[i], self.y[i], i
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        if self.mask is None:
+            return self.x[i], self.y[i], i
+        return self.x[i], self.y[i], i, self.mask[i]
+
+    def inputs(self, rows: Any) -> Any:
+        """The model's inputs for ``rows``: the ids, or the ids and their padding mask."""
+        if self.mask is None:
+            return self.x[rows]
+        return {"input_ids": self.x[rows], "attention_mask": self.mask[rows]}
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -66,31 +83,43 @@ def counted(batch: Any) -> int:
 
 
 def train(
-    *, dims: dict[str, int], schedule: str, samples: int, steps: int = 4, policy: str = "defer"
+    *,
+    dims: dict[str, int],
+    schedule: str,
+    samples: int,
+    steps: int = 4,
+    policy: str = "defer",
+    split: list[str] | None = None,
+    per_rank: int = 1,
+    padded: bool = False,
 ) -> dict[str, Any]:
-    """The loop a user writes, one pipeline_step per micro-step, token-weighted."""
+    """The loop a user writes, one pipeline_step per micro-step, token-weighted (``padded``:
+    the inputs are the ids and their padding mask)."""
     accel = Accelerator(
         backend="fsdp",
         parallelism=dims,
-        pp_split=SPLIT,
+        pp_split=split or SPLIT,
         pp_schedule=schedule,
         pp_microbatches=2,
+        pp_stages_per_rank=per_rank,
         gradient_accumulation_steps=steps,
         sync_policy=policy,
         count_items=counted,
         seed=0,
+        audit=True,
     )
     raw = make_llama()
     model, opt, loader = accel.prepare(
         raw,
         torch.optim.SGD(raw.parameters(), lr=0.1, momentum=0.9),
-        DataLoader(Tokens(samples), batch_size=4),
+        DataLoader(Tokens(samples, padded=padded), batch_size=4),
     )
     windows: list[list[list[int]]] = []
     current: list[list[int]] = []
-    for x, y, idx in loader:
+    for x, y, idx, *mask in loader:
+        inputs = {"input_ids": x, "attention_mask": mask[0]} if mask else x
         with accel.accumulate(model):
-            accel.pipeline_step(model, x, y, token_loss, "sum")
+            accel.pipeline_step(model, inputs, y, token_loss, "sum")
             current.append(idx.tolist())
             opt.step()
             opt.zero_grad()
@@ -106,6 +135,8 @@ def train(
         "data_size": backend.data_parallel.size,
         "optimizer_steps": accel.optimizer_steps,
         "policy": accel.sync_policy,
+        "padded": padded,
+        "audit": [r.to_dict() for r in accel.audit.records] if accel.audit else [],
     }
 
 
@@ -113,7 +144,7 @@ def reference(rank_results: list[dict[str, Any]], samples: int) -> dict[str, Any
     """One process, plain torch, on the same global windows: each window's gradient is the
     summed token loss of every micro-batch of every data-parallel rank over its counted
     tokens."""
-    data = Tokens(samples)
+    data = Tokens(samples, padded=rank_results[0]["padded"])
     firsts = sorted((r for r in rank_results if r["stage"] == 0), key=lambda r: r["data_rank"])
     model = make_llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -121,10 +152,32 @@ def reference(rank_results: list[dict[str, Any]], samples: int) -> dict[str, Any
         micro = [mb for r in firsts for mb in r["windows"][w]]
         items = sum(int((data.y[mb] != -100).sum()) for mb in micro)
         opt.zero_grad()
-        total = sum(token_loss(model(data.x[mb]).logits, data.y[mb]) for mb in micro) / items
+        total = sum(token_loss(_logits(model, data, mb), data.y[mb]) for mb in micro) / items
         total.backward()  # type: ignore[union-attr]
         opt.step()
     return to_lists(model.state_dict())
+
+
+def _logits(model: nn.Module, data: Tokens, rows: list[int]) -> torch.Tensor:
+    inputs = data.inputs(rows)
+    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    return out.logits  # type: ignore[no-any-return]
+
+
+def bad_mask() -> dict[str, Any]:
+    """A padding mask whose shape is not the ids': one UsageError line on every stage."""
+    accel = Accelerator(
+        backend="fsdp", parallelism={"pp": 2}, pp_split=SPLIT, gradient_accumulation_steps=2
+    )
+    model = accel.prepare(make_llama())
+    x = torch.zeros(4, SEQ, dtype=torch.long)
+    with accel.accumulate(model):
+        try:
+            inputs = {"input_ids": x, "attention_mask": torch.ones(4, SEQ - 1)}
+            accel.pipeline_step(model, inputs, x, token_loss)
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}
 
 
 def refused_tied() -> dict[str, Any]:

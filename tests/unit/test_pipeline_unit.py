@@ -208,3 +208,116 @@ def test_launch_flags_carry_the_pipeline_settings(tmp_path, capsys):
     assert from_env({"GRADSYNC_PP_SPLIT": '["4", "blocks.2"]'})["pp_split"] == ["4", "blocks.2"]
     assert main(["launch", "--dry-run", "--pp-schedule", "Interleaved", str(script)]) == 2
     assert "is no schedule" in capsys.readouterr().err
+
+
+def test_a_callable_split_with_several_stages_per_rank_keeps_the_models_names():
+    """Four slices, stages 1 and 3 kept: the model with stages 0 and 2 removed, each kept
+    stage's steps its own Linear, and the slices run the kept stages."""
+    model = _seq()
+    slices = lambda m, n: [m[0:2], m[2:3], m[3:4], m[3:]]  # noqa: E731
+    with pytest.raises(ConfigError, match="stages 2 and 3 share a parameter") as info:
+        Cut(model, slices, 4).keep([1, 3])
+    assert "\n" not in str(info.value)
+    split = lambda m, n: [m[0:2], m[2][0:2], m[2][2:], m[3:]]  # noqa: E731
+    root, steps, runs = Cut(model, split, 4).keep([1, 3])
+    assert root is model and sorted(n for n, _ in root.named_parameters()) == [
+        "2.0.bias",
+        "2.0.weight",
+        "3.bias",
+        "3.weight",
+    ]
+    first, last = model.get_submodule("2"), model.get_submodule("3")  # "2" keeps only 2.0
+    assert steps == [[first], [last]] and runs[1][0] is last
+    foreign = lambda m, n: [m[0:2], nn.Linear(4, 4), m[2][2:], m[3:]]  # noqa: E731
+    with pytest.raises(ConfigError, match="parameters that are not the model's"):
+        Cut(_seq(), foreign, 4).keep([0, 2])
+
+
+def _llama():
+    pytest.importorskip("transformers")  # the hf extra
+    from scenarios.pp_decoder import SEQ, make_llama
+
+    return make_llama(), SEQ
+
+
+def test_a_decoders_stages_with_several_per_rank_run_the_whole_model():
+    """Four stages of one layer each (the modules several stages per rank run), chained, give
+    the whole model's logits, with and without a left padding mask."""
+    from gradsync.backends import _pipeline_decoder
+
+    whole, seq = _llama()
+    model, _ = _llama()
+    cut = Cut(model, ["model.layers.1", "model.layers.2", "model.layers.3"], 4)
+    runs = _pipeline_decoder.parts(model, cut._bounds)
+    x = torch.randint(0, 64, (2, seq))
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[0, :3] = 0
+    for given in (None, mask):
+        hidden = x
+        for run in runs:
+            hidden = run(hidden, attention_mask=given)
+        assert torch.allclose(hidden, whole(x, attention_mask=given).logits, atol=1e-6)
+    root, steps, _ = cut.keep([1, 3])
+    assert [len(s) for s in steps] == [1, 3]  # layer 1; layer 3, the norm and the head
+    assert "model.embed_tokens.weight" not in dict(root.named_parameters())
+
+
+def test_a_sliding_window_decoder_is_refused_in_one_line():
+    pytest.importorskip("transformers")
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    with pytest.raises(ConfigError, match="sliding-window attention") as info:
+        Cut(MistralForCausalLM(config), ["model.layers.1"], 2)
+    assert "sliding_window=4096" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_same_loop_with_a_padding_mask_runs_in_one_process():
+    """``pipeline_step`` with ``inputs`` a mapping of ids and padding mask, without a pipeline:
+    the model is given both (its gradient is plain torch's); a mask of the wrong shape is one
+    UsageError line."""
+    import torch.nn.functional as F
+
+    from gradsync import Accelerator, UsageError
+
+    whole, seq = _llama()
+    model, _ = _llama()
+    x = torch.randint(0, 64, (2, seq))
+    y = torch.randint(0, 64, (2, seq))
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[0, :3] = 0
+    y[mask == 0] = -100
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    accel = Accelerator(gradient_accumulation_steps=1)
+    model = accel.prepare(model)
+    with accel.accumulate(model):
+        accel.pipeline_step(model, {"input_ids": x, "attention_mask": mask}, y, loss_fn)
+    loss_fn(whole(x, attention_mask=mask).logits, y).backward()
+    got = dict(model.named_parameters())
+    for name, p in whole.named_parameters():
+        assert torch.allclose(got[name].grad, p.grad, atol=1e-6), name
+    with pytest.raises(UsageError, match=r"attention_mask'\] of shape \(2, 7\)") as info:
+        with accel.accumulate(model):
+            inputs = {"input_ids": x, "attention_mask": mask[:, 1:]}
+            accel.pipeline_step(model, inputs, y, loss_fn)
+    assert "\n" not in str(info.value)
+
+
+def test_the_pipeline_canary_runs_only_above_the_tested_range(monkeypatch):
+    from gradsync._support import torch_range
+    from gradsync.backends._pipeline_canary import Canary
+
+    assert not Canary().active  # this torch is in the range
+    monkeypatch.setattr(torch_range, "NEWEST", "2.0")
+    assert Canary().active

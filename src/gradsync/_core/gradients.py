@@ -8,7 +8,7 @@ The Accelerator forwards ``backward``, ``window_items``, ``clip_grad_norm_`` and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -147,10 +147,14 @@ class Gradients:
     ) -> torch.Tensor | None:
         """One schedule step of a pipelined model (see ``Accelerator.pipeline_step``); on a
         model without a pipeline, the forward and ``backward`` of the whole micro-batch."""
-        from gradsync.backends import _pipeline
+        from gradsync.backends import _pipeline, _pipeline_decoder
 
         if not _pipeline.is_stage(model):  # the same loop in one process, or without pp
-            out = model(inputs)
+            if isinstance(inputs, Mapping):  # a decoder's ids and padding mask
+                _pipeline_decoder.check_mask(inputs)
+                out = model(**inputs)
+            else:
+                out = model(inputs)
             if not isinstance(out, torch.Tensor) and hasattr(out, "logits"):
                 out = out.logits  # a Transformers decoder's, as its last stage returns them
             whole = loss_fn(out, targets)

@@ -12,19 +12,22 @@ reduction runs once per window of k schedule steps; under "every_step" it runs a
 every schedule step.
 The activations sent between stages are the computation (audited on their own ``pp`` line).
 With ``pp_stages_per_rank`` V > 1 (Interleaved1F1B) the model is cut into P x V stages, rank
-r keeping stages r, r + P, ...: each one's steps become an FSDP2 unit of the rank's root, and
-the schedule step ends (the flags above) once the last of them has ended its backward.
+r keeping stages r, r + P, ... (by paths, a callable's P x V modules, or a decoder's layers:
+``_pipeline_parts``): each one's steps become an FSDP2 unit of the rank's root, and the
+schedule step ends (the flags above) once the last of them has ended its backward.
 
 The split: ``pp_split`` names the module paths where each stage after the first begins, in an
 ``nn.Sequential`` model (nested ``nn.Sequential`` steps are opened where a path points into
-them) or a Transformers decoder (``"model.layers.4"``: ``_pipeline_decoder``), or is a callable ``(model, num_stages) -> stage modules``. Every rank keeps only its
-own stage: the other steps are removed from their ``nn.Sequential`` parents, so the stage's
-parameter names are the whole model's.
+them) or a Transformers decoder (``"model.layers.4"``: ``_pipeline_decoder``), or is a callable
+``(model, num_stages) -> stage modules``. Every rank keeps only its own stage: the other
+steps are removed from their ``nn.Sequential`` parents, so the stage's parameter names are
+the whole model's. A decoder's ``inputs`` may be a mapping with its padding mask, which
+every rank has (each is given the micro-batch) and hands to its stages as a keyword.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +36,13 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 
 from gradsync import audit
 from gradsync._plan.batch_plan import BatchPlan
-from gradsync.backends import _group, _pipeline_compat, _pipeline_decoder
+from gradsync.backends import (
+    _group,
+    _pipeline_canary,
+    _pipeline_compat,
+    _pipeline_decoder,
+    _pipeline_parts,
+)
 from gradsync.errors import ConfigError, UsageError
 from gradsync.mesh import Parallelism
 
@@ -173,6 +182,7 @@ class Cut:
         self._made: list[nn.Module] | None = None
         self._steps: list[tuple[int, Any, str]] = []
         self._bounds: list[int] = []  # a Transformers decoder's: its first layer per stage
+        self._what = "pp_split's callable" if callable(split) else f"pp_split={list(split)!r}"
         if callable(split):
             self._made = cast_modules(split(model, stages), stages)
         elif _pipeline_decoder.is_decoder(model):
@@ -191,9 +201,20 @@ class Cut:
             return _pipeline_decoder.stage(self._model, self._bounds, index)
         return self.keep([index])[0]
 
-    def keep(self, indices: Sequence[int]) -> tuple[nn.Module, list[list[nn.Module]]]:
-        """The model with every step of the stages not in ``indices`` removed, and the steps
-        of each kept stage, in order (an ``nn.Sequential`` cut only)."""
+    @property
+    def is_decoder(self) -> bool:
+        """Whether the model is a Transformers decoder cut by layer names."""
+        return bool(self._bounds)
+
+    def keep(
+        self, indices: Sequence[int]
+    ) -> tuple[nn.Module, list[list[nn.Module]], list[nn.Module]]:
+        """The model with every module of the stages not in ``indices`` removed (its root),
+        each kept stage's steps (sharded as one unit each) and the module that runs it."""
+        if self._made is not None or self._bounds:
+            runs = self._made or _pipeline_decoder.parts(self._model, self._bounds)
+            steps = _pipeline_parts.keep(self._model, runs, indices, self._what)
+            return self._model, steps, [runs[i] for i in indices]
         parts = [
             [parent._modules[key] for owner, parent, key in self._steps if owner == index]
             for index in indices
@@ -201,7 +222,7 @@ class Cut:
         for owner, parent, key in self._steps:
             if owner not in indices:
                 del parent._modules[key]
-        return self._model, parts
+        return self._model, parts, [nn.Sequential(*steps) for steps in parts]
 
 
 def cast_modules(made: Any, stages: int) -> list[nn.Module]:
@@ -235,7 +256,8 @@ class Pipeline:
         schedule: str,
         microbatches: int,
         sync: StageSync,
-        parts: list[list[nn.Module]] | None = None,
+        parts: list[nn.Module] | None = None,
+        masked: bool = False,
     ) -> None:
         self.module = module
         self.sync = sync  # the data-parallel side: the wrapper's flags around a schedule step
@@ -249,10 +271,14 @@ class Pipeline:
         self._running = False
         self._factor = 1.0
         self._loss_fn: Callable[..., torch.Tensor] | None = None
-        #: more than one stage on this rank (``parts``: each one's steps): stages index,
-        #: index + P, ... of P x len(parts), each ending its backward once per schedule step
+        #: more than one stage on this rank (``parts``: the module running each): stages
+        #: index, index + P, ... of P x len(parts), each ending its backward once per step
         self.parts = parts
+        #: the stages take an ``attention_mask`` (a Transformers decoder's)
+        self.masked = masked
         self._ended = 0
+        #: on a torch newer than the tested range: checks the first window's schedule steps
+        self.canary = _pipeline_canary.Canary()
         if parts is None:
             made: Any = _pipeline_compat.Stage(
                 self._end_backward,
@@ -269,14 +295,14 @@ class Pipeline:
                 _pipeline_compat.Stage(
                     self._end_backward,
                     self._put_back_grads,
-                    nn.Sequential(*steps),
+                    run,
                     index + j * stages,
                     stages * len(parts),
                     device,
                     group=group,
                     reduces=sync.reduces,
                 )
-                for j, steps in enumerate(parts)
+                for j, run in enumerate(parts)
             ]
         self._schedule = _SCHEDULES[schedule](
             made, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False
@@ -289,6 +315,7 @@ class Pipeline:
         if self._ended == len(self.parts or [None]):  # every stage of this rank is done
             self._ended = 0
             self.sync.end_backward(self.module)
+            self.canary.closed += 1
 
     def _put_back_grads(self) -> None:
         # The first schedule step infers the shapes with a real forward and backward and
@@ -324,6 +351,7 @@ class Pipeline:
             On the last stage the micro-batch's loss, unscaled and detached: the mean of the
             parts' losses (``mean``), else their sum; None on the other stages.
         """
+        inputs, keywords = self._feed(inputs)
         size = _rows(targets if self.is_last else inputs)
         if size is not None and size % self.microbatches:
             raise ConfigError(
@@ -336,10 +364,14 @@ class Pipeline:
         self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []  # each part's, as scaled (torch's schedule fills it)
         self._running = True
+        self.canary.start()
         try:
             args = (inputs,) if self.is_first else ()
             target = targets if self.is_last else None
-            self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            self._schedule.step(
+                *args, target=target, losses=losses, return_outputs=False, **keywords
+            )
+            self.canary.check(self.module, self.sync.flags, self.grads)
         finally:
             self._running = False
             self.grads = {}
@@ -350,6 +382,19 @@ class Pipeline:
         if factor == 0:  # a window without items: nothing was learned, nothing to unscale
             return parts.sum()
         return (parts.mean() if mean else parts.sum()) / factor
+
+    def _feed(self, inputs: Any) -> tuple[Any, dict[str, Any]]:
+        """The first stage's input, and the keywords every stage is given (each rank has
+        the micro-batch, so the padding mask reaches every stage without being sent)."""
+        if not isinstance(inputs, Mapping):
+            return inputs, {}
+        if not self.masked:
+            raise UsageError(
+                f"accel.pipeline_step() got inputs as a mapping (keys {sorted(inputs)}), which "
+                "a Transformers decoder split takes; give this pipeline's first stage its input"
+            )
+        ids, mask = _pipeline_decoder.feed(inputs)
+        return ids, ({} if mask is None else {"attention_mask": mask})
 
 
 def _rows(value: Any) -> int | None:
@@ -364,8 +409,11 @@ class Settings:
     ) -> None:
         self.stages = stages
         self.per_rank = per_rank
-        #: with several stages per rank: the steps of each of this rank's stages (``stage``)
+        #: with several stages per rank: the steps of each of this rank's stages (``stage``),
+        #: sharded as one unit each, and the module that runs each
         self.parts: list[list[nn.Module]] | None = None
+        self.runs: list[nn.Module] | None = None
+        self.masked = False  # the stages take an attention_mask (a Transformers decoder)
         self.split = split
         self.schedule = schedule
         self.microbatches = microbatches
@@ -391,7 +439,7 @@ class Settings:
             return None
         microbatches = config.pp_microbatches or dims.pp
         per_rank = config.pp_stages_per_rank
-        _check_per_rank(per_rank, config.pp_schedule, config.pp_split)
+        _check_per_rank(per_rank, config.pp_schedule)
         return cls(dims.pp, config.pp_split, config.pp_schedule, microbatches, per_rank)
 
     def bind(self, mesh: DeviceMesh) -> None:
@@ -409,13 +457,14 @@ class Settings:
         split and the micro-batches checked before any collective."""
         check_microbatches(self.microbatches, plan.micro_batch_size, self.stages)
         cut = Cut(model, self.split, self.stages * self.per_rank)
+        self.masked = cut.is_decoder
         model.to(device)
         _group.broadcast_from_rank0(model)
         every = {id(p) for p in model.parameters()}
         rank = self._mesh.get_local_rank("pp")
         if self.per_rank > 1:  # stages rank, rank + P, ...: Interleaved1F1B's loop order
             held = range(rank, self.stages * self.per_rank, self.stages)
-            stage, self.parts = cut.keep(list(held))
+            stage, self.parts, self.runs = cut.keep(list(held))
         else:
             stage = cut.stage(rank)
         self.dropped = every - {id(p) for p in stage.parameters()}
@@ -433,12 +482,13 @@ class Settings:
             schedule=self.schedule,
             microbatches=self.microbatches,
             sync=sync,
-            parts=self.parts,
+            parts=self.runs,
+            masked=self.masked,
         )
 
 
-def _check_per_rank(per_rank: int, schedule: str, split: Any) -> None:
-    """``pp_stages_per_rank`` against the schedule and the split: one ConfigError line."""
+def _check_per_rank(per_rank: int, schedule: str) -> None:
+    """``pp_stages_per_rank`` against the schedule: one ConfigError line."""
     if (per_rank > 1) != (schedule == "Interleaved1F1B"):
         raise ConfigError(
             f"pp_schedule={schedule!r} runs one stage per rank, and pp_stages_per_rank="
@@ -446,9 +496,4 @@ def _check_per_rank(per_rank: int, schedule: str, split: Any) -> None:
             if per_rank > 1
             else "pp_schedule='Interleaved1F1B' runs several stages on each rank, and "
             "pp_stages_per_rank=1; give pp_stages_per_rank >= 2"
-        )
-    if per_rank > 1 and callable(split):
-        raise ConfigError(
-            f"pp_stages_per_rank={per_rank} cuts an nn.Sequential by module paths; a callable "
-            "pp_split is not supported with several stages per rank"
         )

@@ -17,7 +17,8 @@ schedule step reduced). What they mean is covered by tests/unit/test_compat.py (
 with the cleanup: called once, on the first step; on any: a gradient from before the first
 step survives it; a DDP stage's backward all-reduces exactly when ``last_backward`` is
 true); the FSDP2 state that the end of the backward reaches is
-``_fsdp_compat.end_pipeline_backward``.
+``_fsdp_compat.end_pipeline_backward``. On a torch newer than the tested range,
+``_pipeline_canary`` checks a pipeline's first window that they still act.
 """
 
 from __future__ import annotations

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradsync.errors import ConfigError
+from gradsync.errors import ConfigError, UsageError
 
 #: Where the decoder layers sit in the model (the split paths are ``f"{LAYERS}.{i}"``).
 LAYERS = "model.layers"
@@ -71,6 +71,16 @@ def starts(model: nn.Module, paths: Sequence[str], stages: int) -> list[int]:
             f"{type(model).__name__} ties their weights (tie_word_embeddings=True), which "
             "cannot cross stages; build it with tie_word_embeddings=False"
         )
+    config = getattr(model.get_submodule("model"), "config", None)
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []) or (
+        window is not None and getattr(config, "use_sliding_window", True)
+    ):
+        raise ConfigError(
+            f"{name}: the {type(model).__name__} has sliding-window attention (sliding_window="
+            f"{window!r}), and a stage builds the full causal mask only; build it with "
+            "sliding_window=None, or split it with a callable"
+        )
     return [*found, count]
 
 
@@ -92,6 +102,35 @@ def stage(model: nn.Module, bounds: list[int], index: int) -> nn.Module:
     return model
 
 
+def feed(inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``pipeline_step``'s ``inputs`` as a mapping: ``{"input_ids": ..., "attention_mask":
+    ...}`` (the mask optional); one UsageError line for other keys or a mask whose shape is
+    not the ids'."""
+    unknown = sorted(set(inputs) - {"input_ids", "attention_mask"})
+    if "input_ids" not in inputs or unknown:
+        raise UsageError(
+            f"accel.pipeline_step() got inputs with the keys {sorted(inputs)}; a decoder "
+            "pipeline takes {'input_ids': ids, 'attention_mask': mask} (the mask optional)"
+        )
+    check_mask(inputs)
+    return inputs["input_ids"], inputs.get("attention_mask")
+
+
+def check_mask(inputs: Mapping[str, Any]) -> None:
+    """The padding mask of ``inputs`` (where given with ``input_ids``) has the ids' shape,
+    ``(batch, sequence)``; one UsageError line otherwise."""
+    ids, mask = inputs.get("input_ids"), inputs.get("attention_mask")
+    if mask is None or ids is None:
+        return
+    got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+    if got != tuple(ids.shape):
+        raise UsageError(
+            f"accel.pipeline_step() got inputs['attention_mask'] of shape {got} and input_ids "
+            f"of shape {tuple(ids.shape)}: the padding mask is (batch, sequence), 1 on tokens "
+            "and 0 on padding"
+        )
+
+
 @functools.cache
 def _mask_maker() -> tuple[Callable[..., Any], tuple[str, ...]]:
     """transformers' ``create_causal_mask`` and the names of its parameters (the cache's has
@@ -101,30 +140,71 @@ def _mask_maker() -> tuple[Callable[..., Any], tuple[str, ...]]:
     return create_causal_mask, tuple(inspect.signature(create_causal_mask).parameters)
 
 
-def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+class Part(nn.Module):
+    """One stage of a decoder with several stages per rank: the modules of its part of the
+    forward (shared with the model, whose root keeps the parameter names)."""
+
+    def __init__(self, model: nn.Module, bounds: list[int], index: int) -> None:
+        super().__init__()
+        base: Any = model.get_submodule("model")
+        first, last = index == 0, index == len(bounds) - 2
+        self.config = base.config
+        self.embed_tokens = base.embed_tokens if first else None
+        self.layers = nn.ModuleList(list(base.layers)[bounds[index] : bounds[index + 1]])
+        self.rotary_emb = base.rotary_emb
+        self.norm = base.norm if last else None
+        self.lm_head = model.get_submodule("lm_head") if last else None
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return _run(self.config, self, self.layers, self, x, attention_mask)
+
+
+def parts(model: nn.Module, bounds: list[int]) -> list[nn.Module]:
+    """A module running each stage of ``model`` cut at ``bounds`` (several stages per rank)."""
+    return [Part(model, bounds, s) for s in range(len(bounds) - 1)]
+
+
+def _forward(
+    self: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """A decoder stage's forward: token ids (first stage) or hidden states in; hidden states,
     or the logits on the last stage, out."""
     base: Any = self._modules["model"]
-    hidden = base.embed_tokens(x) if "embed_tokens" in base._modules else x
+    return _run(base.config, base, base.layers, self, x, attention_mask)
+
+
+def _run(
+    config: Any,
+    base: nn.Module,
+    layers: Any,
+    top: nn.Module,
+    x: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Embed (where ``base`` holds ``embed_tokens``), build the mask (causal, and the padding
+    of ``attention_mask`` when given) and the rotary embeddings of the sequence, run
+    ``layers``, then the norm and ``top``'s head (where held)."""
+    held: Any = base._modules
+    hidden = held["embed_tokens"](x) if held.get("embed_tokens") is not None else x
     steps = torch.arange(hidden.shape[1], device=hidden.device)
     positions = steps.unsqueeze(0)
     make_mask, names = _mask_maker()
     given = {
-        "config": base.config,
+        "config": config,
         "inputs_embeds": hidden,
         "input_embeds": hidden,  # the name before transformers 5
-        "attention_mask": None,
+        "attention_mask": attention_mask,
         "cache": None,
         "past_key_values": None,
         "cache_position": steps,
         "position_ids": positions,
     }
     mask = make_mask(**{name: given[name] for name in names if name in given})
-    rotary = base.rotary_emb(hidden, position_ids=positions)
-    for layer in base.layers:
+    rotary = held["rotary_emb"](hidden, position_ids=positions)
+    for layer in layers:
         hidden = layer(
             hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions
         )
-    if "norm" not in base._modules:
+    if held.get("norm") is None:
         return hidden
-    return self._modules["lm_head"](base.norm(hidden))  # type: ignore[no-any-return, misc]
+    return top._modules["lm_head"](held["norm"](hidden))  # type: ignore[no-any-return, misc]

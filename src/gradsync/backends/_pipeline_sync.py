@@ -29,6 +29,12 @@ __all__ = ["DDPSync", "FSDPSync", "StageSync"]
 class StageSync(Protocol):
     """What a backend does around one schedule step of a stage."""
 
+    @property
+    def flags(self) -> list[_fsdp_compat.GroupFlags] | None:
+        """The FSDP2 groups' sync flags of the running schedule step, which the run-time
+        check on a newer torch reads (``_pipeline_canary``); None where the stage is not
+        FSDP2's."""
+
     def begin(self, module: nn.Module, several: bool) -> None:
         """A schedule step starts on ``module`` (``several``: more than one stage per rank)."""
 
@@ -47,11 +53,11 @@ class FSDPSync:
     reduction run (or kept back) when its backward ends, the flags restored after it."""
 
     def __init__(self) -> None:
-        self._flags: list[_fsdp_compat.GroupFlags] = []
+        self.flags: list[_fsdp_compat.GroupFlags] = []
 
     def begin(self, module: nn.Module, several: bool) -> None:
         _fsdp_compat.lazy_init(module)  # the stage is the root, whichever part runs first
-        self._flags = _fsdp_compat.save_flags(module)
+        self.flags = _fsdp_compat.save_flags(module)
         if several:  # as torch's stage does for an FSDP2 module it runs itself
             _fsdp_compat.hold_back(module)
 
@@ -59,10 +65,10 @@ class FSDPSync:
         return True  # torch's FSDP2 path ignores it: end_backward reduces
 
     def end_backward(self, module: nn.Module) -> None:
-        _fsdp_compat.end_pipeline_backward(module, self._flags)
+        _fsdp_compat.end_pipeline_backward(module, self.flags)
 
     def finish(self) -> None:
-        _fsdp_compat.restore_flags(self._flags)
+        _fsdp_compat.restore_flags(self.flags)
 
 
 class DDPSync:
@@ -71,6 +77,7 @@ class DDPSync:
     the schedule step's last backward all-reduces."""
 
     def __init__(self) -> None:
+        self.flags: None = None  # torch's own DDP path: checked when the stage is made
         self._module: DDP | None = None
         self._sync = True
 

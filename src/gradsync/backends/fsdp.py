@@ -345,7 +345,7 @@ class FSDPBackend(AdapterDefaults):
             fully_shard(unit, **kwargs)
         for part in self._pp.parts or [] if self._pp is not None else []:
             # each stage of this rank is a unit (several per rank): the root never runs forward
-            rest = [m for m in part if not isinstance(m, FSDPModule) and any(m.parameters())]
+            rest = [m for m in part if not isinstance(m, FSDPModule) and list(m.parameters())]
             if rest:
                 fully_shard(rest, **kwargs)
         if "mp_policy" in kwargs:

@@ -1,0 +1,85 @@
+"""Several pipeline stages on one rank (``pp_stages_per_rank`` V > 1) from stage modules that
+share the model's parameters: a callable split's modules, or the parts of a Transformers
+decoder (``_pipeline_decoder.parts``).
+
+The rank's root is the model itself with every module of the other ranks' stages removed,
+so its parameter names are the whole model's (a checkpoint reshards to one process by
+name). Each kept stage is run by its own module; its *steps* are the outermost modules of
+the root that hold only that stage's parameters, sharded by FSDP2 as one unit each (the
+root never runs forward, so no stage parameter may be left to the root's own unit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from gradsync.errors import ConfigError
+
+__all__ = ["keep"]
+
+
+def _ids(module: nn.Module) -> set[int]:
+    return {id(p) for p in module.parameters()}
+
+
+def keep(
+    model: nn.Module, runs: Sequence[nn.Module], indices: Sequence[int], what: str
+) -> list[list[nn.Module]]:
+    """Remove from ``model`` every module whose parameters belong to the stages not in
+    ``indices`` (``runs[s]`` runs stage s); return the steps of each kept stage, in the
+    order of ``indices``. One ConfigError line (``what`` names the split) when a parameter
+    belongs to two stages, is not the model's, or shares a module with another stage's."""
+    owner: dict[int, int] = {}
+    for s, run in enumerate(runs):
+        for p in run.parameters():
+            if owner.setdefault(id(p), s) != s:
+                raise ConfigError(
+                    f"{what}: stages {owner[id(p)]} and {s} share a parameter (tied weights), "
+                    "which cannot cross stages; untie it or keep both uses in one stage"
+                )
+    if not owner.keys() <= _ids(model):
+        raise ConfigError(
+            f"{what} made a stage with parameters that are not the model's; with "
+            "pp_stages_per_rank > 1 each stage must be made of the model's own modules "
+            "(submodules, or an nn.Sequential slice of them)"
+        )
+    others = {i for i, s in owner.items() if s not in indices}
+    _prune(model, others)
+    if _ids(model) & others:
+        raise ConfigError(
+            f"{what} puts the parameters of one module in two stages; cut between modules"
+        )
+    steps = []
+    for s in indices:
+        wanted = {i for i, o in owner.items() if o == s}
+        found = _outermost(model, wanted)
+        if set().union(*map(_ids, found)) != wanted:
+            raise ConfigError(
+                f"{what}: stage {s} holds a parameter set directly on a module that also "
+                "holds another stage's; cut between modules"
+            )
+        steps.append(found)
+    return steps
+
+
+def _prune(parent: nn.Module, others: set[int]) -> None:
+    for key, child in list(parent._modules.items()):
+        held = _ids(child) if child is not None else set()
+        if held and held <= others:
+            del parent._modules[key]
+        elif held & others:
+            assert child is not None
+            _prune(child, others)
+
+
+def _outermost(parent: nn.Module, wanted: set[int]) -> list[nn.Module]:
+    out: list[nn.Module] = []
+    for child in parent.children():
+        held = _ids(child)
+        if held and held <= wanted:
+            out.append(child)
+        elif held & wanted:
+            out += _outermost(child, wanted)
+    return out
