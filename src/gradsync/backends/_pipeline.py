@@ -41,7 +41,16 @@ if TYPE_CHECKING:
 
     from gradsync.config import Config
 
-__all__ = ["Cut", "Pipeline", "Settings", "check_microbatches", "is_stage", "of", "stage_plan"]
+__all__ = [
+    "Cut",
+    "Pipeline",
+    "Settings",
+    "check_microbatches",
+    "is_stage",
+    "of",
+    "stage_plan",
+    "whole_names",
+]
 
 #: The attribute of a prepared stage module that holds its pipeline (a reference cycle, freed
 #: with the stage).
@@ -82,6 +91,12 @@ def stage_plan(stage: nn.Module, plan: Any) -> Any:
 def is_stage(model: nn.Module) -> bool:
     """Whether ``model`` is a prepared pipeline stage."""
     return isinstance(getattr(model, _ATTRIBUTE, None), Pipeline)
+
+
+def whole_names(stage: nn.Module) -> list[str] | None:
+    """The state dict names of the whole model a prepared ``stage`` was cut from (a stage
+    keeps them); None for a callable split, whose stages name their own."""
+    return of(stage).names
 
 
 def check_microbatches(microbatches: int, micro_batch_size: int | None, stages: int) -> None:
@@ -233,8 +248,11 @@ class Pipeline:
         schedule: str,
         microbatches: int,
         parts: list[list[nn.Module]] | None = None,
+        names: list[str] | None = None,
     ) -> None:
         self.module = module
+        #: the whole model's state dict names (None: a callable split's stages)
+        self.names = names
         self.index = index
         self.stages = stages
         self.microbatches = microbatches
@@ -365,6 +383,8 @@ class Settings:
         self._mesh: Any = None  # the named mesh (bind)
         #: ids of the parameters of the other stages (``stage``): they leave the optimizer
         self.dropped: set[int] = set()
+        #: the whole model's state dict names (``stage``; None for a callable split)
+        self.names: list[str] | None = None
         self.group: Any = None  # the pipeline's process group (bind)
 
     @classmethod
@@ -402,6 +422,7 @@ class Settings:
         split and the micro-batches checked before any collective."""
         check_microbatches(self.microbatches, plan.micro_batch_size, self.stages)
         cut = Cut(model, self.split, self.stages * self.per_rank)
+        self.names = None if callable(self.split) else list(model.state_dict())
         model.to(device)
         _group.broadcast_from_rank0(model)
         every = {id(p) for p in model.parameters()}
@@ -425,6 +446,7 @@ class Settings:
             schedule=self.schedule,
             microbatches=self.microbatches,
             parts=self.parts,
+            names=self.names,
         )
 
 
