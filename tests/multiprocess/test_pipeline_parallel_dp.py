@@ -122,6 +122,9 @@ def scenarios(folder: Path) -> dict[str, Scenario]:
         "refused": Scenario(
             pp.refused_loads, dims=DIMS, folders=[str(folder / n) for n in ("single", "other")]
         ),
+        "refused_mid": Scenario(
+            pp.refused_loads, dims={"dp_shard": 4}, folders=[str(FOLDER / "mid-defer")]
+        ),
     }
 
 
@@ -293,3 +296,15 @@ def test_a_dropped_window_leaks_nothing(results, policy):
     for r in ranks:
         assert [len(w) for w in r["dropped"]] == [2]
     assert_pipeline_matches_one_process(ranks, samples=SAMPLES)
+
+
+def test_a_pipelines_mid_window_checkpoint_refuses_another_split_in_one_line(results):
+    """Its window gradients are per rank: FSDP2 without pp on the same 4 ranks refuses them
+    before anything is set."""
+    for r in results["refused_mid"]:
+        assert r[str(FOLDER / "mid-defer")] == (
+            f"CheckpointError: checkpoint {str(FOLDER / 'mid-defer')!r} was saved mid-window "
+            "with other parameters on this rank (4 vs 8 here: another pipeline split or none); "
+            "its window gradients resume only on the same parallelism: resume with it, or from "
+            "a checkpoint saved at a boundary"
+        )

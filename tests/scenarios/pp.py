@@ -290,7 +290,8 @@ def load_pipeline(*, dims: dict[str, int], folder: str) -> dict[str, Any]:
 
 
 def refused_loads(*, dims: dict[str, int], folders: list[str]) -> dict[str, Any]:
-    """What a pipeline's load_state says to checkpoints it cannot load: one line each."""
+    """What load_state says to checkpoints that do not fit (``dims``: a pipeline's, or
+    without pp): one line each."""
     accel, _, _ = _prepared(dims, "defer")
     out = {}
     for folder in folders:

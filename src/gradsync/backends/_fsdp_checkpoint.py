@@ -108,6 +108,7 @@ def save(
     if window_open:
         window = [
             {
+                "names": [name for name, _ in m.named_parameters()],  # this rank's layout
                 "sharded": _sharded_grads(m),
                 "unsharded": _fsdp_compat.window_grads(m) if isinstance(m, FSDPModule) else [],
                 "partial": _fsdp_compat.partial_buffers(m) if isinstance(m, FSDPModule) else [],
@@ -242,6 +243,15 @@ def load(
     window = (
         load_file(path / f"window_rank{dist.rank()}.pt", trusted=trusted) if window_open else None
     )
+    for model, saved in zip(models, window or []):
+        names = [name for name, _ in model.named_parameters()]
+        if saved.get("names", names) != names:  # older files name nothing
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was saved mid-window with other parameters on this "
+                f"rank ({len(saved['names'])} vs {len(names)} here: another pipeline split or "
+                "none); its window gradients resume only on the same parallelism: resume with "
+                "it, or from a checkpoint saved at a boundary"
+            )
     # Read everything before anything is set: a file that does not fit changes nothing.
     model_states = []
     for i, model in enumerate(models):
