@@ -36,8 +36,9 @@ def check_names(
         return
     saved = [k.removeprefix("model.") for k in keys if k.startswith("model.")]
     names = own if whole is None else whole  # the whole model's: the same on every rank
-    missing = [n for n in names if n not in set(saved)]
-    unexpected = [] if whole is None else [n for n in saved if n not in set(whole)]
+    known, held = set(names), set(saved)
+    missing = [n for n in names if n not in held]
+    unexpected = [] if whole is None else [n for n in saved if n not in known]
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint {str(folder)!r} holds another model: missing {missing[:5]}, "
