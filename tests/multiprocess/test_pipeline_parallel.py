@@ -3,7 +3,9 @@ stage per rank) with the GPipe and 1F1B schedules, k = 1 and 4 (the last window 
 under every_step and defer, each against one process on the same global windows; clipping
 with the global norm across stages; the pipeline's sends and receives audited on their own
 line; misuse and bad settings as one line each. On backend='ddp' too (each stage in DDP over
-its one data rank): 1F1B, k = 4, defer.
+its one data rank): 1F1B, k = 4, defer. A checkpoint saved without pp (by one process, a
+1-rank launch before the group, and by FSDP2 on dp_shard=2) loads into the pipeline, which
+trains on as one process loading it does (a 1-rank launch after).
 
 Every scenario runs in the 2-rank group shared with the other 2-rank modules.
 """
@@ -11,14 +13,16 @@ Every scenario runs in the 2-rank group shared with the other 2-rank modules.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
-from harness import Scenario, Shared
+from harness import Scenario, Shared, run_scenarios
 from harness.checks import (
     assert_decoder_pipeline_matches_one_process,
     assert_pipeline_matches_one_process,
+    max_diff,
 )
 from scenarios import pp, pp_decoder
 
@@ -122,7 +126,27 @@ SCENARIOS = {
 }
 TRAINED = [n for n in SCENARIOS if n.startswith("pp2_") and n != "pp2_clip" and "tokens" not in n]
 
-SHARED = Shared("gloo2", SCENARIOS)
+
+def scenarios(folder: Path) -> dict[str, Scenario]:
+    """The scenarios, after one process saved the whole model into ``folder / "whole"``; the
+    loads into the pipeline before ``world_label``, which comes last."""
+    run_scenarios(
+        {"whole": Scenario(pp.save_at_boundary, dims=None, folder=str(folder / "whole"))}, nproc=1
+    )
+    loads = {
+        "save_sharded": Scenario(
+            pp.save_at_boundary, dims={"dp_shard": 2}, folder=str(folder / "sharded")
+        ),
+        **{
+            f"from_{name}": Scenario(pp.load_pipeline, dims={"pp": 2}, folder=str(folder / name))
+            for name in ("whole", "sharded")
+        },
+    }
+    before = {k: v for k, v in SCENARIOS.items() if k != "world_label"}
+    return {**before, **loads, "world_label": SCENARIOS["world_label"]}
+
+
+SHARED = Shared("gloo2", scenarios)
 
 
 @pytest.fixture(scope="module")
@@ -298,3 +322,27 @@ def test_a_stage_hook_that_no_longer_acts_is_one_line_naming_torch(results, brok
         error = r["errors"][0]
         assert words in error and "\n" not in error, error
         assert error.startswith(f"torch {torch.__version__} is newer") and "pip install" in error
+
+
+@pytest.fixture(scope="module")
+def one_process(results):
+    """One process (a 1-rank launch) loading each checkpoint saved without pp, then training
+    the next two windows on the same batches as the pipeline."""
+    loads = {
+        name: Scenario(pp.load_whole, folder=str(results.folder / name), data_size=1)
+        for name in ("whole", "sharded")
+    }
+    ran = run_scenarios(loads, nproc=1)
+    return {name: ran[name][0] for name in loads}
+
+
+@pytest.mark.parametrize("saved", ["whole", "sharded"])
+def test_a_checkpoint_saved_without_pp_loads_into_the_pipeline(results, one_process, saved):
+    """Saved by one process or by FSDP2 on dp_shard=2: each stage loads its part of the
+    parameters and the momentum, and the next two windows agree with one process's."""
+    ranks, one = results[f"from_{saved}"], one_process[saved]
+    assert one["steps"] == 4
+    assert sorted(k for r in ranks for k in r["state"]) == sorted(one["state"])
+    for r in ranks:
+        assert r["steps"] == 4
+        assert max_diff(r["state"], {k: one["state"][k] for k in r["state"]}) < 1e-5

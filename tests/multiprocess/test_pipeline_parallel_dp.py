@@ -3,8 +3,11 @@ sharded over the two data-parallel ranks of its pipeline coordinate), GPipe and 
 and 4, under defer and every_step, each against one process on the same global windows; the
 data-parallel ranks read distinct micro-batches and both stages of a pipeline the same ones;
 under defer no gradient byte moves between data-parallel ranks off the boundary. Checkpoints:
-a mid-window save resumes bitwise, and a boundary save loads into the whole model in one
-process (a second, 1-rank launch), which trains on as the pipeline did. The same on
+a mid-window save resumes bitwise; a boundary save (one stage per rank, and two) loads into
+the whole model in one process (a 1-rank launch after the group), which trains on as the
+pipeline did; and the way back: a checkpoint saved by one process (a 1-rank launch before
+the group) or by FSDP2 without pp loads into the pipeline, which trains on as one process
+loading it does. A plain-file checkpoint and another model's are one line each. The same on
 backend='ddp' (pp=2 x dp_replicate=2, each stage in DDP over its two data ranks): one
 all-reduce per window under defer, one per schedule step under every_step.
 
@@ -131,8 +134,42 @@ TRAINED = [
     for n in SCENARIOS
     if n.startswith(("pp2", "ddp_")) and n not in ("pp2s2_clip", "pp2s2_tokens", "ddp_clip")
 ]
+#: FSDP2 without pp on the 4 ranks: dp_shard 2, its shards replicated twice.
+SHARDED = {"dp_replicate": 2, "dp_shard": 2}
+#: Saved in one process before the group starts: the whole model (backend="fsdp"), the
+#: same on backend="single" (plain files), and a model with one more layer.
+SAVED_ALONE = {
+    "whole": {},
+    "single": {"backend": "single"},
+    "other": {"extra": True},
+}
 
-SHARED = Shared("gloo4", SCENARIOS, nproc=4)
+
+def scenarios(folder: Path) -> dict[str, Scenario]:
+    """The scenarios, after one process saved ``SAVED_ALONE`` into ``folder``."""
+    saves = {
+        name: Scenario(pp.save_at_boundary, dims=None, folder=str(folder / name), **options)
+        for name, options in SAVED_ALONE.items()
+    }
+    run_scenarios(saves, nproc=1)
+    return {
+        **SCENARIOS,
+        "save_interleaved": Scenario(
+            pp.save_at_boundary, dims=DIMS, folder=str(folder / "interleaved"), per_rank=2
+        ),
+        "from_whole": Scenario(pp.load_pipeline, dims=DIMS, folder=str(folder / "whole")),
+        "save_sharded": Scenario(pp.save_at_boundary, dims=SHARDED, folder=str(folder / "sharded")),
+        "from_sharded": Scenario(pp.load_pipeline, dims=DIMS, folder=str(folder / "sharded")),
+        "refused": Scenario(
+            pp.refused_loads, dims=DIMS, folders=[str(folder / n) for n in ("single", "other")]
+        ),
+        "refused_mid": Scenario(
+            pp.refused_loads, dims={"dp_shard": 4}, folders=[str(FOLDER / "mid-defer")]
+        ),
+    }
+
+
+SHARED = Shared("gloo4", scenarios, nproc=4)
 
 
 @pytest.fixture(scope="module")
@@ -249,19 +286,67 @@ def test_a_mid_window_save_resumes_bitwise(results, policy):
         assert max_diff(r["went_on"], r["resumed"]) == 0.0
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "ddp"])
-def test_a_pipeline_checkpoint_loads_into_the_whole_model_in_one_process(results, backend):
-    """Saved by FSDP2 stages, or by DDP stages (the same DCP layout)."""
-    name = "" if backend == "fsdp" else "-ddp"
-    ranks = results["save" + name.replace("-", "_")]  # saved (else raises the worker's error)
-    load = {"load": Scenario(pp.load_whole, folder=str(FOLDER / f"boundary{name}"), data_size=2)}
-    one = run_scenarios(load, nproc=1)["load"][0]
+@pytest.fixture(scope="module")
+def one_process(results):
+    """One process (a 1-rank launch) loading each boundary checkpoint, then training the
+    next two windows on the global batches of the pipeline's two data ranks."""
+    folders = {
+        "save": FOLDER / "boundary",
+        "save_ddp": FOLDER / "boundary-ddp",
+        "save_interleaved": results.folder / "interleaved",
+        **{name: results.folder / name for name in ("sharded", "whole")},
+    }
+    loads = {
+        name: Scenario(pp.load_whole, folder=str(folder), data_size=2)
+        for name, folder in folders.items()
+    }
+    ran = run_scenarios(loads, nproc=1)
+    return {name: ran[name][0] for name in loads}
+
+
+@pytest.mark.parametrize("saved", ["save", "save_interleaved", "save_ddp"])
+def test_a_pipeline_checkpoint_loads_into_the_whole_model_in_one_process(
+    results, one_process, saved
+):
+    """One stage per rank, two (Interleaved1F1B), and DDP stages (the same DCP layout): the
+    whole model's names, and the momentum came back too (the next two windows agree)."""
+    ranks = results[saved]  # saved (raises with the worker's error otherwise)
+    one = one_process[saved]
     assert one["steps"] == 4 and sorted(one["state"]) == sorted(
         {k for r in ranks for k in r["state"]}
     )
-    for r in ranks:  # the momentum came back too: the next two windows agree
+    for r in ranks:
         assert r["steps"] == 4
         assert max_diff(r["state"], {k: one["state"][k] for k in r["state"]}) < 1e-5
+
+
+@pytest.mark.parametrize("saved", ["whole", "sharded"])
+def test_a_checkpoint_saved_without_pp_loads_into_the_pipeline(results, one_process, saved):
+    """Saved by one process, or by FSDP2 on dp_shard 2 x dp_replicate 2: each stage loads
+    its part (parameters and momentum) and the pipeline trains on as one process does."""
+    ranks = results[f"from_{saved}"]
+    one = one_process[saved]
+    assert one["steps"] == 4
+    assert sorted({k for r in ranks for k in r["state"]}) == sorted(one["state"])
+    for r in ranks:
+        assert r["steps"] == 4
+        assert max_diff(r["state"], {k: one["state"][k] for k in r["state"]}) < 1e-5
+
+
+def test_a_checkpoint_the_pipeline_cannot_load_is_one_line(results):
+    for r in results["refused"]:
+        single, other = (r[str(results.folder / n)] for n in ("single", "other"))
+        assert single == (
+            f"CheckpointError: checkpoint {str(results.folder / 'single')!r} was saved with "
+            "backend='single', whose format backend='fsdp' cannot read; a pipeline (pp) reads "
+            "the DCP checkpoints of backend='fsdp' only: resume it without pp, with "
+            "backend='single'"
+        )
+        assert other == (
+            f"CheckpointError: checkpoint {str(results.folder / 'other' / 'dcp_0')!r} holds "
+            "another model: missing [], unexpected ['7.weight', '7.bias'] (0 and 2 names); "
+            "prepare the model it was saved from (the same parameter names) before load_state()"
+        )
 
 
 @pytest.mark.parametrize("name", ["pp2s2_drop_defer", "pp2s2_drop_every_step", "ddp_drop_defer"])
@@ -304,3 +389,15 @@ def test_ddp_stages_each_hold_their_part_and_read_as_the_mesh_says(results):
     layers = {r["stage"]: sorted({k.split(".")[0] for k in r["state"]}) for r in ranks}
     assert layers == {0: ["0", "2"], 1: ["4", "6"]}
     assert all(r["opt_params"] == 4 for r in ranks)  # the other stage's left the optimizer
+
+
+def test_a_pipelines_mid_window_checkpoint_refuses_another_split_in_one_line(results):
+    """Its window gradients are per rank: FSDP2 without pp on the same 4 ranks refuses them
+    before anything is set."""
+    for r in results["refused_mid"]:
+        assert r[str(FOLDER / "mid-defer")] == (
+            f"CheckpointError: checkpoint {str(FOLDER / 'mid-defer')!r} was saved mid-window "
+            "with other parameters on this rank (4 vs 8 here: another pipeline split or none); "
+            "its window gradients resume only on the same parallelism: resume with it, or from "
+            "a checkpoint saved at a boundary"
+        )

@@ -200,16 +200,26 @@ def refused(**options: Any) -> dict[str, Any]:
 
 # -- checkpoints ----------------------------------------------------------------------------
 def _prepared(
-    dims: dict[str, int] | None, policy: str, per_rank: int = 1, backend: str = "fsdp"
+    dims: dict[str, int] | None, policy: str, per_rank: int = 1, **options: Any
 ) -> tuple[Accelerator, Any, Any]:
-    if dims is None:  # the whole model in one process
-        accel = Accelerator(backend="fsdp", gradient_accumulation_steps=4, seed=0)
-    elif per_rank > 1:  # the stages cut at 2, 4, 6: two on each rank
+    """The model and its optimizer prepared: ``dims`` None: the whole model in one process
+    (``backend``: "fsdp" unless ``options`` say otherwise); ``dims`` without "pp": FSDP2
+    without a pipeline; else a pipeline (with ``per_rank`` 2: the stages cut at 2, 4, 6, two
+    on each rank). ``extra``: the model with one more layer (another model's names)."""
+    extra = options.pop("extra", False)
+    if dims is None or "pp" not in dims:
+        options.setdefault("backend", "fsdp")
+        if dims:
+            options["parallelism"] = dims
+        accel = Accelerator(gradient_accumulation_steps=4, seed=0, **options)
+    elif per_rank > 1:
         options = {"pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": per_rank}
         accel = _accel(dims, 4, policy, pp_microbatches=2, split=["2", "4", "6"], **options)
     else:
-        accel = _accel(dims, 4, policy, pp_microbatches=2, backend=backend)
+        accel = _accel(dims, 4, policy, pp_microbatches=2, **options)
     raw = make_seq()
+    if extra:
+        raw.append(nn.Linear(1, 1))
     model, opt = accel.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.05, momentum=0.9))
     return accel, model, opt
 
@@ -239,7 +249,7 @@ def resume_mid_window(
 ) -> dict[str, Any]:
     """A window of 4 saved after 2 micro-steps, finished in the same run and in a fresh one
     that loads the checkpoint: both end with the same parameters (bitwise)."""
-    accel, model, opt = _prepared(dims, policy, per_rank, backend)
+    accel, model, opt = _prepared(dims, policy, per_rank, backend=backend)
     data = _batches(accel, 8)
     for x, y in data[:6]:
         _step(accel, model, opt, x, y)
@@ -247,7 +257,7 @@ def resume_mid_window(
     for x, y in data[6:]:
         _step(accel, model, opt, x, y)
     seen: dict[str, Any] = {"went_on": to_lists(accel.get_state_dict(model))}
-    accel2, model2, opt2 = _prepared(dims, policy, per_rank, backend)
+    accel2, model2, opt2 = _prepared(dims, policy, per_rank, backend=backend)
     accel2.load_state(folder)
     for x, y in data[6:]:
         _step(accel2, model2, opt2, x, y)
@@ -256,9 +266,12 @@ def resume_mid_window(
     return seen
 
 
-def save_at_boundary(*, dims: dict[str, int], folder: str, backend: str = "fsdp") -> dict[str, Any]:
-    """Two windows, saved at the boundary (each stage its part), then two more."""
-    accel, model, opt = _prepared(dims, "defer", backend=backend)
+def save_at_boundary(
+    *, dims: dict[str, int] | None, folder: str, per_rank: int = 1, **options: Any
+) -> dict[str, Any]:
+    """Two windows, saved at the boundary (each rank its part), then two more; ``dims`` None
+    or without "pp": the model without a pipeline (``_prepared``)."""
+    accel, model, opt = _prepared(dims, "defer", per_rank, **options)
     data = _batches(accel, 16)
     for x, y in data[:8]:
         _step(accel, model, opt, x, y)
@@ -280,6 +293,31 @@ def load_whole(*, folder: str, data_size: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
     return {"state": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps}
+
+
+def load_pipeline(*, dims: dict[str, int], folder: str) -> dict[str, Any]:
+    """A checkpoint saved without pp loaded into a pipeline (each stage its part, momentum
+    included), which then trains two windows, each data rank on its own batches."""
+    accel, model, opt = _prepared(dims, "defer")
+    accel.load_state(folder)
+    for x, y in _batches(accel, 16)[8:]:
+        _step(accel, model, opt, x, y)
+    return {"state": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps}
+
+
+def refused_loads(*, dims: dict[str, int], folders: list[str]) -> dict[str, Any]:
+    """What load_state says to checkpoints that do not fit (``dims``: a pipeline's, or
+    without pp): one line each."""
+    accel, _, _ = _prepared(dims, "defer")
+    out = {}
+    for folder in folders:
+        try:
+            accel.load_state(folder)
+        except Exception as e:
+            out[folder] = f"{type(e).__name__}: {e}"
+        else:
+            out[folder] = None
+    return out
 
 
 def world_label() -> dict[str, Any]:

@@ -36,7 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from gradsync._support import dist
-from gradsync.backends import _fsdp_compat, _pipeline
+from gradsync.backends import _dcp_forms, _fsdp_compat, _pipeline
 from gradsync.backends.base import Held
 from gradsync.errors import CheckpointError
 from gradsync.storage import safety
@@ -58,16 +58,6 @@ def _holder(models: Sequence[nn.Module], held: Held) -> nn.Module:
 
 def _options(flat: bool) -> StateDictOptions | None:
     return StateDictOptions(flatten_optimizer_state_dict=True) if flat else None
-
-
-def _flat(folder: Path) -> bool:
-    """Whether the optimizer checkpoint in ``folder`` is keyed by parameter names (a
-    pipeline's: its param groups carry no ``params`` list)."""
-    if not folder.is_dir():
-        return False
-    keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    groups = [k for k in keys if k.startswith("optim.param_groups.")]
-    return bool(groups) and not any(k.endswith(".params") for k in groups)
 
 
 def _optim_state(models: Sequence[nn.Module], held: Held, flat: bool = False) -> dict[str, Any]:
@@ -118,6 +108,7 @@ def save(
     if window_open:
         window = [
             {
+                "names": [name for name, _ in m.named_parameters()],  # this rank's layout
                 "sharded": _sharded_grads(m),
                 "unsharded": _fsdp_compat.window_grads(m) if isinstance(m, FSDPModule) else [],
                 "partial": _fsdp_compat.partial_buffers(m) if isinstance(m, FSDPModule) else [],
@@ -189,6 +180,26 @@ class _CheckedPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
+def _keys(folder: Path, *, trusted: bool, allowed: Callable[[str], bool] | None) -> list[str]:
+    """The keys of the DCP checkpoint in ``folder`` (its metadata, checked as ``_read``
+    checks it); none when there is no such folder (``_read`` then says so)."""
+    if not folder.is_dir():
+        return []
+    reader = (
+        FileSystemReader(str(folder))
+        if trusted or allowed is None
+        else _CheckedReader(folder, allowed)
+    )
+    try:
+        return list(reader.read_metadata().state_dict_metadata)
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(
+            f"checkpoint {str(folder)!r} has no readable DCP metadata: {one_line(err)}"
+        ) from None
+
+
 def _read(
     folder: Path,
     state: dict[str, Any],
@@ -232,18 +243,37 @@ def load(
     window = (
         load_file(path / f"window_rank{dist.rank()}.pt", trusted=trusted) if window_open else None
     )
+    for model, saved in zip(models, window or []):
+        names = [name for name, _ in model.named_parameters()]
+        if saved.get("names", names) != names:  # older files name nothing
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was saved mid-window with other parameters on this "
+                f"rank ({len(saved['names'])} vs {len(names)} here: another pipeline split or "
+                "none); its window gradients resume only on the same parallelism: resume with "
+                "it, or from a checkpoint saved at a boundary"
+            )
     # Read everything before anything is set: a file that does not fit changes nothing.
     model_states = []
     for i, model in enumerate(models):
-        state = _model_state(model)
-        _read(path / f"dcp_{i}", state, "model", trusted=trusted, allowed=allowed)
+        state, folder = _model_state(model), path / f"dcp_{i}"
+        whole = _pipeline.whole_names(model) if _pipeline.is_stage(model) else list(state["model"])
+        keys = _keys(folder, trusted=trusted, allowed=allowed)
+        _dcp_forms.check_names(folder, list(state["model"]), whole, keys)
+        _read(folder, state, "model", trusted=trusted, allowed=allowed)
         model_states.append(state)
     optim_states = []
     for held in optimizers:
-        flat = _pipeline.is_stage(_holder(models, held)) or _flat(_folder(path, held))
-        state = _optim_state(models, held, flat)
-        _read(_folder(path, held), state, "optimizer", trusted=trusted, allowed=allowed)
-        optim_states.append((state, flat))
+        folder, stage = _folder(path, held), _pipeline.is_stage(_holder(models, held))
+        keys = _keys(folder, trusted=trusted, allowed=allowed)
+        saved_flat = _dcp_forms.is_flat(keys)
+        state = _optim_state(models, held, stage or saved_flat)
+        if stage and not saved_flat:  # saved without pp: read this stage's part of it
+            mine = _dcp_forms.nested_request(state["optim"], keys)
+            _read(folder, {"optim": mine}, "optimizer", trusted=trusted, allowed=allowed)
+            state = {"optim": _dcp_forms.flattened(mine, state["optim"], folder)}
+        else:
+            _read(folder, state, "optimizer", trusted=trusted, allowed=allowed)
+        optim_states.append((state, stage or saved_flat))
     _set(
         models,
         optimizers,

@@ -52,7 +52,16 @@ if TYPE_CHECKING:
     from gradsync.backends._pipeline_sync import StageSync
     from gradsync.config import Config
 
-__all__ = ["Cut", "Pipeline", "Settings", "check_microbatches", "is_stage", "of", "stage_plan"]
+__all__ = [
+    "Cut",
+    "Pipeline",
+    "Settings",
+    "check_microbatches",
+    "is_stage",
+    "of",
+    "stage_plan",
+    "whole_names",
+]
 
 #: The attribute of a prepared stage module that holds its pipeline (a reference cycle, freed
 #: with the stage).
@@ -93,6 +102,12 @@ def stage_plan(stage: nn.Module, plan: Any) -> Any:
 def is_stage(model: nn.Module) -> bool:
     """Whether ``model`` is a prepared pipeline stage."""
     return isinstance(getattr(model, _ATTRIBUTE, None), Pipeline)
+
+
+def whole_names(stage: nn.Module) -> list[str] | None:
+    """The state dict names of the whole model a prepared ``stage`` was cut from (a stage
+    keeps them); None for a callable split, whose stages name their own."""
+    return of(stage).names
 
 
 def check_microbatches(microbatches: int, micro_batch_size: int | None, stages: int) -> None:
@@ -258,9 +273,12 @@ class Pipeline:
         sync: StageSync,
         parts: list[nn.Module] | None = None,
         masked: bool = False,
+        names: list[str] | None = None,
     ) -> None:
         self.module = module
         self.sync = sync  # the data-parallel side: the wrapper's flags around a schedule step
+        #: the whole model's state dict names (None: a callable split's stages)
+        self.names = names
         self.index = index
         self.stages = stages
         self.microbatches = microbatches
@@ -420,6 +438,8 @@ class Settings:
         self._mesh: Any = None  # the named mesh (bind)
         #: ids of the parameters of the other stages (``stage``): they leave the optimizer
         self.dropped: set[int] = set()
+        #: the whole model's state dict names (``stage``; None for a callable split)
+        self.names: list[str] | None = None
         self.group: Any = None  # the pipeline's process group (bind)
 
     @classmethod
@@ -458,6 +478,7 @@ class Settings:
         check_microbatches(self.microbatches, plan.micro_batch_size, self.stages)
         cut = Cut(model, self.split, self.stages * self.per_rank)
         self.masked = cut.is_decoder
+        self.names = None if callable(self.split) else list(model.state_dict())
         model.to(device)
         _group.broadcast_from_rank0(model)
         every = {id(p) for p in model.parameters()}
@@ -484,6 +505,7 @@ class Settings:
             sync=sync,
             parts=self.runs,
             masked=self.masked,
+            names=self.names,
         )
 
 

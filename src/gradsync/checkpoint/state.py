@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradsync._core.microstep import drop_window
 from gradsync._support import dist
+from gradsync.backends import _pipeline
 from gradsync.errors import CheckpointError, ConfigError, UsageError
 from gradsync.storage.commit import Committer
 from gradsync.storage.folder import (
@@ -177,9 +178,15 @@ class CheckpointState:
         backend, here = self._backend, dist.world_size()
         saved_backend = manifest.get("backend")
         if manifest.get("format") != backend.checkpoint_format:
+            fix = f"load it with backend={saved_backend!r}"
+            if any(_pipeline.is_stage(m) for m in self._prepared.models):
+                fix = (
+                    f"a pipeline (pp) reads the DCP checkpoints of backend={backend.name!r} "
+                    f"only: resume it without pp, with backend={saved_backend!r}"
+                )
             raise CheckpointError(
                 f"checkpoint {where!r} was saved with backend={saved_backend!r}, whose format "
-                f"backend={backend.name!r} cannot read; load it with backend={saved_backend!r}"
+                f"backend={backend.name!r} cannot read; {fix}"
             )
         have = self._prepared.counts()
         saved = {
