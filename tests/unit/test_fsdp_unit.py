@@ -1,4 +1,5 @@
-"""FSDP adapter pieces that need no process group: wrap policy, cost, budget, bad settings."""
+"""FSDP adapter pieces that need no process group (wrap policy, cost, budget, bad settings),
+and a window dropped before the first forward on a one-rank group."""
 
 from __future__ import annotations
 
@@ -134,3 +135,28 @@ def test_auto_picks_the_deepest_level_that_fits(kwargs, policy, keep, extra):
     assert got[:3] == (policy, keep, extra), got[3]
     if "budget" in kwargs:
         assert f"({kwargs['budget']} bytes, sync_memory_budget)" in got[3]
+
+
+@pytest.mark.parametrize("policy", ["defer", "every_step"])
+def test_a_window_dropped_before_the_first_forward_raises_the_users_error(
+    tmp_path, clean_env, policy
+):
+    """The user's block fails before the model ever ran: the window is dropped and the
+    user's own exception comes out (not one from inside torch's reset of an FSDP2 root that
+    was never initialised), and the next window trains."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    accel = Accelerator(backend="fsdp", sync_policy=policy, gradient_accumulation_steps=2)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model, opt = accel.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="^the user's block failed$"):
+        with accel.accumulate(model):
+            raise ValueError("the user's block failed")
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):
+        with accel.accumulate(model):
+            accel.backward(model(torch.ones(2, 4)).sum())
+            opt.step()
+            opt.zero_grad()
+    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))

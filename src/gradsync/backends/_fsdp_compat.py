@@ -203,6 +203,9 @@ def reset_iter_state(model: nn.Module) -> None:
     """Drop what a broken-off window left in FSDP2's per-iteration state, the partial buffers
     of a deferred all-reduce across replicas (HSDP) included: torch's public
     ``reset_iter_state()`` on the root where it exists, else the buffers cleared directly."""
+    # A window dropped before the model's first forward: the root was never initialised,
+    # and torch's reset reads the communication state that initialisation makes.
+    lazy_init(model)
     reset = getattr(model, "reset_iter_state", None)
     if callable(reset):
         reset()
