@@ -22,7 +22,6 @@ from torch.utils.hooks import RemovableHandle
 
 from gradsync._core.microstep import drop_window
 from gradsync._support import dist
-from gradsync.backends import _pipeline
 from gradsync.errors import CheckpointError, ConfigError, UsageError
 from gradsync.storage.commit import Committer
 from gradsync.storage.folder import (
@@ -179,6 +178,9 @@ class CheckpointState:
         saved_backend = manifest.get("backend")
         if manifest.get("format") != backend.checkpoint_format:
             fix = f"load it with backend={saved_backend!r}"
+            # imported here: torch's pipelining imports torch.compile's dynamo (seconds)
+            from gradsync.backends import _pipeline
+
             if any(_pipeline.is_stage(m) for m in self._prepared.models):
                 fix = (
                     f"a pipeline (pp) reads the DCP checkpoints of backend={backend.name!r} "
