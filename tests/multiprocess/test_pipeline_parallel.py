@@ -309,8 +309,16 @@ def test_on_an_untested_torch_the_first_window_checks_the_stage_hooks(results, n
 @pytest.mark.parametrize(
     "broken, words",
     [
-        ("renamed", "PipelineStage.perform_reduce_grad) closed it 0 times"),
-        ("reduces", "the data-parallel reduction ran off the window boundary"),
+        ("renamed", ("PipelineStage.perform_reduce_grad) closed it 0 times",)),
+        # torch 2.13 leaves its state for gradsync's end, which then sees the reduction;
+        # torch 2.15 finalizes FSDP2's backward itself, and gradsync's end fails inside it
+        (
+            "reduces",
+            (
+                "the data-parallel reduction ran off the window boundary",
+                "the end of a schedule step's backward failed inside torch (AssertionError: ",
+            ),
+        ),
     ],
 )
 def test_a_stage_hook_that_no_longer_acts_is_one_line_naming_torch(results, broken, words):
@@ -320,7 +328,7 @@ def test_a_stage_hook_that_no_longer_acts_is_one_line_naming_torch(results, brok
     for r in results[f"canary_{broken}"]:
         assert len(r["errors"]) == 1 and not r["checked"], r
         error = r["errors"][0]
-        assert words in error and "\n" not in error, error
+        assert any(w in error for w in words) and "\n" not in error, error
         assert error.startswith(f"torch {torch.__version__} is newer") and "pip install" in error
 
 

@@ -332,7 +332,11 @@ class Pipeline:
         self._ended += 1
         if self._ended == len(self.parts or [None]):  # every stage of this rank is done
             self._ended = 0
-            self.sync.end_backward(self.module)
+            try:
+                self.sync.end_backward(self.module)
+            except (AssertionError, RuntimeError) as error:  # torch's state is not as meant
+                self.canary.failed(error)  # one line on an untested torch
+                raise
             self.canary.closed += 1
 
     def _put_back_grads(self) -> None:

@@ -39,6 +39,16 @@ class Canary:
     def start(self) -> None:
         self.closed = 0
 
+    def failed(self, error: BaseException) -> None:
+        """The stage's end of backward raised inside torch: on an untested torch, one
+        RuntimeError line naming it (torch may have run its own reduction first)."""
+        if self.active:
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise self._refusal(
+                f"the end of a schedule step's backward failed inside torch "
+                f"({type(error).__name__}: {first})"
+            ) from error
+
     def check(
         self,
         module: nn.Module,
@@ -57,15 +67,19 @@ class Canary:
         held = not any(reduces)  # else a reduce-scatter whose all-reduce waits (HSDP)
         problem = _problem(self.closed, held, boundary, module, before)
         if problem:
-            raise RuntimeError(
-                f"torch {torch.__version__} is newer than the releases gradsync was tested on "
-                f"({_torch_range.supported()}), and gradsync's pipeline stage does not act on "
-                f"it: {problem}; install a tested torch "
-                f"(pip install 'torch=={_torch_range.NEWEST_PIN}'), or train without pp"
-            )
+            raise self._refusal(problem)
         if boundary:  # the first window held and reduced as gradsync meant: checked
             self.active = False
             log.info("gradsync pipeline: stage hooks checked on torch %s", torch.__version__)
+
+    @staticmethod
+    def _refusal(problem: str) -> RuntimeError:
+        return RuntimeError(
+            f"torch {torch.__version__} is newer than the releases gradsync was tested on "
+            f"({_torch_range.supported()}), and gradsync's pipeline stage does not act on "
+            f"it: {problem}; install a tested torch "
+            f"(pip install 'torch=={_torch_range.NEWEST_PIN}'), or train without pp"
+        )
 
 
 def _problem(
