@@ -121,6 +121,8 @@ SCENARIOS = {
     "save_ddp": Scenario(
         pp.save_at_boundary, dims=REPLICATE, folder=str(FOLDER / "boundary-ddp"), backend="ddp"
     ),
+    "buffers_ddp": Scenario(pp.buffers, dims=REPLICATE, backend="ddp"),
+    "buffers_fsdp": Scenario(pp.buffers, dims=DIMS, backend="fsdp"),
     "resume_ddp": Scenario(
         pp.resume_mid_window,
         dims=REPLICATE,
@@ -401,3 +403,24 @@ def test_a_pipelines_mid_window_checkpoint_refuses_another_split_in_one_line(res
             "its window gradients resume only on the same parallelism: resume with it, or from "
             "a checkpoint saved at a boundary"
         )
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "ddp"])
+def test_the_first_schedule_step_leaves_the_buffers_as_they_were(results, backend):
+    """The first schedule step infers the activations' shapes with a forward on
+    uninitialised memory, which in training mode updates a batch norm's running statistics;
+    they are put back, so the first real forward starts from the initial ones."""
+    for r in results[f"buffers_{backend}"]:
+        assert r["at_step"][0] == [0.0] * len(r["at_step"][0]), r["at_step"][0]
+        assert all(abs(v) < 100 for step in r["at_step"] for v in step), r["at_step"]
+
+
+def test_ddp_stages_broadcast_their_buffers_at_each_windows_first_forward(results):
+    """As DDP without a pipeline: the first forward after a synchronised one broadcasts the
+    buffers (batch norms' running statistics) from the data group's first rank, so both data
+    ranks of a stage start each window from the same; off the boundary each keeps its own."""
+    ranks = results["buffers_ddp"]
+    for stage in (0, 1):
+        first, second = (r["at_step"] for r in ranks if r["stage"] == stage)
+        assert first[2] == second[2]  # the second window's first step: broadcast
+        assert first[1] != second[1] and first[3] != second[3]  # each rank's own data

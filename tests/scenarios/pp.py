@@ -376,3 +376,33 @@ def canary(
         return {"errors": errors, "checked": not _pipeline.of(model).canary.active}
     finally:
         torch_range.NEWEST, _pipeline_compat.Stage.perform_reduce_grad = saved  # type: ignore[method-assign]
+
+
+def buffers(*, dims: dict[str, int], backend: str) -> dict[str, Any]:
+    """A pipeline whose stages hold batch norms, the data ranks reading different batches
+    (windows of 2): the running mean each stage's batch norm holds as each schedule step's
+    forward begins (on DDP the buffers are broadcast from the data group's first rank at the
+    first forward after a synchronised one: the first of each window under defer)."""
+    from gradsync.backends import _pipeline
+
+    accel = _accel(dims, 2, "defer", backend=backend, pp_microbatches=2, split=["3"])
+    torch.manual_seed(0)
+    raw = nn.Sequential(
+        nn.Linear(FEATURES, WIDTH),
+        nn.BatchNorm1d(WIDTH),
+        nn.Tanh(),
+        nn.Linear(WIDTH, WIDTH),
+        nn.BatchNorm1d(WIDTH),
+        nn.Linear(WIDTH, 1),
+    )
+    model, opt = accel.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.05))
+    norm = next(m for m in model.modules() if isinstance(m, nn.BatchNorm1d))
+    seen: list[list[float]] = []
+    steps: list[int] = []
+    norm.register_forward_pre_hook(lambda m, args: seen.append(m.running_mean.tolist()))
+    for x, y in _batches(accel, 4):
+        steps.append(len(seen))  # the first forward of this schedule step
+        _step(accel, model, opt, x, y)
+    data = accel._backend.data_parallel  # type: ignore[attr-defined]
+    at_step = [seen[i] for i in steps]
+    return {"stage": _pipeline.of(model).index, "data_rank": data.rank, "at_step": at_step}

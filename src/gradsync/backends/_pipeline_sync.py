@@ -97,3 +97,7 @@ class DDPSync:
     def finish(self) -> None:
         if self._module is not None:
             self._module.require_backward_grad_sync = self._sync
+            # As after a synchronised forward of DDP itself: the next schedule step's first
+            # forward broadcasts the buffers from the data group's first rank (once a window
+            # under defer); the step's own forwards ran with the flag off and cleared it.
+            self._module.require_forward_param_sync = self._sync
