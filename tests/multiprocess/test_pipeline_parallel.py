@@ -141,6 +141,15 @@ def scenarios(folder: Path) -> dict[str, Scenario]:
             f"from_{name}": Scenario(pp.load_pipeline, dims={"pp": 2}, folder=str(folder / name))
             for name in ("whole", "sharded")
         },
+        **{
+            f"tampered_{backend}": Scenario(
+                pp.tampered_load,
+                dims={"pp": 2},
+                folder=str(folder / f"tampered-{backend}"),
+                backend=backend,
+            )
+            for backend in ("fsdp", "ddp")
+        },
     }
     before = {k: v for k, v in SCENARIOS.items() if k != "world_label"}
     return {**before, **loads, "world_label": SCENARIOS["world_label"]}
@@ -354,3 +363,14 @@ def test_a_checkpoint_saved_without_pp_loads_into_the_pipeline(results, one_proc
     for r in ranks:
         assert r["steps"] == 4
         assert max_diff(r["state"], {k: one["state"][k] for k in r["state"]}) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "ddp"])
+def test_a_tampered_pipeline_checkpoint_is_refused_and_its_payload_never_runs(results, backend):
+    """A payload in the stages' DCP metadata: refused in one line naming the file, on the
+    FSDP2 stages and on the DDP stages (which load through the same path)."""
+    for r in results[f"tampered_{backend}"]:
+        assert not r["ran"], "the payload ran"
+        error = r["error"]
+        assert "payload.plant" in error and "dcp_0/.metadata" in error, error
+        assert "\n" not in error, error

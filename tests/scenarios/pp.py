@@ -4,10 +4,13 @@ mp_worker.py in one audited gloo group (2 ranks: pp 2; 4 ranks: pp 2 x dp_shard 
 from __future__ import annotations
 
 import logging
+import shutil
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
@@ -406,3 +409,30 @@ def buffers(*, dims: dict[str, int], backend: str) -> dict[str, Any]:
     data = accel._backend.data_parallel  # type: ignore[attr-defined]
     at_step = [seen[i] for i in steps]
     return {"stage": _pipeline.of(model).index, "data_rank": data.rank, "at_step": at_step}
+
+
+def tampered_load(*, dims: dict[str, int], folder: str, backend: str) -> dict[str, Any]:
+    """A pipeline's boundary checkpoint whose DCP metadata (``dcp_0/.metadata``, a pickle)
+    rank 0 rewrote with a payload: a fresh pipeline's load refuses it in one line naming the
+    file, and the payload never runs."""
+    from gradsync import CheckpointError
+    from payload import tamper_pickle_file
+
+    root = Path(folder)
+    accel, model, opt = _prepared(dims, "defer", backend=backend)
+    for x, y in _batches(accel, 4):
+        _step(accel, model, opt, x, y)
+    saved = Path(accel.save_state(root / "saved"))
+    copy, marker = root / "tampered", root / "ran"
+    if dist.get_rank() == 0:
+        shutil.copytree(saved, copy)
+        tamper_pickle_file(copy, "dcp_0/.metadata", marker)
+    dist.barrier()
+    fresh, _, _ = _prepared(dims, "defer", backend=backend)
+    error = ""
+    try:
+        fresh.load_state(copy)
+    except CheckpointError as err:
+        error = str(err)
+    dist.barrier()
+    return {"error": error, "ran": marker.exists()}
