@@ -383,9 +383,13 @@ def canary(
 
 def buffers(*, dims: dict[str, int], backend: str) -> dict[str, Any]:
     """A pipeline whose stages hold batch norms, the data ranks reading different batches
-    (windows of 2): the running mean each stage's batch norm holds as each schedule step's
-    forward begins (on DDP the buffers are broadcast from the data group's first rank at the
-    first forward after a synchronised one: the first of each window under defer)."""
+    (windows of 2): each stage's batch-norm running statistics after the first schedule
+    step ("got") and one process's after the same two parts of that micro-batch ("want"), and
+    the running mean each stage's batch norm holds as each schedule step's forward begins (on
+    DDP the buffers are broadcast from the data group's first rank at the first forward after
+    a synchronised one: the first of each window under defer)."""
+    import copy
+
     from gradsync.backends import _pipeline
 
     accel = _accel(dims, 2, "defer", backend=backend, pp_microbatches=2, split=["3"])
@@ -398,17 +402,32 @@ def buffers(*, dims: dict[str, int], backend: str) -> dict[str, Any]:
         nn.BatchNorm1d(WIDTH),
         nn.Linear(WIDTH, 1),
     )
+    alone = copy.deepcopy(raw)
     model, opt = accel.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.05))
+    stage = _pipeline.of(model).index
     norm = next(m for m in model.modules() if isinstance(m, nn.BatchNorm1d))
     seen: list[list[float]] = []
     steps: list[int] = []
     norm.register_forward_pre_hook(lambda m, args: seen.append(m.running_mean.tolist()))
-    for x, y in _batches(accel, 4):
+    got: list[list[float]] = []
+    batches = _batches(accel, 4)
+    for x, y in batches:
         steps.append(len(seen))  # the first forward of this schedule step
         _step(accel, model, opt, x, y)
+        if not got:
+            got = [norm.running_mean.tolist(), norm.running_var.tolist()]
+    with torch.no_grad():  # one process: the first micro-batch's two parts, in order
+        for part in batches[0][0].chunk(2):
+            alone(part)
+    want = alone[1 if stage == 0 else 4]
     data = accel._backend.data_parallel  # type: ignore[attr-defined]
-    at_step = [seen[i] for i in steps]
-    return {"stage": _pipeline.of(model).index, "data_rank": data.rank, "at_step": at_step}
+    return {
+        "stage": stage,
+        "data_rank": data.rank,
+        "at_step": [seen[i] for i in steps],
+        "got": got,
+        "want": [want.running_mean.tolist(), want.running_var.tolist()],
+    }
 
 
 def tampered_load(*, dims: dict[str, int], folder: str, backend: str) -> dict[str, Any]:

@@ -286,8 +286,6 @@ class Pipeline:
         self.is_last = index == stages - 1
         #: the stage's gradients when a schedule step starts
         self.grads: dict[nn.Parameter, torch.Tensor | None] = {}
-        #: the stage's buffers before the first schedule step (see ``_put_back_grads``)
-        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = []
         self._running = False
         self._factor = 1.0
         self._loss_fn: Callable[..., torch.Tensor] | None = None
@@ -347,11 +345,6 @@ class Pipeline:
         # are put back.
         for param, grad in self.grads.items():
             param.grad = grad
-        # Its forward ran on the received activations' shapes filled with whatever memory
-        # held, and in training mode that updated the buffers (a batch norm's running
-        # statistics): they are put back as they were before it, as one process has them.
-        for buffer, kept in self.buffers or []:
-            buffer.copy_(kept)
 
     def _guard(self, module: nn.Module, args: Any) -> None:
         if not self._running:
@@ -389,8 +382,6 @@ class Pipeline:
             )
         self.sync.begin(self.module, self.parts is not None)
         self.grads = {p: p.grad for p in self.module.parameters()}  # see _put_back_grads
-        if self.buffers == []:  # the first schedule step, which infers the shapes
-            self.buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         self._factor = factor
         self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []  # each part's, as scaled (torch's schedule fills it)
@@ -406,7 +397,6 @@ class Pipeline:
         finally:
             self._running = False
             self.grads = {}
-            self.buffers = None  # only the first schedule step infers the shapes
             self.sync.finish()
         if not self.is_last:
             return None

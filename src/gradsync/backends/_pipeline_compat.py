@@ -10,8 +10,10 @@ all-reduce in the last one, which it is told by ``last_backward``: gradsync's st
 only when the micro-step syncs) and
 ``_post_metadata_inference_cleanup`` (after the first schedule step infers the shapes with a
 real forward and backward, torch drops every gradient of the stage's FSDP2 modules; torch
-2.10 infers the shapes without running them and has no such method, nor drops anything).
-The first two are checked when a stage is made, so a torch that renamed one fails with a
+2.10 infers them with a forward only, has no such method and drops nothing), and
+``_prepare_forward_infra`` (where every torch in the range runs the shape inference's
+forward: the stage's buffers are kept before it and put back after it).
+The first three are checked when a stage is made, so a torch that renamed one fails with a
 message naming the supported versions instead of running torch's own silently (every
 schedule step reduced). What they mean is covered by tests/unit/test_compat.py (on a torch
 with the cleanup: called once, on the first step; on any: a gradient from before the first
@@ -36,6 +38,7 @@ from gradsync._support.util import require_attr
 HOOKS = (
     ("perform_reduce_grad", "end of a schedule step's backward"),
     ("backward_maybe_with_nosync", "backward of one micro-batch"),
+    ("_prepare_forward_infra", "shape inference of the first schedule step"),
 )
 #: The cleanup after shape inference (torch 2.13 on), replaced where torch has it.
 CLEANUP = "_post_metadata_inference_cleanup"
@@ -62,8 +65,9 @@ def check_hooks() -> None:
 class Stage(PipelineStage):
     """torch's stage, ending each schedule step's backward with ``end_backward()`` instead of
     torch's reduction, letting the step's last backward reduce (torch's DDP path) only when
-    ``reduces()``, and calling ``after_cleanup()`` after torch's cleanup of the first
-    schedule step's shape inference (where torch runs one)."""
+    ``reduces()``, calling ``after_cleanup()`` after torch's cleanup of the first schedule
+    step's shape inference (where torch runs one), and putting the stage's buffers back as
+    they were before the shape inference."""
 
     def __init__(
         self,
@@ -78,6 +82,26 @@ class Stage(PipelineStage):
         self._end_backward = end_backward
         self._after_cleanup = after_cleanup
         self._reduces = reduces
+        self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        # Every torch in the range infers the shapes with a forward in training mode (2.10 on
+        # zeros, 2.13 on uninitialised memory), which updates the buffers (a batch norm's
+        # running statistics) with values no real batch gave; they are put back after torch
+        # is done with that forward: after its cleanup where it has one (its backward may
+        # still need them), else at once.
+        self._kept = [(b, b.detach().clone()) for b in self.submod.buffers()]
+        try:
+            return super()._prepare_forward_infra(*args, **kwargs)
+        finally:
+            if not hasattr(PipelineStage, CLEANUP):
+                self._put_back_buffers()
+
+    def _put_back_buffers(self) -> None:
+        with torch.no_grad():
+            for buffer, kept in self._kept:
+                buffer.copy_(kept)
+        self._kept = []
 
     def backward_maybe_with_nosync(
         self, backward_type: Any, bwd_kwargs: dict[str, Any], last_backward: bool = False
@@ -97,4 +121,5 @@ class Stage(PipelineStage):
         cleanup = getattr(super(), CLEANUP, None)
         if cleanup is not None:
             cleanup()
+        self._put_back_buffers()
         self._after_cleanup()
