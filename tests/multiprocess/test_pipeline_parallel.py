@@ -99,6 +99,9 @@ SCENARIOS = {
     ),
     "ddp_oom_split": Scenario(pp.refused, backend="ddp", on_oom="split"),
     "pp2_ddp_1F1B_k4_defer": _train("1F1B", 4, "defer", backend="ddp"),
+    # a callable's two fresh nn.Sequential, each numbered from 0
+    "pp2_callable_k4_defer": _train("1F1B", 4, "defer", split="fresh"),
+    "pp2_ddp_callable_k4_defer": _train("1F1B", 4, "defer", split="fresh", backend="ddp"),
     **(
         {
             "llama_1F1B": Scenario(pp_decoder.train, dims={"pp": 2}, schedule="1F1B", samples=32),
@@ -140,6 +143,16 @@ def scenarios(folder: Path) -> dict[str, Scenario]:
         **{
             f"from_{name}": Scenario(pp.load_pipeline, dims={"pp": 2}, folder=str(folder / name))
             for name in ("whole", "sharded")
+        },
+        **{
+            f"from_whole_callable_{backend}": Scenario(
+                pp.load_pipeline,
+                dims={"pp": 2},
+                folder=str(folder / "whole"),
+                split="fresh",
+                backend=backend,
+            )
+            for backend in ("fsdp", "ddp")
         },
         **{
             f"tampered_{backend}": Scenario(
@@ -353,11 +366,13 @@ def one_process(results):
     return {name: ran[name][0] for name in loads}
 
 
-@pytest.mark.parametrize("saved", ["whole", "sharded"])
+@pytest.mark.parametrize("saved", ["whole", "sharded", "whole_callable_fsdp", "whole_callable_ddp"])
 def test_a_checkpoint_saved_without_pp_loads_into_the_pipeline(results, one_process, saved):
     """Saved by one process or by FSDP2 on dp_shard=2: each stage loads its part of the
-    parameters and the momentum, and the next two windows agree with one process's."""
-    ranks, one = results[f"from_{saved}"], one_process[saved]
+    parameters and the momentum, and the next two windows agree with one process's; the same
+    into the stages of a callable split (fresh nn.Sequential, on fsdp and ddp), which carry
+    the whole model's names."""
+    ranks, one = results[f"from_{saved}"], one_process[saved.split("_")[0]]
     assert one["steps"] == 4
     assert sorted(k for r in ranks for k in r["state"]) == sorted(one["state"])
     for r in ranks:

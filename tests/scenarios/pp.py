@@ -57,12 +57,26 @@ def by_slices(model: nn.Sequential, stages: int) -> list[nn.Module]:
     return [model[0:2], model[2:4], model[4:6], model[6:]]
 
 
+def fresh_halves(model: nn.Sequential, stages: int) -> list[nn.Module]:
+    """A callable split: two fresh ``nn.Sequential`` of ``make_seq``'s modules, cut at 4, each
+    numbering its modules from 0 (gradsync names the stages' tensors as the whole model)."""
+    assert stages == 2, stages
+    return [nn.Sequential(*model[:4]), nn.Sequential(*model[4:])]
+
+
+#: The callable splits a scenario names by a word.
+CALLABLES = {"slices": by_slices, "fresh": fresh_halves}
+
+
 def _accel(dims: dict[str, int], steps: int, policy: str, **options: Any) -> Accelerator:
     """An Accelerator for ``dims`` (with a pipeline: cut at ``SPLIT`` unless ``split`` says
-    otherwise); no dims: the same loop without a pipeline."""
+    otherwise, a word of ``CALLABLES`` naming a callable); no dims: the same loop without a
+    pipeline."""
     backend = options.pop("backend", "fsdp")
     if dims:
-        options = {"parallelism": dims, "pp_split": options.pop("split", SPLIT), **options}
+        split = options.pop("split", SPLIT)
+        split = CALLABLES.get(split, split) if isinstance(split, str) else split
+        options = {"parallelism": dims, "pp_split": split, **options}
     return Accelerator(
         backend=backend,
         gradient_accumulation_steps=steps,
@@ -92,15 +106,15 @@ def train_pp(
     per_rank: int = 1,
 ) -> dict[str, Any]:
     """The loop a user writes: one pipeline_step per micro-step inside accumulate (with
-    ``tokens``, a summed loss over the window's counted items; ``split="slices"``: the
-    callable ``by_slices``)."""
+    ``tokens``, a summed loss over the window's counted items; ``split`` a word: the callable
+    of ``CALLABLES``)."""
     options: dict[str, Any] = {"backend": backend}
     if dims:
         options.update(pp_schedule=schedule, pp_microbatches=microbatches)
         if per_rank > 1:
-            options.update(
-                pp_stages_per_rank=per_rank, split=by_slices if split == "slices" else split
-            )
+            options.update(pp_stages_per_rank=per_rank)
+        if split is not None:
+            options.update(split=split)
     if budget is not None:
         options["sync_memory_budget"] = budget
     if tokens:
@@ -298,10 +312,10 @@ def load_whole(*, folder: str, data_size: int) -> dict[str, Any]:
     return {"state": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps}
 
 
-def load_pipeline(*, dims: dict[str, int], folder: str) -> dict[str, Any]:
+def load_pipeline(*, dims: dict[str, int], folder: str, **options: Any) -> dict[str, Any]:
     """A checkpoint saved without pp loaded into a pipeline (each stage its part, momentum
     included), which then trains two windows, each data rank on its own batches."""
-    accel, model, opt = _prepared(dims, "defer")
+    accel, model, opt = _prepared(dims, "defer", **options)
     accel.load_state(folder)
     for x, y in _batches(accel, 16)[8:]:
         _step(accel, model, opt, x, y)

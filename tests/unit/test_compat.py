@@ -463,6 +463,7 @@ def test_pipeline_backward_ends_with_the_flags_gradsync_chose(tmp_path):
         schedule="1F1B",
         microbatches=2,
         sync=_pipeline_sync.FSDPSync(),
+        names=list(stage.state_dict()),
     )
     batches = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(2)]
     stage.set_requires_gradient_sync(False)

@@ -118,9 +118,19 @@ def test_a_split_inside_a_module_that_is_not_a_sequence():
         Cut(nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2)])), ["1.0"], 2)
 
 
+WB = ("weight", "bias")
+
+
 def test_a_callable_split():
     model = _seq()
-    assert Cut(model, lambda m, n: [m[0], m[3]], 2).stage(1) is model[3]
+    x = torch.randn(2, 4)
+    want = model[2](model[1](model[0](x)))
+    stage = Cut(model, lambda m, n: [nn.Sequential(m[0], m[1], m[2]), m[3]], 2).stage(0)
+    # the whole model's names, not the fresh Sequential's (numbered from 0 in both stages)
+    assert list(stage.state_dict()) == [f"{i}.{k}" for i in ("0", "2.0", "2.2") for k in WB]
+    assert torch.equal(stage(x), want)  # run by the callable's module
+    with pytest.raises(ConfigError, match=r"leaves 4 of the model's parameters in no stage"):
+        Cut(_seq(), lambda m, n: [m[0], m[3]], 2).stage(0)
     with pytest.raises(ConfigError, match="needs a list of 2 nn.Modules"):
         Cut(model, lambda m, n: [m[0]], 2)
     with pytest.raises(ConfigError, match="left stage 1 without trainable parameters"):

@@ -25,20 +25,17 @@ def is_flat(keys: Collection[str]) -> bool:
     return bool(groups) and not any(k.endswith(".params") for k in groups)
 
 
-def check_names(
-    folder: Path, own: Collection[str], whole: Sequence[str] | None, keys: Collection[str]
-) -> None:
-    """The model checkpoint in ``folder`` holds every name of ``whole`` (the whole model's,
-    which a stage was cut from; None: not known, and then this model's ``own``) and no other
-    name; one CheckpointError line otherwise, the same on every rank, before anything is read
-    (no keys: no such folder, which the read reports)."""
+def check_names(folder: Path, names: Sequence[str], keys: Collection[str]) -> None:
+    """The model checkpoint in ``folder`` holds every name of ``names`` (the whole model's,
+    which a stage was cut from: the same on every rank) and no other name; one
+    CheckpointError line otherwise, the same on every rank, before anything is read (no keys:
+    no such folder, which the read reports)."""
     if not keys:
         return
     saved = [k.removeprefix("model.") for k in keys if k.startswith("model.")]
-    names = own if whole is None else whole  # the whole model's: the same on every rank
     known, held = set(names), set(saved)
     missing = [n for n in names if n not in held]
-    unexpected = [] if whole is None else [n for n in saved if n not in known]
+    unexpected = [n for n in saved if n not in known]
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint {str(folder)!r} holds another model: missing {missing[:5]}, "

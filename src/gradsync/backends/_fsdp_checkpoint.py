@@ -260,7 +260,7 @@ def load(
         state, folder = _model_state(model), path / f"dcp_{i}"
         whole = _pipeline.whole_names(model) if _pipeline.is_stage(model) else list(state["model"])
         keys = _keys(folder, trusted=trusted, allowed=allowed)
-        _dcp_forms.check_names(folder, list(state["model"]), whole, keys)
+        _dcp_forms.check_names(folder, whole, keys)
         _read(folder, state, "model", trusted=trusted, allowed=allowed)
         model_states.append(state)
     optim_states = []

@@ -19,9 +19,9 @@ schedule step ends (the flags above) once the last of them has ended its backwar
 The split: ``pp_split`` names the module paths where each stage after the first begins, in an
 ``nn.Sequential`` model (nested ``nn.Sequential`` steps are opened where a path points into
 them) or a Transformers decoder (``"model.layers.4"``: ``_pipeline_decoder``), or is a callable
-``(model, num_stages) -> stage modules``. Every rank keeps only its own stage: the other
-steps are removed from their ``nn.Sequential`` parents, so the stage's parameter names are
-the whole model's. A decoder's ``inputs`` may be a mapping with its padding mask, which
+``(model, num_stages) -> stage modules`` made of the model's own modules. Every rank keeps
+only its own stage: the other steps are removed from their parents, so the stage's
+parameter names are the whole model's (a callable's stage is run by its module). A decoder's ``inputs`` may be a mapping with its padding mask, which
 every rank has (each is given the micro-batch) and hands to its stages as a keyword.
 """
 
@@ -104,9 +104,9 @@ def is_stage(model: nn.Module) -> bool:
     return isinstance(getattr(model, _ATTRIBUTE, None), Pipeline)
 
 
-def whole_names(stage: nn.Module) -> list[str] | None:
+def whole_names(stage: nn.Module) -> list[str]:
     """The state dict names of the whole model a prepared ``stage`` was cut from (a stage
-    keeps them); None for a callable split, whose stages name their own."""
+    keeps them)."""
     return of(stage).names
 
 
@@ -208,10 +208,11 @@ class Cut:
             self._steps = _cuts(model, list(split), stages)
 
     def stage(self, index: int) -> nn.Module:
-        """Stage ``index``: the callable's module, or the model with every other stage's
-        steps removed (the parameter names stay the whole model's)."""
+        """Stage ``index``: the model with every other stage's modules removed (the parameter
+        names stay the whole model's), run by the callable's module where one made it."""
         if self._made is not None:
-            return self._made[index]
+            root, _, runs = self.keep([index])
+            return _pipeline_parts.Named(root, runs[0])
         if self._bounds:
             return _pipeline_decoder.stage(self._model, self._bounds, index)
         return self.keep([index])[0]
@@ -273,11 +274,11 @@ class Pipeline:
         sync: StageSync,
         parts: list[nn.Module] | None = None,
         masked: bool = False,
-        names: list[str] | None = None,
+        names: list[str],
     ) -> None:
         self.module = module
         self.sync = sync  # the data-parallel side: the wrapper's flags around a schedule step
-        #: the whole model's state dict names (None: a callable split's stages)
+        #: the whole model's state dict names
         self.names = names
         self.index = index
         self.stages = stages
@@ -442,8 +443,8 @@ class Settings:
         self._mesh: Any = None  # the named mesh (bind)
         #: ids of the parameters of the other stages (``stage``): they leave the optimizer
         self.dropped: set[int] = set()
-        #: the whole model's state dict names (``stage``; None for a callable split)
-        self.names: list[str] | None = None
+        #: the whole model's state dict names (``stage``)
+        self.names: list[str] = []
         self.group: Any = None  # the pipeline's process group (bind)
 
     @classmethod
@@ -482,7 +483,7 @@ class Settings:
         check_microbatches(self.microbatches, plan.micro_batch_size, self.stages)
         cut = Cut(model, self.split, self.stages * self.per_rank)
         self.masked = cut.is_decoder
-        self.names = None if callable(self.split) else list(model.state_dict())
+        self.names = list(model.state_dict())
         model.to(device)
         _group.broadcast_from_rank0(model)
         every = {id(p) for p in model.parameters()}

@@ -1,6 +1,6 @@
-"""Several pipeline stages on one rank (``pp_stages_per_rank`` V > 1) from stage modules that
-share the model's parameters: a callable split's modules, or the parts of a Transformers
-decoder (``_pipeline_decoder.parts``).
+"""Pipeline stages from stage modules that share the model's parameters: a callable split's
+modules, or the parts of a Transformers decoder (``_pipeline_decoder.parts``), several on one
+rank (``pp_stages_per_rank`` V > 1) or one (a callable split's stage, run by ``Named``).
 
 The rank's root is the model itself with every module of the other ranks' stages removed,
 so its parameter names are the whole model's (a checkpoint reshards to one process by
@@ -11,13 +11,32 @@ root never runs forward, so no stage parameter may be left to the root's own uni
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 
 from gradsync.errors import ConfigError
 
-__all__ = ["keep"]
+__all__ = ["Named", "keep"]
+
+
+class Named(nn.Module):
+    """One stage of a callable split, named as in the whole model: it holds the model's root
+    (the other stages removed) under the root's own names, so its state dict names are the
+    whole model's (two stages' fresh ``nn.Sequential`` would both be numbered from 0), and its
+    forward runs the stage's module."""
+
+    _run: Callable[..., Any]
+
+    def __init__(self, root: nn.Module, run: nn.Module) -> None:
+        super().__init__()
+        for attr in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+            object.__setattr__(self, attr, getattr(root, attr))
+        object.__setattr__(self, "_run", run)  # not a child: its modules are the root's
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run(*args, **kwargs)
 
 
 def _ids(module: nn.Module) -> set[int]:
@@ -41,9 +60,14 @@ def keep(
                 )
     if not owner.keys() <= _ids(model):
         raise ConfigError(
-            f"{what} made a stage with parameters that are not the model's; with "
-            "pp_stages_per_rank > 1 each stage must be made of the model's own modules "
-            "(submodules, or an nn.Sequential slice of them)"
+            f"{what} made a stage with parameters that are not the model's; each stage must "
+            "be made of the model's own modules (submodules, or an nn.Sequential slice of them)"
+        )
+    left = [n for n, p in model.named_parameters() if id(p) not in owner]
+    if left:
+        raise ConfigError(
+            f"{what} leaves {len(left)} of the model's parameters in no stage ({left[0]!r} "
+            "first), which the pipeline would never run; give every module to a stage"
         )
     others = {i for i, s in owner.items() if s not in indices}
     _prune(model, others)
