@@ -7,6 +7,7 @@ Nothing here runs in a worker: the scenarios (``scenarios.*``) record, this modu
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -287,16 +288,20 @@ def pipeline_reference(
 def assert_pipeline_matches_one_process(
     rank_results: list[dict[str, Any]], *, samples: int, tolerance: float = 1e-5, **kwargs: Any
 ) -> dict[str, Any]:
-    """Every stage's parameters equal the same parameters of one process on the same global
-    windows; the stages hold the whole model between them; the loss comes back on the last
-    stage only."""
+    """Every rank's ``get_state_dict`` (the whole model, gathered from the stages) equals one
+    process's on the same global windows; the stages hold the whole model between them; the
+    loss comes back on the last stage only."""
     ref = pipeline_reference(rank_results, samples=samples, **kwargs)
     held: set[str] = set()
     for r in rank_results:
         assert r["optimizer_steps"] == len(r["windows"]) > 0
-        assert set(r["state"]) <= set(ref["state"]), sorted(r["state"])
-        held |= set(r["state"])
-        diff = max_diff(r["state"], {k: ref["state"][k] for k in r["state"]})
+        assert set(r["state"]) == set(ref["state"]), sorted(set(r["state"]) ^ set(ref["state"]))
+        if "held" in r:  # the stage's own names (a pipeline)
+            assert set(r["held"]) <= set(ref["state"]), r["held"]
+            held |= set(r["held"])
+        else:
+            held |= set(r["state"])
+        diff = max_diff(r["state"], ref["state"])
         assert diff < tolerance, (r["stage"], r["data_rank"], diff)
         last = r["stage"] == max(q["stage"] for q in rank_results)
         assert all((loss is not None) == last for loss in r["losses"])
@@ -305,6 +310,26 @@ def assert_pipeline_matches_one_process(
             assert abs(got - want) < 1e-5 if last else math.isnan(got), (got, want)
     assert held == set(ref["state"])
     return ref
+
+
+def assert_saves_the_whole_model(
+    rank_results: list[dict[str, Any]], folder: Path, backend: str
+) -> None:
+    """``scenarios.pp.save_model``'s ranks: each rank's ``get_state_dict`` holds the whole
+    model (``make_seq``'s names), the same on every rank, and so does the file rank 0 wrote
+    into ``folder / f"model-{backend}"``; each rank's own stage holds a part of it."""
+    from scenarios.pp import make_seq
+
+    names = list(make_seq().state_dict())
+    first = rank_results[0]["state"]
+    assert list(first) == names, list(first)
+    written = torch.load(folder / f"model-{backend}" / "pytorch_model.bin", weights_only=True)
+    assert list(written) == names, list(written)
+    assert max_diff({k: v.tolist() for k, v in written.items()}, first) == 0
+    for r in rank_results:
+        assert r["state"] == first
+        assert set(r["held"]) < set(names), r["held"]
+    assert set().union(*(r["held"] for r in rank_results)) == set(names)
 
 
 def assert_decoder_pipeline_matches_one_process(
@@ -320,8 +345,9 @@ def assert_decoder_pipeline_matches_one_process(
     for r in rank_results:
         assert r["optimizer_steps"] == len(r["windows"]) == 2, r["windows"]
         assert r["policy"] == "defer"
-        assert set(r["state"]) <= set(ref), sorted(set(r["state"]) - set(ref))
-        held |= set(r["state"])
-        diff = max_diff(r["state"], {k: ref[k] for k in r["state"]})
+        assert set(r["state"]) == set(ref), sorted(set(r["state"]) ^ set(ref))  # the whole
+        assert set(r["held"]) <= set(ref), r["held"]  # this rank's stage
+        held |= set(r["held"])
+        diff = max_diff(r["state"], ref)
         assert diff < tolerance, (r["stage"], r["data_rank"], diff)
     assert held == set(ref)

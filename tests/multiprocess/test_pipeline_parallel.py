@@ -22,6 +22,7 @@ from harness import Scenario, Shared, run_scenarios
 from harness.checks import (
     assert_decoder_pipeline_matches_one_process,
     assert_pipeline_matches_one_process,
+    assert_saves_the_whole_model,
     max_diff,
 )
 from scenarios import pp, pp_decoder
@@ -155,6 +156,21 @@ def scenarios(folder: Path) -> dict[str, Scenario]:
             for backend in ("fsdp", "ddp")
         },
         **{
+            f"save_model_{backend}": Scenario(
+                pp.save_model,
+                dims={"pp": 2},
+                folder=str(folder / f"model-{backend}"),
+                backend=backend,
+            )
+            for backend in ("fsdp", "ddp")
+        },
+        **{
+            f"accelerate_{backend}": Scenario(
+                pp.accelerate_layout, folder=str(folder / f"accelerate-{backend}"), backend=backend
+            )
+            for backend in ("fsdp", "ddp")
+        },
+        **{
             f"tampered_{backend}": Scenario(
                 pp.tampered_load,
                 dims={"pp": 2},
@@ -204,7 +220,7 @@ def test_a_token_weighted_loss_equals_one_process(results, schedule):
 def test_interleaved_ranks_hold_two_stages_each(results, split):
     """Module paths or a callable's four slices: rank 0 runs stages 0 and 2, rank 1 1 and 3."""
     for r in results[f"pp2_interleaved{split}_k4_defer"]:
-        layers = sorted({name.split(".")[0] for name in r["state"]})
+        layers = sorted({name.split(".")[0] for name in r["held"]})
         assert layers == (["0", "4"] if r["stage"] == 0 else ["2", "6"]), (r["stage"], layers)
 
 
@@ -221,9 +237,9 @@ def test_an_interleaved_llama_split_by_layer_names_equals_one_process(results):
     ranks = results["llama_interleaved"]
     assert_decoder_pipeline_matches_one_process(ranks, samples=32)
     for r in ranks:  # rank 0: the embedding and layers 0, 2; rank 1: layers 1, 3 and the head
-        layers = sorted({n.split(".")[2] for n in r["state"] if n.startswith("model.layers.")})
+        layers = sorted({n.split(".")[2] for n in r["held"] if n.startswith("model.layers.")})
         assert layers == (["0", "2"] if r["stage"] == 0 else ["1", "3"]), layers
-        assert any(n.startswith("lm_head") for n in r["state"]) == (r["stage"] == 1)
+        assert any(n.startswith("lm_head") for n in r["held"]) == (r["stage"] == 1)
 
 
 @pytest.mark.skipif(not HF, reason="needs transformers (the hf extra)")
@@ -374,10 +390,28 @@ def test_a_checkpoint_saved_without_pp_loads_into_the_pipeline(results, one_proc
     the whole model's names."""
     ranks, one = results[f"from_{saved}"], one_process[saved.split("_")[0]]
     assert one["steps"] == 4
-    assert sorted(k for r in ranks for k in r["state"]) == sorted(one["state"])
-    for r in ranks:
+    for r in ranks:  # get_state_dict: the whole model on every rank
+        assert sorted(r["state"]) == sorted(one["state"])
         assert r["steps"] == 4
         assert max_diff(r["state"], {k: one["state"][k] for k in r["state"]}) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "ddp"])
+def test_save_model_writes_every_stage(results, backend):
+    """``save_model`` and ``get_state_dict`` on a pipeline: the whole model, gathered from
+    both stages, on every rank and in rank 0's file, under the whole model's names."""
+    assert_saves_the_whole_model(results[f"save_model_{backend}"], results.folder, backend)
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "ddp"])
+def test_gradsync_accelerate_saves_a_pipeline_in_gradsyncs_format_only(results, backend):
+    """Accelerate has no pipeline to resume: no Accelerate layout (one warning on rank 0,
+    saying why), gradsync's checkpoint, which a fresh pipeline loads back."""
+    ranks = results[f"accelerate_{backend}"]
+    first = ranks[0]
+    assert len(first["warnings"]) == 1 and "without a pipeline (pp)" in first["warnings"][0]
+    assert not any(f.startswith(("model", "optimizer", "pytorch_model")) for f in first["files"])
+    assert all(r["same"] for r in ranks)
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "ddp"])

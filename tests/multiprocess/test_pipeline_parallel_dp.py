@@ -26,6 +26,7 @@ from harness import Scenario, Shared, run_scenarios
 from harness.checks import (
     assert_decoder_pipeline_matches_one_process,
     assert_pipeline_matches_one_process,
+    assert_saves_the_whole_model,
     max_diff,
 )
 from scenarios import pp, pp_decoder
@@ -115,6 +116,12 @@ SCENARIOS = {
         per_rank=2,
     ),
     "save": Scenario(pp.save_at_boundary, dims=DIMS, folder=str(FOLDER / "boundary")),
+    "save_model_fsdp": Scenario(
+        pp.save_model, dims=DIMS, folder=str(FOLDER / "model-fsdp"), backend="fsdp"
+    ),
+    "save_model_ddp": Scenario(
+        pp.save_model, dims=REPLICATE, folder=str(FOLDER / "model-ddp"), backend="ddp"
+    ),
     **{name: _train(s, k, p, dims=REPLICATE, backend="ddp") for name, (s, k, p) in DDP.items()},
     "ddp_clip": _train("1F1B", 4, "defer", dims=REPLICATE, backend="ddp", clip=CLIP),
     "ddp_drop_defer": _train("1F1B", 4, "defer", dims=REPLICATE, backend="ddp", raise_at=(1, 1)),
@@ -254,7 +261,7 @@ def test_interleaved_ranks_hold_two_stages_each(results):
     """pp 2 x 2 stages per rank: the steps cut at "2", "4", "6" are stages 0-3; rank 0 of
     the pipeline runs stages 0 and 2, rank 1 stages 1 and 3."""
     for r in results["pp2s2_Interleaved1F1B_k4_defer"]:
-        layers = sorted({name.split(".")[0] for name in r["state"]})
+        layers = sorted({name.split(".")[0] for name in r["held"]})
         assert layers == (["0", "4"] if r["stage"] == 0 else ["2", "6"]), (r["stage"], layers)
 
 
@@ -335,6 +342,13 @@ def test_a_checkpoint_saved_without_pp_loads_into_the_pipeline(results, one_proc
         assert max_diff(r["state"], {k: one["state"][k] for k in r["state"]}) < 1e-5
 
 
+@pytest.mark.parametrize("backend", ["fsdp", "ddp"])
+def test_save_model_writes_every_stage_and_shard(results, backend):
+    """pp 2 x dp_shard 2 (each stage's shards gathered, then both stages) and pp 2 x
+    dp_replicate 2: the whole model on every rank and in rank 0's file."""
+    assert_saves_the_whole_model(results[f"save_model_{backend}"], FOLDER, backend)
+
+
 def test_a_checkpoint_the_pipeline_cannot_load_is_one_line(results):
     for r in results["refused"]:
         single, other = (r[str(results.folder / n)] for n in ("single", "other"))
@@ -388,7 +402,7 @@ def test_ddp_stages_all_reduce_after_every_schedule_step_under_every_step(result
 def test_ddp_stages_each_hold_their_part_and_read_as_the_mesh_says(results):
     ranks = results["ddp_1F1B_k4_defer"]
     assert [(r["stage"], r["data_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    layers = {r["stage"]: sorted({k.split(".")[0] for k in r["state"]}) for r in ranks}
+    layers = {r["stage"]: sorted({k.split(".")[0] for k in r["held"]}) for r in ranks}
     assert layers == {0: ["0", "2"], 1: ["4", "6"]}
     assert all(r["opt_params"] == 4 for r in ranks)  # the other stage's left the optimizer
 

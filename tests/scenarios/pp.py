@@ -167,7 +167,8 @@ def train_pp(
         "losses": losses,
         "norms": norms,
         "optimizer_steps": accel.optimizer_steps,
-        "state": to_lists(accel.get_state_dict(model)),
+        "state": to_lists(accel.get_state_dict(model)),  # the whole model's, on every rank
+        "held": sorted(accel.unwrap_model(model).state_dict()),  # this rank's stage's names
         "stage": mesh.get_local_rank("pp") if dims else 0,
         "data_rank": backend.data_parallel.rank,
         "data_size": backend.data_parallel.size,
@@ -296,6 +297,52 @@ def save_at_boundary(
     for x, y in data[8:]:
         _step(accel, model, opt, x, y)
     return {"state": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps}
+
+
+def save_model(*, dims: dict[str, int], folder: str, backend: str) -> dict[str, Any]:
+    """Two windows on a pipeline, then ``save_model`` on every rank (``pytorch_model.bin``):
+    rank 0 writes the whole model, gathered from the stages (each over its data ranks)."""
+    accel, model, opt = _prepared(dims, "defer", backend=backend)
+    for x, y in _batches(accel, 8):
+        _step(accel, model, opt, x, y)
+    accel.save_model(model, folder, safe_serialization=False)
+    return {
+        "state": to_lists(accel.get_state_dict(model)),
+        "held": sorted(accel.unwrap_model(model).state_dict()),
+    }
+
+
+def accelerate_layout(*, folder: str, backend: str) -> dict[str, Any]:
+    """``gradsync.accelerate``'s save_state on a pipeline: Accelerate has no pipeline to
+    resume, so only gradsync's checkpoint is written, with a warning saying why; a fresh
+    pipeline's load_state reads it back."""
+    from gradsync.accelerate import Accelerator as Shim
+
+    def prepared() -> tuple[Any, Any, Any]:
+        accel = Shim(
+            backend=backend,
+            gradient_accumulation_steps=2,
+            parallelism={"pp": 2},
+            pp_split=SPLIT,
+            pp_microbatches=2,
+            seed=0,
+        )
+        raw = make_seq()
+        return accel, *accel.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.05))
+
+    accel, model, opt = prepared()
+    for x, y in _batches(accel, 4):
+        _step(accel, model, opt, x, y)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        accel.save_state(folder)
+    fresh, model2, _ = prepared()
+    fresh.load_state(folder)
+    return {
+        "warnings": [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)],
+        "files": sorted(p.name for p in Path(folder).iterdir()),
+        "same": to_lists(accel.get_state_dict(model)) == to_lists(fresh.get_state_dict(model2)),
+    }
 
 
 def load_whole(*, folder: str, data_size: int) -> dict[str, Any]:

@@ -129,7 +129,8 @@ def train(
     backend = accel._backend  # type: ignore[attr-defined]
     return {
         "windows": windows,
-        "state": to_lists(accel.get_state_dict(model)),
+        "state": to_lists(accel.get_state_dict(model)),  # the whole model's, on every rank
+        "held": sorted(accel.unwrap_model(model).state_dict()),  # this rank's stage's names
         "stage": accel.mesh.get_local_rank("pp"),
         "data_rank": backend.data_parallel.rank,
         "data_size": backend.data_parallel.size,

@@ -144,7 +144,8 @@ def write(parts: Parts, folder: Path, safe_serialization: bool = True) -> None:
             warnings.warn(
                 f"gradsync.accelerate: backend={backend.name!r} writes gradsync's checkpoint "
                 "format only, which Accelerate cannot resume; Accelerate's layout is written "
-                "on backend single, ddp, fsdp and deepspeed",
+                "on backend single, ddp, fsdp and deepspeed, without a pipeline (pp), which "
+                "Accelerate has not",
                 RuntimeWarning,
                 stacklevel=2,
             )

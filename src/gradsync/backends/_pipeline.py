@@ -61,6 +61,7 @@ __all__ = [
     "of",
     "stage_plan",
     "whole_names",
+    "whole_state",
 ]
 
 #: The attribute of a prepared stage module that holds its pipeline (a reference cycle, freed
@@ -108,6 +109,17 @@ def whole_names(stage: nn.Module) -> list[str]:
     """The state dict names of the whole model a prepared ``stage`` was cut from (a stage
     keeps them)."""
     return of(stage).names
+
+
+def whole_state(stage: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """The whole model's state dict from each stage's ``state`` (on the CPU): gathered over
+    the pipeline's group, on every rank (a collective), in the whole model's order."""
+    pipeline = of(stage)
+    parts: list[Any] = [None] * torch.distributed.get_world_size(pipeline.group)
+    torch.distributed.all_gather_object(parts, state, group=pipeline.group)
+    merged = {k: v for part in parts for k, v in part.items()}
+    order = [k for k in pipeline.names if k in merged]
+    return {k: merged[k] for k in order + sorted(merged.keys() - set(order))}
 
 
 def check_microbatches(microbatches: int, micro_batch_size: int | None, stages: int) -> None:
@@ -277,6 +289,7 @@ class Pipeline:
         names: list[str],
     ) -> None:
         self.module = module
+        self.group = group  # the pipeline's process group
         self.sync = sync  # the data-parallel side: the wrapper's flags around a schedule step
         #: the whole model's state dict names
         self.names = names

@@ -78,6 +78,7 @@ class DDPBackend(AdapterDefaults):
             self._pp.build(self._device)
             # Each stage writes its own part through torch.distributed.checkpoint.
             setattr(self, "checkpoint_format", "dcp")  # noqa: B010 (a ClassVar elsewhere)
+            self.accelerate_layout = ""  # Accelerate has no pipeline to resume
         self._hook = _ddp_comm.settings(config, self._device)
         # At the boundary every rank holds the same all-reduced gradients, which carry any
         # rank's inf/NaN: each rank's own check sees the same overflow, no extra collective.
@@ -201,6 +202,10 @@ class DDPBackend(AdapterDefaults):
     def forward_gathers(self, module: torch.nn.Module) -> bool:
         # The first forward after a synchronised one broadcasts the buffers from rank 0.
         return isinstance(module, DDP) and module.will_sync_module_buffers()
+
+    def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        state = super().state_dict(model)  # a pipeline: this rank's stage, then every stage's
+        return _pipeline.whole_state(model, state) if self._pp is not None else state
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         model = _torch_compat.uncompiled(model)  # compiled after prepare, or before it

@@ -218,6 +218,8 @@ class FSDPBackend(AdapterDefaults):
             )
         self._tp_plan = config.tp_plan
         self._pp = _pipeline.Settings.of(config, dims)
+        if self._pp is not None:
+            self.accelerate_layout = ""  # Accelerate has no pipeline to resume
         return dims
 
     def _build_nd_mesh(self, dims: nd_mesh.Parallelism) -> DeviceMesh:
@@ -483,8 +485,10 @@ class FSDPBackend(AdapterDefaults):
         return _torch_compat.uncompiled(model.module if isinstance(model, FSDP1) else model)
 
     def state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """The full state dict on CPU, on every rank (each tensor gathered in turn)."""
-        return _fsdp_checkpoint.full_state_dict(_torch_compat.uncompiled(model), self._device)
+        """The full state dict on CPU, on every rank (each tensor gathered in turn; a
+        pipeline's stages then gathered over the pipeline group)."""
+        state = _fsdp_checkpoint.full_state_dict(_torch_compat.uncompiled(model), self._device)
+        return _pipeline.whole_state(model, state) if self._pp is not None else state
 
     def save(
         self,
