@@ -116,6 +116,7 @@ SCENARIOS = {
         per_rank=2,
     ),
     "save": Scenario(pp.save_at_boundary, dims=DIMS, folder=str(FOLDER / "boundary")),
+    "mid_other_split": Scenario(pp.refused_mid_other_split, folder=str(FOLDER / "mid-pp4")),
     "save_model_fsdp": Scenario(
         pp.save_model, dims=DIMS, folder=str(FOLDER / "model-fsdp"), backend="fsdp"
     ),
@@ -347,6 +348,16 @@ def test_save_model_writes_every_stage_and_shard(results, backend):
     """pp 2 x dp_shard 2 (each stage's shards gathered, then both stages) and pp 2 x
     dp_replicate 2: the whole model on every rank and in rank 0's file."""
     assert_saves_the_whole_model(results[f"save_model_{backend}"], FOLDER, backend)
+
+
+def test_a_mid_window_checkpoint_of_another_split_is_refused_on_every_rank(results):
+    """pp 4, the last two stages cut elsewhere than when saved: their ranks find other
+    parameters, and the first two ranks, whose stages match, refuse too (naming the rank that
+    found it) instead of waiting alone in the collective read."""
+    errors = [r["error"] for r in results["mid_other_split"]]
+    assert all(e and "saved mid-window with other parameters" in e for e in errors), errors
+    assert errors[0] == errors[1] and errors[0].startswith("rank 2: "), errors
+    assert not errors[2].startswith("rank ") and "\n" not in errors[0], errors
 
 
 def test_a_checkpoint_the_pipeline_cannot_load_is_one_line(results):

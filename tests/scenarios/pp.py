@@ -345,6 +345,30 @@ def accelerate_layout(*, folder: str, backend: str) -> dict[str, Any]:
     }
 
 
+def refused_mid_other_split(*, folder: str) -> dict[str, Any]:
+    """pp 4 over ``make_seq`` with a fifth Linear, saved mid-window cut at 2, 4, 6 and loaded
+    cut at 2, 4, 7: stages 0 and 1 hold the same parameters as when saved, stages 2 and 3
+    others. Every rank refuses (none goes on alone to the collective read, which would hang)."""
+    from gradsync import CheckpointError
+
+    def prepared(split: list[str]) -> tuple[Accelerator, Any, Any]:
+        accel = _accel({"pp": 4}, 4, "defer", pp_microbatches=4, split=split)
+        raw = make_seq()
+        raw.append(nn.Linear(1, 1))
+        return accel, *accel.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.05))
+
+    accel, model, opt = prepared(["2", "4", "6"])
+    for x, y in _batches(accel, 2):
+        _step(accel, model, opt, x, y)
+    accel.save_state(folder)
+    fresh, _, _ = prepared(["2", "4", "7"])
+    try:
+        fresh.load_state(folder)
+    except CheckpointError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
+
 def load_whole(*, folder: str, data_size: int) -> dict[str, Any]:
     """That checkpoint loaded into the whole model in one process (parameters and the
     optimizer's momentum), which then trains the same two windows on the global batches."""

@@ -11,8 +11,9 @@ a ``Held`` marked ``legacy`` is read from there."""
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +201,26 @@ def _keys(folder: Path, *, trusted: bool, allowed: Callable[[str], bool] | None)
         ) from None
 
 
+@contextlib.contextmanager
+def _together() -> Iterator[None]:
+    """An error raised inside the block on any rank is raised on every rank when it ends
+    (the first such rank's, as a CheckpointError line naming that rank on the others), so that
+    no rank goes on alone to a collective read the others never reach (a hang). The block
+    holds no collective."""
+    mine: Exception | None = None
+    try:
+        yield
+    except Exception as err:
+        mine = err
+    line = None if mine is None else f"{type(mine).__name__}: {one_line(mine)}"
+    found = dist.all_gather_object(str(mine) if isinstance(mine, CheckpointError) else line)
+    if mine is not None:
+        raise mine
+    rank, first = next(((r, p) for r, p in enumerate(found) if p is not None), (None, None))
+    if first is not None:
+        raise CheckpointError(f"rank {rank}: {first}")
+
+
 def _read(
     folder: Path,
     state: dict[str, Any],
@@ -242,37 +263,42 @@ def load(
 ) -> None:
     if allowed is None:  # the globals gradsync's own checkpoints may name, never none
         allowed = safety.allow_list().__contains__
-    window = (
-        load_file(path / f"window_rank{dist.rank()}.pt", trusted=trusted) if window_open else None
-    )
-    for model, saved in zip(models, window or []):
-        names = [name for name, _ in model.named_parameters()]
-        if saved.get("names", names) != names:  # older files name nothing
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} was saved mid-window with other parameters on this "
-                f"rank ({len(saved['names'])} vs {len(names)} here: another pipeline split or "
-                "none); its window gradients resume only on the same parallelism: resume with "
-                "it, or from a checkpoint saved at a boundary"
-            )
     # Read everything before anything is set: a file that does not fit changes nothing.
-    model_states = []
-    for i, model in enumerate(models):
-        state, folder = _model_state(model), path / f"dcp_{i}"
-        whole = _pipeline.whole_names(model) if _pipeline.is_stage(model) else list(state["model"])
-        keys = _keys(folder, trusted=trusted, allowed=allowed)
-        _dcp_forms.check_names(folder, whole, keys)
-        _read(folder, state, "model", trusted=trusted, allowed=allowed)
-        model_states.append(state)
+    model_states = [_model_state(model) for model in models]
+    with _together():  # this rank's files and names, checked before the first collective read
+        window = (
+            load_file(path / f"window_rank{dist.rank()}.pt", trusted=trusted)
+            if window_open
+            else None
+        )
+        for model, saved in zip(models, window or []):
+            names = [name for name, _ in model.named_parameters()]
+            if saved.get("names", names) != names:  # older files name nothing
+                raise CheckpointError(
+                    f"checkpoint {str(path)!r} was saved mid-window with other parameters on "
+                    f"this rank ({len(saved['names'])} vs {len(names)} here: another pipeline "
+                    "split or none); its window gradients resume only on the same "
+                    "parallelism: resume with it, or from a checkpoint saved at a boundary"
+                )
+        for i, (model, state) in enumerate(zip(models, model_states, strict=True)):
+            stage = _pipeline.is_stage(model)
+            whole = _pipeline.whole_names(model) if stage else list(state["model"])
+            folder = path / f"dcp_{i}"
+            _dcp_forms.check_names(folder, whole, _keys(folder, trusted=trusted, allowed=allowed))
+    for i, state in enumerate(model_states):
+        _read(path / f"dcp_{i}", state, "model", trusted=trusted, allowed=allowed)
     optim_states = []
     for held in optimizers:
         folder, stage = _folder(path, held), _pipeline.is_stage(_holder(models, held))
-        keys = _keys(folder, trusted=trusted, allowed=allowed)
+        with _together():
+            keys = _keys(folder, trusted=trusted, allowed=allowed)
         saved_flat = _dcp_forms.is_flat(keys)
         state = _optim_state(models, held, stage or saved_flat)
         if stage and not saved_flat:  # saved without pp: read this stage's part of it
             mine = _dcp_forms.nested_request(state["optim"], keys)
             _read(folder, {"optim": mine}, "optimizer", trusted=trusted, allowed=allowed)
-            state = {"optim": _dcp_forms.flattened(mine, state["optim"], folder)}
+            with _together():
+                state = {"optim": _dcp_forms.flattened(mine, state["optim"], folder)}
         else:
             _read(folder, state, "optimizer", trusted=trusted, allowed=allowed)
         optim_states.append((state, stage or saved_flat))
