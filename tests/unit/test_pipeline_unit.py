@@ -129,7 +129,9 @@ def test_a_callable_split():
     # the whole model's names, not the fresh Sequential's (numbered from 0 in both stages)
     assert list(stage.state_dict()) == [f"{i}.{k}" for i in ("0", "2.0", "2.2") for k in WB]
     assert torch.equal(stage(x), want)  # run by the callable's module
-    with pytest.raises(ConfigError, match=r"leaves 4 of the model's parameters in no stage"):
+    with pytest.raises(
+        ConfigError, match=r"leaves 4 of the model's parameters and buffers in no stage"
+    ):
         Cut(_seq(), lambda m, n: [m[0], m[3]], 2).stage(0)
     with pytest.raises(ConfigError, match="needs a list of 2 nn.Modules"):
         Cut(model, lambda m, n: [m[0]], 2)
@@ -236,11 +238,30 @@ def test_a_callable_split_with_several_stages_per_rank_keeps_the_models_names():
         "3.bias",
         "3.weight",
     ]
-    first, last = model.get_submodule("2"), model.get_submodule("3")  # "2" keeps only 2.0
+    first, last = model.get_submodule("2"), model.get_submodule("3")  # "2" keeps 2.0, 2.1
     assert steps == [[first], [last]] and runs[1][0] is last
+    # what the kept stages run and nothing else: stage 0's Tanh "1" and 2.2 are gone too
+    assert [n for n, _ in root.named_modules()] == ["", "2", "2.0", "2.1", "3"]
     foreign = lambda m, n: [m[0:2], nn.Linear(4, 4), m[2][2:], m[3:]]  # noqa: E731
     with pytest.raises(ConfigError, match="parameters that are not the model's"):
         Cut(_seq(), foreign, 4).keep([0, 2])
+
+
+def test_a_callable_splits_stage_holds_its_own_buffers_only():
+    """Batch norms without parameters: each stage keeps its own running statistics, not the
+    other stage's (which only the other rank updates); a buffer no stage runs is refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False), nn.Linear(4, 4),
+        nn.BatchNorm1d(4, affine=False), nn.Linear(4, 1),
+    )  # fmt: skip
+    stage = Cut(model, lambda m, n: [m[0:2], m[2:]], 2).stage(0)
+    norm = ("running_mean", "running_var", "num_batches_tracked")
+    assert list(stage.state_dict()) == ["0.weight", "0.bias", *(f"1.{b}" for b in norm)]
+    model = _seq()
+    model.register_buffer("scale", torch.ones(1))
+    with pytest.raises(ConfigError, match=r"no stage \('scale' first\)"):
+        Cut(model, lambda m, n: [m[0:2], m[2:]], 2).stage(1)
 
 
 def _llama():

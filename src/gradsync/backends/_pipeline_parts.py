@@ -46,10 +46,11 @@ def _ids(module: nn.Module) -> set[int]:
 def keep(
     model: nn.Module, runs: Sequence[nn.Module], indices: Sequence[int], what: str
 ) -> list[list[nn.Module]]:
-    """Remove from ``model`` every module whose parameters belong to the stages not in
-    ``indices`` (``runs[s]`` runs stage s); return the steps of each kept stage, in the
-    order of ``indices``. One ConfigError line (``what`` names the split) when a parameter
-    belongs to two stages, is not the model's, or shares a module with another stage's."""
+    """Remove from ``model`` every module that the stages in ``indices`` do not run
+    (``runs[s]`` runs stage s); return the steps of each kept stage, in the order of
+    ``indices``. One ConfigError line (``what`` names the split) when a parameter belongs to
+    two stages, is not the model's, or shares a module with another stage's, or a parameter
+    or buffer of the model is in no stage."""
     owner: dict[int, int] = {}
     for s, run in enumerate(runs):
         for p in run.parameters():
@@ -63,14 +64,17 @@ def keep(
             f"{what} made a stage with parameters that are not the model's; each stage must "
             "be made of the model's own modules (submodules, or an nn.Sequential slice of them)"
         )
-    left = [n for n, p in model.named_parameters() if id(p) not in owner]
+    run_tensors = {id(t) for run in runs for t in (*run.parameters(), *run.buffers())}
+    named = [*model.named_parameters(), *model.named_buffers()]
+    left = [n for n, t in named if id(t) not in run_tensors]
     if left:
         raise ConfigError(
-            f"{what} leaves {len(left)} of the model's parameters in no stage ({left[0]!r} "
-            "first), which the pipeline would never run; give every module to a stage"
+            f"{what} leaves {len(left)} of the model's parameters and buffers in no stage "
+            f"({left[0]!r} first), which the pipeline would never run; give every module to "
+            "a stage"
         )
     others = {i for i, s in owner.items() if s not in indices}
-    _prune(model, others)
+    _prune(model, {id(m) for i in indices for m in runs[i].modules()})
     if _ids(model) & others:
         raise ConfigError(
             f"{what} puts the parameters of one module in two stages; cut between modules"
@@ -88,14 +92,17 @@ def keep(
     return steps
 
 
-def _prune(parent: nn.Module, others: set[int]) -> None:
+def _prune(parent: nn.Module, kept: set[int]) -> None:
+    """Remove from ``parent`` every module that is neither one of ``kept`` (ids of the modules
+    the kept stages run) nor holds one: the other stages' modules, parameter-less ones (and
+    their buffers) included."""
     for key, child in list(parent._modules.items()):
-        held = _ids(child) if child is not None else set()
-        if held and held <= others:
+        if child is None or id(child) in kept:
+            continue
+        if any(id(m) in kept for m in child.modules()):
+            _prune(child, kept)
+        else:
             del parent._modules[key]
-        elif held & others:
-            assert child is not None
-            _prune(child, others)
 
 
 def _outermost(parent: nn.Module, wanted: set[int]) -> list[nn.Module]:
