@@ -173,6 +173,12 @@ def scenarios(folder: Path) -> dict[str, Scenario]:
         "refused": Scenario(
             pp.refused_loads, dims=DIMS, folders=[str(folder / n) for n in ("single", "other")]
         ),
+        "refused_ddp": Scenario(
+            pp.refused_loads,
+            dims=REPLICATE,
+            folders=[str(folder / "single")],
+            backend="ddp",
+        ),
         "refused_mid": Scenario(
             pp.refused_loads, dims={"dp_shard": 4}, folders=[str(FOLDER / "mid-defer")]
         ),
@@ -360,15 +366,21 @@ def test_a_mid_window_checkpoint_of_another_split_is_refused_on_every_rank(resul
     assert not errors[2].startswith("rank ") and "\n" not in errors[0], errors
 
 
+@pytest.mark.parametrize("backend", ["fsdp", "ddp"])
+def test_a_plain_file_checkpoint_into_a_pipeline_is_one_line(results, backend):
+    """backend='single' (plain torch.save files) into an FSDP2 pipeline and a DDP one (whose
+    stages save DCP, unlike DDP without pp): the saved format named, not two backends."""
+    for r in results["refused" if backend == "fsdp" else "refused_ddp"]:
+        assert r[str(results.folder / "single")] == (
+            f"CheckpointError: checkpoint {str(results.folder / 'single')!r} was saved with "
+            "backend='single' in its 'plain' format, and a pipeline (pp) reads DCP "
+            "checkpoints only; resume it without pp, with backend='single'"
+        )
+
+
 def test_a_checkpoint_the_pipeline_cannot_load_is_one_line(results):
     for r in results["refused"]:
-        single, other = (r[str(results.folder / n)] for n in ("single", "other"))
-        assert single == (
-            f"CheckpointError: checkpoint {str(results.folder / 'single')!r} was saved with "
-            "backend='single', whose format backend='fsdp' cannot read; a pipeline (pp) reads "
-            "the DCP checkpoints of backend='fsdp' only: resume it without pp, with "
-            "backend='single'"
-        )
+        other = r[str(results.folder / "other")]
         assert other == (
             f"CheckpointError: checkpoint {str(results.folder / 'other' / 'dcp_0')!r} holds "
             "another model: missing [], unexpected ['7.weight', '7.bias'] (0 and 2 names); "

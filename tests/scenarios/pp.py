@@ -393,10 +393,10 @@ def load_pipeline(*, dims: dict[str, int], folder: str, **options: Any) -> dict[
     return {"state": to_lists(accel.get_state_dict(model)), "steps": accel.optimizer_steps}
 
 
-def refused_loads(*, dims: dict[str, int], folders: list[str]) -> dict[str, Any]:
+def refused_loads(*, dims: dict[str, int], folders: list[str], **options: Any) -> dict[str, Any]:
     """What load_state says to checkpoints that do not fit (``dims``: a pipeline's, or
     without pp): one line each."""
-    accel, _, _ = _prepared(dims, "defer")
+    accel, _, _ = _prepared(dims, "defer", **options)
     out = {}
     for folder in folders:
         try:

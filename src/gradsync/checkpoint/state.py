@@ -175,20 +175,20 @@ class CheckpointState:
 
     def _check(self, where: str, manifest: Manifest) -> None:
         backend, here = self._backend, dist.world_size()
-        saved_backend = manifest.get("backend")
-        if manifest.get("format") != backend.checkpoint_format:
-            fix = f"load it with backend={saved_backend!r}"
+        saved_backend, saved_format = manifest.get("backend"), manifest.get("format")
+        if saved_format != backend.checkpoint_format:
             # imported here: torch's pipelining imports torch.compile's dynamo (seconds)
             from gradsync.backends import _pipeline
 
             if any(_pipeline.is_stage(m) for m in self._prepared.models):
-                fix = (
-                    f"a pipeline (pp) reads the DCP checkpoints of backend={backend.name!r} "
-                    f"only: resume it without pp, with backend={saved_backend!r}"
+                raise CheckpointError(
+                    f"checkpoint {where!r} was saved with backend={saved_backend!r} in its "
+                    f"{saved_format!r} format, and a pipeline (pp) reads DCP checkpoints only; "
+                    f"resume it without pp, with backend={saved_backend!r}"
                 )
             raise CheckpointError(
                 f"checkpoint {where!r} was saved with backend={saved_backend!r}, whose format "
-                f"backend={backend.name!r} cannot read; {fix}"
+                f"backend={backend.name!r} cannot read; load it with backend={saved_backend!r}"
             )
         have = self._prepared.counts()
         saved = {
