@@ -312,18 +312,16 @@ def assert_pipeline_matches_one_process(
     return ref
 
 
-def assert_saves_the_whole_model(
-    rank_results: list[dict[str, Any]], folder: Path, backend: str
-) -> None:
+def assert_saves_the_whole_model(rank_results: list[dict[str, Any]], folder: Path) -> None:
     """``scenarios.pp.save_model``'s ranks: each rank's ``get_state_dict`` holds the whole
     model (``make_seq``'s names), the same on every rank, and so does the file rank 0 wrote
-    into ``folder / f"model-{backend}"``; each rank's own stage holds a part of it."""
+    into ``folder``; each rank's own stage holds a part of it."""
     from scenarios.pp import make_seq
 
     names = list(make_seq().state_dict())
     first = rank_results[0]["state"]
     assert list(first) == names, list(first)
-    written = torch.load(folder / f"model-{backend}" / "pytorch_model.bin", weights_only=True)
+    written = torch.load(folder / "pytorch_model.bin", weights_only=True)
     assert list(written) == names, list(written)
     assert max_diff({k: v.tolist() for k, v in written.items()}, first) == 0
     for r in rank_results:

@@ -156,28 +156,15 @@ def scenarios(folder: Path) -> dict[str, Scenario]:
             for backend in ("fsdp", "ddp")
         },
         **{
-            f"save_model_{backend}": Scenario(
-                pp.save_model,
-                dims={"pp": 2},
-                folder=str(folder / f"model-{backend}"),
-                backend=backend,
+            f"{name}_{backend}": Scenario(
+                fn, folder=str(folder / f"{name}-{backend}"), backend=backend, **dims
             )
             for backend in ("fsdp", "ddp")
-        },
-        **{
-            f"accelerate_{backend}": Scenario(
-                pp.accelerate_layout, folder=str(folder / f"accelerate-{backend}"), backend=backend
+            for name, fn, dims in (
+                ("save_model", pp.save_model, {"dims": {"pp": 2}}),
+                ("accelerate", pp.accelerate_layout, {}),
+                ("tampered", pp.tampered_load, {"dims": {"pp": 2}}),
             )
-            for backend in ("fsdp", "ddp")
-        },
-        **{
-            f"tampered_{backend}": Scenario(
-                pp.tampered_load,
-                dims={"pp": 2},
-                folder=str(folder / f"tampered-{backend}"),
-                backend=backend,
-            )
-            for backend in ("fsdp", "ddp")
         },
     }
     before = {k: v for k, v in SCENARIOS.items() if k != "world_label"}
@@ -400,7 +387,8 @@ def test_a_checkpoint_saved_without_pp_loads_into_the_pipeline(results, one_proc
 def test_save_model_writes_every_stage(results, backend):
     """``save_model`` and ``get_state_dict`` on a pipeline: the whole model, gathered from
     both stages, on every rank and in rank 0's file, under the whole model's names."""
-    assert_saves_the_whole_model(results[f"save_model_{backend}"], results.folder, backend)
+    ranks = results[f"save_model_{backend}"]
+    assert_saves_the_whole_model(ranks, results.folder / f"save_model-{backend}")
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "ddp"])

@@ -353,7 +353,7 @@ def test_a_checkpoint_saved_without_pp_loads_into_the_pipeline(results, one_proc
 def test_save_model_writes_every_stage_and_shard(results, backend):
     """pp 2 x dp_shard 2 (each stage's shards gathered, then both stages) and pp 2 x
     dp_replicate 2: the whole model on every rank and in rank 0's file."""
-    assert_saves_the_whole_model(results[f"save_model_{backend}"], FOLDER, backend)
+    assert_saves_the_whole_model(results[f"save_model_{backend}"], FOLDER / f"model-{backend}")
 
 
 def test_a_mid_window_checkpoint_of_another_split_is_refused_on_every_rank(results):
