@@ -5,7 +5,8 @@ with the global norm across stages; the pipeline's sends and receives audited on
 line; misuse and bad settings as one line each. On backend='ddp' too (each stage in DDP over
 its one data rank): 1F1B, k = 4, defer. A checkpoint saved without pp (by one process, a
 1-rank launch before the group, and by FSDP2 on dp_shard=2) loads into the pipeline, which
-trains on as one process loading it does (a 1-rank launch after).
+trains on as one process loading it does (a 1-rank launch after); so does one saved in plain
+files by backend='single', into FSDP2 and DDP stages.
 
 Every scenario runs in the 2-rank group shared with the other 2-rank modules.
 """
@@ -134,8 +135,13 @@ TRAINED = [n for n in SCENARIOS if n.startswith("pp2_") and n != "pp2_clip" and 
 def scenarios(folder: Path) -> dict[str, Scenario]:
     """The scenarios, after one process saved the whole model into ``folder / "whole"``; the
     loads into the pipeline before ``world_label``, which comes last."""
+    alone = {"whole": {}, "single": {"backend": "single"}}  # FSDP2's DCP, and plain files
     run_scenarios(
-        {"whole": Scenario(pp.save_at_boundary, dims=None, folder=str(folder / "whole"))}, nproc=1
+        {
+            name: Scenario(pp.save_at_boundary, dims=None, folder=str(folder / name), **options)
+            for name, options in alone.items()
+        },
+        nproc=1,
     )
     loads = {
         "save_sharded": Scenario(
@@ -144,6 +150,12 @@ def scenarios(folder: Path) -> dict[str, Scenario]:
         **{
             f"from_{name}": Scenario(pp.load_pipeline, dims={"pp": 2}, folder=str(folder / name))
             for name in ("whole", "sharded")
+        },
+        **{
+            f"from_single_{backend}": Scenario(
+                pp.load_pipeline, dims={"pp": 2}, folder=str(folder / "single"), backend=backend
+            )
+            for backend in ("fsdp", "ddp")
         },
         **{
             f"from_whole_callable_{backend}": Scenario(
@@ -362,19 +374,31 @@ def one_process(results):
     """One process (a 1-rank launch) loading each checkpoint saved without pp, then training
     the next two windows on the same batches as the pipeline."""
     loads = {
-        name: Scenario(pp.load_whole, folder=str(results.folder / name), data_size=1)
-        for name in ("whole", "sharded")
+        name: Scenario(pp.load_whole, folder=str(results.folder / name), data_size=1, **options)
+        for name, options in (("whole", {}), ("sharded", {}), ("single", {"backend": "single"}))
     }
     ran = run_scenarios(loads, nproc=1)
     return {name: ran[name][0] for name in loads}
 
 
-@pytest.mark.parametrize("saved", ["whole", "sharded", "whole_callable_fsdp", "whole_callable_ddp"])
+@pytest.mark.parametrize(
+    "saved",
+    [
+        "whole",
+        "sharded",
+        "whole_callable_fsdp",
+        "whole_callable_ddp",
+        "single_fsdp",
+        "single_ddp",
+    ],
+)
 def test_a_checkpoint_saved_without_pp_loads_into_the_pipeline(results, one_process, saved):
     """Saved by one process or by FSDP2 on dp_shard=2: each stage loads its part of the
     parameters and the momentum, and the next two windows agree with one process's; the same
     into the stages of a callable split (fresh nn.Sequential, on fsdp and ddp), which carry
-    the whole model's names."""
+    the whole model's names. Saved by backend='single' (plain files: the optimizer's state
+    numbered by its parameters' order) into FSDP2 and DDP stages: the same, against one
+    process loading those files."""
     ranks, one = results[f"from_{saved}"], one_process[saved.split("_")[0]]
     assert one["steps"] == 4
     for r in ranks:  # get_state_dict: the whole model on every rank

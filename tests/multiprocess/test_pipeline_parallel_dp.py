@@ -7,7 +7,9 @@ a mid-window save resumes bitwise; a boundary save (one stage per rank, and two)
 the whole model in one process (a 1-rank launch after the group), which trains on as the
 pipeline did; and the way back: a checkpoint saved by one process (a 1-rank launch before
 the group) or by FSDP2 without pp loads into the pipeline, which trains on as one process
-loading it does. A plain-file checkpoint and another model's are one line each. The same on
+loading it does; so does one in plain files (backend='single'), into FSDP2 and DDP stages.
+Another model's checkpoint (DCP or plain files) and a plain-file one saved mid-window are one
+line each. The same on
 backend='ddp' (pp=2 x dp_replicate=2, each stage in DDP over its two data ranks): one
 all-reduce per window under defer, one per schedule step under every_step.
 
@@ -147,11 +149,12 @@ TRAINED = [
 #: FSDP2 without pp on the 4 ranks: dp_shard 2, its shards replicated twice.
 SHARDED = {"dp_replicate": 2, "dp_shard": 2}
 #: Saved in one process before the group starts: the whole model (backend="fsdp"), the
-#: same on backend="single" (plain files), and a model with one more layer.
+#: same on backend="single" (plain files), and a model with one more layer (in both formats).
 SAVED_ALONE = {
     "whole": {},
     "single": {"backend": "single"},
     "other": {"extra": True},
+    "single_other": {"backend": "single", "extra": True},
 }
 
 
@@ -170,13 +173,23 @@ def scenarios(folder: Path) -> dict[str, Scenario]:
         "from_whole": Scenario(pp.load_pipeline, dims=DIMS, folder=str(folder / "whole")),
         "save_sharded": Scenario(pp.save_at_boundary, dims=SHARDED, folder=str(folder / "sharded")),
         "from_sharded": Scenario(pp.load_pipeline, dims=DIMS, folder=str(folder / "sharded")),
+        "from_single": Scenario(pp.load_pipeline, dims=DIMS, folder=str(folder / "single")),
+        "from_single_ddp": Scenario(
+            pp.load_pipeline, dims=REPLICATE, folder=str(folder / "single"), backend="ddp"
+        ),
+        # plain files written by DDP without pp on these 4 ranks, inside a window
+        "save_mid_plain": Scenario(
+            pp.save_mid_window, folder=str(folder / "mid-plain"), backend="ddp"
+        ),
         "refused": Scenario(
-            pp.refused_loads, dims=DIMS, folders=[str(folder / n) for n in ("single", "other")]
+            pp.refused_loads,
+            dims=DIMS,
+            folders=[str(folder / n) for n in ("other", "single_other", "mid-plain")],
         ),
         "refused_ddp": Scenario(
             pp.refused_loads,
             dims=REPLICATE,
-            folders=[str(folder / "single")],
+            folders=[str(folder / n) for n in ("single_other", "mid-plain")],
             backend="ddp",
         ),
         "refused_mid": Scenario(
@@ -316,6 +329,9 @@ def one_process(results):
         name: Scenario(pp.load_whole, folder=str(folder), data_size=2)
         for name, folder in folders.items()
     }
+    loads["single"] = Scenario(
+        pp.load_whole, folder=str(results.folder / "single"), data_size=2, backend="single"
+    )
     ran = run_scenarios(loads, nproc=1)
     return {name: ran[name][0] for name in loads}
 
@@ -336,12 +352,15 @@ def test_a_pipeline_checkpoint_loads_into_the_whole_model_in_one_process(
         assert max_diff(r["state"], {k: one["state"][k] for k in r["state"]}) < 1e-5
 
 
-@pytest.mark.parametrize("saved", ["whole", "sharded"])
+@pytest.mark.parametrize("saved", ["whole", "sharded", "single", "single_ddp"])
 def test_a_checkpoint_saved_without_pp_loads_into_the_pipeline(results, one_process, saved):
     """Saved by one process, or by FSDP2 on dp_shard 2 x dp_replicate 2: each stage loads
-    its part (parameters and momentum) and the pipeline trains on as one process does."""
+    its part (parameters and momentum) and the pipeline trains on as one process does. The
+    same from backend='single''s plain files, into pp 2 x dp_shard 2 (each stage's shards cut
+    from the full tensors) and into DDP stages on pp 2 x dp_replicate 2, against one process
+    loading those files."""
     ranks = results[f"from_{saved}"]
-    one = one_process[saved]
+    one = one_process[saved.removesuffix("_ddp")]
     assert one["steps"] == 4
     assert sorted({k for r in ranks for k in r["state"]}) == sorted(one["state"])
     for r in ranks:
@@ -367,14 +386,22 @@ def test_a_mid_window_checkpoint_of_another_split_is_refused_on_every_rank(resul
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "ddp"])
-def test_a_plain_file_checkpoint_into_a_pipeline_is_one_line(results, backend):
-    """backend='single' (plain torch.save files) into an FSDP2 pipeline and a DDP one (whose
-    stages save DCP, unlike DDP without pp): the saved format named, not two backends."""
+def test_a_plain_file_checkpoint_the_pipeline_cannot_load_is_one_line(results, backend):
+    """Into FSDP2 and DDP stages: plain files of another model (refused on every rank before
+    anything is set), and plain files saved mid-window, whose per-rank window gradients a
+    pipeline's ranks do not hold."""
+    mid, other = results.folder / "mid-plain", results.folder / "single_other"
     for r in results["refused" if backend == "fsdp" else "refused_ddp"]:
-        assert r[str(results.folder / "single")] == (
-            f"CheckpointError: checkpoint {str(results.folder / 'single')!r} was saved with "
-            "backend='single' in its 'plain' format, and a pipeline (pp) reads DCP "
-            "checkpoints only; resume it without pp, with backend='single'"
+        assert r[str(other)] == (
+            f"CheckpointError: checkpoint file {str(other / 'model_0.pt')!r} holds another "
+            "model: missing [], unexpected ['7.weight', '7.bias'], shapes []; prepare the "
+            "model it was saved from (the same parameter names) before load_state()"
+        )
+        assert r[str(mid)] == (
+            f"CheckpointError: checkpoint {str(mid)!r} was saved mid-window with backend='ddp' "
+            "in its 'plain' format; its window gradients are per rank of another layout than a "
+            "pipeline's: resume with the same parallelism, or from a checkpoint saved at a "
+            "boundary"
         )
 
 

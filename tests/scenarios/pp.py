@@ -369,10 +369,20 @@ def refused_mid_other_split(*, folder: str) -> dict[str, Any]:
     return {"error": None}
 
 
-def load_whole(*, folder: str, data_size: int) -> dict[str, Any]:
+def save_mid_window(*, folder: str, **options: Any) -> dict[str, Any]:
+    """The model without a pipeline (``_prepared`` with no dims: ``backend`` in ``options``),
+    saved after 6 micro-steps, inside its second window of 4."""
+    accel, model, opt = _prepared(None, "defer", **options)
+    for x, y in _batches(accel, 6):
+        _step(accel, model, opt, x, y)
+    accel.save_state(folder)
+    return {"steps": accel.optimizer_steps}
+
+
+def load_whole(*, folder: str, data_size: int, backend: str = "fsdp") -> dict[str, Any]:
     """That checkpoint loaded into the whole model in one process (parameters and the
     optimizer's momentum), which then trains the same two windows on the global batches."""
-    accel, model, opt = _prepared(None, "defer")
+    accel, model, opt = _prepared(None, "defer", backend=backend)
     accel.load_state(folder)
     x, y = _data(16, data_size)
     for i in range(8, 16):

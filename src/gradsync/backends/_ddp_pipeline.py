@@ -77,7 +77,7 @@ class DDPPipeline:
         """This rank's stage of ``model`` in DDP over its data-parallel ranks, running the
         pipeline; the other stages' parameters leave the optimizers."""
         assert self.data is not None, "build() first"
-        stage = self.settings.stage(model, plan, device)
+        stage = self.settings.stage(model, plan, device, optimizers)
         held = {id(p): n for n, p in stage.named_parameters()}
         _modules.repoint(optimizers, held, dict(stage.named_parameters()), self.settings.dropped)
         wrapped = DDP(stage, process_group=self.data.group, **ddp_kwargs)

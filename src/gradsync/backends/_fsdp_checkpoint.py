@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from gradsync._support import dist
-from gradsync.backends import _dcp_forms, _fsdp_compat, _pipeline
+from gradsync.backends import _dcp_forms, _fsdp_compat, _pipeline, _plain_into_stage
 from gradsync.backends.base import Held
 from gradsync.errors import CheckpointError
 from gradsync.storage import safety
@@ -263,6 +263,18 @@ def load(
 ) -> None:
     if allowed is None:  # the globals gradsync's own checkpoints may name, never none
         allowed = safety.allow_list().__contains__
+    if _plain_into_stage.is_plain(path):  # saved without pp by backend single or ddp
+        templates = [_optim_state(models, held, flat=True)["optim"] for held in optimizers]
+        _plain_into_stage.load(
+            path,
+            models,
+            optimizers,
+            templates,
+            window_open=window_open,
+            trusted=trusted,
+            together=_together,
+        )
+        return
     # Read everything before anything is set: a file that does not fit changes nothing.
     model_states = [_model_state(model) for model in models]
     with _together():  # this rank's files and names, checked before the first collective read

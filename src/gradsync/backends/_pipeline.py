@@ -287,12 +287,16 @@ class Pipeline:
         parts: list[nn.Module] | None = None,
         masked: bool = False,
         names: list[str],
+        orders: dict[int, list[list[str | None]]] | None = None,
     ) -> None:
         self.module = module
         self.group = group  # the pipeline's process group
         self.sync = sync  # the data-parallel side: the wrapper's flags around a schedule step
         #: the whole model's state dict names
         self.names = names
+        #: id of each optimizer given with the model -> each of its groups' parameter names
+        #: in the order it was given them, before the cut (None: another model's parameter)
+        self.orders = orders or {}
         self.index = index
         self.stages = stages
         self.microbatches = microbatches
@@ -458,6 +462,8 @@ class Settings:
         self.dropped: set[int] = set()
         #: the whole model's state dict names (``stage``)
         self.names: list[str] = []
+        #: the optimizers' parameter names in their given order (``stage``: ``Pipeline.orders``)
+        self.orders: dict[int, list[list[str | None]]] = {}
         self.group: Any = None  # the pipeline's process group (bind)
 
     @classmethod
@@ -490,13 +496,25 @@ class Settings:
         self.group = group
         audit.label_group(group, "pp")
 
-    def stage(self, model: nn.Module, plan: BatchPlan, device: torch.device) -> nn.Module:
+    def stage(
+        self,
+        model: nn.Module,
+        plan: BatchPlan,
+        device: torch.device,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> nn.Module:
         """This rank's stage of ``model``, every rank starting from rank 0's weights; the
-        split and the micro-batches checked before any collective."""
+        split and the micro-batches checked before any collective. The names of the
+        ``optimizers``' parameters are kept in their order before the cut (``orders``)."""
         check_microbatches(self.microbatches, plan.micro_batch_size, self.stages)
         cut = Cut(model, self.split, self.stages * self.per_rank)
         self.masked = cut.is_decoder
         self.names = list(model.state_dict())
+        named = {id(p): n for n, p in model.named_parameters()}
+        self.orders = {
+            id(o): [[named.get(id(p)) for p in g["params"]] for g in o.param_groups]
+            for o in optimizers
+        }
         model.to(device)
         _group.broadcast_from_rank0(model)
         every = {id(p) for p in model.parameters()}
@@ -524,6 +542,7 @@ class Settings:
             parts=self.runs,
             masked=self.masked,
             names=self.names,
+            orders=self.orders,
         )
 
 

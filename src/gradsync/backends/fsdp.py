@@ -306,7 +306,7 @@ class FSDPBackend(AdapterDefaults):
             split = _tensor_parallel.resolve(model, self._tp_plan)
             _tensor_parallel.check(model, split, self._dims.tp)
         if self._pp is not None and not isinstance(model, FSDPModule | FSDP1):
-            given = model = self._pp.stage(model, plan, self._device)
+            given = model = self._pp.stage(model, plan, self._device, optimizers)
             split = _pipeline.stage_plan(model, split)
         if not isinstance(model, FSDPModule | FSDP1):
             names = {id(p): n for n, p in model.named_parameters()}

@@ -176,20 +176,26 @@ class CheckpointState:
     def _check(self, where: str, manifest: Manifest) -> None:
         backend, here = self._backend, dist.world_size()
         saved_backend, saved_format = manifest.get("backend"), manifest.get("format")
+        mid = int(manifest["window"]["index"]) > 0
         if saved_format != backend.checkpoint_format:
             # imported here: torch's pipelining imports torch.compile's dynamo (seconds)
-            from gradsync.backends import _pipeline
+            from gradsync.backends import _pipeline, _plain_into_stage
 
-            if any(_pipeline.is_stage(m) for m in self._prepared.models):
+            pipelined = any(_pipeline.is_stage(m) for m in self._prepared.models)
+            if pipelined and saved_format == "plain" and mid:
+                raise _plain_into_stage.mid_window(where, f"backend={saved_backend!r}")
+            if pipelined and saved_format != "plain":
                 raise CheckpointError(
                     f"checkpoint {where!r} was saved with backend={saved_backend!r} in its "
-                    f"{saved_format!r} format, and a pipeline (pp) reads DCP checkpoints only; "
-                    f"resume it without pp, with backend={saved_backend!r}"
+                    f"{saved_format!r} format, and a pipeline (pp) reads DCP and plain-file "
+                    f"checkpoints only; resume it without pp, with backend={saved_backend!r}"
                 )
-            raise CheckpointError(
-                f"checkpoint {where!r} was saved with backend={saved_backend!r}, whose format "
-                f"backend={backend.name!r} cannot read; load it with backend={saved_backend!r}"
-            )
+            if not pipelined:
+                raise CheckpointError(
+                    f"checkpoint {where!r} was saved with backend={saved_backend!r}, whose "
+                    f"format backend={backend.name!r} cannot read; load it with "
+                    f"backend={saved_backend!r}"
+                )
         have = self._prepared.counts()
         saved = {
             "models": manifest["models"],
@@ -206,7 +212,7 @@ class CheckpointState:
                 f"checkpoint {where!r} does not fit this training: {diff}; prepare (and "
                 "register) the same objects before load_state()"
             )
-        world, mid = int(manifest["world_size"]), int(manifest["window"]["index"]) > 0
+        world = int(manifest["world_size"])
         if world != here and mid:
             raise CheckpointError(
                 f"checkpoint {where!r} was saved mid-window on {world} rank(s); its per-rank window "
