@@ -93,8 +93,9 @@ class Backend(Protocol):
     """One distributed backend, seen through what accumulation needs."""
 
     name: ClassVar[str]
-    #: The layout of its checkpoints: backends of one format load each other's.
-    checkpoint_format: ClassVar[str]
+    #: The layout of its checkpoints: backends of one format load each other's (a setting
+    #: may choose it, set at ``setup``: DDP stages of a pipeline write DCP).
+    checkpoint_format: str
     #: Its checkpoints saved at a boundary load on another world size.
     reshardable: ClassVar[bool]
     #: Globals (``module.name``) its checkpoint files may name besides torch's

@@ -72,7 +72,7 @@ class DeepSpeedBackend(AdapterDefaults):
     ``step()``), so the defaults' ``unscale_`` does nothing; ``barrier`` is the default."""
 
     name: ClassVar[str] = "deepspeed"
-    checkpoint_format: ClassVar[str] = "deepspeed"  # the engine's own checkpoints
+    checkpoint_format: str = "deepspeed"  # the engine's own checkpoints
     accelerate_layout: str = "engine_tag"  # the engine's own, tagged pytorch_model
     reshardable: ClassVar[bool] = False
     checkpoint_globals: ClassVar[frozenset[str]] = _deepspeed_compat.CHECKPOINT_GLOBALS

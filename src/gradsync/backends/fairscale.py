@@ -68,7 +68,7 @@ class FairscaleBackend(AdapterDefaults):
     set to None (see the module's docstring)."""
 
     #: Plain files from rank 0, the OSS optimizer state gathered first (its own layout).
-    checkpoint_format: ClassVar[str] = "plain-oss"
+    checkpoint_format: str = "plain-oss"
     reshardable: ClassVar[bool] = False
     name: ClassVar[str] = "fairscale"
 

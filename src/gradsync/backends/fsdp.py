@@ -88,7 +88,7 @@ class FSDPBackend(AdapterDefaults):
     only, with fp32 parameters and gradients."""
 
     name: ClassVar[str] = "fsdp"
-    checkpoint_format: ClassVar[str] = "dcp"  # torch.distributed.checkpoint, sharded
+    checkpoint_format: str = "dcp"  # torch.distributed.checkpoint, sharded
     accelerate_layout: str = "sharded_dcp"  # "full_state": fsdp_state_dict_type (setup)
     accelerate_reads: ClassVar[frozenset[str]] = frozenset({"sharded_dcp", "full_state"})
     save_accelerate = _fsdp_checkpoint.save_accelerate  # a method: it reads the layout

@@ -21,7 +21,7 @@ _NOTHING = contextlib.nullcontext()
 
 class SingleBackend(AdapterDefaults):
     name: ClassVar[str] = "single"
-    checkpoint_format: ClassVar[str] = "plain"
+    checkpoint_format: str = "plain"
     accelerate_layout: str = "plain"
     reshardable: ClassVar[bool] = True  # every rank holds everything
 
