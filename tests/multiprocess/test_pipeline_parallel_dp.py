@@ -30,8 +30,10 @@ from harness.checks import (
     assert_pipeline_matches_one_process,
     assert_saves_the_whole_model,
     max_diff,
+    pipeline_reference,
 )
 from scenarios import pp, pp_decoder
+from scenarios.compression import POWER
 
 SAMPLES = 56  # 7 micro-batches of 4 per data-parallel rank: windows of 4 and a partial 3
 DIMS = {"pp": 2, "dp_shard": 2}
@@ -126,6 +128,11 @@ SCENARIOS = {
         pp.save_model, dims=REPLICATE, folder=str(FOLDER / "model-ddp"), backend="ddp"
     ),
     **{name: _train(s, k, p, dims=REPLICATE, backend="ddp") for name, (s, k, p) in DDP.items()},
+    "hooked_ddp_fp16": _train("1F1B", 4, "defer", dims=REPLICATE, backend="ddp", comm_hook="fp16"),
+    "hooked_fsdp_fp16": _train("1F1B", 4, "defer", comm_hook="fp16"),
+    "hooked_ddp_power_sgd": _train(
+        "1F1B", 2, "defer", dims=REPLICATE, backend="ddp", comm_hook="power_sgd", hook_options=POWER
+    ),
     "ddp_clip": _train("1F1B", 4, "defer", dims=REPLICATE, backend="ddp", clip=CLIP),
     "ddp_drop_defer": _train("1F1B", 4, "defer", dims=REPLICATE, backend="ddp", raise_at=(1, 1)),
     "save_ddp": Scenario(
@@ -447,6 +454,45 @@ def test_ddp_stages_all_reduce_after_every_schedule_step_under_every_step(result
         assert r["policy"] == "every_step"
         for rec in r["audit"]:
             assert rec["reductions"] == 1 and rec["groups"]["dp"]["reduction_bytes"] > 0, rec
+
+
+@pytest.mark.parametrize(
+    ("name", "plain"),
+    [("hooked_ddp_fp16", "ddp_1F1B_k4_defer"), ("hooked_fsdp_fp16", "pp2s2_1F1B_k4_defer")],
+)
+def test_stages_take_a_comm_hook_at_the_boundary(results, name, plain):
+    """comm_hook="fp16" on DDP and FSDP2 stages: each stage's boundary reduction, over its own
+    data ranks, sends half the bytes of the uncompressed run, nothing off it, and the stages
+    stay within fp16's tolerance of one process (2e-4, as tests/multiprocess/test_comm_hook.py
+    takes without pp)."""
+    ranks = results[name]
+    assert_pipeline_matches_one_process(ranks, samples=SAMPLES, tolerance=2e-4)
+    full_runs = {(r["stage"], r["data_rank"]): r for r in results[plain]}
+    for r in ranks:
+
+        def dp(rec):  # every group but the pipeline's ("dp" on DDP, "shard" on FSDP2)
+            return sum(g["reduction_bytes"] for n, g in rec["groups"].items() if n != "pp")
+
+        half = [dp(rec) for rec in r["audit"]]
+        full = [dp(rec) for rec in full_runs[r["stage"], r["data_rank"]]["audit"]]
+        assert [2 * b for b in half] == full and sum(half) > 0, (half, full)
+
+
+def test_ddp_stages_compress_with_power_sgd_over_their_data_ranks(results):
+    """comm_hook="power_sgd" on DDP stages (PowerSGD from the third window, rank 1): each
+    stage's all-reduce runs over its own data ranks, both replicas of a stage stay identical,
+    the compressed windows send at most a quarter of the uncompressed ones' bytes, and the
+    model stays near one process (measured 3.7e-3 after 4 windows)."""
+    ranks = results["hooked_ddp_power_sgd"]
+    ref = pipeline_reference(ranks, samples=SAMPLES)
+    for r in ranks:
+        assert max_diff(r["state"], ranks[0]["state"]) == 0.0
+        assert max_diff(r["state"], ref["state"]) < 1e-2
+        sent = [rec["groups"].get("dp", {}).get("reduction_bytes", 0) for rec in r["audit"]]
+        boundaries = [b for b, rec in zip(sent, r["audit"]) if rec["boundary"]]
+        assert sent == [b if rec["boundary"] else 0 for b, rec in zip(sent, r["audit"])]
+        plain, compressed = boundaries[:2], boundaries[2:]
+        assert len(set(plain)) == 1 and all(0 < c <= plain[0] / 4 for c in compressed), sent
 
 
 def test_ddp_stages_each_hold_their_part_and_read_as_the_mesh_says(results):

@@ -88,7 +88,9 @@ class Hooked:
         self.hook = chosen.hook
         self.state: Any = None
         if chosen.hook not in POWER_SGD:
-            model.register_comm_hook(None, _HALF_HOOKS[chosen.hook])
+            # The hook's state is the group it all-reduces over: the model's own (under pp, a
+            # stage's data-parallel ranks), never the world's default.
+            model.register_comm_hook(model.process_group, _HALF_HOOKS[chosen.hook])
             return
         self._names = {id(p): name for name, p in model.module.named_parameters()}
         self._batched = chosen.hook == "batched_power_sgd"
@@ -97,7 +99,7 @@ class Hooked:
             powerSGD_hook.batched_powerSGD_hook if self._batched else powerSGD_hook.powerSGD_hook
         )
         self._inner = _WRAPPERS[chosen.wrapper](inner) if chosen.wrapper != "no" else inner
-        self.state = compat.make_state(chosen.options)
+        self.state = compat.make_state(chosen.options, model.process_group)
         # torch's PowerSGD hook chains a bucket's all-reduces by callbacks, which gloo may run
         # after the next bucket's hook on one rank and before it on the other: a hang or an
         # abort ("Received data size doesn't match") once there are two buckets. On gloo each

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from gradsync.errors import ConfigError
@@ -44,10 +45,13 @@ Layout = tuple[tuple[str, tuple[int, ...]], ...]
 _STATS = ("total_numel_before_compression", "total_numel_after_compression", "next_stats_report")
 
 
-def make_state(options: dict[str, Any]) -> powerSGD_hook.PowerSGDState:
-    """A ``PowerSGDState`` over the world group; torch's refusal of ``options`` as one line."""
+def make_state(
+    options: dict[str, Any], group: dist.ProcessGroup | None = None
+) -> powerSGD_hook.PowerSGDState:
+    """A ``PowerSGDState`` over ``group`` (None: the world's); torch's refusal of ``options``
+    as one line."""
     try:
-        return powerSGD_hook.PowerSGDState(None, **options)
+        return powerSGD_hook.PowerSGDState(group, **options)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"comm_state_option={options!r}: {err}") from None
 
