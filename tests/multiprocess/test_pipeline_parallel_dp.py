@@ -147,6 +147,17 @@ SCENARIOS = {
         folder=str(FOLDER / "mid-ddp"),
         backend="ddp",
     ),
+    # PowerSGD compressing from the third window: its error feedback and matrices resume too
+    "resume_ddp_power_sgd": Scenario(
+        pp.resume_mid_window,
+        dims=REPLICATE,
+        policy="defer",
+        folder=str(FOLDER / "mid-ddp-power-sgd"),
+        backend="ddp",
+        windows=4,
+        comm_hook="power_sgd",
+        comm_state_option=POWER,
+    ),
 }
 TRAINED = [
     n
@@ -314,11 +325,13 @@ def test_replicas_all_reduce_once_per_window(results):
                 assert (across > 0) == rec["boundary"], (policy, rec)
 
 
-@pytest.mark.parametrize("policy", ["defer", "every_step", "interleaved", "ddp"])
+@pytest.mark.parametrize("policy", ["defer", "every_step", "interleaved", "ddp", "ddp_power_sgd"])
 def test_a_mid_window_save_resumes_bitwise(results, policy):
-    """Under defer and every_step, under defer with two stages per rank, and on ddp."""
+    """Under defer and every_step, under defer with two stages per rank, and on ddp (with
+    PowerSGD's state saved while it compresses: four windows)."""
+    windows = 4 if policy.endswith("power_sgd") else 2
     for r in results[f"resume_{policy}"]:
-        assert r["steps"] == [2, 2]
+        assert r["steps"] == [windows, windows]
         assert max_diff(r["went_on"], r["resumed"]) == 0.0
 
 

@@ -267,21 +267,30 @@ def _step(accel: Accelerator, model: Any, opt: Any, x: torch.Tensor, y: torch.Te
 
 
 def resume_mid_window(
-    *, dims: dict[str, int], policy: str, folder: str, per_rank: int = 1, backend: str = "fsdp"
+    *,
+    dims: dict[str, int],
+    policy: str,
+    folder: str,
+    per_rank: int = 1,
+    backend: str = "fsdp",
+    windows: int = 2,
+    **options: Any,
 ) -> dict[str, Any]:
-    """A window of 4 saved after 2 micro-steps, finished in the same run and in a fresh one
-    that loads the checkpoint: both end with the same parameters (bitwise)."""
-    accel, model, opt = _prepared(dims, policy, per_rank, backend=backend)
-    data = _batches(accel, 8)
-    for x, y in data[:6]:
+    """``windows`` windows of 4, the last saved after 2 micro-steps, finished in the same run
+    and in a fresh one that loads the checkpoint: both end with the same parameters
+    (bitwise). ``options``: more of the Accelerator's (a ``comm_hook``)."""
+    accel, model, opt = _prepared(dims, policy, per_rank, backend=backend, **options)
+    data = _batches(accel, 4 * windows)
+    cut = 4 * windows - 2
+    for x, y in data[:cut]:
         _step(accel, model, opt, x, y)
     accel.save_state(folder)
-    for x, y in data[6:]:
+    for x, y in data[cut:]:
         _step(accel, model, opt, x, y)
     seen: dict[str, Any] = {"went_on": to_lists(accel.get_state_dict(model))}
-    accel2, model2, opt2 = _prepared(dims, policy, per_rank, backend=backend)
+    accel2, model2, opt2 = _prepared(dims, policy, per_rank, backend=backend, **options)
     accel2.load_state(folder)
-    for x, y in data[6:]:
+    for x, y in data[cut:]:
         _step(accel2, model2, opt2, x, y)
     seen["resumed"] = to_lists(accel2.get_state_dict(model2))
     seen["steps"] = [accel.optimizer_steps, accel2.optimizer_steps]
