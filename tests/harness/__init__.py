@@ -12,8 +12,8 @@ module-scoped fixture) and its tests assert on the results here, in the parent
 Test modules whose scenarios can share a group do more: each names its scenarios and a pool
 (``SHARED = Shared("gloo2", SCENARIOS)``) and its fixture asks the session for them
 (``shared(SHARED)``, tests/conftest.py): the first module of a pool that needs its results
-launches ONE group for the scenarios of every collected module of that pool, and each module
-reads its own part back (``PartOf``). The conftest sends a pool's modules to one xdist worker.
+launches the groups for the scenarios of every collected module of that pool (one, or on more
+than 2 ranks one per ``CHUNK`` scenarios, in order), and each module reads its own part back (``PartOf``). The conftest sends a pool's modules to one xdist worker.
 
 ``Scenario`` checks, when the test module is imported (so at collection), that the function
 can be found again by its module and qualified name and that the parameters bind to its
@@ -237,7 +237,7 @@ class PartOf(Results):
 
 def run_shared(members: Mapping[str, Shared], root: Path) -> dict[str, PartOf]:
     """Run the scenarios of ``members`` (a key per test module -> its ``Shared``, all of one
-    pool) in ONE group, in that order; each module's folder is ``root / key``."""
+    pool) in that order, ``CHUNK`` to a group; each module's folder is ``root / key``."""
     handles = list(members.values())
     nprocs = {h.nproc for h in handles}
     if len(nprocs) != 1:
@@ -256,7 +256,25 @@ def run_shared(members: Mapping[str, Shared], root: Path) -> dict[str, PartOf]:
             handle.scenarios(folders[key]) if callable(handle.scenarios) else handle.scenarios
         )
         merged.update({f"{key}::{name}": scenario for name, scenario in scenarios.items()})
-    whole = run_scenarios(
-        merged, nproc=nprocs.pop(), env=env, timeout=sum(h.timeout for h in handles)
-    )
+    nproc, timeout = nprocs.pop(), sum(h.timeout for h in handles)
+    names = list(merged)
+    size = CHUNK if nproc > 2 else len(names)  # 2 ranks: a world-sized mesh makes no group
+    chunks = [names[i : i + size] for i in range(0, len(names), size)]
+    parts = [
+        run_scenarios({n: merged[n] for n in chunk}, nproc=nproc, env=env, timeout=timeout)
+        for chunk in chunks
+    ]
+    by_rank = [{k: v for part in parts for k, v in part.by_rank[r].items()} for r in range(nproc)]
+    whole = Results(by_rank, "".join(part.log for part in parts))
     return {key: PartOf(whole, f"{key}::", folders[key]) for key in members}
+
+
+#: The most scenarios one launch of a pool of more than 2 ranks runs; a longer pool runs in
+#: several launches, one after the other, in order. A scenario's meshes and pipelines make process groups that
+#: live as long as the ranks (torch's DTensor caches hold meshes by value, so they cannot be
+#: destroyed between scenarios), and each gloo group keeps a network loop thread that wakes
+#: every few milliseconds: 200 idle groups cost a rank a fifth of a core. One launch of the
+#: 170 scenarios of the 4-rank pool ended with some 1,400 threads per rank and spent three
+#: quarters of the CPU in the kernel (463 s for test_hsdp, test_pipeline_parallel_dp and
+#: test_tensor_parallel); in launches of 40 the same took 199 s, of 20 165 s.
+CHUNK = 20
