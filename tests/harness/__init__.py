@@ -13,7 +13,8 @@ Test modules whose scenarios can share a group do more: each names its scenarios
 (``SHARED = Shared("gloo2", SCENARIOS)``) and its fixture asks the session for them
 (``shared(SHARED)``, tests/conftest.py): the first module of a pool that needs its results
 launches the groups for the scenarios of every collected module of that pool (one, or on more
-than 2 ranks one per ``CHUNK`` scenarios, in order), and each module reads its own part back (``PartOf``). The conftest sends a pool's modules to one xdist worker.
+than 2 ranks one per ``CHUNK`` scenarios, in order), and each module reads its own part back
+(``PartOf``). The conftest sends a pool's modules to one xdist worker.
 
 ``Scenario`` checks, when the test module is imported (so at collection), that the function
 can be found again by its module and qualified name and that the parameters bind to its
@@ -270,11 +271,12 @@ def run_shared(members: Mapping[str, Shared], root: Path) -> dict[str, PartOf]:
 
 
 #: The most scenarios one launch of a pool of more than 2 ranks runs; a longer pool runs in
-#: several launches, one after the other, in order. A scenario's meshes and pipelines make process groups that
-#: live as long as the ranks (torch's DTensor caches hold meshes by value, so they cannot be
-#: destroyed between scenarios), and each gloo group keeps a network loop thread that wakes
-#: every few milliseconds: 200 idle groups cost a rank a fifth of a core. One launch of the
-#: 170 scenarios of the 4-rank pool ended with some 1,400 threads per rank and spent three
-#: quarters of the CPU in the kernel (463 s for test_hsdp, test_pipeline_parallel_dp and
-#: test_tensor_parallel); in launches of 40 the same took 199 s, of 20 165 s.
+#: several launches, one after the other, in order. A scenario's meshes and pipelines make
+#: process groups that live as long as the ranks (torch's DTensor caches hold meshes by value,
+#: so they cannot be destroyed between scenarios), and each gloo group keeps a network loop
+#: thread that wakes every few milliseconds: 200 idle groups cost a rank a fifth of a core.
+#: One launch of the 170 scenarios of the 4-rank pool ended with some 1,400 threads per rank
+#: and spent three quarters of the CPU in the kernel (463 s for test_hsdp,
+#: test_pipeline_parallel_dp and test_tensor_parallel); in launches of 40 the same took
+#: 199 s, of 20 165 s.
 CHUNK = 20

@@ -56,6 +56,19 @@ def _train(schedule: str, k: int, policy: str, dims=DIMS, **kw) -> Scenario:
     )
 
 
+def _resume(folder: str, dims=DIMS, policy: str = "defer", **kw) -> Scenario:
+    """A mid-window save resumed (``pp.resume_mid_window``), into ``FOLDER / folder``."""
+    return Scenario(
+        pp.resume_mid_window, dims=dims, policy=policy, folder=str(FOLDER / folder), **kw
+    )
+
+
+def _data_bytes(rec) -> int:
+    """A micro-step's reduction bytes on every group but the pipeline's ("dp" on DDP stages,
+    "shard" on FSDP2 stages)."""
+    return sum(g["reduction_bytes"] for n, g in rec["groups"].items() if n != "pp")
+
+
 #: backend='ddp': (schedule, k, policy); k = 1 syncs every micro-step under either policy.
 DDP = {
     f"ddp_{s}_k{k}_{p}": (s, k, p)
@@ -91,12 +104,7 @@ SCENARIOS = {
         f"pp2r2_1F1B_k4_{p}": _train("1F1B", 4, p, dims=REPLICATE)
         for p in ("defer", "defer_replicate")
     },
-    **{
-        f"resume_{p}": Scenario(
-            pp.resume_mid_window, dims=DIMS, policy=p, folder=str(FOLDER / f"mid-{p}")
-        )
-        for p in ("defer", "every_step")
-    },
+    **{f"resume_{p}": _resume(f"mid-{p}", policy=p) for p in ("defer", "every_step")},
     **(
         {
             "llama": Scenario(pp_decoder.train, dims=DIMS, schedule="GPipe", samples=64),
@@ -112,13 +120,7 @@ SCENARIOS = {
         if HF
         else {}
     ),
-    "resume_interleaved": Scenario(
-        pp.resume_mid_window,
-        dims=DIMS,
-        policy="defer",
-        folder=str(FOLDER / "mid-interleaved"),
-        per_rank=2,
-    ),
+    "resume_interleaved": _resume("mid-interleaved", per_rank=2),
     "save": Scenario(pp.save_at_boundary, dims=DIMS, folder=str(FOLDER / "boundary")),
     "mid_other_split": Scenario(pp.refused_mid_other_split, folder=str(FOLDER / "mid-pp4")),
     "save_model_fsdp": Scenario(
@@ -131,7 +133,13 @@ SCENARIOS = {
     "hooked_ddp_fp16": _train("1F1B", 4, "defer", dims=REPLICATE, backend="ddp", comm_hook="fp16"),
     "hooked_fsdp_fp16": _train("1F1B", 4, "defer", comm_hook="fp16"),
     "hooked_ddp_power_sgd": _train(
-        "1F1B", 2, "defer", dims=REPLICATE, backend="ddp", comm_hook="power_sgd", hook_options=POWER
+        "1F1B",
+        2,
+        "defer",
+        dims=REPLICATE,
+        backend="ddp",
+        comm_hook="power_sgd",
+        comm_state_option=POWER,
     ),
     "ddp_clip": _train("1F1B", 4, "defer", dims=REPLICATE, backend="ddp", clip=CLIP),
     "ddp_drop_defer": _train("1F1B", 4, "defer", dims=REPLICATE, backend="ddp", raise_at=(1, 1)),
@@ -140,19 +148,11 @@ SCENARIOS = {
     ),
     "buffers_ddp": Scenario(pp.buffers, dims=REPLICATE, backend="ddp"),
     "buffers_fsdp": Scenario(pp.buffers, dims=DIMS, backend="fsdp"),
-    "resume_ddp": Scenario(
-        pp.resume_mid_window,
-        dims=REPLICATE,
-        policy="defer",
-        folder=str(FOLDER / "mid-ddp"),
-        backend="ddp",
-    ),
+    "resume_ddp": _resume("mid-ddp", dims=REPLICATE, backend="ddp"),
     # PowerSGD compressing from the third window: its error feedback and matrices resume too
-    "resume_ddp_power_sgd": Scenario(
-        pp.resume_mid_window,
+    "resume_ddp_power_sgd": _resume(
+        "mid-ddp-power-sgd",
         dims=REPLICATE,
-        policy="defer",
-        folder=str(FOLDER / "mid-ddp-power-sgd"),
         backend="ddp",
         windows=4,
         comm_hook="power_sgd",
@@ -482,12 +482,8 @@ def test_stages_take_a_comm_hook_at_the_boundary(results, name, plain):
     assert_pipeline_matches_one_process(ranks, samples=SAMPLES, tolerance=2e-4)
     full_runs = {(r["stage"], r["data_rank"]): r for r in results[plain]}
     for r in ranks:
-
-        def dp(rec):  # every group but the pipeline's ("dp" on DDP, "shard" on FSDP2)
-            return sum(g["reduction_bytes"] for n, g in rec["groups"].items() if n != "pp")
-
-        half = [dp(rec) for rec in r["audit"]]
-        full = [dp(rec) for rec in full_runs[r["stage"], r["data_rank"]]["audit"]]
+        half = [_data_bytes(rec) for rec in r["audit"]]
+        full = [_data_bytes(rec) for rec in full_runs[r["stage"], r["data_rank"]]["audit"]]
         assert [2 * b for b in half] == full and sum(half) > 0, (half, full)
 
 
@@ -501,7 +497,7 @@ def test_ddp_stages_compress_with_power_sgd_over_their_data_ranks(results):
     for r in ranks:
         assert max_diff(r["state"], ranks[0]["state"]) == 0.0
         assert max_diff(r["state"], ref["state"]) < 1e-2
-        sent = [rec["groups"].get("dp", {}).get("reduction_bytes", 0) for rec in r["audit"]]
+        sent = [_data_bytes(rec) for rec in r["audit"]]
         boundaries = [b for b, rec in zip(sent, r["audit"]) if rec["boundary"]]
         assert sent == [b if rec["boundary"] else 0 for b, rec in zip(sent, r["audit"])]
         plain, compressed = boundaries[:2], boundaries[2:]

@@ -105,7 +105,7 @@ def train_pp(
     split: list[str] | str | None = None,
     per_rank: int = 1,
     comm_hook: str | None = None,
-    hook_options: dict[str, Any] | None = None,
+    comm_state_option: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The loop a user writes: one pipeline_step per micro-step inside accumulate (with
     ``tokens``, a summed loss over the window's counted items; ``split`` a word: the callable
@@ -120,7 +120,7 @@ def train_pp(
     if budget is not None:
         options["sync_memory_budget"] = budget
     if comm_hook is not None:
-        options.update(comm_hook=comm_hook, comm_state_option=hook_options)
+        options.update(comm_hook=comm_hook, comm_state_option=comm_state_option)
     if tokens:
         options["count_items"] = positive_targets
     if tp_plan:
