@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import resource
 from collections.abc import Iterator
 from typing import Any
@@ -117,6 +118,8 @@ def split_on_oom(backend: str, capped_rank: int, epochs: int = 2, **options: Any
     ``capped_rank``'s memory capped; report the plan after, the windows and the gap to one
     process."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    if os.environ.get("MALLOC_ARENA_MAX") != "1":  # tests/multiprocess/test_oom.py: ONE_ARENA
+        raise RuntimeError("run with MALLOC_ARENA_MAX=1: a thread's arena would take the headroom")
     lr = 0.5
     data = Indexed(64)
     records: list[str] = []
