@@ -91,13 +91,23 @@ def agent(nproc: int, spec_path: str, out_dir: str) -> None:
     # torch, dynamo and DeepSpeed, each full collection walks a million objects, and DeepSpeed
     # collects on every ZeRO-3 setup), and the forked ranks leave its pages shared.
     gc.freeze()
+    # The ranks are forks of this process, which has threads by now. By default the ranks
+    # connect to the agent's rendezvous store, whose server thread looks up each peer's name
+    # (c10d's formatSockAddr: getnameinfo) while the next rank is forked: a fork taken while
+    # it held glibc's resolver lock left that rank waiting on it for good at its first lookup
+    # (1 launch in 80; a rank stuck in getaddrinfo inside init_process_group, its peers timed
+    # out). The ranks get a store of their own (rank 0 hosts it) and need no name: the store's
+    # address is numeric and gloo takes the loopback interface by name.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=str(uuid.uuid4()),
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
+        rdzv_endpoint="127.0.0.1:0",
+        local_addr="127.0.0.1",
         max_restarts=0,
         start_method="fork" if fork else "spawn",
     )

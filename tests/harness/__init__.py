@@ -24,6 +24,7 @@ parameters pickled, so tuples, dataclasses and the like arrive as they were give
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -31,6 +32,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -169,9 +171,7 @@ def run_scenarios(
     )
     full_env.update(env or {})
     try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=HERE
-        )
+        proc = _run_whole(cmd, timeout=timeout, env=full_env)
         log = proc.stdout + proc.stderr
         by_rank = []
         for rank in range(nproc):
@@ -185,6 +185,33 @@ def run_scenarios(
         shutil.rmtree(out, ignore_errors=True)  # what the ranks wrote is read (megabytes a pool)
     # A worker may abort at exit after writing everything (seen with DeepSpeed): the files decide.
     return Results(by_rank, log)
+
+
+def _run_whole(cmd: list[str], *, timeout: float, env: dict[str, str]) -> Any:
+    """``cmd`` in a session of its own; past ``timeout`` every process of it is killed (the
+    forked ranks too, which would otherwise outlive their agent) and a ``ScenarioError``
+    gives the log's end."""
+    with subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=HERE,
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise ScenarioError(
+                f"the launch ran past {timeout:.0f} s and was killed; log:\n{(out + err)[-6000:]}"
+            ) from None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # what the agent left behind
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _scenario_lines(path: Path) -> dict[str, Any]:
