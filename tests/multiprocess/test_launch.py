@@ -479,8 +479,9 @@ def test_a_forked_worker_starts_and_ends_as_a_fresh_interpreter_would(tmp_path):
     ``__main__``, ``sys.path[0]``, stop-signal handlers, signal mask and thread count (the
     launcher's, set after the copy's torch was imported), a session of its own, output
     written through, NumPy draws that differ between the ranks, the same trained step, exit
-    handlers run after the threads, and rank 1's exception reported the same way. Then a
-    forked launch whose workers all end by ``sys.exit()`` succeeds."""
+    handlers run after the threads, and rank 1's exception reported the same way; the copies
+    share no store with the agent. Then a forked launch whose workers all end by
+    ``sys.exit()`` succeeds."""
     script = SCRIPT.with_name("start_state.py")
     env = {
         k: v
@@ -529,6 +530,9 @@ def test_a_forked_worker_starts_and_ends_as_a_fresh_interpreter_would(tmp_path):
             [str(tmp_path / f"{method}-raise"), "raise"]
         ] * 2
     exec_, fork = states["exec"], states["fork"]
+    # the copies keep no connection to the agent's store, whose thread names each peer
+    assert [s.pop("agent_store") for s in fork] == ["False"] * 2
+    assert [s.pop("agent_store") for s in exec_] == ["True"] * 2
     assert fork == exec_
     for state in fork:
         assert state["name"] == "__main__" and state["own_session"] and state["written_through"]

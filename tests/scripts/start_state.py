@@ -46,6 +46,7 @@ state = {
     "omp": os.environ.get("OMP_NUM_THREADS"),
     "own_session": os.getsid(0) == os.getpid(),
     "written_through": sys.stdout.write_through,
+    "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE"),
 }
 draw = int(np.random.randint(2**31))
 finished = []
