@@ -500,7 +500,7 @@ class Launcher:
                 # worker that connects (getnameinfo), and a copy made while that thread held
                 # glibc's resolver lock waited on it for good at its first name lookup, in
                 # init_process_group. Rank 0's copy hosts the workers' store instead.
-                env[NO_AGENT_STORE_ENV] = "1"
+                env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             env[RESTART_STATE_ENV] = tempfile.mkdtemp(prefix="gradsync-restart-")
             cleanup.callback(shutil.rmtree, env[RESTART_STATE_ENV], ignore_errors=True)
             for line in self.warnings:
@@ -527,10 +527,6 @@ class Launcher:
 
 
 _RENDEZVOUS = ("rdzv_endpoint", "master_addr", "master_port")
-
-#: torch's switch for the workers' store: "1" and rank 0 hosts one (torchrun's agent does not
-#: share its own).
-NO_AGENT_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 #: The wrapper each worker runs the script with (``python -m gradsync.launch.worker``); not
 #: imported here, so that ``-m`` finds it unimported.
