@@ -434,13 +434,15 @@ class Launcher:
         return [*argv, *wrapper], [*(["-m"] if c.module else []), c.script, *c.script_args]
 
     def run_env(self) -> dict[str, str]:
-        """The variables set while torchrun runs: the workers' settings and, with restarts,
-        torchrun's opt-out of its shared rendezvous store (restarted workers often hang in
-        init_process_group with it: pytorch issue 135712)."""
+        """The variables set while torchrun runs: the workers' settings and, with restarts or
+        forked workers, torchrun's opt-out of its shared rendezvous store. Restarted workers
+        often hang in init_process_group with it (pytorch issue 135712); its server thread
+        names each worker that connects (getnameinfo), and a copy forked while that thread
+        held glibc's resolver lock waited on it for good at its first name lookup."""
         env = {**self.thread_env(), **self.worker_env()}
         env.update({k: v for k, v in self._launch_env_defaults.items() if k not in self._environ})
         env.update(self._launch_env)
-        if (self.config.max_restarts or 0) > 0:
+        if (self.config.max_restarts or 0) > 0 or self.config.start_method == "fork":
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get(
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"
             )
@@ -496,11 +498,6 @@ class Launcher:
                 # handlers, and a TemporaryDirectory's would remove it in each.)
                 env[ERRORS_ENV] = tempfile.mkdtemp(prefix="gradsync-errors-")
                 cleanup.callback(shutil.rmtree, env[ERRORS_ENV], ignore_errors=True)
-                # The copies share no store with the agent: its server thread names each
-                # worker that connects (getnameinfo), and a copy made while that thread held
-                # glibc's resolver lock waited on it for good at its first name lookup, in
-                # init_process_group. Rank 0's copy hosts the workers' store instead.
-                env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             env[RESTART_STATE_ENV] = tempfile.mkdtemp(prefix="gradsync-restart-")
             cleanup.callback(shutil.rmtree, env[RESTART_STATE_ENV], ignore_errors=True)
             for line in self.warnings:
