@@ -7,6 +7,7 @@ trained on those windows (computed on a rank whose memory is not capped)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import resource
@@ -88,6 +89,7 @@ def _fits(rows: int, headroom: int) -> bool:
         return False
 
 
+@functools.cache  # a rank's scenarios one after the other: the same model, the same need
 def calibrated_headroom(rows: int = 4) -> int:
     """The address space a capped rank may take: what a micro-batch of ``rows`` needs here
     (found by bisection, with real allocation failures), and a third more. A micro-batch
@@ -101,16 +103,20 @@ def calibrated_headroom(rows: int = 4) -> int:
     return headroom
 
 
-def _reference(windows: list[list[int]], data: Indexed, lr: float) -> list[torch.Tensor]:
-    """One process: each optimizer step on the mean loss over its global window."""
+@functools.cache  # a rank's later scenarios train on the same global windows
+def _reference(windows: tuple[tuple[int, ...], ...], lr: float) -> tuple[torch.Tensor, ...]:
+    """One process: each optimizer step on the mean loss over its global window (whole: a
+    slice's memory, once freed, would raise glibc's mmap threshold and change where a
+    capped rank's later allocations come from)."""
+    data = Indexed(64)
     model = _new_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for ids in windows:
-        x, y = data.x[ids], data.y[ids]
+        x, y = data.x[list(ids)], data.y[list(ids)]
         F.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    return [p.detach() for p in model.parameters()]
+    return tuple(p.detach() for p in model.parameters())
 
 
 def split_on_oom(backend: str, capped_rank: int, epochs: int = 2, **options: Any) -> dict[str, Any]:
@@ -164,7 +170,7 @@ def split_on_oom(backend: str, capped_rank: int, epochs: int = 2, **options: Any
         trained = [v.detach().float() for v in state.values()]
         gap = None
         if rank != capped_rank:
-            reference = _reference(global_windows, data, lr)
+            reference = _reference(tuple(map(tuple, global_windows)), lr)
             gap = max(
                 ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
                 for a, b in zip(trained, reference)
