@@ -1,6 +1,7 @@
 """Accelerate idioms where the two libraries meet, each run under Accelerate itself and under
 ``gradsync launch`` (DDP, 2 gloo ranks) with only its import lines respelled, in one launch
-per group of scripts and library (tests/accelerate_scripts/run_all.py):
+per group of scripts and library (tests/accelerate_scripts/run_all.py): the idioms in one,
+the communication hooks in another:
 
 * cross-validation (``cross_validation.py``, Accelerate's by_feature/cross_validation.py
   pattern): a prepared validation loader per fold, whose last batch ``gather_for_metrics``
@@ -45,11 +46,11 @@ HOOK_TOL = 1e-6
 
 #: group -> name -> (script, its arguments); one launch per group and library
 GROUPS: dict[str, dict[str, tuple[str, list[str]]]] = {
-    "cv-unequal": {"cv-unequal": ("cross_validation.py", ["--train_samples", "47"])},
-    "cv-equal": {"cv-equal": ("cross_validation.py", ["--train_samples", "45"])},
-    "sgd": {"sgd": ("local_sgd.py", [])},
-    "sgd-accelerates-class": {
-        "sgd-accelerates-class": ("local_sgd.py", ["--local_sgd_from", "accelerate"])
+    "idioms": {
+        "cv-unequal": ("cross_validation.py", ["--train_samples", "47"]),
+        "cv-equal": ("cross_validation.py", ["--train_samples", "45"]),
+        "sgd": ("local_sgd.py", []),
+        "sgd-accelerates-class": ("local_sgd.py", ["--local_sgd_from", "accelerate"]),
     },
     "hooks": {
         f"hook-{name}": ("ddp_comm_hook.py", flags)
@@ -71,6 +72,7 @@ GROUPS: dict[str, dict[str, tuple[str, list[str]]]] = {
     },
 }
 HOOKS = sorted(GROUPS["hooks"])
+GROUP_OF = {name: group for group, runs in GROUPS.items() for name in runs}
 
 
 def launch(out: Path, runs: dict[str, tuple[str, list[str]]], gradsync: bool) -> Path:
@@ -139,7 +141,8 @@ def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.parametrize("name, sizes", [("cv-unequal", [16, 16, 15]), ("cv-equal", [15, 15, 15])])
 def test_an_unprepared_test_loader_is_gathered_whole_after_each_fold(runs, name, sizes):
-    theirs, ours = results(runs(name, "accelerate") / name), results(runs(name, "gradsync") / name)
+    theirs = results(runs(GROUP_OF[name], "accelerate") / name)
+    ours = results(runs(GROUP_OF[name], "gradsync") / name)
     assert ours == theirs  # the same rows, fold by fold, and the same accuracy
     start = 0
     for fold, size in enumerate(sizes):
@@ -154,8 +157,8 @@ def test_an_unprepared_test_loader_is_gathered_whole_after_each_fold(runs, name,
 
 @pytest.mark.parametrize("name", ["cv-unequal", "cv-equal"])
 def test_each_fold_trains_to_accelerates_parameters(runs, name):
-    theirs = torch.load(runs(name, "accelerate") / name / "final.pt", weights_only=True)
-    ours = torch.load(runs(name, "gradsync") / name / "final.pt", weights_only=True)
+    theirs = torch.load(runs(GROUP_OF[name], "accelerate") / name / "final.pt", weights_only=True)
+    ours = torch.load(runs(GROUP_OF[name], "gradsync") / name / "final.pt", weights_only=True)
     for a, b in zip(theirs["folds"], ours["folds"], strict=True):
         assert worst(a["params"], b["params"]) <= TOL
     assert (theirs["averaged"] - ours["averaged"]).abs().max().item() <= TOL
@@ -163,14 +166,15 @@ def test_each_fold_trains_to_accelerates_parameters(runs, name):
 
 @pytest.mark.parametrize("name", ["sgd", "sgd-accelerates-class"])
 def test_local_sgd_trains_as_under_accelerate_and_the_self_check_stays_quiet(runs, name):
-    theirs, ours = results(runs(name, "accelerate") / name), results(runs(name, "gradsync") / name)
+    accelerate, gradsync = runs(GROUP_OF[name], "accelerate"), runs(GROUP_OF[name], "gradsync")
+    theirs, ours = results(accelerate / name), results(gradsync / name)
     assert ours["accuracies"] == theirs["accuracies"]
     assert ours["ranks_agree"] and theirs["ranks_agree"]  # averaged when each block ended
     assert ours["self_check"] is True and theirs["self_check"] is None  # watched under gradsync
-    a = torch.load(runs(name, "accelerate") / name / "final.pt", weights_only=True)
-    b = torch.load(runs(name, "gradsync") / name / "final.pt", weights_only=True)
+    a = torch.load(accelerate / name / "final.pt", weights_only=True)
+    b = torch.load(gradsync / name / "final.pt", weights_only=True)
     assert worst(a, b) <= TOL
-    log = (runs(name, "gradsync") / "log.txt").read_text()
+    log = (gradsync / "log.txt").read_text()  # the launch's: every idiom's run stays quiet
     assert "gradsync self-check" not in log, log[-3000:]
 
 
