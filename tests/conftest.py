@@ -32,6 +32,12 @@ HERE = Path(__file__).resolve().parent
 MULTIPROCESS = HERE / "multiprocess"
 sys.path.insert(0, str(HERE))
 
+#: W&B (0.31) starts two OpenTelemetry threads in a process that calls ``wandb.init``, offline
+#: too, and OpenTelemetry starts them again in every process forked from it afterwards. In an
+#: xdist worker that had run a tracker test, a later test's DataLoader worker aborted inside
+#: one of them (a garbage collection during its HTTP post). The tests report nothing to W&B.
+os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
