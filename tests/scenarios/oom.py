@@ -104,16 +104,18 @@ def calibrated_headroom(rows: int = 4) -> int:
 
 
 @functools.cache  # a rank's later scenarios train on the same global windows
-def _reference(windows: tuple[tuple[int, ...], ...], lr: float) -> tuple[torch.Tensor, ...]:
-    """One process: each optimizer step on the mean loss over its global window (whole: a
-    slice's memory, once freed, would raise glibc's mmap threshold and change where a
-    capped rank's later allocations come from)."""
-    data = Indexed(64)
+def _reference(
+    windows: tuple[tuple[int, ...], ...], samples: int, lr: float
+) -> tuple[torch.Tensor, ...]:
+    """One process: each optimizer step on the mean loss over its global window of
+    ``Indexed(samples)`` (whole: a slice's memory, once freed, would raise glibc's mmap
+    threshold and change where a capped rank's later allocations come from)."""
+    data = Indexed(samples)
     model = _new_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for ids in windows:
-        x, y = data.x[list(ids)], data.y[list(ids)]
-        F.mse_loss(model(x), y).backward()
+    for window in windows:
+        ids = list(window)
+        F.mse_loss(model(data.x[ids]), data.y[ids]).backward()
         opt.step()
         opt.zero_grad()
     return tuple(p.detach() for p in model.parameters())
@@ -170,7 +172,7 @@ def split_on_oom(backend: str, capped_rank: int, epochs: int = 2, **options: Any
         trained = [v.detach().float() for v in state.values()]
         gap = None
         if rank != capped_rank:
-            reference = _reference(tuple(map(tuple, global_windows)), lr)
+            reference = _reference(tuple(map(tuple, global_windows)), len(data), lr)
             gap = max(
                 ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
                 for a, b in zip(trained, reference)
