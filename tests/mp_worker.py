@@ -35,22 +35,24 @@ def find(module: str, name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-#: prctl(2)'s PR_SET_TIMERSLACK: how late the kernel may wake a thread's timed waits
-PR_SET_TIMERSLACK = 29
+#: prctl(2)'s options for a thread's timer slack: how late the kernel may end its timed waits
+PR_SET_TIMERSLACK, PR_GET_TIMERSLACK = 29, 30
 #: The slack each gloo group's network loop gets (the default is 50 us). The loop waits on
 #: its sockets with a 10 ms timeout, then waits again: an idle group wakes its rank 100 times
 #: a second, and a pool's meshes and pipelines leave up to some hundred groups per rank
 #: (harness.CHUNK). With 20 ms of slack the kernel wakes them together, and less often;
-#: the data they wait for still wakes them at once. Measured on the 4-rank pool
-#: (test_hsdp, test_pipeline_parallel_dp, test_tensor_parallel, test_deepspeed_hpz): 144 to
-#: 153 s of CPU and 109 to 114 s of wall, against 159 to 195 s and 122 to 134 s without.
+#: the data they wait for still wakes them at once. Tearing a group down waits for its
+#: loop's timeout, so it takes longer (40 groups: about 1.2 s instead of 0.5 s). Measured on
+#: the 4-rank pool (test_hsdp, test_pipeline_parallel_dp, test_tensor_parallel,
+#: test_deepspeed_hpz): 144 to 153 s of CPU and 109 to 114 s of wall, against 159 to 195 s
+#: and 122 to 134 s without.
 LOOP_SLACK_NS = 20_000_000
 
 
 def _slack_for_group_loops() -> None:
-    """Give the network loop threads of the process groups made from now on ``LOOP_SLACK_NS``
-    (a thread starts with its creator's slack): the slack is set around each group's making
-    only, so this rank's own timed waits keep theirs."""
+    """Give the threads each process group starts from now on (gloo's network loop and its two
+    worker threads) ``LOOP_SLACK_NS``: a thread starts with its creator's slack, and the slack
+    is set only while a group is made, so this rank's other timed waits keep theirs."""
     from torch.distributed import distributed_c10d as c10d
 
     make = getattr(c10d, "_new_process_group_helper", None)
@@ -58,14 +60,15 @@ def _slack_for_group_loops() -> None:
         return  # the groups then cost more CPU, nothing else
     import ctypes
 
-    libc = ctypes.CDLL(None)
+    prctl = ctypes.CDLL(None).prctl
 
     def made_with_slack(*args: Any, **kwargs: Any) -> Any:
-        libc.prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(LOOP_SLACK_NS), 0, 0, 0)
+        before = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0)
+        prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(LOOP_SLACK_NS), 0, 0, 0)
         try:
             return make(*args, **kwargs)
         finally:
-            libc.prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(0), 0, 0, 0)  # 0: the default again
+            prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(before), 0, 0, 0)
 
     c10d._new_process_group_helper = made_with_slack
 

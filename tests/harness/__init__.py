@@ -301,7 +301,7 @@ def run_shared(members: Mapping[str, Shared], root: Path) -> dict[str, PartOf]:
 #: several launches, one after the other, in order. A scenario's meshes and pipelines make
 #: process groups that live as long as the ranks (torch's DTensor caches hold meshes by value,
 #: so they cannot be destroyed between scenarios), and each gloo group keeps a network loop
-#: thread that wakes every few milliseconds: 200 idle groups cost a rank a fifth of a core
+#: thread that wakes every 10 ms: 200 idle groups cost a rank a fifth of a core
 #: (the ranks give those threads timer slack, which cuts that: mp_worker.LOOP_SLACK_NS).
 #: One launch of the 170 scenarios of the 4-rank pool ended with some 1,400 threads per rank
 #: and spent three quarters of the CPU in the kernel (463 s for test_hsdp,
