@@ -56,7 +56,7 @@ def _slack_for_group_loops() -> None:
     from torch.distributed import distributed_c10d as c10d
 
     make = getattr(c10d, "_new_process_group_helper", None)
-    if make is None or not sys.platform.startswith("linux"):
+    if make is None:  # (prctl is Linux's, as sched_setaffinity in rank_main is)
         return  # the groups then cost more CPU, nothing else
     import ctypes
 
